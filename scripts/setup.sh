@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install what building and testing DS4Server needs on Debian/Ubuntu:
+# the C toolchain, clang with libFuzzer, and a Python venv (.venv) with the
+# test oracles (tests/requirements.txt). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
+PKGS="build-essential clang libclang-rt-14-dev python3 python3-venv python3-pip binutils"
+missing=
+for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+    echo "setup: installing Debian packages:$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    # libclang-rt-14-dev is Debian 12's name; other releases carry libclang-rt-dev.
+    $SUDO apt-get install -y -qq $missing || $SUDO apt-get install -y -qq build-essential clang libclang-rt-dev python3 python3-venv python3-pip binutils
+fi
+make venv
+echo "setup: done"

@@ -1,0 +1,127 @@
+/*
+ * cuda_backend.h - the CUDA backend's C interface.
+ *
+ * Plain C11 declarations, callable from host C code; the implementations live
+ * in the src/backends/cuda .cu files (built only by `make cuda`, -DDS4_WITH_CUDA=1).
+ * Every function reports failure as a ds4_status and fills a ds4_error (may
+ * be NULL) naming the failed CUDA call with its file and line: nothing here
+ * exits, aborts or prints on a runtime failure.
+ *
+ * Devices: functions that take no device index work on the calling host
+ * thread's current CUDA device (device 0 unless cudaSetDevice was called).
+ */
+#ifndef DS4_BACKENDS_CUDA_BACKEND_H
+#define DS4_BACKENDS_CUDA_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ds4.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- devices (cuda_device.cu) ---- */
+
+/* Number of usable CUDA devices; 0 when there is no GPU, no driver, or the
+ * driver cannot be used (never crashes, never prints). */
+int ds4_cuda_device_count(void);
+
+/* As ds4_cuda_device_count, but says why there is no device: *count is set
+ * (0 on failure) and, when the CUDA runtime cannot see any device, returns
+ * DS4_ERR_UNSUPPORTED with the runtime's reason in err. */
+ds4_status ds4_cuda_probe(int *count, ds4_error *err);
+
+/* One line about a device: name, compute capability, memory in GiB, SM count,
+ * driver and runtime versions, e.g.
+ *   "device 0: NVIDIA H200, compute 9.0, 139.8 GiB, 132 SMs, driver 13.0, runtime 13.0"
+ * DS4_ERR_INVALID for a bad index, NULL buf or a buffer too small for the
+ * line (buf then holds the truncated line). */
+ds4_status ds4_cuda_device_describe(int device, char *buf, size_t cap, ds4_error *err);
+
+/* ---- device memory (cuda_device.cu): thin checked wrappers, so C code
+ * (tests, the loader) needs no CUDA headers. ---- */
+
+/* *out = a device allocation of `bytes` (NULL for 0 bytes). */
+ds4_status ds4_cuda_malloc(void **out, size_t bytes, ds4_error *err);
+void ds4_cuda_free(void *d_ptr); /* NULL is a no-op; errors are ignored */
+ds4_status ds4_cuda_memcpy_h2d(void *d_dst, const void *h_src, size_t bytes, ds4_error *err);
+ds4_status ds4_cuda_memcpy_d2h(void *h_dst, const void *d_src, size_t bytes, ds4_error *err);
+ds4_status ds4_cuda_memset(void *d_dst, int byte, size_t bytes, ds4_error *err);
+/* Wait for all work on the current device; reports asynchronous kernel
+ * failures (e.g. an illegal address) that launches could not. */
+ds4_status ds4_cuda_synchronize(ds4_error *err);
+
+/* ---- dequantisation (cuda_dequant.cu) ---- */
+
+/* 1 if ds4_cuda_dequant_rows supports `type`: F32, F16, BF16, Q8_0, Q2_K,
+ * Q4_K, Q5_K, Q6_K, IQ2_XXS, Q8_K. */
+int ds4_cuda_dequant_supported(uint32_t type);
+
+/*
+ * Dequantise n_rows rows of row_elems elements each, laid end to end at the
+ * device pointer d_src (row r at byte r * ds4_type_row_bytes(type, row_elems)),
+ * into n_rows * row_elems float32 at the device pointer d_dst.
+ *
+ * The result is bit-identical to the CPU traits->dequant_row of src/core for
+ * every input whose results are not NaN (a NaN result is a NaN, but its
+ * payload and sign may differ: the GPU produces a canonical NaN).
+ *
+ * `stream` is a cudaStream_t (NULL: the default stream). The call is
+ * asynchronous: it enqueues one kernel and returns; a fault during execution
+ * surfaces at the next synchronising call (ds4_cuda_synchronize).
+ *
+ * Errors: DS4_ERR_UNSUPPORTED for a type without a kernel (the message names
+ * the type); DS4_ERR_INVALID for row_elems not a multiple of the type's block,
+ * negative counts, a size overflow, a NULL pointer, a pointer that is not
+ * device memory, or a pointer misaligned for the type's block fields (2 bytes;
+ * 4 for F32 and Q8_K). n_rows == 0 or row_elems == 0 does nothing.
+ */
+ds4_status ds4_cuda_dequant_rows(uint32_t type, const void *d_src, float *d_dst, int64_t n_rows, int64_t row_elems,
+                                 void *stream, ds4_error *err);
+
+/* Host-memory convenience: allocate device buffers, copy h_src in, run
+ * ds4_cuda_dequant_rows on the default stream, copy the floats back to h_dst,
+ * free. Synchronous; same errors. */
+ds4_status ds4_cuda_dequant_host(uint32_t type, const void *h_src, float *h_dst, int64_t n_rows, int64_t row_elems,
+                                 ds4_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---- for the backend's own .cu files only ---- */
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+
+/* Turn a failed CUDA call into a ds4_error ("<call> failed at <file>:<line>:
+ * <cuda error name>: <description>") and return its ds4_status; DS4_OK when
+ * `e` is cudaSuccess. Status: cudaErrorMemoryAllocation -> DS4_ERR_NOMEM;
+ * bad values/pointers/devices -> DS4_ERR_INVALID; no device, driver too old,
+ * no kernel image for this GPU -> DS4_ERR_UNSUPPORTED; anything else
+ * (a device fault, a launch failure) -> DS4_ERR_DEVICE. */
+extern "C" ds4_status ds4_cuda_error(cudaError_t e, const char *call, const char *file, int line, ds4_error *err);
+
+/* Evaluate a CUDA call; on failure fill `err` and return its status from the
+ * enclosing function (which must return ds4_status). */
+#define DS4_CUDA_CHECK(call, err)                                                         \
+    do {                                                                                  \
+        cudaError_t ds4_cuda_e_ = (call);                                                 \
+        if (ds4_cuda_e_ != cudaSuccess)                                                   \
+            return ds4_cuda_error(ds4_cuda_e_, #call, __FILE__, __LINE__, (err));         \
+    } while (0)
+
+/* As DS4_CUDA_CHECK, but store the status in `st` and jump to `label` (for
+ * functions that must free resources on the way out). */
+#define DS4_CUDA_TRY(st, call, err, label)                                                \
+    do {                                                                                  \
+        cudaError_t ds4_cuda_e_ = (call);                                                 \
+        if (ds4_cuda_e_ != cudaSuccess) {                                                 \
+            (st) = ds4_cuda_error(ds4_cuda_e_, #call, __FILE__, __LINE__, (err));         \
+            goto label;                                                                   \
+        }                                                                                 \
+    } while (0)
+#endif
+
+#endif /* DS4_BACKENDS_CUDA_BACKEND_H */

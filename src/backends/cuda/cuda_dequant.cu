@@ -1,0 +1,364 @@
+/*
+ * cuda_dequant.cu - reference dequantisation kernels (blocks -> float32).
+ *
+ * These are the GPU twins of the CPU dequant_row functions in src/core and
+ * are bit-identical to them: every formula keeps the CPU's float32 operation
+ * order, and the arithmetic goes through __fmul_rn / __fadd_rn / __fsub_rn,
+ * which nvcc never contracts into an FMA (the build uses --fmad=true, so a
+ * plain a*b - c could become one fused, differently rounded operation).
+ * Conversions from small integers to float are exact; f16 -> f32 is done on
+ * the bits, exactly as ds4_f16_to_f32 does it (NaN payloads included); sign
+ * flips are done on the sign bit. Denormals are kept (no -ftz in the build),
+ * as on the CPU. Only a NaN *result of arithmetic* may differ from the CPU in
+ * payload/sign (the GPU returns its canonical NaN).
+ *
+ * One thread per output element, grid-stride: element i of the flat output
+ * reads block i / block_elems, so writes are fully coalesced and the block
+ * reads are shared by neighbouring threads through L1. Simple and correct
+ * first: the fused matvec kernels are tested against this one.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "ds4.h"
+#include "core/error.h"
+#include "core/quant.h"
+
+static_assert(sizeof(ds4_block_q8_0) == 34, "q8_0 block size");
+static_assert(sizeof(ds4_block_q2_K) == 84, "q2_K block size");
+static_assert(sizeof(ds4_block_q4_K) == 144, "q4_K block size");
+static_assert(sizeof(ds4_block_q5_K) == 176, "q5_K block size");
+static_assert(sizeof(ds4_block_q6_K) == 210, "q6_K block size");
+static_assert(sizeof(ds4_block_iq2_xxs) == 66, "iq2_xxs block size");
+static_assert(sizeof(ds4_block_q8_K) == 292, "q8_K block size");
+
+/* ------------------------------------------------------------------------ */
+/* The IQ2_XXS grid in constant memory, from the same generated table the    */
+/* CPU uses (copied at compile time: no runtime upload, valid on every GPU). */
+/* ------------------------------------------------------------------------ */
+
+namespace ds4_iq2xxs_host {
+#include "core/quant_iq2xxs_grid.inc"
+}
+
+struct iq2xxs_grid_table {
+    uint16_t packed[256];
+};
+
+static constexpr iq2xxs_grid_table make_iq2xxs_grid() {
+    iq2xxs_grid_table t{};
+    for (int g = 0; g < 256; g++) t.packed[g] = ds4_iq2xxs_host::ds4_iq2xxs_grid_packed[g];
+    return t;
+}
+
+static __constant__ iq2xxs_grid_table c_iq2xxs_grid = make_iq2xxs_grid();
+
+/* ------------------------------------------------------------------------ */
+/* Exact scalar helpers                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* binary16 -> binary32 on the bits, the same algorithm as ds4_f16_to_f32
+ * (so NaNs keep their payload and signalling bit, subnormals normalise). */
+static __device__ __forceinline__ float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {
+        /* mant in [1, 1023]: shift its leading one up to bit 10. */
+        const uint32_t k = (uint32_t)__clz((int)mant) - 21u; /* 1 .. 10 */
+        bits = sign | ((113u - k) << 23) | (((mant << k) & 0x3ffu) << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+static __device__ __forceinline__ float i2f(int v) { return __int2float_rn(v); } /* exact for |v| < 2^24 */
+
+static __device__ __forceinline__ float neg_bits(float v) { return __uint_as_float(__float_as_uint(v) ^ 0x80000000u); }
+
+/* ------------------------------------------------------------------------ */
+/* Per-type element decoders: value of element e of block b                  */
+/* ------------------------------------------------------------------------ */
+
+template <uint32_t T> struct deq;
+
+template <> struct deq<DS4_TYPE_F32> {
+    typedef uint32_t block;
+    static constexpr int ELEMS = 1;
+    static __device__ __forceinline__ float elem(const block *b, int) { return __uint_as_float(*b); }
+};
+
+template <> struct deq<DS4_TYPE_F16> {
+    typedef uint16_t block;
+    static constexpr int ELEMS = 1;
+    static __device__ __forceinline__ float elem(const block *b, int) { return f16_to_f32(*b); }
+};
+
+template <> struct deq<DS4_TYPE_BF16> {
+    typedef uint16_t block;
+    static constexpr int ELEMS = 1;
+    static __device__ __forceinline__ float elem(const block *b, int) { return __uint_as_float((uint32_t)*b << 16); }
+};
+
+/* y = (float)q * d */
+template <> struct deq<DS4_TYPE_Q8_0> {
+    typedef ds4_block_q8_0 block;
+    static constexpr int ELEMS = DS4_QK8_0;
+    static __device__ __forceinline__ float elem(const block *b, int e) {
+        return __fmul_rn(i2f(b->qs[e]), f16_to_f32(b->d));
+    }
+};
+
+/* e = 128h + 32s + l: q = (qs[32h + l] >> 2s) & 3, sub-block j = e/16,
+ * y = (d * sc) * q - (dmin * m) */
+template <> struct deq<DS4_TYPE_Q2_K> {
+    typedef ds4_block_q2_K block;
+    static constexpr int ELEMS = DS4_QK_K;
+    static __device__ __forceinline__ float elem(const block *b, int e) {
+        const int h = e >> 7, s = (e & 127) >> 5, l = e & 31, j = e >> 4;
+        const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+        const int sc = b->scales[j];
+        const float dl = __fmul_rn(d, i2f(sc & 15));
+        const float ml = __fmul_rn(dmin, i2f(sc >> 4));
+        const int q = (b->qs[32 * h + l] >> (2 * s)) & 3;
+        return __fsub_rn(__fmul_rn(dl, i2f(q)), ml);
+    }
+};
+
+/* The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block. */
+static __device__ __forceinline__ void unpack_scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* sub-block j = e/32, l = e%32: q = (qs[32(j/2) + l] >> 4(j%2)) & 15,
+ * y = (d * sc) * q - (dmin * m) */
+template <> struct deq<DS4_TYPE_Q4_K> {
+    typedef ds4_block_q4_K block;
+    static constexpr int ELEMS = DS4_QK_K;
+    static __device__ __forceinline__ float elem(const block *b, int e) {
+        const int j = e >> 5, l = e & 31;
+        int sc, m;
+        unpack_scale_min_k4(b->scales, j, &sc, &m);
+        const float dl = __fmul_rn(f16_to_f32(b->d), i2f(sc));
+        const float ml = __fmul_rn(f16_to_f32(b->dmin), i2f(m));
+        const int q = (b->qs[32 * (j >> 1) + l] >> (4 * (j & 1))) & 15;
+        return __fsub_rn(__fmul_rn(dl, i2f(q)), ml);
+    }
+};
+
+/* As Q4_K, with bit 4 of q = bit j of qh[l]. */
+template <> struct deq<DS4_TYPE_Q5_K> {
+    typedef ds4_block_q5_K block;
+    static constexpr int ELEMS = DS4_QK_K;
+    static __device__ __forceinline__ float elem(const block *b, int e) {
+        const int j = e >> 5, l = e & 31;
+        int sc, m;
+        unpack_scale_min_k4(b->scales, j, &sc, &m);
+        const float dl = __fmul_rn(f16_to_f32(b->d), i2f(sc));
+        const float ml = __fmul_rn(f16_to_f32(b->dmin), i2f(m));
+        const int q = ((b->qs[32 * (j >> 1) + l] >> (4 * (j & 1))) & 15) | (((b->qh[l] >> j) & 1) << 4);
+        return __fsub_rn(__fmul_rn(dl, i2f(q)), ml);
+    }
+};
+
+/* e = 128h + i: low 4 bits (ql[64h + i%64] >> 4(i/64)) & 15, high 2 bits
+ * (qh[32h + i%32] >> 2(i/32)) & 3; y = (d * scales[e/16]) * (q - 32) */
+template <> struct deq<DS4_TYPE_Q6_K> {
+    typedef ds4_block_q6_K block;
+    static constexpr int ELEMS = DS4_QK_K;
+    static __device__ __forceinline__ float elem(const block *b, int e) {
+        const int h = e >> 7, i = e & 127;
+        const int lo = (b->ql[64 * h + (i & 63)] >> (4 * (i >> 6))) & 15;
+        const int hi = (b->qh[32 * h + (i & 31)] >> (2 * (i >> 5))) & 3;
+        const float dl = __fmul_rn(f16_to_f32(b->d), i2f(b->scales[e >> 4]));
+        return __fmul_rn(dl, i2f((lo | (hi << 4)) - 32));
+    }
+};
+
+/* Group ib = e/32 (8 bytes: aux0, aux1 little-endian u32), subgroup
+ * l = (e%32)/8, element j = e%8:
+ *   db = (d * (0.5 + (aux1 >> 28))) * 0.25
+ *   y  = db * grid[aux0 byte l][j], negated if bit j of sign_pattern(aux1 >> 7l) */
+template <> struct deq<DS4_TYPE_IQ2_XXS> {
+    typedef ds4_block_iq2_xxs block;
+    static constexpr int ELEMS = DS4_QK_K;
+    static __device__ __forceinline__ float elem(const block *b, int e) {
+        const int ib = e >> 5, l = (e >> 3) & 3, j = e & 7;
+        const uint32_t aux0 = (uint32_t)b->qs[4 * ib] | ((uint32_t)b->qs[4 * ib + 1] << 16);
+        const uint32_t aux1 = (uint32_t)b->qs[4 * ib + 2] | ((uint32_t)b->qs[4 * ib + 3] << 16);
+        const float db = __fmul_rn(__fmul_rn(f16_to_f32(b->d), __fadd_rn(0.5f, i2f((int)(aux1 >> 28)))), 0.25f);
+        const uint32_t grid = c_iq2xxs_grid.packed[(aux0 >> (8 * l)) & 255u];
+        const uint32_t code = (grid >> (2 * j)) & 3u; /* 0 -> 8, 1 -> 25, 2 -> 43 (3 unused -> 0) */
+        const int mag = code == 0 ? 8 : code == 1 ? 25 : code == 2 ? 43 : 0;
+        const uint32_t v7 = (aux1 >> (7 * l)) & 127u; /* sign pattern: 7 bits + even-parity bit 7 */
+        const uint32_t signs = v7 | ((uint32_t)(__popc(v7) & 1) << 7);
+        const float v = __fmul_rn(db, i2f(mag));
+        return (signs >> j) & 1u ? neg_bits(v) : v;
+    }
+};
+
+/* y = d * (float)q, d a float */
+template <> struct deq<DS4_TYPE_Q8_K> {
+    typedef ds4_block_q8_K block;
+    static constexpr int ELEMS = DS4_QK_K;
+    static __device__ __forceinline__ float elem(const block *b, int e) { return __fmul_rn(b->d, i2f(b->qs[e])); }
+};
+
+template <uint32_t T>
+__global__ void __launch_bounds__(256) dequant_kernel(const void *__restrict__ src, float *__restrict__ dst, int64_t n) {
+    typedef deq<T> D;
+    const typename D::block *blocks = (const typename D::block *)src;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = D::elem(&blocks[i / D::ELEMS], (int)(i % D::ELEMS));
+}
+
+/* ------------------------------------------------------------------------ */
+/* Host side                                                                 */
+/* ------------------------------------------------------------------------ */
+
+extern "C" int ds4_cuda_dequant_supported(uint32_t type) {
+    switch (type) {
+    case DS4_TYPE_F32:
+    case DS4_TYPE_F16:
+    case DS4_TYPE_BF16:
+    case DS4_TYPE_Q8_0:
+    case DS4_TYPE_Q2_K:
+    case DS4_TYPE_Q4_K:
+    case DS4_TYPE_Q5_K:
+    case DS4_TYPE_Q6_K:
+    case DS4_TYPE_IQ2_XXS:
+    case DS4_TYPE_Q8_K: return 1;
+    default: return 0;
+    }
+}
+
+/* Alignment the kernel's loads need from the start of the data. */
+static size_t src_alignment(uint32_t type) { return type == DS4_TYPE_F32 || type == DS4_TYPE_Q8_K ? 4 : 2; }
+
+/* Type, counts and sizes: the checks that need no device. On success
+ * *n_elems = n_rows * row_elems and *src_bytes the bytes of all rows. */
+static ds4_status check_args(const char *fn, uint32_t type, int64_t n_rows, int64_t row_elems, int64_t *n_elems,
+                             int64_t *src_bytes, ds4_error *err) {
+    const ds4_type_traits *tr = ds4_type_traits_get(type);
+    if (!tr) return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "%s: unknown type id %u", fn, type);
+    if (!ds4_cuda_dequant_supported(type))
+        return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "%s: no CUDA dequantisation kernel for type %s (id %u)", fn,
+                             tr->name, type);
+    if (n_rows < 0 || row_elems < 0)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: negative size (%lld rows of %lld elements)", fn,
+                             (long long)n_rows, (long long)row_elems);
+    if (row_elems % tr->block_elems != 0)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: row of %lld elements is not a multiple of the %s block (%d)",
+                             fn, (long long)row_elems, tr->name, tr->block_elems);
+    const int64_t row_bytes = ds4_type_row_bytes(type, row_elems);
+    if (row_bytes < 0 || (n_rows > 0 && (row_elems > INT64_MAX / n_rows || row_bytes > INT64_MAX / n_rows)))
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: %lld rows of %lld %s elements overflow", fn,
+                             (long long)n_rows, (long long)row_elems, tr->name);
+    *n_elems = n_rows * row_elems;
+    *src_bytes = n_rows * row_bytes;
+    return DS4_OK;
+}
+
+/* A pointer the kernel on the current device can dereference: device memory
+ * of this device, managed memory, or registered (mapped) host memory. */
+static ds4_status check_device_ptr(const char *fn, const char *what, const void *p, int device, ds4_error *err) {
+    cudaPointerAttributes attr;
+    memset(&attr, 0, sizeof attr);
+    DS4_CUDA_CHECK(cudaPointerGetAttributes(&attr, p), err);
+    if (attr.type == cudaMemoryTypeUnregistered)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: %s %p is not device memory", fn, what, p);
+    if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: %s %p is memory of device %d, not of the current device %d", fn,
+                             what, p, attr.device, device);
+    return DS4_OK;
+}
+
+template <uint32_t T> static ds4_status launch(const void *src, float *dst, int64_t n, cudaStream_t stream, ds4_error *err) {
+    const int threads = 256;
+    const int64_t want = (n + threads - 1) / threads;
+    const unsigned blocks = (unsigned)(want < (1 << 16) ? want : (1 << 16)); /* grid-stride beyond */
+    (void)cudaGetLastError(); /* report only this launch's error */
+    dequant_kernel<T><<<blocks, threads, 0, stream>>>(src, dst, n);
+    DS4_CUDA_CHECK(cudaGetLastError(), err);
+    return DS4_OK;
+}
+
+extern "C" ds4_status ds4_cuda_dequant_rows(uint32_t type, const void *d_src, float *d_dst, int64_t n_rows,
+                                            int64_t row_elems, void *stream, ds4_error *err) {
+    static const char fn[] = "ds4_cuda_dequant_rows";
+    int64_t n = 0, src_bytes = 0;
+    ds4_status st = check_args(fn, type, n_rows, row_elems, &n, &src_bytes, err);
+    if (st != DS4_OK) return st;
+    if (n == 0) return DS4_OK;
+    if (!d_src || !d_dst) return ds4_error_set(err, DS4_ERR_INVALID, "%s: NULL pointer", fn);
+    if ((uintptr_t)d_src % src_alignment(type) != 0 || (uintptr_t)d_dst % sizeof(float) != 0)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: misaligned pointer (src %p needs %zu bytes, dst %p needs 4)",
+                             fn, d_src, src_alignment(type), (void *)d_dst);
+    int device = 0;
+    DS4_CUDA_CHECK(cudaGetDevice(&device), err);
+    if ((st = check_device_ptr(fn, "source", d_src, device, err)) != DS4_OK) return st;
+    if ((st = check_device_ptr(fn, "destination", d_dst, device, err)) != DS4_OK) return st;
+
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (type) {
+    case DS4_TYPE_F32: return launch<DS4_TYPE_F32>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_F16: return launch<DS4_TYPE_F16>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_BF16: return launch<DS4_TYPE_BF16>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_Q8_0: return launch<DS4_TYPE_Q8_0>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_Q2_K: return launch<DS4_TYPE_Q2_K>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_Q4_K: return launch<DS4_TYPE_Q4_K>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_Q5_K: return launch<DS4_TYPE_Q5_K>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_Q6_K: return launch<DS4_TYPE_Q6_K>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_IQ2_XXS: return launch<DS4_TYPE_IQ2_XXS>(d_src, d_dst, n, s, err);
+    case DS4_TYPE_Q8_K: return launch<DS4_TYPE_Q8_K>(d_src, d_dst, n, s, err);
+    default: break;
+    }
+    return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "%s: no CUDA dequantisation kernel for type %s (id %u)", fn,
+                         ds4_type_name(type), type);
+}
+
+extern "C" ds4_status ds4_cuda_dequant_host(uint32_t type, const void *h_src, float *h_dst, int64_t n_rows,
+                                            int64_t row_elems, ds4_error *err) {
+    static const char fn[] = "ds4_cuda_dequant_host";
+    int64_t n = 0, src_bytes = 0;
+    ds4_status st = check_args(fn, type, n_rows, row_elems, &n, &src_bytes, err);
+    if (st != DS4_OK) return st;
+    if (n == 0) return DS4_OK;
+    if (!h_src || !h_dst) return ds4_error_set(err, DS4_ERR_INVALID, "%s: NULL pointer", fn);
+    if ((uint64_t)n > SIZE_MAX / sizeof(float) || (uint64_t)src_bytes > SIZE_MAX)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%s: %lld elements do not fit in memory", fn, (long long)n);
+    const size_t dst_bytes = (size_t)n * sizeof(float);
+
+    void *d_src = NULL;
+    float *d_dst = NULL;
+    DS4_CUDA_TRY(st, cudaMalloc(&d_src, (size_t)src_bytes), err, out);
+    DS4_CUDA_TRY(st, cudaMalloc((void **)&d_dst, dst_bytes), err, out);
+    DS4_CUDA_TRY(st, cudaMemcpy(d_src, h_src, (size_t)src_bytes, cudaMemcpyHostToDevice), err, out);
+    /* Poison the output (0xffffffff, a NaN no dequantiser produces), so an
+     * element the kernel failed to write cannot pass as a result. */
+    DS4_CUDA_TRY(st, cudaMemset(d_dst, 0xff, dst_bytes), err, out);
+    st = ds4_cuda_dequant_rows(type, d_src, d_dst, n_rows, row_elems, NULL, err);
+    if (st != DS4_OK) goto out;
+    DS4_CUDA_TRY(st, cudaDeviceSynchronize(), err, out); /* kernel faults surface here */
+    DS4_CUDA_TRY(st, cudaMemcpy(h_dst, d_dst, dst_bytes, cudaMemcpyDeviceToHost), err, out);
+out:
+    if (d_dst && cudaFree(d_dst) != cudaSuccess) (void)cudaGetLastError();
+    if (d_src && cudaFree(d_src) != cudaSuccess) (void)cudaGetLastError();
+    return st;
+}

@@ -1,0 +1,26 @@
+/* tools.h - the subcommands of the ds4server binary and their shared helpers. */
+#ifndef DS4_TOOLS_H
+#define DS4_TOOLS_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "ds4.h"
+
+int tool_inspect(int argc, char **argv);
+int tool_dump(int argc, char **argv);
+
+/* Print "ds4server <cmd>: message" to stderr and return exit status 1. */
+int tool_fail(const char *cmd, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Write bytes as a JSON string body (no quotes), escaping as RFC 8259 asks;
+ * bytes that are not valid UTF-8 come out as \u00XX of the byte. */
+void tool_json_escape(FILE *out, const char *s, uint64_t n);
+/* Write bytes for a human: printable ASCII and valid UTF-8 as is, others \xNN. */
+void tool_text_escape(FILE *out, const char *s, uint64_t n, uint64_t max_bytes);
+
+#endif
