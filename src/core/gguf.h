@@ -180,6 +180,9 @@ ds4_status gguf_writer_add_tensor(gguf_writer *w, const char *name, uint32_t typ
                                   const uint64_t *ne);
 /* Append bytes of the current tensor; a tensor may be written in pieces. */
 ds4_status gguf_writer_write(gguf_writer *w, const void *data, uint64_t n);
+/* Append n zero bytes of the current tensor(s) without writing them: the
+ * file gets a hole (sparse on file systems that support it). */
+ds4_status gguf_writer_write_zeros(gguf_writer *w, uint64_t n);
 /* Finish: check every tensor got exactly its bytes, flush, fsync, rename.
  * Always frees the writer; on failure the temp file is removed and `err`
  * says why (the first error of any earlier call). */

@@ -40,6 +40,7 @@ struct gguf_writer {
     bool header_written;
     uint64_t current;      /* tensor being written */
     uint64_t current_done; /* bytes of it written */
+    bool sparse_end;       /* the last bytes may be a hole: extend the file at finish */
     ds4_error err;
 };
 
@@ -240,6 +241,7 @@ static ds4_status io_fail(gguf_writer *w, const char *what) {
 static ds4_status write_raw(gguf_writer *w, const void *p, uint64_t n) {
     errno = 0;
     if (n && fwrite(p, 1, n, w->fp) != n) return io_fail(w, "write failed");
+    if (n) w->sparse_end = false;
     return DS4_OK;
 }
 
@@ -318,6 +320,24 @@ ds4_status gguf_writer_write(gguf_writer *w, const void *data, uint64_t n) {
     return st;
 }
 
+ds4_status gguf_writer_write_zeros(gguf_writer *w, uint64_t n) {
+    if (w->err.status) return w->err.status;
+    ds4_status st = w->header_written ? DS4_OK : write_header(w);
+    while (!st && n) {
+        if ((st = advance(w))) break;
+        if (w->current >= w->n_tensors)
+            return fail(w, DS4_ERR_INVALID, "%s: more tensor bytes written than declared", w->path);
+        uint64_t room = w->tensors[w->current].n_bytes - w->current_done;
+        uint64_t k = n < room ? n : room;
+        errno = 0;
+        if (k > (uint64_t)INT64_MAX || fseeko(w->fp, (off_t)k, SEEK_CUR) != 0) return io_fail(w, "seek failed");
+        w->sparse_end = true;
+        n -= k;
+        w->current_done += k;
+    }
+    return st;
+}
+
 static void writer_free(gguf_writer *w) {
     for (uint64_t i = 0; i < w->n_kv; i++) free(w->keys[i]);
     for (uint64_t i = 0; i < w->n_tensors; i++) free(w->tensors[i].name);
@@ -341,7 +361,11 @@ ds4_status gguf_writer_finish(gguf_writer *w, ds4_error *err) {
     }
     if (!st) {
         errno = 0;
-        if (fflush(w->fp) != 0 || fsync(fileno(w->fp)) != 0) st = io_fail(w, "flush failed");
+        if (fflush(w->fp) != 0) st = io_fail(w, "flush failed");
+        /* A trailing hole made by fseeko is only part of the file once its size covers it. */
+        off_t end = st ? 0 : ftello(w->fp);
+        if (!st && w->sparse_end && ftruncate(fileno(w->fp), end) != 0) st = io_fail(w, "extend failed");
+        if (!st && fsync(fileno(w->fp)) != 0) st = io_fail(w, "fsync failed");
     }
     if (w->fp) {
         errno = 0;
