@@ -6,6 +6,7 @@
 #   make asan     the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make fuzz     build the libFuzzer targets; FUZZ_SECONDS=N make fuzz-run
 #   make audit    check linked libraries against docs/licenses.md
+#   make oracle   regenerate tests/oracle/fixtures from transformers (ORACLE_PYTHON=/path/to/python with torch)
 #   make demo     the README's first command: set up and run on the demo model
 
 SHELL    := /bin/bash
@@ -22,7 +23,7 @@ WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-param
 CFLAGS_ALL := -std=c11 -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64 $(OPT) -g -fPIC -pthread \
               -ffp-contract=off $(WARN) -Iinclude -Isrc $(SAN) $(CFLAGS)
 LDFLAGS_ALL := -pthread $(SAN) $(LDFLAGS)
-LDLIBS_ALL  := -lm $(LDLIBS)
+LDLIBS_ALL  := -lcjson -lm $(LDLIBS)
 
 # Library sources: everything under src/ except the tools (the binary's main)
 # and the CUDA units (built only by `make cuda`).
@@ -43,7 +44,7 @@ HARNESS_OBJ := $(BUILD)/obj/tests/c/test.o
 # Keep intermediate objects (test objects are otherwise deleted after linking).
 .SECONDARY:
 
-.PHONY: all cuda test test-c test-cuda test-python test-fuzz asan fuzz fuzz-run audit demo venv clean
+.PHONY: all cuda test test-c test-cuda test-python test-fuzz asan fuzz fuzz-run audit demo venv clean oracle oracle-check
 
 all: $(BUILD)/ds4server $(BUILD)/libds4.so $(BUILD)/libds4.a
 
@@ -155,7 +156,7 @@ fuzz: $(FUZZ_BINS)
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRCS)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) -std=c11 -D_DEFAULT_SOURCE -O1 -g -Iinclude -Isrc -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=all -o $@ $< $(FUZZ_LIB_SRCS) -lm
+	  -fno-sanitize-recover=all -o $@ $< $(FUZZ_LIB_SRCS) -lcjson -lm
 
 # A bounded run of each target from the seed corpus; FUZZ_SECONDS sets the time.
 fuzz-run test-fuzz: $(FUZZ_BINS)
@@ -170,6 +171,17 @@ fuzz-run test-fuzz: $(FUZZ_BINS)
 asan:
 	$(MAKE) BUILD=build-asan OPT=-O1 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" \
 	  test-c test-python
+
+# ---------------------------------------------------------------- oracle fixtures
+# Reference logits from Hugging Face transformers (needs torch + transformers 5.17,
+# which tests/requirements.txt deliberately does not install; see tests/oracle/README.md).
+ORACLE_PYTHON ?= $(PYTHON)
+
+oracle:
+	$(ORACLE_PYTHON) tests/oracle/gen_fixtures.py
+
+oracle-check:
+	$(ORACLE_PYTHON) tests/oracle/gen_fixtures.py --check
 
 audit: all
 	@scripts/audit.sh $(BUILD)/ds4server $(BUILD)/libds4.so $(if $(HAVE_NVCC),$(CUDA_BUILD)/ds4server $(CUDA_BUILD)/libds4.so)

@@ -2,8 +2,8 @@
 # gpu-check.sh - build and test the CUDA backend on a GPU machine.
 #
 # Run from a fresh copy of the working tree (it cleans first: objects built on
-# another machine may not run here):
-#     scripts/gpu-check.sh
+# another machine may not run here), with the .debs of scripts/gpu-debs.sh:
+#     run(command="scripts/gpu-check.sh", carry=[".gpu-debs"])
 # Steps: GPU/toolchain summary; make clean; make (CPU); make cuda; the CPU unit
 # tests; build/cuda/ds4server version; every build/cuda/tests/* binary; then
 # compute-sanitizer memcheck, racecheck and initcheck on each CUDA test binary
@@ -94,6 +94,14 @@ main() {
     local san=
     if san=$(find_sanitizer); then "$san" --version | tail -n1; else echo "compute-sanitizer not found"; fi
 
+    # Libraries the GPU machine lacks arrive as .debs (scripts/gpu-debs.sh, carried
+    # as .gpu-debs) and are unpacked beside the system, never over it.
+    if [ -d .gpu-debs ] && ! ldconfig -p 2>/dev/null | grep -q libcjson.so.1; then
+        section "unpacking .gpu-debs into /opt/gpu-debs"
+        for f in .gpu-debs/*.deb; do dpkg -x "$f" /opt/gpu-debs; done
+        local libdir=/opt/gpu-debs/usr/lib/x86_64-linux-gnu
+        export CFLAGS="-I/opt/gpu-debs/usr/include" LDFLAGS="-L$libdir -Wl,-rpath,$libdir"
+    fi
     run_step "make clean" make clean
     run_step "make -j$JOBS (CPU build)" make -j"$JOBS"
     if ! run_step "make -j$JOBS cuda" make -j"$JOBS" cuda; then

@@ -8,15 +8,11 @@
  */
 #include "core/gguf.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "core/error.h"
+#include "core/mapfile.h"
 #include "core/quant.h"
 
 /* ------------------------------------------------------------ value types */
@@ -429,31 +425,14 @@ ds4_status gguf_open_memory(const void *data, size_t size, gguf_file **out, ds4_
 
 ds4_status gguf_open(const char *path, gguf_file **out, ds4_error *err) {
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ds4_error_set(err, DS4_ERR_IO, "%s: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return ds4_error_set(err, DS4_ERR_IO, "%s: %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return ds4_error_set(err, DS4_ERR_IO, "%s: not a regular file", path);
-    }
-    if (sb.st_size < 24) {
-        close(fd);
-        return ds4_error_set(err, DS4_ERR_FORMAT, "%s: file is %lld bytes, smaller than a GGUF header (24 bytes)",
-                             path, (long long)sb.st_size);
-    }
-    void *map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
-    int e = errno;
-    close(fd);
-    if (map == MAP_FAILED) return ds4_error_set(err, DS4_ERR_IO, "%s: mmap: %s", path, strerror(e));
+    const uint8_t *map;
+    uint64_t size;
+    ds4_status st = ds4_map_file(path, 24, "a GGUF header (24 bytes)", &map, &size, err);
+    if (st) return st;
     gguf_file *f = NULL;
-    ds4_status st = gguf_open_memory(map, (size_t)sb.st_size, &f, err);
+    st = gguf_open_memory(map, (size_t)size, &f, err);
     if (st) {
-        munmap(map, (size_t)sb.st_size);
+        ds4_unmap_file(map, size);
         ds4_error_prefix(err, "%s", path);
         return st;
     }
@@ -469,7 +448,7 @@ ds4_status gguf_open(const char *path, gguf_file **out, ds4_error *err) {
 
 void gguf_close(gguf_file *f) {
     if (!f) return;
-    if (f->owns_map && f->map) munmap((void *)f->map, f->size);
+    if (f->owns_map) ds4_unmap_file(f->map, f->size);
     free(f->kv);
     free(f->tensors);
     free(f->name_hash);

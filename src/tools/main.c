@@ -15,6 +15,9 @@ typedef struct command {
 static const command COMMANDS[] = {
     { "inspect", tool_inspect, "print a GGUF file's metadata and tensor table (--json for machines)" },
     { "dump", tool_dump, "write one tensor dequantised to float32 little-endian" },
+    { "synth", tool_synth, "write a model file with the real layout and seeded random weights" },
+    { "logits", tool_logits, "write float32 logits for every position of a token sequence" },
+    { "convert", tool_convert, "convert a Hugging Face DeepseekV4 checkpoint (safetensors) to GGUF" },
     { NULL, NULL, NULL },
 };
 

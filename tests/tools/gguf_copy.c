@@ -1,22 +1,37 @@
 /*
  * gguf_copy - test tool for the GGUF writer.
  *
- *   gguf_copy IN OUT       re-encode IN through our reader and writer
- *                          (metadata verbatim, tensors streamed in 1000-byte pieces)
+ *   gguf_copy IN OUT [EDIT...]
+ *                          re-encode IN through our reader and writer
+ *                          (metadata verbatim, tensors streamed in 1000-byte pieces),
+ *                          optionally damaged by edits, for model-loading tests:
+ *                            --drop NAME            leave out tensor or key NAME
+ *                            --shape NAME D0[,D1..] declare tensor NAME with another shape
+ *                            --type NAME TYPEID     declare tensor NAME with another type
+ *                            --u32 KEY VALUE        set (or add) a u32 metadata key
+ *                          (tensor bytes are copied, zero-padded or truncated to fit)
  *   gguf_copy --sample OUT write a fixed sample that uses every writer call;
  *                          tests/python/test_gguf_oracle.py checks it with gguf-py
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/error.h"
 #include "core/gguf.h"
 #include "core/quant.h"
 
-static int copy(const char *in, const char *out) {
+typedef struct edits {
+    const char *drop, *shape_name, *type_name, *u32_key;
+    uint64_t shape[4];
+    uint32_t shape_dims, type, u32_value;
+} edits;
+
+static int copy(const char *in, const char *out, const edits *ed) {
     gguf_file *f;
     gguf_writer *w;
     ds4_error err = { 0 };
+    bool u32_done = false;
     if (gguf_open(in, &f, &err)) { fprintf(stderr, "gguf_copy: %s\n", err.message); return 1; }
     if (gguf_writer_open(out, f->alignment, &w, &err)) { fprintf(stderr, "gguf_copy: %s\n", err.message); gguf_close(f); return 1; }
     for (uint64_t i = 0; i < f->n_kv; i++) {
@@ -24,20 +39,41 @@ static int copy(const char *in, const char *out) {
         const gguf_kv *kv = &f->kv[i];
         memcpy(key, kv->key.ptr, kv->key.len);
         key[kv->key.len] = '\0';
+        if (ed->drop && !strcmp(key, ed->drop)) continue;
+        if (ed->u32_key && !strcmp(key, ed->u32_key)) {
+            gguf_writer_add_u32(w, key, ed->u32_value);
+            u32_done = true;
+            continue;
+        }
         gguf_writer_add_value(w, key, &kv->value);
     }
+    if (ed->u32_key && !u32_done) gguf_writer_add_u32(w, ed->u32_key, ed->u32_value);
+    uint64_t *sizes = calloc(f->n_tensors + 1, sizeof *sizes);
     for (uint64_t i = 0; i < f->n_tensors; i++) {
         char name[65536];
         const gguf_tensor *t = &f->tensors[i];
         memcpy(name, t->name.ptr, t->name.len);
         name[t->name.len] = '\0';
-        gguf_writer_add_tensor(w, name, t->type, t->n_dims, t->ne);
+        uint32_t type = t->type, n_dims = t->n_dims;
+        const uint64_t *ne = t->ne;
+        if (ed->drop && !strcmp(name, ed->drop)) { sizes[i] = UINT64_MAX; continue; }
+        if (ed->shape_name && !strcmp(name, ed->shape_name)) { ne = ed->shape; n_dims = ed->shape_dims; }
+        if (ed->type_name && !strcmp(name, ed->type_name)) type = ed->type;
+        uint64_t n = 1;
+        for (uint32_t d = 0; d < n_dims; d++) n *= ne[d];
+        const ds4_type_traits *tr = ds4_type_traits_get(type);
+        sizes[i] = tr ? n / (uint64_t)tr->block_elems * (uint64_t)tr->block_bytes : 0;
+        gguf_writer_add_tensor(w, name, type, n_dims, ne);
     }
     for (uint64_t i = 0; i < f->n_tensors; i++) {
         const gguf_tensor *t = &f->tensors[i];
-        for (uint64_t o = 0; o < t->n_bytes; o += 1000)
-            gguf_writer_write(w, t->data + o, t->n_bytes - o < 1000 ? t->n_bytes - o : 1000);
+        if (sizes[i] == UINT64_MAX) continue;
+        uint64_t have = t->n_bytes < sizes[i] ? t->n_bytes : sizes[i];
+        for (uint64_t o = 0; o < have; o += 1000)
+            gguf_writer_write(w, t->data + o, have - o < 1000 ? have - o : 1000);
+        gguf_writer_write_zeros(w, sizes[i] - have);
     }
+    free(sizes);
     gguf_close(f);
     if (gguf_writer_finish(w, &err)) { fprintf(stderr, "gguf_copy: %s\n", err.message); return 1; }
     return 0;
@@ -92,7 +128,21 @@ static int sample(const char *out) {
 
 int main(int argc, char **argv) {
     if (argc == 3 && !strcmp(argv[1], "--sample")) return sample(argv[2]);
-    if (argc == 3) return copy(argv[1], argv[2]);
-    fprintf(stderr, "usage: gguf_copy IN OUT | gguf_copy --sample OUT\n");
+    edits ed = { 0 };
+    for (int i = 3; i < argc; i++) {
+        if (!strcmp(argv[i], "--drop") && i + 1 < argc) ed.drop = argv[++i];
+        else if (!strcmp(argv[i], "--type") && i + 2 < argc) { ed.type_name = argv[++i]; ed.type = (uint32_t)atoi(argv[++i]); }
+        else if (!strcmp(argv[i], "--u32") && i + 2 < argc) { ed.u32_key = argv[++i]; ed.u32_value = (uint32_t)strtoul(argv[++i], NULL, 0); }
+        else if (!strcmp(argv[i], "--shape") && i + 2 < argc) {
+            ed.shape_name = argv[++i];
+            char *p = argv[++i];
+            while (*p && ed.shape_dims < 4) {
+                ed.shape[ed.shape_dims++] = strtoull(p, &p, 10);
+                if (*p == ',') p++;
+            }
+        } else { argc = 0; break; }
+    }
+    if (argc >= 3) return copy(argv[1], argv[2], &ed);
+    fprintf(stderr, "usage: gguf_copy IN OUT [--drop NAME] [--shape NAME D0,D1] [--type NAME ID] [--u32 KEY V] | gguf_copy --sample OUT\n");
     return 2;
 }

@@ -1,0 +1,214 @@
+/*
+ * backend.h - the operation table: the one seam between models and backends.
+ *
+ * A model computes only through these ops; a backend implements them and
+ * knows no model. Every op is semantic: shapes, layouts and quantisation types
+ * are explicit in its arguments. Activations are float32 row-major buffers
+ * that live in the backend's memory (host memory for the CPU backend, device
+ * memory for CUDA); the model allocates them through the table and never
+ * dereferences them itself. Small control data (token ids, positions,
+ * selected row indices) is passed in host memory.
+ *
+ * Weight matrices use GGUF/ggml order: a weight of shape [in, out] has `out`
+ * rows of `in` elements, and y[o] = sum_i W[o][i] * x[i]. A 3-D expert tensor
+ * [in, out, n_expert] is n_expert * out rows; expert e starts at row e * out.
+ *
+ * Numerics (ds4_numerics): DS4 rounds in specific places (spec section 3.9).
+ * Under DS4_NUMERICS_DS4 an op applies exactly those rounding steps (Q8_0
+ * activations for Q8_0 weights, Q8_K activations for K-quant and IQ2 weights,
+ * FP8 / FP4 / F16 round trips where the op says so); under
+ * DS4_NUMERICS_REFERENCE every op computes in float32 on the dequantised
+ * weights, which is what the transformers implementation does.
+ */
+#ifndef DS4_BACKENDS_BACKEND_H
+#define DS4_BACKENDS_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ds4.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum ds4_numerics {
+    DS4_NUMERICS_DS4 = 0,       /* DS4's rounding steps (the default) */
+    DS4_NUMERICS_REFERENCE = 1, /* float32 throughout */
+} ds4_numerics;
+
+/* A weight tensor bound from the model file. `host` points into the mmap;
+ * `device` is the backend's copy (NULL for the CPU backend, which reads the
+ * mapping in place). */
+typedef struct ds4_weight {
+    const char *name;
+    uint32_t type; /* ds4_type */
+    int64_t ne[4]; /* ggml order; unused dims are 1 */
+    int64_t row_bytes;
+    const void *host;
+    void *device;
+} ds4_weight;
+
+/* RoPE of the last `n_rot` dims of each head, adjacent pairs (2k, 2k+1).
+ * theta_k = p * base^(-2k/n_rot); with YaRN (factor > 1) the per-pair
+ * frequency is blended between theta and theta/factor by the ramp over
+ * [yarn_lo, yarn_hi] (spec 3.4.4). No magnitude scaling. */
+typedef struct ds4_rope {
+    int n_rot;
+    float base;
+    float factor;      /* 1 = plain RoPE */
+    float yarn_lo;     /* ramp start (pair index), computed from the betas */
+    float yarn_hi;     /* ramp end */
+} ds4_rope;
+
+/* Hyper-connection parameters (spec 3.2, 3.3, 3.8). */
+typedef struct ds4_hc {
+    int n_hc;       /* streams (4) */
+    int64_t dim;    /* width of one stream (H) */
+    int iters;      /* Sinkhorn iterations (20) */
+    float eps;      /* hc epsilon */
+    float norm_eps; /* RMSNorm epsilon of the flattened state */
+} ds4_hc;
+
+typedef struct ds4_backend ds4_backend;
+
+typedef struct ds4_backend_ops {
+    const char *name;
+
+    /* ---- memory ---------------------------------------------------- */
+    /* Float buffers in backend memory (zero-filled). NULL on failure. */
+    float *(*alloc)(ds4_backend *be, int64_t n_floats);
+    void (*free)(ds4_backend *be, float *buf);
+    void (*upload)(ds4_backend *be, float *dst, const float *host_src, int64_t n);
+    void (*download)(ds4_backend *be, float *host_dst, const float *src, int64_t n);
+    void (*copy)(ds4_backend *be, float *dst, const float *src, int64_t n);
+    void (*fill)(ds4_backend *be, float *dst, float value, int64_t n);
+    /* Make a weight usable by this backend (e.g. upload it). */
+    ds4_status (*bind_weight)(ds4_backend *be, ds4_weight *w, ds4_error *err);
+    void (*release_weight)(ds4_backend *be, ds4_weight *w);
+
+    /* ---- elementwise and norms -------------------------------------- */
+    /* out[r] = row tokens[r] of the embedding [dim, vocab] (F16 or F32). */
+    void (*embed)(ds4_backend *be, const ds4_weight *table, const int32_t *tokens, int n, float *out);
+    /* out[r][i] = x[r][i] * w[i] / sqrt(mean(x[r]^2) + eps); w NULL = plain.
+     * The mean of squares is accumulated in double. out may equal x. */
+    void (*rmsnorm)(ds4_backend *be, const float *x, const ds4_weight *w, float eps, float *out, int64_t n_rows,
+                    int64_t dim);
+    void (*add)(ds4_backend *be, const float *a, const float *b, float *out, int64_t n);
+    /* x[r][i] += W row `row` [i] (W is [dim, n] in F16/F32), for r < n_rows. */
+    void (*add_weight_row)(ds4_backend *be, float *x, const ds4_weight *w, int64_t row, int64_t n_rows);
+    /* In-place round trip through IEEE half precision (round to nearest even). */
+    void (*round_f16)(ds4_backend *be, float *x, int64_t n);
+    /* FP8 E4M3 round trip of dims [0, dim - n_rope) of each row, in blocks of 64
+     * with a power-of-two scale per block (spec 3.0); the last n_rope dims are
+     * untouched. */
+    void (*round_fp8_kv)(ds4_backend *be, float *x, int64_t n_rows, int64_t dim, int64_t n_rope);
+    /* Indexer QAT on rows of `dim` (power of two): orthonormal Walsh-Hadamard
+     * transform, then FP4 E2M1 round trip in blocks of 32 (spec 3.0). */
+    void (*indexer_qat)(ds4_backend *be, float *x, int64_t n_rows, int64_t dim);
+
+    /* ---- matrix products -------------------------------------------- */
+    /* out[r][o] = sum_i W[row0 + o][i] * x[r][i] for o < n_out, r < n_rows.
+     * x rows are `x_stride` floats apart, out rows `out_stride` apart. Any
+     * weight type with a dequantiser; numerics as described at the top. */
+    void (*matmul)(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
+                   int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
+
+    /* ---- rotary ------------------------------------------------------ */
+    /* Rotate the last rope->n_rot dims of each of n_heads heads of width
+     * head_dim, row r at position pos[r]; inverse uses -sin. */
+    void (*rope_tail)(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
+                      const int32_t *pos, const ds4_rope *rope, bool inverse);
+
+    /* ---- hyper-connections ------------------------------------------ */
+    /* For each of n_rows token states X [n_hc * dim]: mix = fn . plain_rmsnorm(X)
+     * (fn [n_hc*dim, (2+n_hc)*n_hc]); pre/post/comb via sigmoid and Sinkhorn;
+     * x_out = sum_s pre[s] X[s]. post [n_rows, n_hc], comb [n_rows, n_hc*n_hc]
+     * with comb[s*n_hc + d] the weight from source s to destination d. */
+    void (*hc_pre)(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                   const ds4_weight *scale, const ds4_weight *base, float *x_out, float *post, float *comb,
+                   int64_t n_rows);
+    /* X_out[d] = post[d] * y + sum_s comb[s][d] * X[s] (X_out must not alias X). */
+    void (*hc_post)(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
+                    const float *comb, float *X_out, int64_t n_rows);
+    /* Final merge: w_s = sigmoid(fn_s . plain_rmsnorm(X) * scale + base_s) + eps;
+     * out = sum_s w_s X[s]. fn [n_hc*dim, n_hc]. */
+    void (*hc_head)(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                    const ds4_weight *scale, const ds4_weight *base, float *out, int64_t n_rows);
+
+    /* ---- attention --------------------------------------------------- */
+    /* One query token: q [n_heads, dim]; the key/value rows are rows_a
+     * [n_a, dim] followed by the rows of rows_b [*, dim] listed in idx_b
+     * (n_b of them; idx_b NULL = the first n_b rows in order). Per head h:
+     * softmax over {q_h . row / sqrt(dim)} and the sink logit sinks[h]
+     * (which has no value); out_h = sum of weights * rows. */
+    void (*attention)(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a,
+                      int64_t n_a, const float *rows_b, const int32_t *idx_b, int64_t n_b,
+                      const ds4_weight *sinks, float *out);
+
+    /* ---- compressor (spec 3.5) ---------------------------------------- */
+    /* Per-dimension softmax-gated pooling over the compressor state.
+     * state_kv / state_score are [n_state_rows, width]. ratio 4 (coff 2):
+     * candidates are rows 0..3 at lane [j] and rows 4..7 at lane [dim + j];
+     * otherwise rows 0..ratio-1 at lane [j]. out[j] = sum softmax(score) * kv,
+     * 0 when every score is -inf. */
+    void (*compressor_pool)(ds4_backend *be, const float *state_kv, const float *state_score, int ratio,
+                            int64_t dim, float *out);
+
+    /* ---- indexer (spec 3.6) ------------------------------------------- */
+    /* score[c] = sum_h relu(q_h . keys[c]) * weights[h], for c < n_keys;
+     * q [n_heads, dim], keys [n_keys, dim], weights [n_heads]. */
+    void (*indexer_scores)(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
+                           const float *keys, int64_t n_keys, float *scores);
+    /* The k highest of scores[0..n) into idx (host), in descending score
+     * order, lowest index first among ties. */
+    void (*top_k)(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
+
+    /* ---- feed-forward (spec 3.7) -------------------------------------- */
+    /* Router for one token: prob_e = sqrt(softplus(logits[e])); selection =
+     * hash_ids (n_used ids, host) when non-NULL, else the top n_used of
+     * prob + bias (bias may be NULL; lowest index wins ties); weights =
+     * prob_sel / max(sum prob_sel, 6.103515625e-5) * scale (normalised when
+     * `normalise`, else prob_sel * scale). Results to host arrays. */
+    void (*router)(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
+                   const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
+                   float *weight_out);
+    /* out = silu(min(g, limit)) * clamp(u, -limit, limit) * scale (limit <= 0: no clamp). */
+    void (*swiglu)(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out,
+                   int64_t n);
+    /* Routed experts for one token: out = sum_k down_e(swiglu(gate_e x, up_e x) * w_k),
+     * e = sel[k]; gate/up [dim, n_ff, n_expert], down [n_ff, dim, n_expert].
+     * Under ds4 numerics x and each mid are Q8_K-quantised (K-quant/IQ2 weights). */
+    void (*moe)(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                const float *x, const int32_t *sel, const float *weights, int n_used, float limit, float *out,
+                ds4_numerics num);
+
+    /* ---- errors ------------------------------------------------------ */
+    /* The ops above return nothing; an op that cannot run (bad shapes or
+     * arguments, a weight type it cannot compute with, scratch memory that
+     * could not be allocated, a device fault) records an error and leaves
+     * its outputs unspecified. take_error returns the FIRST error recorded
+     * since the previous call (filling err) and clears it; DS4_OK if none. */
+    ds4_status (*take_error)(ds4_backend *be, ds4_error *err);
+} ds4_backend_ops;
+
+struct ds4_backend {
+    const ds4_backend_ops *ops;
+    void *impl;      /* backend-private state */
+    int n_threads;   /* CPU worker threads (CPU backend) */
+};
+
+/* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
+ * An unknown or unavailable backend is an error, never a fallback. */
+ds4_status ds4_backend_create(const char *name, int n_threads, ds4_backend **out, ds4_error *err);
+void ds4_backend_destroy(ds4_backend *be);
+
+/* The CPU backend's constructor (used by ds4_backend_create). */
+ds4_status ds4_cpu_backend_create(int n_threads, ds4_backend **out, ds4_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

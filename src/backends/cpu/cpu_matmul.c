@@ -1,0 +1,376 @@
+/*
+ * cpu_matmul.c - weight x activation products: the matmul and MoE ops.
+ *
+ * One row dot, four ways (cpu_dot_kind), chosen by the weight type and the
+ * numerics (spec 3.0, 3.9):
+ *   REFERENCE  every type: the weight row dequantised to float32
+ *              (traits->dequant_row), products and sums in float64, rounded
+ *              to float once. This is "float32 weights, exact sums": the
+ *              result does not depend on summation order, so it is the
+ *              cleanest oracle for transformers' float32 GEMMs.
+ *   DS4 F32/F16/BF16   float activations, float accumulation (8 interleaved
+ *              partial sums in a fixed order, combined pairwise).
+ *   DS4 Q8_0   each activation row quantised once to Q8_0 (d = amax/127
+ *              kept in float, q = lrint(x / d) half-even, clamp [-128,127]);
+ *              dot = sum over blocks, in float, of f16(w.d) * d_x * int_dot.
+ *   DS4 K-quants, IQ2_XXS   each activation row quantised once to Q8_K
+ *              (ds4_quantize_row_q8_K); dot = traits->dot_q8_K (ggml's
+ *              integer-per-sub-block vec_dot).
+ * Activation rows are quantised once per call, before the output rows are
+ * split across the worker threads.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cpu/cpu_internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* Float rows                                                                */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * binary16 bits -> float, exact (the same values as ds4_f16_to_f32, without
+ * its branches, so the loop vectorises): the exponent and mantissa fields are
+ * moved to the float positions, which reads as the half value times 2^-112,
+ * and one exact multiplication by 2^112 re-biases it (half subnormals come
+ * out normalised). Infinities and NaNs (exponent 31, i.e. 2^16 and up after
+ * the multiplication) get the float all-ones exponent OR-ed in, keeping the
+ * mantissa (payload) bits.
+ */
+static inline float f16_to_f32_fast(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t mag = (uint32_t)(h & 0x7fffu) << 13;
+    float f;
+    memcpy(&f, &mag, sizeof f);
+    f *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (mag >= 0x0f800000u ? 0x7f800000u : 0u) | sign;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+const float *cpu_weight_row_floats(const ds4_weight *w, const void *row, cpu_dot_kind kind, float *scratch) {
+    if (kind != CPU_DOT_REF && kind != CPU_DOT_F32) return NULL;
+    const int64_t n = w->ne[0];
+    if (w->type == DS4_TYPE_F32) return row;
+    if (w->type == DS4_TYPE_F16) {
+        const uint16_t *h = row;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) /* groups of 8: the compiler vectorises them */
+            for (int j = 0; j < 8; j++) scratch[i + j] = f16_to_f32_fast(h[i + j]);
+        for (; i < n; i++) scratch[i] = f16_to_f32_fast(h[i]);
+        return scratch;
+    }
+    ds4_type_traits_get(w->type)->dequant_row(row, scratch, n);
+    return scratch;
+}
+
+/* Float products, float sums: lane j sums elements j, j+8, j+16, ...; the
+ * fixed order makes it deterministic (and lets the compiler vectorise it). */
+float cpu_dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = { 0 };
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; i < n; i++, j++) acc[j] += a[i] * b[i];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* float32 inputs, float64 products (exact) and sums. */
+static double dot_f64_acc(const float *a, const float *b, int64_t n) {
+    double acc[4] = { 0 };
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) acc[j] += (double)a[i + j] * (double)b[i + j];
+    for (int j = 0; i < n; i++, j++) acc[j] += (double)a[i] * (double)b[i];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Q8_0 activations                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* DS4's Q8_0 activation quantiser (spec 3.0), n a multiple of 32. Unlike the
+ * weight quantiser it rounds half to even (lrintf) and keeps d in float. */
+static void quantize_act_q8_0(const float *x, cpu_q8_0_act *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            const float a = fabsf(xb[j]);
+            if (a > amax) amax = a;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = d;
+        for (int j = 0; j < 32; j++) {
+            long q = lrintf(xb[j] * id);
+            y[b].q[j] = (int8_t)(q > 127 ? 127 : q < -128 ? -128 : q);
+        }
+    }
+}
+
+static float dot_q8_0_act(const ds4_block_q8_0 *w, const cpu_q8_0_act *x, int64_t n_blocks) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        int32_t isum = 0;
+        for (int j = 0; j < 32; j++) isum += (int32_t)w[b].qs[j] * (int32_t)x[b].q[j];
+        acc += f16_to_f32_fast(w[b].d) * x[b].d * (float)isum;
+    }
+    return acc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Activation rows and row dots                                              */
+/* ------------------------------------------------------------------------ */
+
+bool cpu_dot_kind_for(const ds4_weight *w, ds4_numerics num, cpu_dot_kind *kind) {
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    if (!t || !t->dequant_row || w->ne[0] <= 0 || w->ne[0] % t->block_elems != 0) return false;
+    if (num == DS4_NUMERICS_REFERENCE) {
+        *kind = CPU_DOT_REF;
+    } else if (w->type == DS4_TYPE_Q8_0) {
+        *kind = CPU_DOT_Q8_0;
+    } else if (t->dot_q8_K && t->block_elems == DS4_QK_K) {
+        *kind = CPU_DOT_Q8_K;
+    } else {
+        *kind = CPU_DOT_F32; /* F32, F16, BF16 (and any other dequantisable type) */
+    }
+    return true;
+}
+
+bool cpu_acts_prepare(cpu_acts *a, cpu_dot_kind kind, const float *x, int64_t x_stride, int64_t n,
+                      int64_t n_rows) {
+    memset(a, 0, sizeof *a);
+    a->kind = kind;
+    a->n = n;
+    a->n_rows = n_rows;
+    a->x = x;
+    a->x_stride = x_stride;
+    if (kind == CPU_DOT_Q8_0) {
+        const int64_t nb = n / 32;
+        a->q8_0 = malloc((size_t)(nb * n_rows > 0 ? nb * n_rows : 1) * sizeof *a->q8_0);
+        if (!a->q8_0) return false;
+        for (int64_t r = 0; r < n_rows; r++) quantize_act_q8_0(x + r * x_stride, a->q8_0 + r * nb, n);
+    } else if (kind == CPU_DOT_Q8_K) {
+        const int64_t nb = n / DS4_QK_K;
+        a->q8_K = malloc((size_t)(nb * n_rows > 0 ? nb * n_rows : 1) * sizeof *a->q8_K);
+        if (!a->q8_K) return false;
+        for (int64_t r = 0; r < n_rows; r++) ds4_quantize_row_q8_K(x + r * x_stride, a->q8_K + r * nb, n);
+    }
+    return true;
+}
+
+void cpu_acts_free(cpu_acts *a) {
+    free(a->q8_0);
+    free(a->q8_K);
+    a->q8_0 = NULL;
+    a->q8_K = NULL;
+}
+
+float cpu_dot(const cpu_acts *a, const ds4_weight *w, const void *row, const float *wf, int64_t r) {
+    const int64_t n = a->n;
+    switch (a->kind) {
+    case CPU_DOT_REF: return (float)dot_f64_acc(wf, a->x + r * a->x_stride, n);
+    case CPU_DOT_F32: return cpu_dot_f32(wf, a->x + r * a->x_stride, n);
+    case CPU_DOT_Q8_0: return dot_q8_0_act(row, a->q8_0 + r * (n / 32), n / 32);
+    case CPU_DOT_Q8_K: return ds4_type_traits_get(w->type)->dot_q8_K(row, a->q8_K + r * (n / DS4_QK_K), n);
+    }
+    return 0.0f;
+}
+
+/* Per-thread float rows for dequantised weights, NULL when the kind needs none. */
+static bool alloc_thread_scratch(ds4_backend *be, const ds4_weight *w, cpu_dot_kind kind, int64_t n_per_thread,
+                                 float **out) {
+    *out = NULL;
+    if (kind != CPU_DOT_REF && kind != CPU_DOT_F32) return true;
+    if (w->type == DS4_TYPE_F32) return true;
+    *out = malloc((size_t)cpu_impl(be)->n_threads * (size_t)n_per_thread * sizeof(float));
+    return *out != NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* matmul                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* x rows are walked in tiles so a tile stays in cache while every weight row
+ * of the thread's range passes over it. */
+#define MATMUL_ROW_TILE 16
+
+typedef struct matmul_job {
+    const ds4_weight *w;
+    int64_t row0;
+    const cpu_acts *acts;
+    float *out;
+    int64_t out_stride;
+    float *scratch; /* n_threads * n_in floats, or NULL */
+} matmul_job;
+
+static void matmul_range(void *vctx, int64_t begin, int64_t end, int thread) {
+    const matmul_job *job = vctx;
+    const cpu_acts *acts = job->acts;
+    float *scratch = job->scratch ? job->scratch + (int64_t)thread * acts->n : NULL;
+    for (int64_t r0 = 0; r0 < acts->n_rows; r0 += MATMUL_ROW_TILE) {
+        const int64_t r1 = r0 + MATMUL_ROW_TILE < acts->n_rows ? r0 + MATMUL_ROW_TILE : acts->n_rows;
+        for (int64_t o = begin; o < end; o++) {
+            const void *row = cpu_weight_row(job->w, job->row0 + o);
+            const float *wf = cpu_weight_row_floats(job->w, row, acts->kind, scratch);
+            for (int64_t r = r0; r < r1; r++) job->out[r * job->out_stride + o] = cpu_dot(acts, job->w, row, wf, r);
+        }
+    }
+}
+
+void cpu_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x, int64_t x_stride,
+                float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
+    cpu_dot_kind kind;
+    if (!w || !w->host) {
+        cpu_fail(be, DS4_ERR_INVALID, "matmul: weight %s is not bound", cpu_wname(w));
+        return;
+    }
+    if (!cpu_dot_kind_for(w, num, &kind)) {
+        cpu_fail(be, DS4_ERR_UNSUPPORTED, "matmul: weight %s has type %s, which the CPU backend cannot compute with",
+                 cpu_wname(w), ds4_type_name(w->type));
+        return;
+    }
+    const int64_t n_in = w->ne[0];
+    if (row0 < 0 || n_out < 0 || n_rows < 0 || row0 + n_out > cpu_weight_rows(w) ||
+        (n_rows > 1 && (x_stride < n_in || out_stride < n_out))) {
+        cpu_fail(be, DS4_ERR_INVALID,
+                 "matmul: weight %s [%lld x %lld rows]: rows %lld..+%lld, %lld x rows (stride %lld), out stride %lld",
+                 cpu_wname(w), (long long)n_in, (long long)cpu_weight_rows(w), (long long)row0, (long long)n_out,
+                 (long long)n_rows, (long long)x_stride, (long long)out_stride);
+        return;
+    }
+    if (n_out == 0 || n_rows == 0) return;
+
+    cpu_acts acts;
+    matmul_job job = { w, row0, &acts, out, out_stride, NULL };
+    if (!cpu_acts_prepare(&acts, kind, x, x_stride, n_in, n_rows) ||
+        !alloc_thread_scratch(be, w, kind, n_in, &job.scratch)) {
+        cpu_acts_free(&acts);
+        cpu_fail(be, DS4_ERR_NOMEM, "matmul: out of memory for the activations of %s", cpu_wname(w));
+        return;
+    }
+    cpu_parallel_for(be, n_out, n_in * n_rows, matmul_range, &job);
+    free(job.scratch);
+    cpu_acts_free(&acts);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Routed experts (spec 3.7)                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct moe_job {
+    const ds4_weight *gate, *up, *down;
+    const cpu_acts *x_gate, *x_up, *mids;
+    const int32_t *sel;
+    const float *weights;
+    int n_used;
+    float limit;
+    int64_t dim, n_ff;
+    float *mid; /* [n_used, n_ff] */
+    float *out;
+    float *scratch; /* per thread: 2 * dim floats (gate/up rows) or n_ff (down rows) */
+    int64_t scratch_per_thread;
+} moe_job;
+
+/* Items are (k, j): mid[k][j] = swiglu(gate_e[j] . x, up_e[j] . x) * w_k, e = sel[k]. */
+static void moe_mid_range(void *vctx, int64_t begin, int64_t end, int thread) {
+    const moe_job *job = vctx;
+    float *scratch = job->scratch ? job->scratch + (int64_t)thread * job->scratch_per_thread : NULL;
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t k = i / job->n_ff, j = i % job->n_ff;
+        const int64_t row = (int64_t)job->sel[k] * job->n_ff + j;
+        const void *grow = cpu_weight_row(job->gate, row);
+        const void *urow = cpu_weight_row(job->up, row);
+        const float *gf = cpu_weight_row_floats(job->gate, grow, job->x_gate->kind, scratch);
+        const float g = cpu_dot(job->x_gate, job->gate, grow, gf, 0);
+        const float *uf = cpu_weight_row_floats(job->up, urow, job->x_up->kind, scratch ? scratch + job->dim : NULL);
+        const float u = cpu_dot(job->x_up, job->up, urow, uf, 0);
+        job->mid[i] = cpu_swiglu1(g, u, job->limit, job->weights[k]);
+    }
+}
+
+/* Items are output dims o: out[o] = sum_k down_e[o] . mid[k], in order of k. */
+static void moe_down_range(void *vctx, int64_t begin, int64_t end, int thread) {
+    const moe_job *job = vctx;
+    float *scratch = job->scratch ? job->scratch + (int64_t)thread * job->scratch_per_thread : NULL;
+    for (int64_t o = begin; o < end; o++) {
+        float acc = 0.0f;
+        for (int k = 0; k < job->n_used; k++) {
+            const void *row = cpu_weight_row(job->down, (int64_t)job->sel[k] * job->dim + o);
+            const float *wf = cpu_weight_row_floats(job->down, row, job->mids->kind, scratch);
+            acc += cpu_dot(job->mids, job->down, row, wf, k);
+        }
+        job->out[o] = acc;
+    }
+}
+
+void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
+             const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num) {
+    if (!gate || !up || !down || !gate->host || !up->host || !down->host) {
+        cpu_fail(be, DS4_ERR_INVALID, "moe: expert weights are not bound");
+        return;
+    }
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2];
+    if (up->ne[0] != dim || up->ne[1] != n_ff || up->ne[2] != n_expert || down->ne[0] != n_ff ||
+        down->ne[1] != dim || down->ne[2] != n_expert || n_used < 0) {
+        cpu_fail(be, DS4_ERR_INVALID,
+                 "moe: %s [%lld, %lld, %lld], %s [%lld, %lld, %lld] and %s [%lld, %lld, %lld] do not fit together",
+                 cpu_wname(gate), (long long)gate->ne[0], (long long)gate->ne[1], (long long)gate->ne[2], cpu_wname(up),
+                 (long long)up->ne[0], (long long)up->ne[1], (long long)up->ne[2], cpu_wname(down),
+                 (long long)down->ne[0], (long long)down->ne[1], (long long)down->ne[2]);
+        return;
+    }
+    for (int k = 0; k < n_used; k++) {
+        if (sel[k] < 0 || sel[k] >= n_expert) {
+            cpu_fail(be, DS4_ERR_INVALID, "moe: selected expert %d is outside [0, %lld) of %s", sel[k],
+                     (long long)n_expert, cpu_wname(gate));
+            return;
+        }
+    }
+    cpu_dot_kind kg, ku, kd;
+    const ds4_weight *bad = !cpu_dot_kind_for(gate, num, &kg) ? gate
+                          : !cpu_dot_kind_for(up, num, &ku)   ? up
+                          : !cpu_dot_kind_for(down, num, &kd) ? down
+                                                              : NULL;
+    if (bad) {
+        cpu_fail(be, DS4_ERR_UNSUPPORTED, "moe: weight %s has type %s, which the CPU backend cannot compute with",
+                 cpu_wname(bad), ds4_type_name(bad->type));
+        return;
+    }
+    if (n_used == 0) {
+        memset(out, 0, (size_t)dim * sizeof *out);
+        return;
+    }
+
+    const int n_threads = cpu_impl(be)->n_threads;
+    cpu_acts x_gate, x_up, mids;
+    memset(&x_gate, 0, sizeof x_gate);
+    memset(&x_up, 0, sizeof x_up);
+    memset(&mids, 0, sizeof mids);
+    const int64_t per_thread = 2 * dim > n_ff ? 2 * dim : n_ff;
+    float *mid = malloc((size_t)n_used * (size_t)n_ff * sizeof *mid);
+    float *scratch = malloc((size_t)n_threads * (size_t)per_thread * sizeof *scratch);
+    bool ok = mid && scratch && cpu_acts_prepare(&x_gate, kg, x, dim, dim, 1);
+    if (ok && ku == kg) {
+        x_up = x_gate; /* gate and up share the quantised x (they always do in DS4) */
+    } else if (ok) {
+        ok = cpu_acts_prepare(&x_up, ku, x, dim, dim, 1);
+    }
+    if (ok) {
+        moe_job job = { gate, up, down, &x_gate, &x_up, &mids, sel, weights, n_used, limit, dim, n_ff,
+                        mid, out, scratch, per_thread };
+        cpu_parallel_for(be, (int64_t)n_used * n_ff, 2 * dim, moe_mid_range, &job);
+        /* each mid row is quantised on its own (Q8_K under DS4 numerics) */
+        ok = cpu_acts_prepare(&mids, kd, mid, n_ff, n_ff, n_used);
+        if (ok) cpu_parallel_for(be, dim, (int64_t)n_used * n_ff, moe_down_range, &job);
+    }
+    if (!ok) cpu_fail(be, DS4_ERR_NOMEM, "moe: out of memory for the activations of %s", cpu_wname(gate));
+    if (ku != kg) cpu_acts_free(&x_up);
+    cpu_acts_free(&x_gate);
+    cpu_acts_free(&mids);
+    free(scratch);
+    free(mid);
+}

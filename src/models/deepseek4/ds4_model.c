@@ -1,0 +1,607 @@
+/*
+ * ds4_model.c - DeepSeek V4 Flash forward pass over the operation table.
+ *
+ * Per layer (spec section 3):
+ *   attention sublayer: HC pre-mix -> RMSNorm -> low-rank q (norm, per-head
+ *     norm, RoPE) and the shared KV row (norm, RoPE, FP8) -> compressors
+ *     (ratio 4 / 128) -> indexer (ratio 4) -> attention with sinks over the raw
+ *     window and the visible compressed rows -> inverse RoPE -> grouped
+ *     low-rank output -> HC post.
+ *   FFN sublayer: HC pre-mix -> RMSNorm -> router (sqrt-softplus; hash layers
+ *     route by token id) -> routed experts (clamped SwiGLU) + shared expert ->
+ *     HC post.
+ * then the HC head merge, the output norm and the LM head.
+ *
+ * A batch is processed layer-major. The dense projections run over the whole
+ * batch; the parts that read or write the per-layer state (KV window,
+ * compressors, indexer, attention, routing) run token by token in order, so
+ * a batch computes exactly what single-token decoding computes.
+ */
+#include "models/deepseek4/ds4_model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/quant.h"
+
+#define EVAL_CHUNK 256 /* tokens per layer-major pass (bounds scratch memory) */
+
+typedef struct layer_weights {
+    ds4_weight hc_attn_fn, hc_attn_scale, hc_attn_base, attn_norm;
+    ds4_weight q_a, q_a_norm, q_b, kv, kv_norm, sinks, out_a, out_b;
+    ds4_weight hc_ffn_fn, hc_ffn_scale, hc_ffn_base, ffn_norm, gate_inp, probs_bias;
+    ds4_weight gate_exps, up_exps, down_exps, gate_sh, up_sh, down_sh, tid2eid;
+    ds4_weight comp_ape, comp_kv, comp_gate, comp_norm;
+    ds4_weight idx_q_b, idx_proj, idx_ape, idx_kv, idx_gate, idx_norm;
+    bool has_bias;
+} layer_weights;
+
+struct ds4_model {
+    ds4_config cfg;
+    gguf_file *file;
+    ds4_backend *be;
+    ds4_weight token_embd, out_hc_base, out_hc_fn, out_hc_scale, out_norm, output;
+    layer_weights *layers;
+    ds4_rope rope_dense, rope_comp;
+    ds4_hc hc;
+    ds4_weight **bound; /* every bound weight, for release */
+    char **names;       /* their names (ds4_weight.name points here) */
+    int64_t n_bound;
+};
+
+/* Compressor state of one layer: kv and score rows plus the emitted rows. */
+typedef struct compressor_state {
+    int ratio, coff;
+    int64_t dim;       /* D of an emitted row */
+    float *state_kv;   /* [coff*ratio, coff*dim] */
+    float *state_sc;
+    float *rows;       /* [cap, dim] emitted rows */
+    int64_t n_rows, cap;
+} compressor_state;
+
+typedef struct layer_state {
+    float *window; /* [W, D] raw KV rows in position order (oldest first) */
+    int64_t n_window;
+    compressor_state attn, index;
+} layer_state;
+
+struct ds4_state {
+    ds4_model *model;
+    int64_t n_ctx, pos;
+    layer_state *layers;
+};
+
+const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
+int64_t ds4_state_pos(const ds4_state *s) { return s->pos; }
+
+/* ------------------------------------------------------------ binding */
+
+/* Types a tensor may have, from the class the published q2 layout gives it:
+ * F32 tensors must be F32; F16 ones may be any float type; Q8_0 projections
+ * any float type or Q8_0; routed experts any type the backends multiply. */
+static bool type_allowed(uint32_t q2_type, uint32_t got) {
+    switch (q2_type) {
+    case DS4_TYPE_F32: return got == DS4_TYPE_F32;
+    case DS4_TYPE_I32: return got == DS4_TYPE_I32;
+    case DS4_TYPE_F16: return got == DS4_TYPE_F16 || got == DS4_TYPE_BF16 || got == DS4_TYPE_F32;
+    case DS4_TYPE_Q8_0:
+        return got == DS4_TYPE_Q8_0 || got == DS4_TYPE_F16 || got == DS4_TYPE_BF16 || got == DS4_TYPE_F32;
+    default: /* routed experts */
+        return got == DS4_TYPE_IQ2_XXS || got == DS4_TYPE_Q2_K || got == DS4_TYPE_Q4_K || got == DS4_TYPE_Q8_0 ||
+               got == DS4_TYPE_F16 || got == DS4_TYPE_BF16 || got == DS4_TYPE_F32;
+    }
+}
+
+static ds4_weight *weight_slot(ds4_model *m, const char *name) {
+    int layer = -1, n = 0;
+    char suffix[96];
+    if (sscanf(name, "blk.%d.%95s%n", &layer, suffix, &n) != 2) {
+        struct { const char *name; ds4_weight *w; } g[] = {
+            { "token_embd.weight", &m->token_embd }, { "output_hc_base.weight", &m->out_hc_base },
+            { "output_hc_fn.weight", &m->out_hc_fn }, { "output_hc_scale.weight", &m->out_hc_scale },
+            { "output_norm.weight", &m->out_norm }, { "output.weight", &m->output },
+        };
+        for (size_t i = 0; i < sizeof g / sizeof g[0]; i++)
+            if (!strcmp(name, g[i].name)) return g[i].w;
+        return NULL;
+    }
+    if (layer < 0 || layer >= m->cfg.n_layer) return NULL;
+    layer_weights *L = &m->layers[layer];
+    struct { const char *suffix; ds4_weight *w; } t[] = {
+        { "hc_attn_fn.weight", &L->hc_attn_fn }, { "hc_attn_scale.weight", &L->hc_attn_scale },
+        { "hc_attn_base.weight", &L->hc_attn_base }, { "attn_norm.weight", &L->attn_norm },
+        { "attn_q_a.weight", &L->q_a }, { "attn_q_a_norm.weight", &L->q_a_norm }, { "attn_q_b.weight", &L->q_b },
+        { "attn_kv.weight", &L->kv }, { "attn_kv_a_norm.weight", &L->kv_norm }, { "attn_sinks.weight", &L->sinks },
+        { "attn_output_a.weight", &L->out_a }, { "attn_output_b.weight", &L->out_b },
+        { "hc_ffn_fn.weight", &L->hc_ffn_fn }, { "hc_ffn_scale.weight", &L->hc_ffn_scale },
+        { "hc_ffn_base.weight", &L->hc_ffn_base }, { "ffn_norm.weight", &L->ffn_norm },
+        { "ffn_gate_inp.weight", &L->gate_inp }, { "exp_probs_b.bias", &L->probs_bias },
+        { "ffn_gate_exps.weight", &L->gate_exps }, { "ffn_up_exps.weight", &L->up_exps },
+        { "ffn_down_exps.weight", &L->down_exps }, { "ffn_gate_shexp.weight", &L->gate_sh },
+        { "ffn_up_shexp.weight", &L->up_sh }, { "ffn_down_shexp.weight", &L->down_sh },
+        { "ffn_gate_tid2eid.weight", &L->tid2eid }, { "attn_compressor_ape.weight", &L->comp_ape },
+        { "attn_compressor_kv.weight", &L->comp_kv }, { "attn_compressor_gate.weight", &L->comp_gate },
+        { "attn_compressor_norm.weight", &L->comp_norm }, { "indexer.attn_q_b.weight", &L->idx_q_b },
+        { "indexer.proj.weight", &L->idx_proj }, { "indexer_compressor_ape.weight", &L->idx_ape },
+        { "indexer_compressor_kv.weight", &L->idx_kv }, { "indexer_compressor_gate.weight", &L->idx_gate },
+        { "indexer_compressor_norm.weight", &L->idx_norm },
+    };
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(suffix, t[i].suffix)) return t[i].w;
+    return NULL;
+}
+
+static void shape_str(const uint64_t *ne, uint32_t n, char *buf, size_t cap) {
+    size_t o = 0;
+    for (uint32_t d = 0; d < n && o < cap; d++) o += (size_t)snprintf(buf + o, cap - o, "%s%llu", d ? ", " : "[",
+                                                                      (unsigned long long)ne[d]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+static ds4_status bind_one(ds4_model *m, const ds4_tensor_spec *spec, uint32_t q2_type, ds4_error *err) {
+    const gguf_tensor *t = gguf_find_tensor(m->file, spec->name);
+    if (!t) {
+        if (strstr(spec->name, "exp_probs_b")) return DS4_OK; /* optional: no selection bias */
+        return ds4_error_set(err, DS4_ERR_FORMAT, "tensor %s is missing", spec->name);
+    }
+    char want[96], got[96];
+    shape_str(spec->ne, spec->n_dims, want, sizeof want);
+    shape_str(t->ne, t->n_dims, got, sizeof got);
+    bool same = t->n_dims == spec->n_dims;
+    for (uint32_t d = 0; same && d < spec->n_dims; d++) same = t->ne[d] == spec->ne[d];
+    if (!same) return ds4_error_set(err, DS4_ERR_FORMAT, "tensor %s has shape %s, expected %s", spec->name, got, want);
+    if (!type_allowed(q2_type, t->type))
+        return ds4_error_set(err, DS4_ERR_FORMAT, "tensor %s has type %s, which is not allowed here (the published "
+                             "files use %s)", spec->name, ds4_type_name(t->type), ds4_type_name(q2_type));
+    ds4_weight *w = weight_slot(m, spec->name);
+    if (!w) return ds4_error_set(err, DS4_ERR_FORMAT, "tensor %s has no slot (internal)", spec->name);
+    char *name = strdup(spec->name);
+    if (!name) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
+    m->names[m->n_bound] = name;
+    w->name = name;
+    w->type = t->type;
+    for (int d = 0; d < 4; d++) w->ne[d] = (int64_t)t->ne[d];
+    w->row_bytes = ds4_type_row_bytes(t->type, (int64_t)t->ne[0]);
+    w->host = t->data;
+    w->device = NULL;
+    m->bound[m->n_bound++] = w;
+    ds4_status st = m->be->ops->bind_weight(m->be, w, err);
+    if (st) {
+        m->n_bound--; /* not bound: nothing to release */
+        free(name);
+        return ds4_error_prefix(err, "tensor %s", spec->name);
+    }
+    return DS4_OK;
+}
+
+ds4_status ds4_model_load(gguf_file *file, ds4_backend *be, ds4_model **out, ds4_error *err) {
+    *out = NULL;
+    ds4_model *m = calloc(1, sizeof *m);
+    if (!m) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
+    m->file = file;
+    m->be = be;
+    ds4_status st = ds4_config_from_gguf(file, &m->cfg, err);
+    if (st) {
+        free(m);
+        return st;
+    }
+    const ds4_config *c = &m->cfg;
+    ds4_error ignore;
+    int64_t n = ds4_layout_tensors(c, DS4_QUANT_F32, NULL, 0, &ignore);
+    ds4_tensor_spec *specs = calloc((size_t)n, sizeof *specs);
+    ds4_tensor_spec *q2 = calloc((size_t)n, sizeof *q2);
+    m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);
+    m->bound = calloc((size_t)n, sizeof *m->bound);
+    m->names = calloc((size_t)n, sizeof *m->names);
+    if (!specs || !q2 || !m->layers || !m->bound || !m->names) {
+        free(specs);
+        free(q2);
+        ds4_model_free(m);
+        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
+    }
+    ds4_layout_tensors(c, DS4_QUANT_F32, specs, n, &ignore);
+    ds4_layout_tensors(c, DS4_QUANT_Q2, q2, n, &ignore); /* classes only: may not fit the widths */
+    for (int64_t i = 0; i < n && !st; i++) st = bind_one(m, &specs[i], q2[i].type, err);
+    for (int l = 0; l < c->n_layer && !st; l++) {
+        layer_weights *L = &m->layers[l];
+        L->has_bias = L->probs_bias.host != NULL;
+        if (L->gate_exps.type != L->up_exps.type)
+            st = ds4_error_set(err, DS4_ERR_FORMAT, "blk.%d: ffn_gate_exps is %s but ffn_up_exps is %s (they must "
+                               "match)", l, ds4_type_name(L->gate_exps.type), ds4_type_name(L->up_exps.type));
+        if (!st && L->tid2eid.host) {
+            const int32_t *ids = L->tid2eid.host;
+            for (int64_t i = 0; i < c->n_vocab * c->n_expert_used; i++) {
+                int32_t e;
+                memcpy(&e, ids + i, sizeof e);
+                if (e < 0 || e >= c->n_expert) {
+                    st = ds4_error_set(err, DS4_ERR_FORMAT, "blk.%d.ffn_gate_tid2eid.weight: token %lld routes to "
+                                       "expert %d, outside 0..%d", l, (long long)(i / c->n_expert_used), e,
+                                       c->n_expert - 1);
+                    break;
+                }
+            }
+        }
+    }
+    free(specs);
+    free(q2);
+    if (st) {
+        ds4_model_free(m);
+        return st;
+    }
+    m->rope_dense = (ds4_rope){ c->n_rot, c->rope_base, 1.0f, 0, 0 };
+    m->rope_comp = (ds4_rope){ c->n_rot, c->compress_rope_base, c->rope_factor, 0, 0 };
+    ds4_config_yarn_bounds(c, &m->rope_comp.yarn_lo, &m->rope_comp.yarn_hi);
+    m->hc = (ds4_hc){ c->n_hc, c->n_embd, c->hc_iters, c->hc_eps, c->rms_eps };
+    *out = m;
+    return DS4_OK;
+}
+
+void ds4_model_free(ds4_model *m) {
+    if (!m) return;
+    for (int64_t i = 0; i < m->n_bound; i++) {
+        m->be->ops->release_weight(m->be, m->bound[i]);
+        free(m->names[i]);
+    }
+    free(m->bound);
+    free(m->names);
+    free(m->layers);
+    free(m);
+}
+
+/* ------------------------------------------------------------ state */
+
+static void compressor_free(ds4_backend *be, compressor_state *c) {
+    be->ops->free(be, c->state_kv);
+    be->ops->free(be, c->state_sc);
+    be->ops->free(be, c->rows);
+}
+
+static bool compressor_init(ds4_backend *be, compressor_state *c, int ratio, int64_t dim, int64_t n_ctx) {
+    c->ratio = ratio;
+    c->coff = ratio == 4 ? 2 : 1;
+    c->dim = dim;
+    c->cap = n_ctx / ratio + 2;
+    int64_t state = (int64_t)c->coff * ratio * c->coff * dim;
+    c->state_kv = be->ops->alloc(be, state);
+    c->state_sc = be->ops->alloc(be, state);
+    c->rows = be->ops->alloc(be, c->cap * dim);
+    if (!c->state_kv || !c->state_sc || !c->rows) return false;
+    be->ops->fill(be, c->state_sc, -INFINITY, state);
+    return true;
+}
+
+ds4_status ds4_state_create(ds4_model *m, int64_t n_ctx, ds4_state **out, ds4_error *err) {
+    *out = NULL;
+    if (n_ctx < 1) return ds4_error_set(err, DS4_ERR_INVALID, "context size %lld must be positive", (long long)n_ctx);
+    const ds4_config *c = &m->cfg;
+    ds4_backend *be = m->be;
+    ds4_state *s = calloc(1, sizeof *s);
+    if (!s) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
+    s->model = m;
+    s->n_ctx = n_ctx;
+    s->layers = calloc((size_t)c->n_layer, sizeof *s->layers);
+    bool ok = s->layers != NULL;
+    for (int l = 0; ok && l < c->n_layer; l++) {
+        layer_state *L = &s->layers[l];
+        L->window = be->ops->alloc(be, (int64_t)c->sliding_window * c->head_dim);
+        ok = L->window != NULL;
+        int r = c->compress_ratio[l];
+        if (ok && r) ok = compressor_init(be, &L->attn, r, c->head_dim, n_ctx);
+        if (ok && r == 4) ok = compressor_init(be, &L->index, r, c->idx_head_dim, n_ctx);
+    }
+    if (!ok) {
+        ds4_state_free(s);
+        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for the state of a %lld-token context",
+                             (long long)n_ctx);
+    }
+    *out = s;
+    return DS4_OK;
+}
+
+void ds4_state_free(ds4_state *s) {
+    if (!s) return;
+    ds4_backend *be = s->model->be;
+    for (int l = 0; s->layers && l < s->model->cfg.n_layer; l++) {
+        be->ops->free(be, s->layers[l].window);
+        compressor_free(be, &s->layers[l].attn);
+        compressor_free(be, &s->layers[l].index);
+    }
+    free(s->layers);
+    free(s);
+}
+
+/* ------------------------------------------------------------ scratch */
+
+typedef struct scratch {
+    float *X, *X2;      /* HC state [n, hc*H] and its successor */
+    float *x, *a;       /* sublayer input and its norm [n, H] */
+    float *post, *comb; /* HC mix [n, hc], [n, hc*hc] */
+    float *qr, *q;      /* [n, qr], [n, nh*D] */
+    float *kv;          /* [n, D] */
+    float *ckv, *csc;   /* compressor projections [n, 2*D] */
+    float *ikv, *isc;   /* indexer compressor projections [n, 2*id] */
+    float *iq, *iw;     /* indexer query [ih*id] and weights [n, ih] */
+    float *iscores;     /* [n_ctx/4 + 2] */
+    float *crow;        /* one pooled row [max(D, id)]; also the scaled indexer weights */
+    float *attn;        /* attention output [n, nh*D] */
+    float *low;         /* [n, G*ro] */
+    float *y;           /* sublayer output [n, H] */
+    float *logits_e;    /* router logits [n, E] */
+    float *moe;         /* [H] */
+    float *g, *u;       /* shared expert [n, I] */
+    float *h;           /* [n, H] */
+    float *logits;      /* [n, V] */
+    int32_t *sel;       /* host [k] */
+    float *sel_w;       /* host [k] */
+    int32_t *topk;      /* host [top_k] */
+} scratch;
+
+static void scratch_free(ds4_backend *be, scratch *s) {
+    float *bufs[] = { s->X, s->X2, s->x, s->a, s->post, s->comb, s->qr, s->q, s->kv, s->ckv, s->csc, s->ikv,
+                      s->isc, s->iq, s->iw, s->iscores, s->crow, s->attn, s->low, s->y, s->logits_e, s->moe,
+                      s->g, s->u, s->h, s->logits };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be, bufs[i]);
+    free(s->sel);
+    free(s->sel_w);
+    free(s->topk);
+}
+
+static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64_t n_ctx, bool all_logits,
+                          scratch *s) {
+    memset(s, 0, sizeof *s);
+    const int64_t H = c->n_embd, hcH = c->n_hc * H, D = c->head_dim;
+    int64_t crow = D > c->idx_head_dim ? D : c->idx_head_dim;
+    if (crow < c->idx_n_head) crow = c->idx_n_head;
+    float **slots[] = { &s->X, &s->X2, &s->x, &s->a, &s->post, &s->comb, &s->qr, &s->q, &s->kv, &s->ckv, &s->csc,
+                        &s->ikv, &s->isc, &s->iq, &s->iw, &s->iscores, &s->crow, &s->attn, &s->low, &s->y,
+                        &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits };
+    const int64_t sizes[] = { n * hcH, n * hcH, n * H, n * H, n * c->n_hc, n * c->n_hc * c->n_hc, n * c->q_lora,
+                              n * c->n_head * D, n * D, n * 2 * D, n * 2 * D, n * 2 * c->idx_head_dim,
+                              n * 2 * c->idx_head_dim, (int64_t)c->idx_n_head * c->idx_head_dim,
+                              n * c->idx_n_head, n_ctx / 4 + 2, crow,
+                              n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, H,
+                              n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab };
+    bool ok = true;
+    for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
+        *slots[i] = be->ops->alloc(be, sizes[i] > 0 ? sizes[i] : 1);
+        ok &= *slots[i] != NULL;
+    }
+    s->sel = malloc((size_t)c->n_expert_used * sizeof *s->sel);
+    s->sel_w = malloc((size_t)c->n_expert_used * sizeof *s->sel_w);
+    s->topk = malloc((size_t)(c->idx_top_k > 0 ? c->idx_top_k : 1) * sizeof *s->topk);
+    ok &= s->sel && s->sel_w && s->topk;
+    if (!ok) scratch_free(be, s);
+    return ok;
+}
+
+/* ------------------------------------------------------------ sublayers */
+
+/* Append one raw KV row to the sliding window (oldest row dropped when full). */
+static void window_push(ds4_backend *be, const ds4_config *c, layer_state *L, const float *row) {
+    const int64_t D = c->head_dim, W = c->sliding_window;
+    if (L->n_window == W) {
+        be->ops->copy(be, L->window, L->window + D, (W - 1) * D); /* overlapping: memmove semantics */
+        L->n_window--;
+    }
+    be->ops->copy(be, L->window + L->n_window * D, row, D);
+    L->n_window++;
+}
+
+/* One compressor step for the token at position p (spec 3.5). kv_cur and
+ * sc_cur are this token's projections (width coff*dim); on a window end the
+ * pooled, normalised, rotated and rounded row is appended. */
+static void compressor_step(ds4_model *m, compressor_state *cs, const ds4_weight *ape, const ds4_weight *norm,
+                            bool is_index, const float *kv_cur, float *sc_cur, int64_t p, float *row,
+                            ds4_numerics num) {
+    ds4_backend *be = m->be;
+    const int ratio = cs->ratio;
+    const int64_t width = cs->coff * cs->dim;
+    be->ops->add_weight_row(be, sc_cur, ape, p % ratio, 1);
+    int64_t r = ratio == 4 ? 4 + p % 4 : p % ratio;
+    be->ops->copy(be, cs->state_kv + r * width, kv_cur, width);
+    be->ops->copy(be, cs->state_sc + r * width, sc_cur, width);
+    if ((p + 1) % ratio != 0) return;
+    be->ops->compressor_pool(be, cs->state_kv, cs->state_sc, ratio, cs->dim, row);
+    be->ops->rmsnorm(be, row, norm, m->cfg.rms_eps, row, 1, cs->dim);
+    int32_t first = (int32_t)(p + 1 - ratio);
+    be->ops->rope_tail(be, row, 1, 1, cs->dim, &first, &m->rope_comp, false);
+    if (num == DS4_NUMERICS_DS4) {
+        if (is_index) be->ops->indexer_qat(be, row, 1, cs->dim);
+        else be->ops->round_fp8_kv(be, row, 1, cs->dim, m->cfg.n_rot);
+        be->ops->round_f16(be, row, cs->dim);
+    }
+    if (cs->n_rows < cs->cap) {
+        be->ops->copy(be, cs->rows + cs->n_rows * cs->dim, row, cs->dim);
+        cs->n_rows++;
+    }
+    if (ratio == 4) { /* the current window becomes the previous one */
+        be->ops->copy(be, cs->state_kv, cs->state_kv + 4 * width, 4 * width);
+        be->ops->copy(be, cs->state_sc, cs->state_sc + 4 * width, 4 * width);
+    }
+}
+
+static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, const int32_t *pos, int64_t n,
+                               ds4_numerics num) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const layer_weights *W = &m->layers[l];
+    layer_state *L = &st->layers[l];
+    const int64_t H = c->n_embd, D = c->head_dim, nh = c->n_head, qr = c->q_lora;
+    const int ratio = c->compress_ratio[l];
+    const ds4_rope *rope = ratio ? &m->rope_comp : &m->rope_dense;
+
+    be->ops->hc_pre(be, &m->hc, s->X, &W->hc_attn_fn, &W->hc_attn_scale, &W->hc_attn_base, s->x, s->post, s->comb, n);
+    be->ops->rmsnorm(be, s->x, &W->attn_norm, c->rms_eps, s->a, n, H);
+    /* q: low rank, norm, up, per-head plain norm, RoPE */
+    be->ops->matmul(be, &W->q_a, 0, qr, s->a, H, s->qr, qr, n, num);
+    be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
+    be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
+    be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
+    be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
+    /* kv: projection, norm, RoPE, FP8 */
+    be->ops->matmul(be, &W->kv, 0, D, s->a, H, s->kv, D, n, num);
+    be->ops->rmsnorm(be, s->kv, &W->kv_norm, c->rms_eps, s->kv, n, D);
+    be->ops->rope_tail(be, s->kv, n, 1, D, pos, rope, false);
+    if (num == DS4_NUMERICS_DS4) {
+        be->ops->round_fp8_kv(be, s->kv, n, D, c->n_rot);
+        be->ops->round_f16(be, s->kv, n * D); /* stored F16-rounded (CPU semantics) */
+    }
+    /* compressor and indexer projections, batched */
+    const int64_t cw = (ratio == 4 ? 2 : 1) * D, iw = 2 * c->idx_head_dim;
+    if (ratio) {
+        be->ops->matmul(be, &W->comp_kv, 0, cw, s->a, H, s->ckv, cw, n, num);
+        be->ops->matmul(be, &W->comp_gate, 0, cw, s->a, H, s->csc, cw, n, num);
+    }
+    if (ratio == 4) {
+        be->ops->matmul(be, &W->idx_kv, 0, iw, s->a, H, s->ikv, iw, n, num);
+        be->ops->matmul(be, &W->idx_gate, 0, iw, s->a, H, s->isc, iw, n, num);
+        be->ops->matmul(be, &W->idx_proj, 0, c->idx_n_head, s->a, H, s->iw, c->idx_n_head, n, num);
+    }
+    /* token by token: state updates and attention */
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t p = pos[t];
+        window_push(be, c, L, s->kv + t * D);
+        if (ratio) compressor_step(m, &L->attn, &W->comp_ape, &W->comp_norm, false, s->ckv + t * cw, s->csc + t * cw,
+                                   p, s->crow, num);
+        if (ratio == 4)
+            compressor_step(m, &L->index, &W->idx_ape, &W->idx_norm, true, s->ikv + t * iw, s->isc + t * iw, p,
+                            s->crow, num);
+        const int32_t *sel = NULL;
+        int64_t n_b = ratio ? L->attn.n_rows : 0;
+        if (ratio == 4 && n_b > c->idx_top_k) {
+            const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
+            be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, s->iq, ih * id, 1, num);
+            be->ops->rope_tail(be, s->iq, 1, ih, id, &pos[t], rope, false);
+            if (num == DS4_NUMERICS_DS4) be->ops->indexer_qat(be, s->iq, ih, id);
+            /* head weights times 1/sqrt(id * ih) (spec 3.6.3): a few floats, scaled on the host */
+            float wt[4096];
+            be->ops->download(be, wt, s->iw + t * ih, ih);
+            const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
+            for (int64_t h = 0; h < ih; h++) wt[h] *= wscale;
+            be->ops->upload(be, s->crow, wt, ih);
+            be->ops->indexer_scores(be, s->iq, s->crow, ih, id, L->index.rows, L->index.n_rows, s->iscores);
+            be->ops->top_k(be, s->iscores, L->index.n_rows, c->idx_top_k, s->topk);
+            sel = s->topk;
+            n_b = c->idx_top_k;
+        }
+        be->ops->attention(be, s->q + t * nh * D, nh, D, L->window, L->n_window, ratio ? L->attn.rows : NULL, sel,
+                           n_b, &W->sinks, s->attn + t * nh * D);
+    }
+    be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
+    /* grouped low-rank output: group g reads heads g*nh/G .. (g+1)*nh/G - 1 */
+    const int64_t G = c->o_groups, ro = c->o_lora, gin = nh * D / G;
+    for (int64_t g = 0; g < G; g++)
+        be->ops->matmul(be, &W->out_a, g * ro, ro, s->attn + g * gin, nh * D, s->low + g * ro, G * ro, n, num);
+    be->ops->matmul(be, &W->out_b, 0, H, s->low, G * ro, s->y, H, n, num);
+    be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
+    float *tmp = s->X;
+    s->X = s->X2;
+    s->X2 = tmp;
+}
+
+static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens, int64_t n, ds4_numerics num) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const layer_weights *W = &m->layers[l];
+    const int64_t H = c->n_embd, I = c->n_ff, E = c->n_expert;
+    const int k = c->n_expert_used;
+    const float limit = c->swiglu_limit[l];
+
+    be->ops->hc_pre(be, &m->hc, s->X, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, s->x, s->post, s->comb, n);
+    be->ops->rmsnorm(be, s->x, &W->ffn_norm, c->rms_eps, s->a, n, H);
+    be->ops->matmul(be, &W->gate_inp, 0, E, s->a, H, s->logits_e, E, n, num);
+    /* shared expert, batched */
+    be->ops->matmul(be, &W->gate_sh, 0, I, s->a, H, s->g, I, n, num);
+    be->ops->matmul(be, &W->up_sh, 0, I, s->a, H, s->u, I, n, num);
+    be->ops->swiglu(be, s->g, s->u, limit, 1.0f, s->g, n * I);
+    be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
+    /* routed experts, token by token */
+    for (int64_t t = 0; t < n; t++) {
+        int32_t hash_ids[16];
+        const int32_t *hash = NULL;
+        if (W->tid2eid.host) {
+            memcpy(hash_ids, (const int32_t *)W->tid2eid.host + (int64_t)tokens[t] * k, (size_t)k * sizeof(int32_t));
+            hash = hash_ids;
+        }
+        be->ops->router(be, s->logits_e + t * E, E, W->has_bias ? &W->probs_bias : NULL, hash, k,
+                        c->expert_weights_norm, c->expert_weights_scale, s->sel, s->sel_w);
+        be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a + t * H, s->sel, s->sel_w, k, limit, s->moe,
+                     num);
+        be->ops->add(be, s->y + t * H, s->moe, s->y + t * H, H);
+    }
+    be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
+    float *tmp = s->X;
+    s->X = s->X2;
+    s->X2 = tmp;
+}
+
+/* ------------------------------------------------------------ eval */
+
+static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
+                             float *logits, bool all_logits, scratch *s) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const int64_t H = c->n_embd, V = c->n_vocab;
+    int32_t *pos = malloc((size_t)n * sizeof *pos);
+    if (!pos) return DS4_ERR_NOMEM;
+    for (int64_t t = 0; t < n; t++) pos[t] = (int32_t)(st->pos + t);
+
+    /* embedding, copied into every HC stream */
+    be->ops->embed(be, &m->token_embd, tokens, (int)n, s->x);
+    for (int64_t t = 0; t < n; t++)
+        for (int sidx = 0; sidx < c->n_hc; sidx++)
+            be->ops->copy(be, s->X + (t * c->n_hc + sidx) * H, s->x + t * H, H);
+
+    for (int l = 0; l < c->n_layer; l++) {
+        attention_sublayer(m, st, l, s, pos, n, num);
+        ffn_sublayer(m, l, s, tokens, n, num);
+    }
+    /* head: only the rows whose logits are wanted */
+    int64_t first = all_logits ? 0 : n - 1, rows = n - first;
+    if (logits) {
+        be->ops->hc_head(be, &m->hc, s->X + first * c->n_hc * H, &m->out_hc_fn, &m->out_hc_scale, &m->out_hc_base,
+                         s->h, rows);
+        be->ops->rmsnorm(be, s->h, &m->out_norm, c->rms_eps, s->h, rows, H);
+        be->ops->matmul(be, &m->output, 0, V, s->h, H, s->logits, V, rows, num);
+        be->ops->download(be, logits, s->logits, rows * V);
+    }
+    st->pos += n;
+    free(pos);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
+                          float *logits, bool all_logits, ds4_error *err) {
+    const ds4_config *c = &m->cfg;
+    if (n < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no tokens to evaluate");
+    if (st->pos + n > st->n_ctx)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%lld tokens at position %lld exceed the context of %lld",
+                             (long long)n, (long long)st->pos, (long long)st->n_ctx);
+    for (int64_t t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
+            return ds4_error_set(err, DS4_ERR_INVALID, "token %d at index %lld is outside the vocabulary (0..%lld)",
+                                 tokens[t], (long long)t, (long long)c->n_vocab - 1);
+    int64_t chunk = n < EVAL_CHUNK ? n : EVAL_CHUNK;
+    scratch s;
+    if (!scratch_alloc(m->be, c, chunk, st->n_ctx, all_logits, &s))
+        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-token batch", (long long)chunk);
+    ds4_status status = DS4_OK;
+    for (int64_t off = 0; off < n && !status; off += chunk) {
+        int64_t len = n - off < chunk ? n - off : chunk;
+        bool last = off + len == n;
+        float *out = NULL;
+        if (logits && all_logits) out = logits + off * c->n_vocab;
+        else if (logits && last) out = logits;
+        status = eval_chunk(m, st, tokens + off, len, num, out, all_logits, &s);
+    }
+    scratch_free(m->be, &s);
+    if (status) return ds4_error_set(err, status, "evaluation failed: out of memory");
+    /* An op that failed (bad shape, device fault) recorded why; the state is
+     * then unusable and the caller must discard it. */
+    status = m->be->ops->take_error(m->be, err);
+    if (status) return ds4_error_prefix(err, "evaluation failed at position %lld", (long long)st->pos);
+    return DS4_OK;
+}

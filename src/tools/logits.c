@@ -1,0 +1,139 @@
+/*
+ * logits.c - `ds4server logits`: float32 logits for every position.
+ *
+ *   ds4server logits -m FILE --tokens 1,2,3,... --out PATH [--backend cpu]
+ *                    [--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N]
+ *
+ * Writes [n_tokens x vocab] float32 little-endian. By default the whole
+ * sequence is prefilled in one call; --incremental feeds one token at a time
+ * (the decode path); --chunks evaluates successive batches of the given sizes
+ * (then the rest in one batch), i.e. prefill, then prefill again from a
+ * non-zero position. Every split must give the same logits: that is a test.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backends/backend.h"
+#include "core/error.h"
+#include "core/gguf.h"
+#include "models/deepseek4/ds4_model.h"
+#include "tools/tools.h"
+
+/* Parse "1,2,3" into a malloc'd array. */
+static int32_t *parse_tokens(const char *s, int64_t *n_out) {
+    int64_t cap = 16, n = 0;
+    int32_t *v = malloc((size_t)cap * sizeof *v);
+    const char *p = s;
+    while (v && *p) {
+        char *end;
+        errno = 0;
+        long long x = strtoll(p, &end, 10);
+        if (end == p || errno || x < 0 || x > INT32_MAX) {
+            free(v);
+            return NULL;
+        }
+        if (n == cap) {
+            int32_t *nv = realloc(v, (size_t)(cap *= 2) * sizeof *v);
+            if (!nv) { free(v); return NULL; }
+            v = nv;
+        }
+        v[n++] = (int32_t)x;
+        p = end;
+        if (*p == ',') p++;
+        else if (*p) { free(v); return NULL; }
+    }
+    if (v && n == 0) { free(v); return NULL; }
+    *n_out = n;
+    return v;
+}
+
+int tool_logits(int argc, char **argv) {
+    const char *model = NULL, *tokens_s = NULL, *out = NULL, *backend = "cpu", *numerics = "ds4", *chunks_s = NULL;
+    bool incremental = false;
+    int threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            printf("usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH [--backend cpu] "
+                   "[--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N]\n");
+            return 0;
+        }
+        if (!strcmp(a, "--incremental")) { incremental = true; continue; }
+        if (!v) return tool_fail("logits", "%s needs a value", a);
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "--tokens")) tokens_s = v;
+        else if (!strcmp(a, "--out") || !strcmp(a, "-o")) out = v;
+        else if (!strcmp(a, "--backend")) backend = v;
+        else if (!strcmp(a, "--numerics")) numerics = v;
+        else if (!strcmp(a, "--chunks")) chunks_s = v;
+        else if (!strcmp(a, "--threads")) threads = atoi(v);
+        else return tool_fail("logits", "unknown option '%s'", a);
+        i++;
+    }
+    if (!model || !tokens_s || !out) return tool_fail("logits", "usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH");
+    ds4_numerics num;
+    if (!strcmp(numerics, "ds4")) num = DS4_NUMERICS_DS4;
+    else if (!strcmp(numerics, "reference")) num = DS4_NUMERICS_REFERENCE;
+    else return tool_fail("logits", "unknown --numerics '%s' (ds4 or reference)", numerics);
+    int64_t n, n_chunks = 0;
+    int32_t *tokens = parse_tokens(tokens_s, &n);
+    if (!tokens) return tool_fail("logits", "--tokens must be a comma-separated list of token ids");
+    int32_t *chunks = chunks_s ? parse_tokens(chunks_s, &n_chunks) : NULL;
+    if (chunks_s && !chunks) {
+        free(tokens);
+        return tool_fail("logits", "--chunks must be a comma-separated list of batch sizes");
+    }
+
+    ds4_error err = { 0 };
+    gguf_file *f = NULL;
+    ds4_backend *be = NULL;
+    ds4_model *m = NULL;
+    ds4_state *st = NULL;
+    float *logits = NULL;
+    FILE *fp = NULL;
+    int rc = 0;
+    char *tmp = NULL;
+    if (gguf_open(model, &f, &err) || ds4_backend_create(backend, threads, &be, &err) ||
+        ds4_model_load(f, be, &m, &err) || ds4_state_create(m, n, &st, &err)) {
+        rc = tool_fail("logits", "%s", err.message);
+        goto done;
+    }
+    const int64_t V = ds4_model_config(m)->n_vocab;
+    logits = malloc((size_t)(n * V) * sizeof *logits);
+    if (!logits) {
+        rc = tool_fail("logits", "out of memory for %lld x %lld logits", (long long)n, (long long)V);
+        goto done;
+    }
+    for (int64_t done = 0, c = 0; done < n && !rc; c++) {
+        int64_t len = incremental ? 1 : c < n_chunks ? chunks[c] : n - done;
+        if (len < 1 || len > n - done) len = n - done;
+        if (ds4_model_eval(m, st, tokens + done, len, num, logits + done * V, true, &err))
+            rc = tool_fail("logits", "%s", err.message);
+        done += len;
+    }
+    if (rc) goto done;
+    tmp = malloc(strlen(out) + 5);
+    if (!tmp) { rc = tool_fail("logits", "out of memory"); goto done; }
+    sprintf(tmp, "%s.tmp", out);
+    fp = fopen(tmp, "wb");
+    if (!fp || fwrite(logits, sizeof *logits, (size_t)(n * V), fp) != (size_t)(n * V) || fclose(fp) != 0) {
+        fp = NULL;
+        unlink(tmp);
+        rc = tool_fail("logits", "%s: %s", out, strerror(errno));
+        goto done;
+    }
+    fp = NULL;
+    if (rename(tmp, out) != 0) rc = tool_fail("logits", "%s: %s", out, strerror(errno));
+done:
+    free(tmp);
+    free(logits);
+    free(tokens);
+    free(chunks);
+    ds4_state_free(st);
+    ds4_model_free(m);
+    ds4_backend_destroy(be);
+    gguf_close(f);
+    return rc;
+}

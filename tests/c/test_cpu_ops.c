@@ -1,0 +1,1438 @@
+/*
+ * test_cpu_ops.c - every op of the CPU backend against an independent
+ * float64 computation written here, plus DS4's rounding primitives.
+ *
+ * Inputs are fresh random numbers each run (the harness prints the seed).
+ * Tolerances follow from the precision of the op under test: an op computed
+ * in float32 is compared against float64 with a bound of a few float ulps
+ * per rounding step (2^-24 = 6e-8 relative each), scaled by the sum of
+ * absolute terms where there are sums (the usual bound for a float sum of n
+ * terms is n * 2^-24 * sum|terms|; ours are split in 8 lanes, so n/8 + 3).
+ *
+ * DS4_BENCH=1 also runs the matmul throughput benchmark (test_bench_matmul).
+ */
+#include <float.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backends/backend.h"
+#include "core/quant.h"
+#include "core/rounding.h"
+#include "test.h"
+
+#define EPS32 5.960464477539063e-08 /* 2^-24: float's unit roundoff */
+
+/* ------------------------------------------------------------------------ */
+/* Helpers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static ds4_backend *new_backend(int n_threads) {
+    ds4_backend *be = NULL;
+    ds4_error err = { 0 };
+    ds4_status st = ds4_backend_create("cpu", n_threads, &be, &err);
+    CHECK_MSG(st == DS4_OK && be, "%s", err.message);
+    return be;
+}
+
+/* The backend's pending error (DS4_OK if none); its message into msg. */
+static ds4_status take_error(ds4_backend *be, char *msg, size_t cap) {
+    ds4_error err = { 0 };
+    ds4_status st = be->ops->take_error(be, &err);
+    if (msg) snprintf(msg, cap, "%s", st == DS4_OK ? "" : err.message);
+    return st;
+}
+
+static void expect_no_error(ds4_backend *be) {
+    char msg[DS4_ERROR_MSG_MAX];
+    ds4_status st = take_error(be, msg, sizeof msg);
+    CHECK_MSG(st == DS4_OK, "unexpected backend error: %s", msg);
+}
+
+static float *fvec(int64_t n) {
+    float *p = calloc((size_t)(n > 0 ? n : 1), sizeof *p);
+    if (!p) abort();
+    return p;
+}
+
+static double *dvec(int64_t n) {
+    double *p = calloc((size_t)(n > 0 ? n : 1), sizeof *p);
+    if (!p) abort();
+    return p;
+}
+
+static void fill_normal(float *x, int64_t n, double sd) {
+    for (int64_t i = 0; i < n; i++) x[i] = (float)(test_rand_normal() * sd);
+}
+
+/* A weight built from floats by the type's reference quantiser. */
+typedef struct test_weight {
+    ds4_weight w;
+    void *data;
+} test_weight;
+
+static void weight_make(test_weight *tw, const char *name, uint32_t type, int64_t n_in, int64_t n_rows,
+                        const float *src) {
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    const int64_t rb = ds4_type_row_bytes(type, n_in);
+    tw->data = malloc((size_t)(rb * n_rows));
+    if (!t || rb <= 0 || !tw->data) abort();
+    for (int64_t r = 0; r < n_rows; r++) t->quantize_row(src + r * n_in, (uint8_t *)tw->data + r * rb, n_in);
+    tw->w = (ds4_weight){ name, type, { n_in, n_rows, 1, 1 }, rb, tw->data, NULL };
+}
+
+static void weight_free(test_weight *tw) { free(tw->data); }
+
+/* Row r of a weight, dequantised by the format's reference dequantiser. */
+static void weight_row(const ds4_weight *w, int64_t r, float *dst) {
+    ds4_type_traits_get(w->type)->dequant_row((const uint8_t *)w->host + r * w->row_bytes, dst, w->ne[0]);
+}
+
+static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+static double silu_d(double x) { return x * sigmoid_d(x); }
+
+/* ------------------------------------------------------------------------ */
+/* Rounding primitives                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* E4M3FN decoded from the spec's formula (code bits: s eeee mmm). */
+static double e4m3_value(int code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    const double v = e == 0 ? m * ldexp(1.0, -9) : (1.0 + m / 8.0) * ldexp(1.0, e - 7);
+    return (code & 0x80) ? -v : v;
+}
+
+static const double E2M1[8] = { 0, 0.5, 1, 1.5, 2, 3, 4, 6 };
+
+/* Nearest of a sorted magnitude table, ties to the even index (naive scan). */
+static double nearest_even(const double *table, int n, double a) {
+    int best = 0;
+    for (int i = 1; i < n; i++) {
+        const double db = fabs(a - table[best]), di = fabs(a - table[i]);
+        if (di < db || (di == db && (i & 1) == 0)) best = i;
+    }
+    return table[best];
+}
+
+static double e4m3_table[127];
+
+static double naive_fp8(double v) {
+    if (!e4m3_table[1]) {
+        for (int c = 0; c < 127; c++) e4m3_table[c] = e4m3_value(c);
+    }
+    const double a = fmin(fabs(v), 448.0);
+    return copysign(nearest_even(e4m3_table, 127, a), v);
+}
+
+static double naive_fp4(double v) { return copysign(nearest_even(E2M1, 8, fmin(fabs(v), 6.0)), v); }
+
+static void test_fp8_codes(void) {
+    /* Every one of the 256 codes round-trips exactly, except the two NaNs. */
+    for (int c = 0; c < 256; c++) {
+        if ((c & 0x7f) == 0x7f) {
+            CHECK(isnan(ds4_round_fp8_e4m3(NAN)));
+            continue;
+        }
+        const float v = (float)e4m3_value(c);
+        const float r = ds4_round_fp8_e4m3(v);
+        CHECK_MSG(memcmp(&r, &v, sizeof r) == 0, "code %d: %g -> %g", c, v, r);
+    }
+    /* Midpoints between consecutive codes go to the even code; a hair to
+     * either side goes to the nearer one. */
+    for (int c = 0; c < 126; c++) {
+        const double lo = e4m3_value(c), hi = e4m3_value(c + 1);
+        const float mid = (float)((lo + hi) / 2); /* exact: 5 significant bits */
+        const double even = (c & 1) ? hi : lo;
+        CHECK_MSG(ds4_round_fp8_e4m3(mid) == (float)even, "mid %d: %g -> %g", c, mid, ds4_round_fp8_e4m3(mid));
+        CHECK(ds4_round_fp8_e4m3(-mid) == (float)-even);
+        CHECK(ds4_round_fp8_e4m3(nextafterf(mid, 0.0f)) == (float)lo);
+        CHECK(ds4_round_fp8_e4m3(nextafterf(mid, 1e9f)) == (float)hi);
+    }
+    /* Saturation beyond 448 (E4M3FN has no infinity). */
+    const float big[] = { 448.0f, 449.0f, 464.0f, 480.0f, 1e6f, FLT_MAX, INFINITY };
+    for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
+        CHECK(ds4_round_fp8_e4m3(big[i]) == 448.0f);
+        CHECK(ds4_round_fp8_e4m3(-big[i]) == -448.0f);
+    }
+    CHECK(signbit(ds4_round_fp8_e4m3(-0.0f)) && ds4_round_fp8_e4m3(-0.0f) == 0.0f);
+    CHECK(ds4_round_fp8_e4m3(1e-30f) == 0.0f);
+    /* Random magnitudes over the whole range against the naive scan. */
+    for (int i = 0; i < 20000; i++) {
+        const float v = (float)(exp(test_rand_uniform() * 20.0 - 14.0) * (test_rand_u64() & 1 ? 1 : -1));
+        CHECK_MSG(ds4_round_fp8_e4m3(v) == (float)naive_fp8(v), "%.9g", v);
+    }
+}
+
+static void test_fp4_codes(void) {
+    for (int c = 0; c < 16; c++) {
+        const float v = (float)((c & 8) ? -E2M1[c & 7] : E2M1[c & 7]);
+        const float r = ds4_round_fp4_e2m1(v);
+        CHECK_MSG(memcmp(&r, &v, sizeof r) == 0, "code %d: %g -> %g", c, v, r);
+    }
+    for (int i = 0; i < 7; i++) {
+        const float mid = (float)((E2M1[i] + E2M1[i + 1]) / 2);
+        const double even = (i & 1) ? E2M1[i + 1] : E2M1[i];
+        CHECK_MSG(ds4_round_fp4_e2m1(mid) == (float)even, "mid %g -> %g", mid, ds4_round_fp4_e2m1(mid));
+        CHECK(ds4_round_fp4_e2m1(-mid) == (float)-even);
+        CHECK(ds4_round_fp4_e2m1(nextafterf(mid, 0.0f)) == (float)E2M1[i]);
+        CHECK(ds4_round_fp4_e2m1(nextafterf(mid, 100.0f)) == (float)E2M1[i + 1]);
+    }
+    CHECK(ds4_round_fp4_e2m1(7.0f) == 6.0f);
+    CHECK(ds4_round_fp4_e2m1(-1e30f) == -6.0f);
+    CHECK(ds4_round_fp4_e2m1(INFINITY) == 6.0f);
+    CHECK(isnan(ds4_round_fp4_e2m1(NAN)));
+    for (int i = 0; i < 20000; i++) {
+        const float v = (float)((test_rand_uniform() * 16.0 - 8.0));
+        CHECK_MSG(ds4_round_fp4_e2m1(v) == (float)naive_fp4(v), "%.9g", v);
+    }
+}
+
+static void test_f16_round(void) {
+    CHECK(ds4_round_f16(1.0f + ldexpf(1.0f, -11)) == 1.0f);                          /* tie to even */
+    CHECK(ds4_round_f16(1.0f + 3 * ldexpf(1.0f, -11)) == 1.0f + ldexpf(1.0f, -9)); /* tie to even (up) */
+    CHECK(ds4_round_f16(65504.0f) == 65504.0f);
+    CHECK(isinf(ds4_round_f16(65520.0f)));
+    CHECK(ds4_round_f16(ldexpf(1.0f, -24)) == ldexpf(1.0f, -24)); /* smallest subnormal */
+    CHECK(ds4_round_f16(ldexpf(1.0f, -25)) == 0.0f);             /* tie to 0 */
+    for (int i = 0; i < 10000; i++) {
+        const float v = (float)(test_rand_normal() * 100.0);
+        const float r = ds4_round_f16(v);
+        CHECK(fabs((double)r - v) <= fabs((double)v) * ldexp(1.0, -11) + ldexp(1.0, -25));
+    }
+}
+
+/* 2^ceil(log2(a)) for a > 0, exactly (frexp: a = f * 2^e, f in [0.5, 1)). */
+static double pow2_ceil(double a) {
+    int e;
+    const double f = frexp(a, &e);
+    return ldexp(1.0, f == 0.5 ? e - 1 : e);
+}
+
+/* Spec 3.0 block rounding, computed here in double with the naive tables.
+ * Returns false for a block whose amax / max lies within 2^-20 above a power
+ * of two: there ceil(log2()) in float (ds4's log2f) may round down to the
+ * power itself, a legitimate implementation difference the comparison skips
+ * (random data lands there with probability ~1e-6 per block). */
+static bool naive_block_round(float *x, int64_t n, double amax_floor, double max_mag, double (*rnd)(double)) {
+    double amax = 0;
+    for (int64_t i = 0; i < n; i++) amax = fmax(amax, fabs(x[i]));
+    /* The library divides amax / max in float, as ds4 does. */
+    const double q = (double)((float)fmax(amax, amax_floor) / (float)max_mag);
+    int e;
+    const double f = frexp(q, &e);
+    const double scale = pow2_ceil(q);
+    for (int64_t i = 0; i < n; i++) {
+        const double v = fmax(-max_mag, fmin(max_mag, x[i] / scale));
+        x[i] = (float)(rnd(v) * scale);
+    }
+    return !(f > 0.5 && f < 0.5 * (1 + ldexp(1.0, -20)));
+}
+
+static void test_fp8_kv_row(void) {
+    const int64_t dim = 512, n_rope = 64;
+    float *x = fvec(dim), *y = fvec(dim), *want = fvec(dim);
+    for (int trial = 0; trial < 50; trial++) {
+        fill_normal(x, dim, exp(test_rand_uniform() * 10 - 5));
+        if (trial == 1) memset(x, 0, 64 * sizeof *x); /* an all-zero block: amax floor 1e-4 */
+        if (trial == 2) x[70] = 1000.0f;              /* one outlier dominates its block */
+        memcpy(y, x, (size_t)dim * sizeof *x);
+        memcpy(want, x, (size_t)dim * sizeof *x);
+        ds4_fp8_kv_round_row(y, dim, n_rope);
+        bool comparable = true;
+        for (int64_t off = 0; off < dim - n_rope; off += 64)
+            comparable &= naive_block_round(want + off, 64, 1e-4, 448.0, naive_fp8);
+        if (comparable) CHECK(memcmp(y, want, (size_t)dim * sizeof *y) == 0);
+        CHECK(memcmp(y + dim - n_rope, x + dim - n_rope, (size_t)n_rope * sizeof *x) == 0); /* RoPE dims untouched */
+    }
+    /* A value that scales onto an E4M3 midpoint ties to the even code: block
+     * amax 448 gives scale 1, and 19 lies between 18 (code 0x51) and 20 (0x52). */
+    float row[64] = { 448.0f, 19.0f, 17.0f, -19.0f };
+    ds4_fp8_kv_round_row(row, 64, 0);
+    CHECK(row[0] == 448.0f && row[1] == 20.0f && row[2] == 16.0f && row[3] == -20.0f);
+    free(x);
+    free(y);
+    free(want);
+}
+
+static void test_hadamard(void) {
+    const int64_t n = 128;
+    float *x = fvec(n), *y = fvec(n);
+    fill_normal(x, n, 1.0);
+    memcpy(y, x, (size_t)n * sizeof *x);
+    ds4_hadamard_row(y, n);
+    /* Against the Sylvester matrix H[i][j] = (-1)^popcount(i & j) / sqrt(n):
+     * 7 float butterfly levels, then one scaling: <= 8 roundings of values
+     * bounded by sum|x| / sqrt(n). */
+    double sum_abs = 0;
+    for (int64_t j = 0; j < n; j++) sum_abs += fabs(x[j]);
+    for (int64_t i = 0; i < n; i++) {
+        double h = 0;
+        for (int64_t j = 0; j < n; j++) h += (__builtin_popcountll((unsigned long long)(i & j)) & 1 ? -x[j] : x[j]);
+        h /= sqrt((double)n);
+        CHECK_NEAR(y[i], h, 8 * EPS32 * sum_abs);
+    }
+    /* Orthonormal and symmetric: applying it twice returns x. */
+    ds4_hadamard_row(y, n);
+    for (int64_t i = 0; i < n; i++) CHECK_NEAR(y[i], x[i], 16 * EPS32 * sum_abs / sqrt((double)n));
+    free(x);
+    free(y);
+}
+
+static void test_indexer_qat_row(void) {
+    const int64_t n = 128;
+    float *x = fvec(n), *want = fvec(n);
+    for (int trial = 0; trial < 50; trial++) {
+        fill_normal(x, n, exp(test_rand_uniform() * 8 - 4));
+        memcpy(want, x, (size_t)n * sizeof *x);
+        ds4_indexer_qat_row(x, n);
+        ds4_hadamard_row(want, n); /* checked above */
+        bool comparable = true;
+        for (int64_t off = 0; off < n; off += 32)
+            comparable &= naive_block_round(want + off, 32, 7.052966104933725e-38, 6.0, naive_fp4);
+        if (comparable) CHECK(memcmp(x, want, (size_t)n * sizeof *x) == 0);
+    }
+    free(x);
+    free(want);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Creation, memory and elementwise ops                                      */
+/* ------------------------------------------------------------------------ */
+
+static void test_backend_create(void) {
+    ds4_backend *be = NULL;
+    ds4_error err = { 0 };
+    CHECK(ds4_backend_create(NULL, 1, &be, &err) == DS4_OK && be && strcmp(be->ops->name, "cpu") == 0);
+    ds4_backend_destroy(be);
+    CHECK(ds4_backend_create("cpu", 0, &be, &err) == DS4_OK && be && be->n_threads >= 1);
+    ds4_backend_destroy(be);
+    be = NULL;
+    CHECK(ds4_backend_create("cuda", 1, &be, &err) == DS4_ERR_UNSUPPORTED && !be);
+    CHECK(strstr(err.message, "CUDA") != NULL);
+    CHECK(ds4_backend_create("tpu", 1, &be, &err) == DS4_ERR_INVALID && !be);
+    CHECK(strstr(err.message, "tpu") != NULL);
+    ds4_backend_destroy(NULL);
+}
+
+static void test_memory_ops(void) {
+    ds4_backend *be = new_backend(2);
+    const int64_t n = 1000;
+    float *a = be->ops->alloc(be, n), *b = be->ops->alloc(be, n), *c = be->ops->alloc(be, n);
+    float *h = fvec(n), *g = fvec(n);
+    CHECK(a && b && c && ((uintptr_t)a & 63) == 0);
+    for (int64_t i = 0; i < n; i++) CHECK(a[i] == 0.0f);
+    fill_normal(h, n, 1.0);
+    be->ops->upload(be, a, h, n);
+    be->ops->copy(be, b, a, n);
+    be->ops->fill(be, c, 2.5f, n);
+    be->ops->add(be, b, c, c, n);
+    be->ops->download(be, g, c, n);
+    for (int64_t i = 0; i < n; i++) CHECK(g[i] == h[i] + 2.5f);
+    be->ops->free(be, a);
+    be->ops->free(be, b);
+    be->ops->free(be, c);
+    expect_no_error(be);
+    free(h);
+    free(g);
+    ds4_backend_destroy(be);
+}
+
+static void test_bind_weight(void) {
+    ds4_backend *be = new_backend(1);
+    ds4_error err = { 0 };
+    float src[64];
+    fill_normal(src, 64, 1.0);
+    test_weight tw;
+    weight_make(&tw, "blk.0.attn_q_a.weight", DS4_TYPE_Q8_0, 64, 1, src);
+    tw.w.device = (void *)1;
+    CHECK(be->ops->bind_weight(be, &tw.w, &err) == DS4_OK && tw.w.device == NULL);
+    be->ops->release_weight(be, &tw.w);
+    ds4_weight q40 = { "blk.1.ffn_down.weight", DS4_TYPE_Q4_0, { 64, 1, 1, 1 }, 36, tw.data, NULL };
+    CHECK(be->ops->bind_weight(be, &q40, &err) == DS4_ERR_UNSUPPORTED);
+    CHECK(strstr(err.message, "blk.1.ffn_down.weight") && strstr(err.message, "Q4_0"));
+    /* integer tables (tid2eid) bind: the model reads them from host memory */
+    int32_t ids[12] = { 0 };
+    ds4_weight i32 = { "blk.0.ffn_gate_tid2eid.weight", DS4_TYPE_I32, { 6, 2, 1, 1 }, 24, ids, NULL };
+    CHECK(be->ops->bind_weight(be, &i32, &err) == DS4_OK);
+    ds4_weight bad_rb = tw.w;
+    bad_rb.row_bytes = 35;
+    CHECK(be->ops->bind_weight(be, &bad_rb, &err) == DS4_ERR_INVALID);
+    /* An op on a type with no dequantiser records an error naming the weight. */
+    float x[64] = { 0 }, y[1];
+    be->ops->matmul(be, &q40, 0, 1, x, 64, y, 1, 1, DS4_NUMERICS_DS4);
+    char msg[DS4_ERROR_MSG_MAX];
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_UNSUPPORTED && strstr(msg, "blk.1.ffn_down.weight"));
+    CHECK(take_error(be, NULL, 0) == DS4_OK); /* taking clears it */
+    be->ops->matmul(be, &tw.w, 0, 2, x, 64, y, 1, 1, DS4_NUMERICS_DS4); /* rows 0..1 of a 1-row weight */
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    weight_free(&tw);
+    ds4_backend_destroy(be);
+}
+
+static void test_embed(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t dim = 48, vocab = 20;
+    float *src = fvec(dim * vocab), *out = fvec(3 * dim), *row = fvec(dim);
+    fill_normal(src, dim * vocab, 1.0);
+    const uint32_t types[] = { DS4_TYPE_F16, DS4_TYPE_F32 };
+    for (int t = 0; t < 2; t++) {
+        test_weight tw;
+        weight_make(&tw, "token_embd.weight", types[t], dim, vocab, src);
+        const int32_t tokens[3] = { 7, 0, 19 };
+        be->ops->embed(be, &tw.w, tokens, 3, out);
+        expect_no_error(be);
+        for (int r = 0; r < 3; r++) {
+            weight_row(&tw.w, tokens[r], row);
+            CHECK(memcmp(out + r * dim, row, (size_t)dim * sizeof *row) == 0);
+        }
+        const int32_t bad = 20;
+        be->ops->embed(be, &tw.w, &bad, 1, out);
+        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+        weight_free(&tw);
+    }
+    free(src);
+    free(out);
+    free(row);
+    ds4_backend_destroy(be);
+}
+
+static void test_rmsnorm(void) {
+    ds4_backend *be = new_backend(2);
+    const int64_t rows = 5, dim = 300;
+    float *x = fvec(rows * dim), *out = fvec(rows * dim), *wsrc = fvec(dim);
+    fill_normal(x, rows * dim, 3.0);
+    fill_normal(wsrc, dim, 1.0);
+    test_weight w;
+    weight_make(&w, "attn_norm.weight", DS4_TYPE_F32, dim, 1, wsrc);
+    const float eps = 1e-6f;
+    for (int weighted = 0; weighted < 2; weighted++) {
+        be->ops->rmsnorm(be, x, weighted ? &w.w : NULL, eps, out, rows, dim);
+        for (int64_t r = 0; r < rows; r++) {
+            double ss = 0;
+            for (int64_t i = 0; i < dim; i++) ss += (double)x[r * dim + i] * x[r * dim + i];
+            const double scale = 1.0 / sqrt(ss / dim + eps);
+            /* float: mean -> float, + eps, sqrtf, 1/, x*scale, *w: <= 6 roundings */
+            for (int64_t i = 0; i < dim; i++) {
+                const double want = x[r * dim + i] * scale * (weighted ? wsrc[i] : 1.0);
+                CHECK_NEAR(out[r * dim + i], want, 6 * EPS32 * fabs(want));
+            }
+        }
+    }
+    /* In place (out == x) gives the same numbers. */
+    float *y = fvec(rows * dim);
+    memcpy(y, x, (size_t)(rows * dim) * sizeof *x);
+    be->ops->rmsnorm(be, y, &w.w, eps, y, rows, dim);
+    CHECK(memcmp(y, out, (size_t)(rows * dim) * sizeof *y) == 0);
+    expect_no_error(be);
+    weight_free(&w);
+    free(x);
+    free(y);
+    free(out);
+    free(wsrc);
+    ds4_backend_destroy(be);
+}
+
+static void test_add_weight_row(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t dim = 32, n = 6, rows = 3;
+    float *src = fvec(dim * n), *x = fvec(rows * dim), *x0 = fvec(rows * dim), *row = fvec(dim);
+    fill_normal(src, dim * n, 1.0);
+    fill_normal(x, rows * dim, 1.0);
+    memcpy(x0, x, (size_t)(rows * dim) * sizeof *x);
+    test_weight tw;
+    weight_make(&tw, "steer", DS4_TYPE_F16, dim, n, src);
+    be->ops->add_weight_row(be, x, &tw.w, 4, rows);
+    weight_row(&tw.w, 4, row);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < dim; i++) CHECK(x[r * dim + i] == x0[r * dim + i] + row[i]);
+    expect_no_error(be);
+    be->ops->add_weight_row(be, x, &tw.w, 6, rows);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    weight_free(&tw);
+    free(src);
+    free(x);
+    free(x0);
+    free(row);
+    ds4_backend_destroy(be);
+}
+
+/* The rounding ops are the scalar primitives applied row by row. */
+static void test_rounding_ops(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t rows = 3, dim = 512, qdim = 128;
+    float *x = fvec(rows * dim), *y = fvec(rows * dim);
+    fill_normal(x, rows * dim, 10.0);
+    memcpy(y, x, (size_t)(rows * dim) * sizeof *x);
+    be->ops->round_f16(be, y, rows * dim);
+    for (int64_t i = 0; i < rows * dim; i++) CHECK(y[i] == ds4_round_f16(x[i]));
+    memcpy(y, x, (size_t)(rows * dim) * sizeof *x);
+    be->ops->round_fp8_kv(be, y, rows, dim, 64);
+    for (int64_t r = 0; r < rows; r++) ds4_fp8_kv_round_row(x + r * dim, dim, 64);
+    CHECK(memcmp(x, y, (size_t)(rows * dim) * sizeof *x) == 0);
+    fill_normal(x, rows * qdim, 1.0);
+    memcpy(y, x, (size_t)(rows * qdim) * sizeof *x);
+    be->ops->indexer_qat(be, y, rows, qdim);
+    for (int64_t r = 0; r < rows; r++) ds4_indexer_qat_row(x + r * qdim, qdim);
+    CHECK(memcmp(x, y, (size_t)(rows * qdim) * sizeof *x) == 0);
+    expect_no_error(be);
+    be->ops->indexer_qat(be, y, 1, 96);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    free(x);
+    free(y);
+    ds4_backend_destroy(be);
+}
+
+/* ------------------------------------------------------------------------ */
+/* matmul                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* The spec's Q8_0 activation quantiser, written out again: per 32 block
+ * d = amax / 127 (float), q = lrint(x * (1/d)), clamp [-128, 127]. Returns
+ * the dequantised activation values d * q (exact in double) and the block d. */
+static void naive_q8_0_act(const float *x, int64_t n, double *xq) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 32; j++) {
+            long q = lrintf(x[b * 32 + j] * id);
+            q = q > 127 ? 127 : q < -128 ? -128 : q;
+            xq[b * 32 + j] = (double)d * (double)q;
+        }
+    }
+}
+
+/* The spec's Q8_K quantiser: per 256 block, m = the first element of largest
+ * |x|, iscale = -127 / m, q = lrint(iscale * x) clamped, d = 1 / iscale. */
+static void naive_q8_K_act(const float *x, int64_t n, double *xq) {
+    for (int64_t b = 0; b < n / 256; b++) {
+        const float *xb = x + b * 256;
+        float amax = 0, m = 0;
+        for (int j = 0; j < 256; j++)
+            if (fabsf(xb[j]) > amax) amax = fabsf(xb[j]), m = xb[j];
+        if (amax == 0) {
+            for (int j = 0; j < 256; j++) xq[b * 256 + j] = 0;
+            continue;
+        }
+        const float iscale = -127.0f / m, d = 1.0f / iscale;
+        for (int j = 0; j < 256; j++) {
+            long q = lrintf(iscale * xb[j]);
+            q = q > 127 ? 127 : q < -128 ? -128 : q;
+            xq[b * 256 + j] = (double)d * (double)q;
+        }
+    }
+}
+
+typedef struct matmul_case {
+    uint32_t type;
+    double ds4_rel_tol; /* DS4 numerics: |err| <= tol * sum_i |w_i| |xq_i| */
+} matmul_case;
+
+/*
+ * DS4-numerics tolerances, relative to S = sum_i |w_i| |x_i| of the exact
+ * product of the dequantised weight and the (same) quantised activations:
+ *   F32/F16/BF16: float sums in 8 lanes of n/8 = 64 terms: (64 + 4) * 2^-24 = 4e-6.
+ *   Q8_0: per block f16(d_w) * d_x rounded, times an exact integer sum, then
+ *     a float sum over 16 blocks: (16 + 3) * 2^-24 = 1.1e-6; 2e-6 allowed.
+ *   Q2_K..Q6_K, IQ2_XXS: ggml's integer sub-block sums scaled in float, and
+ *     the dequantiser's own float products (d * scale, dmin * min) that
+ *     the dot forms in another order: ~3 roundings per sub-block (16 per
+ *     super-block) plus the block sum, and the Q2_K/Q4_K/Q5_K min terms
+ *     cancel against the scale terms, so their rounding is relative to the
+ *     larger sum over |d sc q| + |dmin m| (up to ~2x S): 50 * 2^-24 * 2 S = 6e-6,
+ *     1e-5 allowed.
+ * Measured worst |err| / S over 100 seeds: 6e-8 (every type, DS4 numerics)
+ * and 1.3e-8 (REFERENCE, i.e. the final rounding to float).
+ */
+static const matmul_case MATMUL_CASES[] = {
+    { DS4_TYPE_F32, 5e-6 },  { DS4_TYPE_F16, 5e-6 },  { DS4_TYPE_BF16, 5e-6 },
+    { DS4_TYPE_Q8_0, 2e-6 }, { DS4_TYPE_Q2_K, 1e-5 }, { DS4_TYPE_Q4_K, 1e-5 },
+    { DS4_TYPE_Q5_K, 1e-5 }, { DS4_TYPE_Q6_K, 1e-5 }, { DS4_TYPE_IQ2_XXS, 1e-5 },
+};
+
+static void test_matmul_types(void) {
+    const int64_t n_in = 512, total_rows = 45, row0 = 3, n_out = 37, n_rows = 3;
+    const int64_t x_stride = n_in + 5, out_stride = n_out + 2;
+    ds4_backend *be1 = new_backend(1), *be2 = new_backend(2), *be3 = new_backend(3);
+    float *src = fvec(n_in * total_rows), *x = fvec(n_rows * x_stride), *wrow = fvec(n_in);
+    float *out = fvec(n_rows * out_stride), *out2 = fvec(n_rows * out_stride), *out3 = fvec(n_rows * out_stride);
+    double *xq = dvec(n_in);
+    fill_normal(src, n_in * total_rows, 0.05);
+    fill_normal(x, n_rows * x_stride, 1.0);
+    for (size_t c = 0; c < sizeof MATMUL_CASES / sizeof MATMUL_CASES[0]; c++) {
+        const matmul_case *mc = &MATMUL_CASES[c];
+        test_weight tw;
+        weight_make(&tw, ds4_type_name(mc->type), mc->type, n_in, total_rows, src);
+        for (int num = 0; num < 2; num++) {
+            const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+            for (int64_t i = 0; i < n_rows * out_stride; i++) out[i] = out2[i] = out3[i] = -7.0f;
+            be1->ops->matmul(be1, &tw.w, row0, n_out, x, x_stride, out, out_stride, n_rows, nm);
+            be2->ops->matmul(be2, &tw.w, row0, n_out, x, x_stride, out2, out_stride, n_rows, nm);
+            be3->ops->matmul(be3, &tw.w, row0, n_out, x, x_stride, out3, out_stride, n_rows, nm);
+            expect_no_error(be1);
+            expect_no_error(be2);
+            expect_no_error(be3);
+            /* Any thread count gives the same bits; padding is untouched. */
+            CHECK_MSG(memcmp(out, out2, (size_t)(n_rows * out_stride) * sizeof *out) == 0, "%s", tw.w.name);
+            CHECK_MSG(memcmp(out, out3, (size_t)(n_rows * out_stride) * sizeof *out) == 0, "%s", tw.w.name);
+            double worst = 0;
+            for (int64_t r = 0; r < n_rows; r++) {
+                CHECK(out[r * out_stride + n_out] == -7.0f && out[r * out_stride + n_out + 1] == -7.0f);
+                const float *xr = x + r * x_stride;
+                if (nm == DS4_NUMERICS_REFERENCE) {
+                    for (int64_t i = 0; i < n_in; i++) xq[i] = xr[i];
+                } else if (mc->type == DS4_TYPE_Q8_0) {
+                    naive_q8_0_act(xr, n_in, xq);
+                } else if (mc->type == DS4_TYPE_F32 || mc->type == DS4_TYPE_F16 || mc->type == DS4_TYPE_BF16) {
+                    for (int64_t i = 0; i < n_in; i++) xq[i] = xr[i];
+                } else {
+                    naive_q8_K_act(xr, n_in, xq);
+                }
+                for (int64_t o = 0; o < n_out; o++) {
+                    weight_row(&tw.w, row0 + o, wrow);
+                    double want = 0, S = 0;
+                    for (int64_t i = 0; i < n_in; i++) {
+                        want += (double)wrow[i] * xq[i];
+                        S += fabs((double)wrow[i] * xq[i]);
+                    }
+                    /* REFERENCE: exact float64 sum of exact products, rounded to
+                     * float once: half an ulp of the result, plus float64 noise. */
+                    const double tol =
+                        nm == DS4_NUMERICS_REFERENCE ? EPS32 * fabs(want) + 1e-13 * S : mc->ds4_rel_tol * S;
+                    const double got = out[r * out_stride + o];
+                    CHECK_MSG(fabs(got - want) <= tol, "%s %s row %lld out %lld: %.9g vs %.9g (tol %.3g)", tw.w.name,
+                              num ? "reference" : "ds4", (long long)r, (long long)o, got, want, tol);
+                    if (S > 0) worst = fmax(worst, fabs(got - want) / S);
+                }
+            }
+            if (getenv("DS4_TEST_VERBOSE"))
+                fprintf(stderr, "  %-8s %-9s worst |err| / sum|w x| = %.3g\n", tw.w.name, num ? "reference" : "ds4",
+                        worst);
+        }
+        weight_free(&tw);
+    }
+    free(src);
+    free(x);
+    free(wrow);
+    free(out);
+    free(out2);
+    free(out3);
+    free(xq);
+    ds4_backend_destroy(be1);
+    ds4_backend_destroy(be2);
+    ds4_backend_destroy(be3);
+}
+
+/* DS4's Q8_0 activation rounding is half-to-even (lrint), unlike the
+ * weight quantiser's half-away: with block amax 127 the scale is exactly 1,
+ * so x = 2.5, -3.5, 0.5 sit on ties. Weight row j is the one-hot e_j with
+ * d = 1, so out[j] = q_j. */
+static void test_matmul_q8_0_ties(void) {
+    ds4_backend *be = new_backend(1);
+    ds4_block_q8_0 w[32];
+    memset(w, 0, sizeof w);
+    for (int j = 0; j < 32; j++) {
+        w[j].d = ds4_f32_to_f16(1.0f);
+        w[j].qs[j] = 1;
+    }
+    ds4_weight wt = { "onehot", DS4_TYPE_Q8_0, { 32, 32, 1, 1 }, 34, w, NULL };
+    float x[32] = { 127.0f, 2.5f, -3.5f, 0.5f, 1.5f, -0.5f, 126.5f, 3.4f, -127.0f }, out[32];
+    be->ops->matmul(be, &wt, 0, 32, x, 32, out, 32, 1, DS4_NUMERICS_DS4);
+    const float want[9] = { 127, 2, -4, 0, 2, -0.0f, 126, 3, -127 };
+    for (int j = 0; j < 9; j++) CHECK_MSG(out[j] == want[j], "x %g -> q %g", x[j], out[j]);
+    expect_no_error(be);
+    ds4_backend_destroy(be);
+}
+
+/* The F16 weight path converts halves with its own bit trick: every finite
+ * half (all 63488 of them, subnormals included) must come out exactly as the
+ * reference converter gives it. W is 31 rows of 2048 halves; x row j is the
+ * one-hot e_j, so out[j][o] = W[o][j] exactly. */
+static void test_matmul_f16_all_values(void) {
+    ds4_backend *be = new_backend(2);
+    const int64_t n_in = 2048, n_w = 31;
+    uint16_t *h = malloc((size_t)(n_in * n_w) * sizeof *h);
+    float *x = fvec(n_in * n_in), *out = fvec(n_in * n_w);
+    int64_t k = 0;
+    for (uint32_t bits = 0; bits < 65536; bits++)
+        if ((bits & 0x7c00u) != 0x7c00u) h[k++] = (uint16_t)bits;
+    CHECK(k == n_in * n_w);
+    for (int64_t j = 0; j < n_in; j++) x[j * n_in + j] = 1.0f;
+    ds4_weight w = { "f16", DS4_TYPE_F16, { n_in, n_w, 1, 1 }, n_in * 2, h, NULL };
+    for (int num = 0; num < 2; num++) {
+        be->ops->matmul(be, &w, 0, n_w, x, n_in, out, n_w, n_in, num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4);
+        int bad = 0;
+        for (int64_t j = 0; j < n_in; j++)
+            for (int64_t o = 0; o < n_w; o++) {
+                const float want = ds4_f16_to_f32(h[o * n_in + j]), got = out[j * n_w + o];
+                /* +-0 products sum to +0, so compare values (0 == -0) */
+                bad += !(got == want);
+            }
+        CHECK_EQ_INT(bad, 0);
+    }
+    /* inf and NaN weights propagate. */
+    uint16_t special[2] = { 0x7c00u, 0x7e00u };
+    float one = 1.0f, y[2];
+    ds4_weight ws = { "f16-special", DS4_TYPE_F16, { 1, 2, 1, 1 }, 2, special, NULL };
+    be->ops->matmul(be, &ws, 0, 2, &one, 1, y, 2, 1, DS4_NUMERICS_DS4);
+    CHECK(isinf(y[0]) && y[0] > 0 && isnan(y[1]));
+    expect_no_error(be);
+    free(h);
+    free(x);
+    free(out);
+    ds4_backend_destroy(be);
+}
+
+/* ------------------------------------------------------------------------ */
+/* RoPE                                                                      */
+/* ------------------------------------------------------------------------ */
+
+static double naive_rope_theta(const ds4_rope *rope, double p, int k) {
+    const double theta = p * pow(rope->base, -2.0 * k / rope->n_rot);
+    if (rope->factor <= 1.0f) return theta;
+    const double y = fmin(1.0, fmax(0.0, (k - rope->yarn_lo) / fmax(0.001, rope->yarn_hi - rope->yarn_lo)));
+    const double ramp = 1.0 - y;
+    return theta / rope->factor * (1.0 - ramp) + theta * ramp;
+}
+
+static void test_rope(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t rows = 3, heads = 4, hd = 96;
+    const int32_t pos[3] = { 0, 5, 70000 };
+    const ds4_rope ropes[2] = { { 64, 10000.0f, 1.0f, 0, 0 }, { 64, 160000.0f, 16.0f, 15.0f, 25.0f } };
+    float *x = fvec(rows * heads * hd), *y = fvec(rows * heads * hd);
+    for (int ri = 0; ri < 2; ri++) {
+        const ds4_rope *rope = &ropes[ri];
+        fill_normal(x, rows * heads * hd, 1.0);
+        memcpy(y, x, (size_t)(rows * heads * hd) * sizeof *x);
+        be->ops->rope_tail(be, y, rows, heads, hd, pos, rope, false);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < heads; h++) {
+                const float *xs = x + (r * heads + h) * hd, *ys = y + (r * heads + h) * hd;
+                CHECK(memcmp(xs, ys, (size_t)(hd - 64) * sizeof *xs) == 0); /* head start untouched */
+                for (int k = 0; k < 32; k++) {
+                    const double t = naive_rope_theta(rope, pos[r], k), c = cos(t), s = sin(t);
+                    const double x0 = xs[hd - 64 + 2 * k], x1 = xs[hd - 64 + 2 * k + 1];
+                    /* cos/sin rounded to float, two products and a sum: 4 roundings */
+                    const double tol = 4 * EPS32 * (fabs(x0) + fabs(x1));
+                    CHECK_NEAR(ys[hd - 64 + 2 * k], x0 * c - x1 * s, tol);
+                    CHECK_NEAR(ys[hd - 64 + 2 * k + 1], x0 * s + x1 * c, tol);
+                }
+            }
+        /* The inverse undoes it (rotation then counter-rotation: ~8 roundings). */
+        be->ops->rope_tail(be, y, rows, heads, hd, pos, rope, true);
+        for (int64_t i = 0; i < rows * heads * hd; i++) CHECK_NEAR(y[i], x[i], 8 * EPS32 * (fabs(x[i]) + 2.0));
+    }
+    /* Known angle: position 1, pair 0 rotates by exactly 1 radian; pair 16 of
+     * base 10000 (n_rot 64) by 10000^-0.5 = 0.01. */
+    float v[64] = { 0 };
+    v[0] = 1.0f;
+    v[32] = 1.0f;
+    const int32_t p1 = 1;
+    be->ops->rope_tail(be, v, 1, 1, 64, &p1, &ropes[0], false);
+    CHECK_NEAR(v[0], cos(1.0), 1e-7);
+    CHECK_NEAR(v[1], sin(1.0), 1e-7);
+    CHECK_NEAR(v[32], cos(0.01), 1e-7);
+    CHECK_NEAR(v[33], sin(0.01), 1e-7);
+    /* YaRN ramp: pairs <= lo keep theta, pairs >= hi use theta / factor, pair
+     * 20 (halfway) uses the mean of the two. Unit vectors read cos/sin. */
+    const int32_t p = 1000;
+    for (int k = 0; k < 32; k++) {
+        float u[64] = { 0 };
+        u[2 * k] = 1.0f;
+        be->ops->rope_tail(be, u, 1, 1, 64, &p, &ropes[1], false);
+        const double theta = p * pow(160000.0, -2.0 * k / 64);
+        const double want = k <= 15 ? theta : k >= 25 ? theta / 16 : (k == 20 ? (theta + theta / 16) / 2 : NAN);
+        if (!isnan(want)) {
+            CHECK_NEAR(u[2 * k], cos(want), 1e-7);
+            CHECK_NEAR(u[2 * k + 1], sin(want), 1e-7);
+        }
+    }
+    expect_no_error(be);
+    free(x);
+    free(y);
+    ds4_backend_destroy(be);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Hyper-connections                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct hc_weights {
+    test_weight fn, scale, base;
+} hc_weights;
+
+static void hc_weights_make(hc_weights *w, int n_hc, int64_t dim, int64_t n_mix, int64_t n_scale) {
+    float *fn = fvec(n_hc * dim * n_mix), sc[3], *base = fvec(n_mix);
+    fill_normal(fn, n_hc * dim * n_mix, 0.05);
+    for (int i = 0; i < 3; i++) sc[i] = (float)(0.5 + test_rand_uniform());
+    fill_normal(base, n_mix, 0.5);
+    weight_make(&w->fn, "hc_fn", DS4_TYPE_F16, n_hc * dim, n_mix, fn);
+    weight_make(&w->scale, "hc_scale", DS4_TYPE_F32, n_scale, 1, sc);
+    weight_make(&w->base, "hc_base", DS4_TYPE_F32, n_mix, 1, base);
+    free(fn);
+    free(base);
+}
+
+static void hc_weights_free(hc_weights *w) {
+    weight_free(&w->fn);
+    weight_free(&w->scale);
+    weight_free(&w->base);
+}
+
+/* mix = fn . plain_rmsnorm(X) in float64; S[k] = sum |fn_kj f_j| */
+static void naive_hc_mix(const ds4_hc *hc, const float *X, const ds4_weight *fn, int64_t n_mix, double *mix,
+                         double *S) {
+    const int64_t n = hc->n_hc * hc->dim;
+    float *row = fvec(n);
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)X[i] * X[i];
+    const double scale = 1.0 / sqrt(ss / n + hc->norm_eps);
+    for (int64_t k = 0; k < n_mix; k++) {
+        weight_row(fn, k, row);
+        mix[k] = 0;
+        S[k] = 0;
+        for (int64_t i = 0; i < n; i++) {
+            mix[k] += row[i] * X[i] * scale;
+            S[k] += fabs(row[i] * X[i] * scale);
+        }
+    }
+    free(row);
+}
+
+static void hc_pre_case(const ds4_hc *hcp);
+
+/* iters 1 and 2 make the order and count of the normalisations visible (20
+ * rounds converge, so an off-by-one there would not show). */
+static void test_hc_pre(void) {
+    for (int iters = 1; iters <= 20; iters += iters == 1 ? 1 : 18) {
+        const ds4_hc hc = { 4, 64, iters, 1e-6f, 1e-6f };
+        hc_pre_case(&hc);
+    }
+}
+
+static void hc_pre_case(const ds4_hc *hcp) {
+    ds4_backend *be = new_backend(2);
+    const ds4_hc hc = *hcp;
+    const int n = hc.n_hc;
+    const int64_t rows = 3, n_mix = (2 + n) * n, hc_dim = n * hc.dim;
+    hc_weights w;
+    hc_weights_make(&w, n, hc.dim, n_mix, 3);
+    const float *sc = w.scale.w.host, *base = w.base.w.host;
+    float *X = fvec(rows * hc_dim), *x_out = fvec(rows * hc.dim), *post = fvec(rows * n), *comb = fvec(rows * n * n);
+    fill_normal(X, rows * hc_dim, 2.0);
+    be->ops->hc_pre(be, &hc, X, &w.fn.w, &w.scale.w, &w.base.w, x_out, post, comb, rows);
+    expect_no_error(be);
+    double mix[24], S[24];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *Xr = X + r * hc_dim;
+        naive_hc_mix(&hc, Xr, &w.fn.w, n_mix, mix, S);
+        double pre[4], pst[4], C[4][4];
+        for (int s = 0; s < n; s++) {
+            pre[s] = sigmoid_d(mix[s] * sc[0] + base[s]) + hc.eps;
+            pst[s] = 2 * sigmoid_d(mix[n + s] * sc[1] + base[n + s]);
+        }
+        for (int i = 0; i < n; i++) {
+            double m = -INFINITY, sum = 0;
+            for (int j = 0; j < n; j++) m = fmax(m, C[i][j] = mix[2 * n + i * n + j] * sc[2] + base[2 * n + i * n + j]);
+            for (int j = 0; j < n; j++) sum += (C[i][j] = exp(C[i][j] - m));
+            for (int j = 0; j < n; j++) C[i][j] = C[i][j] / sum + hc.eps;
+        }
+        for (int it = 0; it < hc.iters; it++) {
+            for (int i = 0; i < n && it > 0; i++) {
+                double sum = 0;
+                for (int j = 0; j < n; j++) sum += C[i][j];
+                for (int j = 0; j < n; j++) C[i][j] /= sum + hc.eps;
+            }
+            for (int j = 0; j < n; j++) {
+                double sum = 0;
+                for (int i = 0; i < n; i++) sum += C[i][j];
+                for (int i = 0; i < n; i++) C[i][j] /= sum + hc.eps;
+            }
+        }
+        /* The mix carries the F16 matmul's float error, <= 36 * 2^-24 * S_k
+         * (256-term sums in 8 lanes); through sigmoid (slope <= 1/4) and the
+         * scales (<= 1.5) into pre/post, and through softmax and 20
+         * contractive normalisations into C. 1e-5 absolute covers that plus
+         * ~40 float roundings on O(1) values (measured: below 3e-7 over 40 seeds). */
+        for (int s = 0; s < n; s++) {
+            CHECK_NEAR(post[r * n + s], pst[s], 1e-5);
+            for (int d = 0; d < n; d++) CHECK_NEAR(comb[r * n * n + s * n + d], C[s][d], 1e-5);
+        }
+        /* Sinkhorn: columns were normalised last (sum = 1 - O(eps)); rows
+         * converge after 20 rounds to within ~1e-3 for logits of this size. */
+        for (int i = 0; i < n; i++) {
+            double rs = 0, cs = 0;
+            for (int j = 0; j < n; j++) rs += comb[r * n * n + i * n + j], cs += comb[r * n * n + j * n + i];
+            CHECK_NEAR(cs, 1.0, 1e-5);
+            if (hc.iters == 20) CHECK_NEAR(rs, 1.0, 1e-3);
+        }
+        for (int64_t i = 0; i < hc.dim; i++) {
+            double want = 0, mag = 0;
+            for (int s = 0; s < n; s++) want += pre[s] * Xr[s * hc.dim + i], mag += fabs(Xr[s * hc.dim + i]);
+            CHECK_NEAR(x_out[r * hc.dim + i], want, 1e-5 * mag);
+        }
+    }
+    hc_weights_free(&w);
+    free(X);
+    free(x_out);
+    free(post);
+    free(comb);
+    ds4_backend_destroy(be);
+}
+
+static void test_hc_post(void) {
+    ds4_backend *be = new_backend(1);
+    const ds4_hc hc = { 4, 100, 20, 1e-6f, 1e-6f };
+    const int n = hc.n_hc;
+    const int64_t rows = 2, dim = hc.dim;
+    float *y = fvec(rows * dim), *X = fvec(rows * n * dim), *post = fvec(rows * n), *comb = fvec(rows * n * n);
+    float *out = fvec(rows * n * dim);
+    fill_normal(y, rows * dim, 1.0);
+    fill_normal(X, rows * n * dim, 1.0);
+    fill_normal(post, rows * n, 1.0);
+    fill_normal(comb, rows * n * n, 1.0);
+    be->ops->hc_post(be, &hc, y, X, post, comb, out, rows);
+    for (int64_t r = 0; r < rows; r++)
+        for (int d = 0; d < n; d++)
+            for (int64_t i = 0; i < dim; i++) {
+                double want = (double)post[r * n + d] * y[r * dim + i], mag = fabs(want);
+                for (int s = 0; s < n; s++) {
+                    const double t = (double)comb[r * n * n + s * n + d] * X[(r * n + s) * dim + i];
+                    want += t;
+                    mag += fabs(t);
+                }
+                /* 5 products and 4 sums in float */
+                CHECK_NEAR(out[(r * n + d) * dim + i], want, 9 * EPS32 * mag);
+            }
+    expect_no_error(be);
+    free(y);
+    free(X);
+    free(post);
+    free(comb);
+    free(out);
+    ds4_backend_destroy(be);
+}
+
+static void test_hc_head(void) {
+    ds4_backend *be = new_backend(2);
+    const ds4_hc hc = { 4, 64, 20, 1e-6f, 1e-6f };
+    const int n = hc.n_hc;
+    const int64_t rows = 2, hc_dim = n * hc.dim;
+    hc_weights w;
+    hc_weights_make(&w, n, hc.dim, n, 1);
+    float *X = fvec(rows * hc_dim), *out = fvec(rows * hc.dim);
+    fill_normal(X, rows * hc_dim, 1.5);
+    be->ops->hc_head(be, &hc, X, &w.fn.w, &w.scale.w, &w.base.w, out, rows);
+    expect_no_error(be);
+    const float *sc = w.scale.w.host, *base = w.base.w.host;
+    for (int64_t r = 0; r < rows; r++) {
+        double mix[4], S[4], wt[4];
+        naive_hc_mix(&hc, X + r * hc_dim, &w.fn.w, n, mix, S);
+        for (int s = 0; s < n; s++) wt[s] = sigmoid_d(mix[s] * sc[0] + base[s]) + hc.eps;
+        for (int64_t i = 0; i < hc.dim; i++) {
+            double want = 0, mag = 0;
+            for (int s = 0; s < n; s++) {
+                const double v = X[r * hc_dim + s * hc.dim + i];
+                want += wt[s] * v;
+                mag += fabs(v);
+            }
+            /* weights within ~1e-6 (see hc_pre), then 4 products and sums */
+            CHECK_NEAR(out[r * hc.dim + i], want, 1e-5 * mag);
+        }
+    }
+    hc_weights_free(&w);
+    free(X);
+    free(out);
+    ds4_backend_destroy(be);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Attention, compressor, indexer                                            */
+/* ------------------------------------------------------------------------ */
+
+static void naive_attention(const float *q, int64_t n_heads, int64_t dim, const float **rows, int64_t n,
+                            const float *sinks, double *out, double *mag) {
+    double *s = dvec(n);
+    for (int64_t h = 0; h < n_heads; h++) {
+        double m = sinks[h];
+        for (int64_t r = 0; r < n; r++) {
+            double d = 0;
+            for (int64_t i = 0; i < dim; i++) d += (double)q[h * dim + i] * rows[r][i];
+            s[r] = d / sqrt((double)dim);
+            m = fmax(m, s[r]);
+        }
+        double den = exp(sinks[h] - m);
+        for (int64_t r = 0; r < n; r++) den += exp(s[r] - m);
+        for (int64_t i = 0; i < dim; i++) {
+            double o = 0, a = 0;
+            for (int64_t r = 0; r < n; r++) o += exp(s[r] - m) / den * rows[r][i], a += fabs(rows[r][i]);
+            out[h * dim + i] = o;
+            mag[h * dim + i] = a;
+        }
+    }
+    free(s);
+}
+
+static void test_attention(void) {
+    ds4_backend *be1 = new_backend(1), *be2 = new_backend(2);
+    const int64_t heads = 5, dim = 64, n_a = 6, n_rows_b = 9;
+    float *q = fvec(heads * dim), *a = fvec(n_a * dim), *b = fvec(n_rows_b * dim), sinks[5];
+    float *out = fvec(heads * dim), *out2 = fvec(heads * dim);
+    double *want = dvec(heads * dim), *mag = dvec(heads * dim);
+    fill_normal(q, heads * dim, 1.0);
+    fill_normal(a, n_a * dim, 1.0);
+    fill_normal(b, n_rows_b * dim, 1.0);
+    fill_normal(sinks, heads, 2.0);
+    sinks[1] = 40.0f;      /* a dominant sink: almost no weight left for the rows */
+    sinks[2] = -INFINITY; /* no sink: a plain softmax */
+    test_weight ws;
+    weight_make(&ws, "attn_sinks", DS4_TYPE_F32, heads, 1, sinks);
+    const int32_t idx[4] = { 8, 0, 3, 3 };
+    for (int variant = 0; variant < 3; variant++) {
+        const int32_t *ib = variant == 0 ? idx : NULL;
+        const int64_t nb = variant == 0 ? 4 : variant == 1 ? 2 : 0;
+        const float *rows[16];
+        int64_t n = 0;
+        for (int64_t r = 0; r < n_a; r++) rows[n++] = a + r * dim;
+        for (int64_t r = 0; r < nb; r++) rows[n++] = b + (ib ? ib[r] : r) * dim;
+        be1->ops->attention(be1, q, heads, dim, a, n_a, b, ib, nb, &ws.w, out);
+        be2->ops->attention(be2, q, heads, dim, a, n_a, b, ib, nb, &ws.w, out2);
+        CHECK(memcmp(out, out2, (size_t)(heads * dim) * sizeof *out) == 0);
+        naive_attention(q, heads, dim, rows, n, sinks, want, mag);
+        /* Scores: float dots of 64 terms (error ~ 12 * 2^-24 * |q||k| ~ 1e-5
+         * absolute here), then exp (relative error = absolute score error),
+         * then a weighted sum of rows: 2e-5 of the rows' magnitude. */
+        for (int64_t i = 0; i < heads * dim; i++) CHECK_NEAR(out[i], want[i], 2e-5 * mag[i] + 1e-30);
+    }
+    expect_no_error(be1);
+    expect_no_error(be2);
+    weight_free(&ws);
+    free(q);
+    free(a);
+    free(b);
+    free(out);
+    free(out2);
+    free(want);
+    free(mag);
+    ds4_backend_destroy(be1);
+    ds4_backend_destroy(be2);
+}
+
+static void test_compressor_pool(void) {
+    ds4_backend *be = new_backend(1);
+    const int ratios[2] = { 4, 128 };
+    for (int t = 0; t < 2; t++) {
+        const int ratio = ratios[t];
+        const int64_t dim = 16, width = ratio == 4 ? 2 * dim : dim, n_state = ratio == 4 ? 8 : ratio;
+        float *kv = fvec(n_state * width), *sc = fvec(n_state * width), *out = fvec(dim);
+        fill_normal(kv, n_state * width, 1.0);
+        fill_normal(sc, n_state * width, 2.0);
+        /* dim 0: every candidate -inf -> 0; dim 1: all but one -inf */
+        for (int64_t r = 0; r < n_state; r++) {
+            sc[r * width + 0] = -INFINITY;
+            sc[r * width + 1] = -INFINITY;
+            if (ratio == 4) sc[r * width + dim + 0] = sc[r * width + dim + 1] = -INFINITY;
+        }
+        if (ratio == 4) sc[5 * width + dim + 1] = 0.3f;
+        else sc[77 * width + 1] = 0.3f;
+        be->ops->compressor_pool(be, kv, sc, ratio, dim, out);
+        for (int64_t j = 0; j < dim; j++) {
+            double m = -INFINITY, den = 0, num = 0, mag = 0;
+            for (int r = 0; r < (ratio == 4 ? 8 : ratio); r++) {
+                const int64_t at = ratio == 4 ? (r < 4 ? r * width + j : r * width + dim + j) : r * width + j;
+                m = fmax(m, sc[at]);
+            }
+            for (int r = 0; r < (ratio == 4 ? 8 : ratio); r++) {
+                const int64_t at = ratio == 4 ? (r < 4 ? r * width + j : r * width + dim + j) : r * width + j;
+                const double e = m == -INFINITY ? 0 : exp(sc[at] - m);
+                den += e;
+                num += e * kv[at];
+                mag += fabs(kv[at]);
+            }
+            const double want = den > 0 ? num / den : 0;
+            if (j == 0) CHECK(out[j] == 0.0f);
+            if (j == 1) CHECK(out[j] == kv[ratio == 4 ? 5 * width + dim + 1 : 77 * width + 1]);
+            /* float exps (~2 ulps each) and sums of up to 128 terms */
+            CHECK_NEAR(out[j], want, (ratio + 4) * EPS32 * mag);
+        }
+        free(kv);
+        free(sc);
+        free(out);
+    }
+    expect_no_error(be);
+    ds4_backend_destroy(be);
+}
+
+static void test_indexer_scores(void) {
+    ds4_backend *be1 = new_backend(1), *be2 = new_backend(2);
+    const int64_t heads = 8, dim = 128, n_keys = 300;
+    float *q = fvec(heads * dim), *w = fvec(heads), *keys = fvec(n_keys * dim);
+    float *s1 = fvec(n_keys), *s2 = fvec(n_keys);
+    fill_normal(q, heads * dim, 1.0);
+    fill_normal(w, heads, 1.0);
+    fill_normal(keys, n_keys * dim, 1.0);
+    be1->ops->indexer_scores(be1, q, w, heads, dim, keys, n_keys, s1);
+    be2->ops->indexer_scores(be2, q, w, heads, dim, keys, n_keys, s2);
+    CHECK(memcmp(s1, s2, (size_t)n_keys * sizeof *s1) == 0);
+    for (int64_t c = 0; c < n_keys; c++) {
+        double want = 0, mag = 0;
+        for (int64_t h = 0; h < heads; h++) {
+            double d = 0, dm = 0;
+            for (int64_t i = 0; i < dim; i++) {
+                const double p = (double)q[h * dim + i] * keys[c * dim + i];
+                d += p;
+                dm += fabs(p);
+            }
+            want += fmax(d, 0.0) * w[h];
+            mag += dm * fabs(w[h]);
+        }
+        /* 128-term float dots (16 per lane + 4), then 8 products and sums */
+        CHECK_NEAR(s1[c], want, 30 * EPS32 * mag);
+    }
+    expect_no_error(be1);
+    free(q);
+    free(w);
+    free(keys);
+    free(s1);
+    free(s2);
+    ds4_backend_destroy(be1);
+    ds4_backend_destroy(be2);
+}
+
+/* Naive top-k: repeated arg-max with a strict '>' (lowest index wins ties). */
+static void naive_top_k(const float *s, int64_t n, int64_t k, int32_t *idx) {
+    char *taken = calloc((size_t)n + 1, 1);
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++) {
+            if (taken[i]) continue;
+            const float si = isnan(s[i]) ? -INFINITY : s[i];
+            if (best < 0 || si > (isnan(s[best]) ? -INFINITY : s[best])) best = i;
+        }
+        idx[j] = (int32_t)best;
+        if (best >= 0) taken[best] = 1;
+    }
+    free(taken);
+}
+
+static void test_top_k(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t n = 1000;
+    float *s = fvec(n);
+    int32_t *got = calloc(n + 10, sizeof *got), *want = calloc(n + 10, sizeof *want);
+    for (int trial = 0; trial < 4; trial++) {
+        /* Many ties: integer scores 0..9 (trial 0..1), or continuous. */
+        for (int64_t i = 0; i < n; i++) s[i] = trial < 2 ? (float)(test_rand_u64() % 10) : (float)test_rand_normal();
+        if (trial == 1) s[17] = NAN, s[500] = -INFINITY, s[3] = INFINITY;
+        const int64_t ks[] = { 0, 1, 7, 100, 999, 1000 };
+        for (size_t t = 0; t < sizeof ks / sizeof ks[0]; t++) {
+            be->ops->top_k(be, s, n, ks[t], got);
+            naive_top_k(s, n, ks[t], want);
+            CHECK_MSG(memcmp(got, want, (size_t)ks[t] * sizeof *got) == 0, "trial %d k %lld", trial, (long long)ks[t]);
+        }
+    }
+    /* k > n: the rest is -1. */
+    const float few[3] = { 1.0f, 2.0f, 2.0f };
+    int32_t idx[5];
+    be->ops->top_k(be, few, 3, 5, idx);
+    CHECK(idx[0] == 1 && idx[1] == 2 && idx[2] == 0 && idx[3] == -1 && idx[4] == -1);
+    expect_no_error(be);
+    free(s);
+    free(got);
+    free(want);
+    ds4_backend_destroy(be);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Router, SwiGLU, MoE                                                       */
+/* ------------------------------------------------------------------------ */
+
+static double softplus_d(double x) { return x > 20 ? x : x < -20 ? exp(x) : log1p(exp(x)); }
+
+static void test_router(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t n_exp = 64;
+    const int n_used = 6;
+    float logits[64], bias_v[64];
+    fill_normal(logits, n_exp, 3.0);
+    fill_normal(bias_v, n_exp, 0.2);
+    logits[10] = 25.0f;  /* softplus branch x > 20 */
+    logits[11] = -25.0f; /* branch x < -20 */
+    /* an exact tie between experts 40 and 41 at the top: 40 must come first */
+    logits[40] = logits[41] = 30.0f;
+    bias_v[40] = bias_v[41] = 1.0f;
+    test_weight bias;
+    weight_make(&bias, "exp_probs_b", DS4_TYPE_F32, n_exp, 1, bias_v);
+    double prob[64];
+    for (int e = 0; e < n_exp; e++) prob[e] = sqrt(softplus_d(logits[e]));
+    int32_t sel[6];
+    float wts[6];
+    for (int mode = 0; mode < 4; mode++) {
+        const bool use_bias = mode == 0 || mode == 3, normalise = mode != 2, hashed = mode == 3;
+        const int32_t hash[6] = { 5, 63, 0, 5, 12, 40 };
+        be->ops->router(be, logits, n_exp, use_bias ? &bias.w : NULL, hashed ? hash : NULL, n_used, normalise, 1.5f,
+                        sel, wts);
+        int32_t want_sel[6];
+        if (hashed) {
+            memcpy(want_sel, hash, sizeof want_sel);
+        } else {
+            float key[64];
+            for (int e = 0; e < n_exp; e++) key[e] = (float)(prob[e] + (use_bias ? bias_v[e] : 0.0));
+            naive_top_k(key, n_exp, n_used, want_sel);
+        }
+        CHECK(memcmp(sel, want_sel, sizeof sel) == 0);
+        if (!hashed) CHECK(sel[0] == 40 && sel[1] == 41);
+        double sum = 0;
+        for (int k = 0; k < n_used; k++) sum += prob[want_sel[k]];
+        for (int k = 0; k < n_used; k++) {
+            const double p = prob[want_sel[k]];
+            const double want = normalise ? p / fmax(sum, 6.103515625e-5) * 1.5 : p * 1.5;
+            CHECK_NEAR(wts[k], want, 8 * EPS32 * fabs(want)); /* softplus, sqrt, sum, divide, scale */
+        }
+    }
+    /* Tiny probabilities: the sum is floored at 6.103515625e-5. */
+    float low[64];
+    for (int e = 0; e < n_exp; e++) low[e] = -30.0f - (float)e * 0.01f;
+    be->ops->router(be, low, n_exp, NULL, NULL, n_used, true, 1.0f, sel, wts);
+    for (int k = 0; k < n_used; k++) {
+        CHECK(sel[k] == k);
+        CHECK_NEAR(wts[k], sqrt(exp(low[k])) / 6.103515625e-5, 8 * EPS32 * wts[k]);
+    }
+    const int32_t bad_hash[6] = { 0, 1, 2, 3, 4, 64 };
+    be->ops->router(be, logits, n_exp, NULL, bad_hash, n_used, true, 1.5f, sel, wts);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    expect_no_error(be);
+    weight_free(&bias);
+    ds4_backend_destroy(be);
+}
+
+static void test_swiglu(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t n = 200;
+    float *g = fvec(n), *u = fvec(n), *out = fvec(n);
+    fill_normal(g, n, 15.0);
+    fill_normal(u, n, 15.0);
+    g[0] = 50.0f, u[0] = 50.0f;   /* both clamped to 10 */
+    g[1] = -50.0f, u[1] = -50.0f; /* gate has no lower clamp; up clamped to -10 */
+    const float limits[2] = { 10.0f, 0.0f };
+    for (int li = 0; li < 2; li++) {
+        const float limit = limits[li];
+        be->ops->swiglu(be, g, u, limit, 0.75f, out, n);
+        for (int64_t i = 0; i < n; i++) {
+            double gg = g[i], uu = u[i];
+            if (limit > 0) gg = fmin(gg, limit), uu = fmax(-limit, fmin(uu, limit));
+            const double want = silu_d(gg) * uu * 0.75;
+            CHECK_NEAR(out[i], want, 8 * EPS32 * fabs(want) + 1e-37);
+        }
+    }
+    be->ops->swiglu(be, g, u, 10.0f, 1.0f, out, 2);
+    CHECK_NEAR(out[0], silu_d(10.0) * 10.0, 1e-5);
+    CHECK_NEAR(out[1], silu_d(-50.0) * -10.0, 1e-25); /* ~1e-20: the gate was not clamped to -10 */
+    CHECK(fabs(out[1]) < 1e-15);
+    expect_no_error(be);
+    free(g);
+    free(u);
+    free(out);
+    ds4_backend_destroy(be);
+}
+
+typedef struct moe_case {
+    uint32_t gate_type, down_type;
+} moe_case;
+
+static void test_moe(void) {
+    const int64_t dim = 256, n_ff = 512, n_expert = 5;
+    const int n_used = 3;
+    const int32_t sel[3] = { 4, 1, 3 };
+    const float wts[3] = { 0.7f, 0.5f, 0.3f };
+    const float limit = 10.0f;
+    const moe_case cases[] = { { DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K }, { DS4_TYPE_Q4_K, DS4_TYPE_Q4_K },
+                               { DS4_TYPE_Q8_0, DS4_TYPE_F16 } };
+    ds4_backend *be1 = new_backend(1), *be2 = new_backend(2);
+    float *gsrc = fvec(dim * n_ff * n_expert), *usrc = fvec(dim * n_ff * n_expert), *dsrc = fvec(n_ff * dim * n_expert);
+    float *x = fvec(dim), *out = fvec(dim), *out2 = fvec(dim), *g = fvec(n_ff), *u = fvec(n_ff), *mid = fvec(n_ff);
+    float *down_k = fvec(dim), *comp = fvec(dim), *row = fvec(n_ff);
+    double *mid_d = dvec(n_used * n_ff);
+    fill_normal(gsrc, dim * n_ff * n_expert, 0.2);
+    fill_normal(usrc, dim * n_ff * n_expert, 0.2);
+    fill_normal(dsrc, n_ff * dim * n_expert, 0.05);
+    fill_normal(x, dim, 1.0);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        test_weight gate, up, down;
+        weight_make(&gate, "ffn_gate_exps", cases[c].gate_type, dim, n_ff * n_expert, gsrc);
+        weight_make(&up, "ffn_up_exps", cases[c].gate_type, dim, n_ff * n_expert, usrc);
+        weight_make(&down, "ffn_down_exps", cases[c].down_type, n_ff, dim * n_expert, dsrc);
+        gate.w.ne[1] = up.w.ne[1] = n_ff, gate.w.ne[2] = up.w.ne[2] = n_expert;
+        down.w.ne[1] = dim, down.w.ne[2] = n_expert;
+        for (int num = 0; num < 2; num++) {
+            const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+            be1->ops->moe(be1, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out, nm);
+            be2->ops->moe(be2, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out2, nm);
+            expect_no_error(be1);
+            expect_no_error(be2);
+            CHECK(memcmp(out, out2, (size_t)dim * sizeof *out) == 0);
+            /* The same computation composed from the matmul and swiglu ops
+             * (each tested on its own) gives the same bits: this pins the
+             * expert row offsets, the routing weight before the down
+             * projection, and the per-mid quantisation. */
+            for (int64_t i = 0; i < dim; i++) comp[i] = 0.0f;
+            for (int k = 0; k < n_used; k++) {
+                be1->ops->matmul(be1, &gate.w, sel[k] * n_ff, n_ff, x, dim, g, n_ff, 1, nm);
+                be1->ops->matmul(be1, &up.w, sel[k] * n_ff, n_ff, x, dim, u, n_ff, 1, nm);
+                be1->ops->swiglu(be1, g, u, limit, wts[k], mid, n_ff);
+                be1->ops->matmul(be1, &down.w, sel[k] * dim, dim, mid, n_ff, down_k, dim, 1, nm);
+                for (int64_t i = 0; i < dim; i++) comp[i] += down_k[i];
+            }
+            CHECK_MSG(memcmp(out, comp, (size_t)dim * sizeof *out) == 0, "case %zu %s", c, num ? "reference" : "ds4");
+            if (nm != DS4_NUMERICS_REFERENCE) continue;
+            /* REFERENCE against float64 throughout (dequantised weights): the
+             * op rounds g, u (exact sums, rounded once), the float SwiGLU
+             * (~8 roundings), and sums 3 float down dots: 1e-5 of the sum
+             * of |down * mid| terms covers it. */
+            for (int k = 0; k < n_used; k++) {
+                for (int64_t j = 0; j < n_ff; j++) {
+                    double gd = 0, ud = 0;
+                    weight_row(&gate.w, sel[k] * n_ff + j, row);
+                    for (int64_t i = 0; i < dim; i++) gd += (double)row[i] * x[i];
+                    weight_row(&up.w, sel[k] * n_ff + j, row);
+                    for (int64_t i = 0; i < dim; i++) ud += (double)row[i] * x[i];
+                    gd = fmin(gd, limit);
+                    ud = fmax(-limit, fmin(ud, limit));
+                    mid_d[k * n_ff + j] = silu_d(gd) * ud * wts[k];
+                }
+            }
+            for (int64_t o = 0; o < dim; o++) {
+                double want = 0, mag = 0;
+                for (int k = 0; k < n_used; k++) {
+                    weight_row(&down.w, sel[k] * dim + o, row);
+                    for (int64_t j = 0; j < n_ff; j++) {
+                        const double t = row[j] * mid_d[k * n_ff + j];
+                        want += t;
+                        mag += fabs(t);
+                    }
+                }
+                CHECK_NEAR(out[o], want, 1e-5 * mag);
+            }
+        }
+        weight_free(&gate);
+        weight_free(&up);
+        weight_free(&down);
+    }
+    const int32_t bad[3] = { 4, 5, 0 };
+    ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL };
+    ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL };
+    be1->ops->moe(be1, &fake, &fake, &fake_down, x, bad, wts, n_used, limit, out, DS4_NUMERICS_DS4);
+    CHECK(take_error(be1, NULL, 0) == DS4_ERR_INVALID);
+    free(gsrc);
+    free(usrc);
+    free(dsrc);
+    free(x);
+    free(out);
+    free(out2);
+    free(g);
+    free(u);
+    free(mid);
+    free(down_k);
+    free(comp);
+    free(row);
+    free(mid_d);
+    ds4_backend_destroy(be1);
+    ds4_backend_destroy(be2);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Throughput (DS4_BENCH=1)                                                  */
+/* ------------------------------------------------------------------------ */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Random blocks with sane f16 scales: throughput does not depend on values. */
+static void *random_blocks(uint32_t type, int64_t n_in, int64_t rows, int64_t *row_bytes) {
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    *row_bytes = ds4_type_row_bytes(type, n_in);
+    const int64_t n_blocks = rows * n_in / t->block_elems;
+    uint8_t *p = malloc((size_t)(n_blocks * t->block_bytes));
+    for (int64_t i = 0; i < n_blocks * t->block_bytes; i++) p[i] = (uint8_t)test_rand_u64();
+    for (int64_t b = 0; b < n_blocks; b++) { /* d is the first field of both Q8_0 and IQ2_XXS */
+        const uint16_t d = ds4_f32_to_f16(0.001f);
+        memcpy(p + b * t->block_bytes, &d, 2);
+    }
+    return p;
+}
+
+static void test_bench_matmul(void) {
+    if (!getenv("DS4_BENCH")) TEST_SKIP("set DS4_BENCH=1 to run the matmul benchmark");
+    struct {
+        uint32_t type;
+        int64_t n_in, n_out;
+    } shapes[] = { { DS4_TYPE_Q8_0, 4096, 4096 }, { DS4_TYPE_IQ2_XXS, 4096, 2048 }, { DS4_TYPE_F16, 4096, 1024 } };
+    float *x = fvec(4096), *out = fvec(4096);
+    fill_normal(x, 4096, 1.0);
+    printf("%-8s %-11s %-9s %7s %9s %8s\n", "type", "shape", "numerics", "threads", "ms/matvec", "GB/s");
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t rb;
+        void *data = random_blocks(shapes[s].type, shapes[s].n_in, shapes[s].n_out, &rb);
+        ds4_weight w = { ds4_type_name(shapes[s].type), shapes[s].type, { shapes[s].n_in, shapes[s].n_out, 1, 1 }, rb,
+                         data, NULL };
+        for (int num = 0; num < 2; num++)
+            for (int nt = 1; nt <= 2; nt++) {
+                ds4_backend *be = new_backend(nt);
+                const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+                be->ops->matmul(be, &w, 0, w.ne[1], x, w.ne[0], out, w.ne[1], 1, nm); /* warm */
+                int iters = 0;
+                const double t0 = now_s();
+                double t1;
+                do {
+                    be->ops->matmul(be, &w, 0, w.ne[1], x, w.ne[0], out, w.ne[1], 1, nm);
+                    iters++;
+                } while ((t1 = now_s()) - t0 < 1.0);
+                const double per = (t1 - t0) / iters;
+                printf("%-8s %5lldx%-5lld %-9s %7d %9.2f %8.2f\n", w.name, (long long)w.ne[0], (long long)w.ne[1],
+                       num ? "reference" : "ds4", nt, per * 1e3, (double)(rb * w.ne[1]) / per / 1e9);
+                ds4_backend_destroy(be);
+            }
+        free(data);
+    }
+    free(x);
+    free(out);
+}
+
+static const test_case TESTS[] = {
+    TEST_ENTRY(test_fp8_codes),
+    TEST_ENTRY(test_fp4_codes),
+    TEST_ENTRY(test_f16_round),
+    TEST_ENTRY(test_fp8_kv_row),
+    TEST_ENTRY(test_hadamard),
+    TEST_ENTRY(test_indexer_qat_row),
+    TEST_ENTRY(test_backend_create),
+    TEST_ENTRY(test_memory_ops),
+    TEST_ENTRY(test_bind_weight),
+    TEST_ENTRY(test_embed),
+    TEST_ENTRY(test_rmsnorm),
+    TEST_ENTRY(test_add_weight_row),
+    TEST_ENTRY(test_rounding_ops),
+    TEST_ENTRY(test_matmul_types),
+    TEST_ENTRY(test_matmul_q8_0_ties),
+    TEST_ENTRY(test_matmul_f16_all_values),
+    TEST_ENTRY(test_rope),
+    TEST_ENTRY(test_hc_pre),
+    TEST_ENTRY(test_hc_post),
+    TEST_ENTRY(test_hc_head),
+    TEST_ENTRY(test_attention),
+    TEST_ENTRY(test_compressor_pool),
+    TEST_ENTRY(test_indexer_scores),
+    TEST_ENTRY(test_top_k),
+    TEST_ENTRY(test_router),
+    TEST_ENTRY(test_swiglu),
+    TEST_ENTRY(test_moe),
+    TEST_ENTRY(test_bench_matmul),
+    { 0 },
+};
+
+int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }
