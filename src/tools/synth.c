@@ -2,7 +2,7 @@
  * synth.c - `ds4server synth`: a DS4-layout GGUF with seeded random weights.
  *
  *   ds4server synth --arch deepseek4 --scale tiny|small|full --quant f32|q8_0|q2|q4
- *                   --seed N --out FILE [--zero]
+ *                   --seed N --out FILE [--tokenizer tokenizer.json] [--zero]
  *
  * The file has the real tensor names, shapes, types and metadata of the
  * chosen scale (full = the published DeepSeek V4 Flash layout), so a real
@@ -10,7 +10,11 @@
  * normal weights scaled by 1/sqrt(fan-in) (norm weights near 1, small HC and
  * bias terms); the 2-bit and 4-bit expert types are written as random valid
  * blocks with scales chosen for the same spread, which is fast enough for
- * the 87 GB full-size file. --zero writes no weight data at all (a sparse
+ * the 87 GB full-size file. --tokenizer embeds a real vocabulary (tokens,
+ * token types, merges) from a Hugging Face tokenizer.json, and the model's
+ * vocabulary size follows it (the full scale requires exactly the real
+ * 129,280); otherwise a byte-level vocabulary of the scale's size is written.
+ * --zero writes no weight data at all (a sparse
  * file of zeros): enough to check a full-size layout on a small disk.
  * Every tensor has its own random stream (seed, tensor index), so the output
  * depends only on the arguments.
@@ -24,6 +28,7 @@
 #include "core/gguf.h"
 #include "core/quant.h"
 #include "models/deepseek4/ds4_config.h"
+#include "text/hf_vocab.h"
 #include "tools/tools.h"
 
 /* ------------------------------------------------------------ randomness */
@@ -183,12 +188,12 @@ static ds4_status write_tensor(gguf_writer *w, const ds4_tensor_spec *t, uint64_
 
 static int usage(void) {
     fprintf(stderr, "usage: ds4server synth --arch deepseek4 --scale tiny|small|full --quant f32|q8_0|q2|q4 "
-                    "--seed N --out FILE [--zero]\n");
+                    "--seed N --out FILE [--tokenizer tokenizer.json] [--zero]\n");
     return 1;
 }
 
 int tool_synth(int argc, char **argv) {
-    const char *arch = "deepseek4", *scale_s = "tiny", *quant_s = "q2", *out = NULL;
+    const char *arch = "deepseek4", *scale_s = "tiny", *quant_s = "q2", *out = NULL, *tokenizer = NULL;
     uint64_t seed = 1;
     bool zero = false;
     for (int i = 1; i < argc; i++) {
@@ -201,6 +206,7 @@ int tool_synth(int argc, char **argv) {
         else if (!strcmp(a, "--scale")) scale_s = v;
         else if (!strcmp(a, "--quant")) quant_s = v;
         else if (!strcmp(a, "--out") || !strcmp(a, "-o")) out = v;
+        else if (!strcmp(a, "--tokenizer")) tokenizer = v;
         else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
@@ -222,10 +228,26 @@ int tool_synth(int argc, char **argv) {
     ds4_config cfg;
     ds4_error err = { 0 };
     ds4_config_preset(scale, &cfg);
+    hf_vocab hv = { 0 };
+    char **vocab = NULL;
+    if (tokenizer) {
+        if (hf_vocab_load(tokenizer, &hv, &err)) return tool_fail("synth", "%s", err.message);
+        if (scale == DS4_SCALE_FULL && hv.n_tokens != cfg.n_vocab) {
+            hf_vocab_free(&hv);
+            return tool_fail("synth", "%s has %lld tokens; the full-size model needs exactly %lld", tokenizer,
+                             (long long)hv.n_tokens, (long long)cfg.n_vocab);
+        }
+        cfg.n_vocab = hv.n_tokens;
+        vocab = hv.tokens;
+    } else {
+        vocab = byte_vocab(cfg.n_vocab);
+    }
     int64_t n = ds4_layout_tensors(&cfg, (ds4_quant_scheme)quant, NULL, 0, &err);
-    if (n < 0) return tool_fail("synth", "%s", err.message);
+    if (n < 0) {
+        hf_vocab_free(&hv);
+        return tool_fail("synth", "%s", err.message);
+    }
     ds4_tensor_spec *specs = calloc((size_t)n, sizeof *specs);
-    char **vocab = byte_vocab(cfg.n_vocab);
     if (!specs || !vocab) return tool_fail("synth", "out of memory");
     ds4_layout_tensors(&cfg, (ds4_quant_scheme)quant, specs, n, &err);
 
@@ -243,7 +265,14 @@ int tool_synth(int argc, char **argv) {
     gguf_writer_add_str(w, "tokenizer.ggml.model", "gpt2");
     gguf_writer_add_str(w, "tokenizer.ggml.pre", "joyai-llm");
     gguf_writer_add_str_array(w, "tokenizer.ggml.tokens", (const char *const *)vocab, (uint64_t)cfg.n_vocab);
-    gguf_writer_add_str_array(w, "tokenizer.ggml.merges", NULL, 0);
+    if (tokenizer) {
+        gguf_writer_add_array(w, "tokenizer.ggml.token_type", GGUF_TYPE_INT32, hv.types, (uint64_t)hv.n_tokens);
+        gguf_writer_add_str_array(w, "tokenizer.ggml.merges", (const char *const *)hv.merges, (uint64_t)hv.n_merges);
+        if (hv.bos >= 0) gguf_writer_add_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)hv.bos);
+        if (hv.eos >= 0) gguf_writer_add_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)hv.eos);
+    } else {
+        gguf_writer_add_str_array(w, "tokenizer.ggml.merges", NULL, 0);
+    }
     for (int64_t i = 0; i < n; i++) gguf_writer_add_tensor(w, specs[i].name, specs[i].type, specs[i].n_dims, specs[i].ne);
     ds4_status st = DS4_OK;
     for (int64_t i = 0; i < n && !st; i++) st = write_tensor(w, &specs[i], seed, i, &cfg, zero, &err);
@@ -256,8 +285,12 @@ int tool_synth(int argc, char **argv) {
         rc = tool_fail("synth", "%s", err.message);
     }
 done:
-    for (int64_t i = 0; i < cfg.n_vocab; i++) free(vocab[i]);
-    free(vocab);
+    if (tokenizer) {
+        hf_vocab_free(&hv);
+    } else {
+        for (int64_t i = 0; i < cfg.n_vocab; i++) free(vocab[i]);
+        free(vocab);
+    }
     free(specs);
     return rc;
 }

