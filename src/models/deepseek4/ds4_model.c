@@ -18,6 +18,7 @@
  * a batch computes exactly what single-token decoding computes.
  */
 #include "models/deepseek4/ds4_model.h"
+#include "models/deepseek4/ds4_model_internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -28,51 +29,6 @@
 #include "core/quant.h"
 
 #define EVAL_CHUNK 256 /* tokens per layer-major pass (bounds scratch memory) */
-
-typedef struct layer_weights {
-    ds4_weight hc_attn_fn, hc_attn_scale, hc_attn_base, attn_norm;
-    ds4_weight q_a, q_a_norm, q_b, kv, kv_norm, sinks, out_a, out_b;
-    ds4_weight hc_ffn_fn, hc_ffn_scale, hc_ffn_base, ffn_norm, gate_inp, probs_bias;
-    ds4_weight gate_exps, up_exps, down_exps, gate_sh, up_sh, down_sh, tid2eid;
-    ds4_weight comp_ape, comp_kv, comp_gate, comp_norm;
-    ds4_weight idx_q_b, idx_proj, idx_ape, idx_kv, idx_gate, idx_norm;
-    bool has_bias;
-} layer_weights;
-
-struct ds4_model {
-    ds4_config cfg;
-    gguf_file *file;
-    ds4_backend *be;
-    ds4_weight token_embd, out_hc_base, out_hc_fn, out_hc_scale, out_norm, output;
-    layer_weights *layers;
-    ds4_rope rope_dense, rope_comp;
-    ds4_hc hc;
-    ds4_weight **bound; /* every bound weight, for release */
-    char **names;       /* their names (ds4_weight.name points here) */
-    int64_t n_bound;
-};
-
-/* Compressor state of one layer: kv and score rows plus the emitted rows. */
-typedef struct compressor_state {
-    int ratio, coff;
-    int64_t dim;       /* D of an emitted row */
-    float *state_kv;   /* [coff*ratio, coff*dim] */
-    float *state_sc;
-    float *rows;       /* [cap, dim] emitted rows */
-    int64_t n_rows, cap;
-} compressor_state;
-
-typedef struct layer_state {
-    float *window; /* [W, D] raw KV rows in position order (oldest first) */
-    int64_t n_window;
-    compressor_state attn, index;
-} layer_state;
-
-struct ds4_state {
-    ds4_model *model;
-    int64_t n_ctx, pos;
-    layer_state *layers;
-};
 
 const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
 int64_t ds4_state_pos(const ds4_state *s) { return s->pos; }
