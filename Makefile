@@ -23,7 +23,7 @@ WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-param
 CFLAGS_ALL := -std=c11 -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64 $(OPT) -g -fPIC -pthread \
               -ffp-contract=off $(WARN) -Iinclude -Isrc $(SAN) $(CFLAGS)
 LDFLAGS_ALL := -pthread $(SAN) $(LDFLAGS)
-LDLIBS_ALL  := -lcjson -lm $(LDLIBS)
+LDLIBS_ALL  := -lz -lcjson -lm $(LDLIBS)
 
 # Library sources: everything under src/ except the tools (the binary's main)
 # and the CUDA units (built only by `make cuda`).

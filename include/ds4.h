@@ -61,6 +61,62 @@ uint64_t ds4_file_n_metadata(const ds4_file *file);
 /* Architecture from general.architecture, or "" when absent. */
 const char *ds4_file_architecture(const ds4_file *file);
 
+/*
+ * Engines and sessions.
+ *
+ * An engine is a model file bound to one backend ("cpu", or "cuda" in CUDA
+ * builds; never a silent fallback). A session owns a model state and its
+ * token history: it evaluates prompts (reusing the longest prefix it already
+ * holds), decodes tokens one at a time, keeps the logits of the next token,
+ * and saves and restores its whole state to a checkpoint file.
+ */
+typedef struct ds4_engine ds4_engine;
+typedef struct ds4_session ds4_session;
+
+typedef enum ds4_numerics_mode {
+    DS4_NUMERICS_MODE_DS4 = 0,       /* DS4's rounding steps (default) */
+    DS4_NUMERICS_MODE_REFERENCE = 1, /* float32 throughout */
+} ds4_numerics_mode;
+
+typedef struct ds4_engine_params {
+    const char *model_path;
+    const char *backend;        /* "cpu" (NULL = "cpu") or "cuda" */
+    int n_threads;              /* CPU threads; <= 0 = one per core */
+    ds4_numerics_mode numerics;
+} ds4_engine_params;
+
+ds4_status ds4_engine_open(const ds4_engine_params *params, ds4_engine **out, ds4_error *err);
+void ds4_engine_close(ds4_engine *engine);
+int64_t ds4_engine_vocab_size(const ds4_engine *engine);
+
+/* A session with room for n_ctx positions. */
+ds4_status ds4_session_create(ds4_engine *engine, int64_t n_ctx, ds4_session **out, ds4_error *err);
+void ds4_session_free(ds4_session *session);
+
+/* Make the session hold exactly tokens[0..n): the common prefix with what it
+ * holds is kept (a prompt that extends the history prefills only the
+ * suffix; one that diverges rewinds to the last prompt snapshot at or before
+ * the divergence, else re-prefills). n must be at least 1 and below the
+ * context size. *n_evaluated (may be NULL) receives how many tokens were
+ * actually evaluated. Afterwards ds4_session_logits gives the next-token
+ * logits. */
+ds4_status ds4_session_sync(ds4_session *session, const int32_t *tokens, int64_t n, int64_t *n_evaluated,
+                            ds4_error *err);
+/* Append one token (decode). Fails when the context is full. */
+ds4_status ds4_session_decode(ds4_session *session, int32_t token, ds4_error *err);
+/* Next-token logits [vocab] for the current history; NULL when empty. */
+const float *ds4_session_logits(const ds4_session *session);
+const int32_t *ds4_session_tokens(const ds4_session *session, int64_t *n);
+int64_t ds4_session_context(const ds4_session *session);
+
+/* Checkpoints: the whole state, versioned, with the model fingerprint and a
+ * CRC-32 of the payload, written atomically (temporary file + rename). A
+ * truncated, corrupt or other-model file is refused and the session is left
+ * as it was (in the rare case of a well-formed file whose state does not fit
+ * this session, at its last prompt snapshot). */
+ds4_status ds4_session_save(const ds4_session *session, const char *path, ds4_error *err);
+ds4_status ds4_session_load(ds4_session *session, const char *path, ds4_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -96,7 +96,8 @@ main() {
 
     # Libraries the GPU machine lacks arrive as .debs (scripts/gpu-debs.sh, carried
     # as .gpu-debs) and are unpacked beside the system, never over it.
-    if [ -d .gpu-debs ] && ! ldconfig -p 2>/dev/null | grep -q libcjson.so.1; then
+    if [ -d .gpu-debs ] && { [ ! -e /usr/include/cjson/cJSON.h ] || [ ! -e /usr/include/zlib.h ] ||
+        [ ! -e /usr/include/pcre2.h ]; }; then
         section "unpacking .gpu-debs into /opt/gpu-debs"
         for f in .gpu-debs/*.deb; do dpkg -x "$f" /opt/gpu-debs; done
         local libdir=/opt/gpu-debs/usr/lib/x86_64-linux-gnu

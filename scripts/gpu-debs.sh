@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu-debs
 cd .gpu-debs
-apt-get download libcjson1 libcjson-dev
+apt-get download libcjson1 libcjson-dev zlib1g zlib1g-dev
 ls -l

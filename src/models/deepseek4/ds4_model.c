@@ -32,6 +32,15 @@
 
 const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
 int64_t ds4_state_pos(const ds4_state *s) { return s->pos; }
+ds4_backend *ds4_model_backend(const ds4_model *m) { return m->be; }
+
+uint64_t ds4_model_fingerprint(const ds4_model *m) {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    uint64_t n = m->file->data_offset < m->file->size ? m->file->data_offset : m->file->size;
+    for (uint64_t i = 0; i < n; i++) h = (h ^ m->file->map[i]) * 0x100000001b3ULL;
+    for (int i = 0; i < 8; i++) h = (h ^ (uint8_t)(m->file->size >> (8 * i))) * 0x100000001b3ULL;
+    return h;
+}
 
 /* ------------------------------------------------------------ binding */
 

@@ -25,6 +25,12 @@ typedef struct ds4_state ds4_state;
 ds4_status ds4_model_load(gguf_file *file, ds4_backend *be, ds4_model **out, ds4_error *err);
 void ds4_model_free(ds4_model *m);
 const ds4_config *ds4_model_config(const ds4_model *m);
+/* Fingerprint of the model file: a 64-bit FNV-1a hash of its GGUF header,
+ * metadata and tensor directory (everything before the tensor data) and its
+ * size. Checkpoints carry it so that one model's state never loads into
+ * another's. */
+uint64_t ds4_model_fingerprint(const ds4_model *m);
+ds4_backend *ds4_model_backend(const ds4_model *m);
 
 /* A fresh state for up to `n_ctx` positions. */
 ds4_status ds4_state_create(ds4_model *m, int64_t n_ctx, ds4_state **out, ds4_error *err);
@@ -36,5 +42,21 @@ int64_t ds4_state_pos(const ds4_state *s); /* tokens consumed so far */
  * ([n, vocab]) when all_logits, else only the last ([vocab]). */
 ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int64_t n, ds4_numerics num,
                           float *logits, bool all_logits, ds4_error *err);
+
+/* ---- state as bytes (DS4's session payload, spec 4.3) ------------------ */
+
+/* Size of the payload of a state holding n_tokens tokens. */
+int64_t ds4_state_payload_size(const ds4_state *s, int64_t n_tokens);
+/* Serialise: tokens[n_tokens] (n_tokens must equal the state's position) and
+ * the next-token logits [vocab] (host) go into the payload with the state. */
+ds4_status ds4_state_save_payload(const ds4_state *s, const int32_t *tokens, int64_t n_tokens, const float *logits,
+                                  uint8_t *out, int64_t cap, ds4_error *err);
+/* Restore from a payload after every check of spec 4.3; on success the
+ * tokens (malloc'd) and logits come back. On failure the state is reset to
+ * empty, never left half-restored. */
+ds4_status ds4_state_load_payload(ds4_state *s, const uint8_t *data, int64_t size, int32_t **tokens,
+                                  int64_t *n_tokens, float *logits, ds4_error *err);
+/* Forget everything: position 0, empty caches. */
+void ds4_state_reset(ds4_state *s);
 
 #endif

@@ -1,0 +1,273 @@
+/* test_session.c - sessions: prefix reuse, rewind, context limits, checkpoints. */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "core/error.h"
+#include "ds4.h"
+#include "models/deepseek4/ds4_synth.h"
+#include "test.h"
+
+static char model_a[256], model_b[256];
+static ds4_engine *engine;
+static int64_t vocab;
+
+static bool setup(void) {
+    if (engine) return true;
+    snprintf(model_a, sizeof model_a, "/tmp/ds4_test_session_%d_a.gguf", (int)getpid());
+    snprintf(model_b, sizeof model_b, "/tmp/ds4_test_session_%d_b.gguf", (int)getpid());
+    ds4_error err = { 0 };
+    if (ds4_synth_write(model_a, DS4_SCALE_TINY, DS4_QUANT_Q2, 5, NULL, false, &err) ||
+        ds4_synth_write(model_b, DS4_SCALE_TINY, DS4_QUANT_Q2, 6, NULL, false, &err)) {
+        fprintf(stderr, "synth: %s\n", err.message);
+        return false;
+    }
+    ds4_engine_params p = { model_a, "cpu", 2, DS4_NUMERICS_MODE_DS4 };
+    if (ds4_engine_open(&p, &engine, &err)) {
+        fprintf(stderr, "engine: %s\n", err.message);
+        return false;
+    }
+    vocab = ds4_engine_vocab_size(engine);
+    return true;
+}
+
+static int32_t *random_tokens(int64_t n) {
+    int32_t *t = malloc((size_t)n * sizeof *t);
+    for (int64_t i = 0; i < n; i++) t[i] = (int32_t)(test_rand_u64() % (uint64_t)vocab);
+    return t;
+}
+
+static ds4_session *new_session(int64_t ctx) {
+    ds4_session *s = NULL;
+    ds4_error err = { 0 };
+    CHECK_MSG(ds4_session_create(engine, ctx, &s, &err) == DS4_OK, "%s", err.message);
+    return s;
+}
+
+static bool same_logits(const float *a, const float *b) { return a && b && memcmp(a, b, (size_t)vocab * 4) == 0; }
+
+/* Prefill of a whole sequence equals prefill + token-by-token decode. */
+static void test_decode_matches_prefill(void) {
+    if (!setup()) { CHECK(0); return; }
+    int32_t *t = random_tokens(150);
+    ds4_session *a = new_session(512), *b = new_session(512);
+    ds4_error err = { 0 };
+    CHECK(ds4_session_sync(a, t, 150, NULL, &err) == DS4_OK);
+    CHECK(ds4_session_sync(b, t, 40, NULL, &err) == DS4_OK);
+    for (int i = 40; i < 150; i++) CHECK(ds4_session_decode(b, t[i], &err) == DS4_OK);
+    CHECK(same_logits(ds4_session_logits(a), ds4_session_logits(b)));
+    ds4_session_free(a);
+    ds4_session_free(b);
+    free(t);
+}
+
+static void test_prefix_reuse_and_rewind(void) {
+    if (!setup()) { CHECK(0); return; }
+    int32_t *t = random_tokens(200);
+    ds4_session *s = new_session(512), *fresh = new_session(512);
+    ds4_error err = { 0 };
+    int64_t ev = -1;
+    CHECK(ds4_session_sync(s, t, 60, &ev, &err) == DS4_OK && ev == 60);
+    /* extension: only the suffix is evaluated */
+    CHECK(ds4_session_sync(s, t, 100, &ev, &err) == DS4_OK && ev == 40);
+    CHECK(ds4_session_sync(fresh, t, 100, NULL, &err) == DS4_OK);
+    CHECK(same_logits(ds4_session_logits(s), ds4_session_logits(fresh)));
+    /* same prompt again: nothing to do */
+    CHECK(ds4_session_sync(s, t, 100, &ev, &err) == DS4_OK && ev == 0);
+    /* generate, then regenerate differently: rewinds to the prompt snapshot */
+    for (int i = 100; i < 130; i++) CHECK(ds4_session_decode(s, t[i], &err) == DS4_OK);
+    int32_t *alt = malloc(140 * sizeof *alt);
+    memcpy(alt, t, 100 * sizeof *alt);
+    for (int i = 100; i < 140; i++) alt[i] = (t[i] + 1) % (int32_t)vocab;
+    CHECK(ds4_session_sync(s, alt, 140, &ev, &err) == DS4_OK);
+    CHECK_EQ_INT(ev, 40);
+    ds4_session *fresh2 = new_session(512);
+    CHECK(ds4_session_sync(fresh2, alt, 140, NULL, &err) == DS4_OK);
+    CHECK(same_logits(ds4_session_logits(s), ds4_session_logits(fresh2)));
+    /* diverging before the snapshot: evaluated from the start */
+    alt[10] = (alt[10] + 1) % (int32_t)vocab;
+    CHECK(ds4_session_sync(s, alt, 140, &ev, &err) == DS4_OK && ev == 140);
+    /* a strict prefix of the history */
+    CHECK(ds4_session_sync(s, alt, 120, &ev, &err) == DS4_OK);
+    CHECK(ev == 120 || ev == 0);
+    int64_t n;
+    ds4_session_tokens(s, &n);
+    CHECK_EQ_INT(n, 120);
+    ds4_session_free(s);
+    ds4_session_free(fresh);
+    ds4_session_free(fresh2);
+    free(alt);
+    free(t);
+}
+
+static void test_context_limits(void) {
+    if (!setup()) { CHECK(0); return; }
+    int32_t *t = random_tokens(64);
+    ds4_session *s = new_session(32);
+    ds4_error err = { 0 };
+    CHECK(ds4_session_sync(s, t, 32, NULL, &err) == DS4_ERR_INVALID);
+    CHECK(strstr(err.message, "at most 31") != NULL);
+    CHECK(ds4_session_sync(s, t, 31, NULL, &err) == DS4_OK);
+    CHECK(ds4_session_decode(s, t[31], &err) == DS4_OK);
+    CHECK(ds4_session_decode(s, t[32], &err) == DS4_ERR_INVALID);
+    CHECK(strstr(err.message, "full") != NULL);
+    int32_t bad = (int32_t)vocab;
+    CHECK(ds4_session_sync(s, &bad, 1, NULL, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_session_sync(s, t, 0, NULL, &err) == DS4_ERR_INVALID);
+    ds4_session *tiny = NULL;
+    CHECK(ds4_session_create(engine, 1, &tiny, &err) == DS4_ERR_INVALID && tiny == NULL);
+    ds4_session_free(s);
+    free(t);
+}
+
+static char ckpt[256];
+
+/* Save at several positions (inside and across compressor windows), restore
+ * into a new session and continue: exactly the logits of never stopping. */
+static void test_checkpoint_roundtrip(void) {
+    if (!setup()) { CHECK(0); return; }
+    snprintf(ckpt, sizeof ckpt, "/tmp/ds4_test_session_%d.ckpt", (int)getpid());
+    int32_t *t = random_tokens(300);
+    const int64_t points[] = { 1, 3, 4, 50, 127, 128, 129, 200 };
+    ds4_error err = { 0 };
+    for (size_t k = 0; k < sizeof points / sizeof points[0]; k++) {
+        int64_t at = points[k];
+        ds4_session *a = new_session(400), *b = new_session(400);
+        CHECK(ds4_session_sync(a, t, at, NULL, &err) == DS4_OK);
+        CHECK_MSG(ds4_session_save(a, ckpt, &err) == DS4_OK, "%s", err.message);
+        CHECK_MSG(ds4_session_load(b, ckpt, &err) == DS4_OK, "at %lld: %s", (long long)at, err.message);
+        CHECK(same_logits(ds4_session_logits(a), ds4_session_logits(b)));
+        for (int64_t i = at; i < at + 70; i++) {
+            CHECK(ds4_session_decode(a, t[i], &err) == DS4_OK);
+            CHECK(ds4_session_decode(b, t[i], &err) == DS4_OK);
+        }
+        CHECK_MSG(same_logits(ds4_session_logits(a), ds4_session_logits(b)), "diverged after restoring at %lld",
+                  (long long)at);
+        /* the restored session also reuses the restored prefix */
+        int64_t ev = -1;
+        CHECK(ds4_session_sync(b, t, at + 71, &ev, &err) == DS4_OK && ev == 1);
+        ds4_session_free(a);
+        ds4_session_free(b);
+    }
+    unlink(ckpt);
+    free(t);
+}
+
+static void write_bytes(const char *path, const uint8_t *p, size_t n) {
+    FILE *fp = fopen(path, "wb");
+    fwrite(p, 1, n, fp);
+    fclose(fp);
+}
+
+static void test_checkpoint_damage(void) {
+    if (!setup()) { CHECK(0); return; }
+    snprintf(ckpt, sizeof ckpt, "/tmp/ds4_test_session_%d.ckpt", (int)getpid());
+    int32_t *t = random_tokens(100);
+    ds4_error err = { 0 };
+    ds4_session *a = new_session(256), *b = new_session(256);
+    CHECK(ds4_session_save(a, ckpt, &err) == DS4_ERR_INVALID); /* empty */
+    CHECK(ds4_session_sync(a, t, 90, NULL, &err) == DS4_OK);
+    CHECK(ds4_session_save(a, ckpt, &err) == DS4_OK);
+    FILE *fp = fopen(ckpt, "rb");
+    fseek(fp, 0, SEEK_END);
+    size_t size = (size_t)ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    uint8_t *good = malloc(size), *bad = malloc(size + 16);
+    CHECK(fread(good, 1, size, fp) == size);
+    fclose(fp);
+    /* b holds its own history; every failed load must leave it untouched */
+    CHECK(ds4_session_sync(b, t + 5, 20, NULL, &err) == DS4_OK);
+    float *before = malloc((size_t)vocab * 4);
+    memcpy(before, ds4_session_logits(b), (size_t)vocab * 4);
+    char damaged[300];
+    snprintf(damaged, sizeof damaged, "%s.bad", ckpt);
+    struct { const char *what; size_t len; size_t flip; const char *expect; } cases[] = {
+        { "truncated", size - 100, SIZE_MAX, "truncated" },
+        { "header only", 40, SIZE_MAX, "truncated" },
+        { "tiny", 10, SIZE_MAX, "too short" },
+        { "payload flip", size, size / 2, "corrupt" },
+        { "last byte flip", size, size - 1, "corrupt" },
+        { "header flip", size, 20, "corrupt" },
+        { "magic", size, 0, "not a DS4Server checkpoint" },
+        { "extended", size + 16, SIZE_MAX, "truncated or extended" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        memcpy(bad, good, size);
+        memset(bad + size, 0, 16);
+        if (cases[k].flip != SIZE_MAX) bad[cases[k].flip] ^= 0x40;
+        write_bytes(damaged, bad, cases[k].len);
+        err.message[0] = 0;
+        CHECK_MSG(ds4_session_load(b, damaged, &err) != DS4_OK && strstr(err.message, cases[k].expect),
+                  "%s: %s", cases[k].what, err.message);
+        int64_t n;
+        ds4_session_tokens(b, &n);
+        CHECK_EQ_INT(n, 20);
+        CHECK(same_logits(before, ds4_session_logits(b)));
+    }
+    /* another model's session */
+    ds4_engine *other = NULL;
+    ds4_engine_params p = { model_b, "cpu", 1, DS4_NUMERICS_MODE_DS4 };
+    CHECK(ds4_engine_open(&p, &other, &err) == DS4_OK);
+    ds4_session *c = NULL;
+    if (other && ds4_session_create(other, 256, &c, &err) == DS4_OK) {
+        CHECK(ds4_session_load(c, ckpt, &err) == DS4_ERR_FORMAT);
+        CHECK(strstr(err.message, "another model") != NULL);
+    }
+    /* a smaller context than the checkpoint needs */
+    ds4_session *small = new_session(64);
+    CHECK(ds4_session_load(small, ckpt, &err) == DS4_ERR_FORMAT);
+    CHECK(strstr(err.message, "context") != NULL);
+    CHECK(ds4_session_load(b, "/nonexistent/x.ckpt", &err) == DS4_ERR_IO);
+    CHECK(ds4_session_save(a, "/nonexistent-dir/x.ckpt", &err) == DS4_ERR_IO);
+    CHECK(strstr(err.message, "/nonexistent-dir/x.ckpt") != NULL);
+    ds4_session_free(small);
+    ds4_session_free(c);
+    ds4_engine_close(other);
+    ds4_session_free(a);
+    ds4_session_free(b);
+    unlink(ckpt);
+    unlink(damaged);
+    free(before);
+    free(good);
+    free(bad);
+    free(t);
+}
+
+static void test_checkpoint_disk_full(void) {
+    if (!setup()) { CHECK(0); return; }
+    if (access("/dev/full", W_OK) != 0) TEST_SKIP("/dev/full not available");
+    char path[256], tmp[300];
+    snprintf(path, sizeof path, "/tmp/ds4_test_session_full_%d.ckpt", (int)getpid());
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    unlink(tmp);
+    if (symlink("/dev/full", tmp) != 0) TEST_SKIP("cannot create symlink");
+    int32_t *t = random_tokens(40);
+    ds4_session *a = new_session(128);
+    ds4_error err = { 0 };
+    CHECK(ds4_session_sync(a, t, 40, NULL, &err) == DS4_OK);
+    CHECK(ds4_session_save(a, path, &err) == DS4_ERR_IO);
+    CHECK(strstr(err.message, "No space") != NULL);
+    CHECK(access(path, F_OK) != 0);
+    unlink(tmp);
+    ds4_session_free(a);
+    free(t);
+}
+
+static void test_teardown(void) {
+    ds4_engine_close(engine);
+    engine = NULL;
+    unlink(model_a);
+    unlink(model_b);
+}
+
+static const test_case TESTS[] = {
+    TEST_ENTRY(test_decode_matches_prefill),
+    TEST_ENTRY(test_prefix_reuse_and_rewind),
+    TEST_ENTRY(test_context_limits),
+    TEST_ENTRY(test_checkpoint_roundtrip),
+    TEST_ENTRY(test_checkpoint_damage),
+    TEST_ENTRY(test_checkpoint_disk_full),
+    TEST_ENTRY(test_teardown),
+    { 0, 0 },
+};
+
+int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }
