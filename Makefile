@@ -23,7 +23,7 @@ WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-param
 CFLAGS_ALL := -std=c11 -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64 $(OPT) -g -fPIC -pthread \
               -ffp-contract=off $(WARN) -Iinclude -Isrc $(SAN) $(CFLAGS)
 LDFLAGS_ALL := -pthread $(SAN) $(LDFLAGS)
-LDLIBS_ALL  := -lz -lcjson -lm $(LDLIBS)
+LDLIBS_ALL  := -ledit -lz -lcjson -lpcre2-8 -lm $(LDLIBS)
 
 # Library sources: everything under src/ except the tools (the binary's main)
 # and the CUDA units (built only by `make cuda`).
@@ -149,14 +149,14 @@ test-python: $(VENV)/.stamp $(BUILD)/ds4server $(TEST_TOOLS)
 FUZZ_SRCS := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 FUZZ_BINS := $(FUZZ_SRCS:tests/fuzz/%.c=$(BUILD)/fuzz/%)
 FUZZ_CC   ?= clang
-FUZZ_LIB_SRCS := $(filter src/core/%,$(LIB_SRCS))
+FUZZ_LIB_SRCS := $(filter src/core/% src/text/%,$(LIB_SRCS))
 
 fuzz: $(FUZZ_BINS)
 
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRCS)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) -std=c11 -D_DEFAULT_SOURCE -O1 -g -Iinclude -Isrc -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=all -o $@ $< $(FUZZ_LIB_SRCS) -lcjson -lm
+	  -fno-sanitize-recover=all -o $@ $< $(FUZZ_LIB_SRCS) -lcjson -lpcre2-8 -lm
 
 # A bounded run of each target from the seed corpus; FUZZ_SECONDS sets the time.
 fuzz-run test-fuzz: $(FUZZ_BINS)

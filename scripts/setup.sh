@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 SUDO=
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
-PKGS="build-essential clang libclang-rt-14-dev libcjson-dev zlib1g-dev python3 python3-venv python3-pip binutils"
+PKGS="build-essential clang libclang-rt-14-dev libcjson-dev zlib1g-dev libedit-dev libpcre2-dev python3 python3-venv python3-pip binutils"
 missing=
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then
@@ -15,7 +15,7 @@ if [ -n "$missing" ]; then
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
     # libclang-rt-14-dev is Debian 12's name; other releases carry libclang-rt-dev.
-    $SUDO apt-get install -y -qq $missing || $SUDO apt-get install -y -qq build-essential clang libclang-rt-dev libcjson-dev zlib1g-dev python3 python3-venv python3-pip binutils
+    $SUDO apt-get install -y -qq $missing || $SUDO apt-get install -y -qq build-essential clang libclang-rt-dev libcjson-dev zlib1g-dev libedit-dev libpcre2-dev python3 python3-venv python3-pip binutils
 fi
 make venv
 echo "setup: done"

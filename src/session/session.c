@@ -29,6 +29,7 @@
 #include "core/gguf.h"
 #include "ds4.h"
 #include "models/deepseek4/ds4_model.h"
+#include "session/engine.h"
 
 #define CKPT_MAGIC "DS4CKPT\n"
 #define CKPT_VERSION 1u
@@ -50,7 +51,11 @@ struct ds4_session {
     float *logits; /* [vocab], valid when n_tokens > 0 */
     uint8_t *snap; /* payload of the state at the end of the last prompt */
     int64_t snap_size, snap_tokens;
+    ds4_progress_fn progress;
+    void *progress_ctx;
 };
+
+#define PROGRESS_CHUNK 256 /* tokens between progress reports */
 
 /* ------------------------------------------------------------ engine */
 
@@ -80,6 +85,7 @@ void ds4_engine_close(ds4_engine *e) {
 }
 
 int64_t ds4_engine_vocab_size(const ds4_engine *e) { return ds4_model_config(e->model)->n_vocab; }
+const gguf_file *ds4_engine_gguf(const ds4_engine *e) { return e->file; }
 
 /* ------------------------------------------------------------ session */
 
@@ -127,16 +133,32 @@ static void forget(ds4_session *s) {
     s->n_tokens = 0;
 }
 
-/* Evaluate tokens[0..n) on top of the current history. On failure the state
- * is unusable: the session is emptied. */
+void ds4_session_set_progress(ds4_session *s, ds4_progress_fn fn, void *ctx) {
+    s->progress = fn;
+    s->progress_ctx = ctx;
+}
+
+/* Evaluate tokens[0..n) on top of the current history, in chunks when a
+ * progress callback is set. On failure the state is unusable: the session is
+ * emptied. A callback that asks to stop ends the evaluation early with
+ * DS4_ERR_INVALID ("interrupted"); what was evaluated stays. */
 static ds4_status evaluate(ds4_session *s, const int32_t *tokens, int64_t n, ds4_error *err) {
-    ds4_status st = ds4_model_eval(s->engine->model, s->state, tokens, n, s->engine->num, s->logits, false, err);
-    if (st) {
-        forget(s);
-        return st;
+    int64_t chunk = s->progress ? PROGRESS_CHUNK : n;
+    for (int64_t done = 0; done < n;) {
+        int64_t len = n - done < chunk ? n - done : chunk;
+        ds4_status st = ds4_model_eval(s->engine->model, s->state, tokens + done, len, s->engine->num, s->logits,
+                                       false, err);
+        if (st) {
+            forget(s);
+            return st;
+        }
+        memcpy(s->tokens + s->n_tokens, tokens + done, (size_t)len * sizeof *tokens);
+        s->n_tokens += len;
+        done += len;
+        if (s->progress && !s->progress(s->progress_ctx, done, n) && done < n)
+            return ds4_error_set(err, DS4_ERR_INVALID, "interrupted after %lld of %lld tokens", (long long)done,
+                                 (long long)n);
     }
-    memcpy(s->tokens + s->n_tokens, tokens, (size_t)n * sizeof *tokens);
-    s->n_tokens += n;
     return DS4_OK;
 }
 

@@ -18,6 +18,9 @@ static const command COMMANDS[] = {
     { "synth", tool_synth, "write a model file with the real layout and seeded random weights" },
     { "logits", tool_logits, "write float32 logits for every position of a token sequence" },
     { "convert", tool_convert, "convert a Hugging Face DeepseekV4 checkpoint (safetensors) to GGUF" },
+    { "tokenize", tool_tokenize, "text to token ids and back (--decode); both pre-tokenizers" },
+    { "run", tool_run, "answer one prompt, streaming the reply (with load, prefill and decode speed)" },
+    { "chat", tool_chat, "interactive multi-turn chat (/help inside for commands)" },
     { NULL, NULL, NULL },
 };
 

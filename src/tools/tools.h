@@ -11,7 +11,10 @@ int tool_inspect(int argc, char **argv);
 int tool_dump(int argc, char **argv);
 int tool_synth(int argc, char **argv);
 int tool_logits(int argc, char **argv);
+int tool_run(int argc, char **argv);
+int tool_chat(int argc, char **argv);
 int tool_convert(int argc, char **argv);
+int tool_tokenize(int argc, char **argv);
 
 /* Print "ds4server <cmd>: message" to stderr and return exit status 1. */
 int tool_fail(const char *cmd, const char *fmt, ...)
