@@ -302,41 +302,38 @@ static ds4_status advance(gguf_writer *w) {
     return DS4_OK;
 }
 
-ds4_status gguf_writer_write(gguf_writer *w, const void *data, uint64_t n) {
+/* Append n bytes to the tensor data, crossing tensor boundaries (with their
+ * padding) as needed. data NULL = zeros, skipped with a seek so the file
+ * gets a hole. */
+static ds4_status append(gguf_writer *w, const uint8_t *data, uint64_t n) {
     if (w->err.status) return w->err.status;
     ds4_status st = w->header_written ? DS4_OK : write_header(w);
-    const uint8_t *p = data;
     while (!st && n) {
         if ((st = advance(w))) break;
         if (w->current >= w->n_tensors)
             return fail(w, DS4_ERR_INVALID, "%s: more tensor bytes written than declared", w->path);
         uint64_t room = w->tensors[w->current].n_bytes - w->current_done;
         uint64_t k = n < room ? n : room;
-        st = write_raw(w, p, k);
-        p += k;
+        if (data) {
+            st = write_raw(w, data, k);
+            data += k;
+        } else {
+            errno = 0;
+            if (k > (uint64_t)INT64_MAX || fseeko(w->fp, (off_t)k, SEEK_CUR) != 0) return io_fail(w, "seek failed");
+            w->sparse_end = true;
+        }
         n -= k;
         w->current_done += k;
     }
     return st;
 }
 
-ds4_status gguf_writer_write_zeros(gguf_writer *w, uint64_t n) {
-    if (w->err.status) return w->err.status;
-    ds4_status st = w->header_written ? DS4_OK : write_header(w);
-    while (!st && n) {
-        if ((st = advance(w))) break;
-        if (w->current >= w->n_tensors)
-            return fail(w, DS4_ERR_INVALID, "%s: more tensor bytes written than declared", w->path);
-        uint64_t room = w->tensors[w->current].n_bytes - w->current_done;
-        uint64_t k = n < room ? n : room;
-        errno = 0;
-        if (k > (uint64_t)INT64_MAX || fseeko(w->fp, (off_t)k, SEEK_CUR) != 0) return io_fail(w, "seek failed");
-        w->sparse_end = true;
-        n -= k;
-        w->current_done += k;
-    }
-    return st;
+ds4_status gguf_writer_write(gguf_writer *w, const void *data, uint64_t n) {
+    if (!data && n) return fail(w, DS4_ERR_INVALID, "%s: NULL data", w->path);
+    return append(w, data, n);
 }
+
+ds4_status gguf_writer_write_zeros(gguf_writer *w, uint64_t n) { return append(w, NULL, n); }
 
 static void writer_free(gguf_writer *w) {
     for (uint64_t i = 0; i < w->n_kv; i++) free(w->keys[i]);
