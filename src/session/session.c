@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -86,6 +87,20 @@ void ds4_engine_close(ds4_engine *e) {
 
 int64_t ds4_engine_vocab_size(const ds4_engine *e) { return ds4_model_config(e->model)->n_vocab; }
 const gguf_file *ds4_engine_gguf(const ds4_engine *e) { return e->file; }
+
+void ds4_engine_prefetch(const ds4_engine *e, bool (*fn)(void *ctx, int64_t done, int64_t total), void *ctx) {
+    const uint8_t *map = e->file->map;
+    const int64_t size = (int64_t)e->file->size, step = (int64_t)256 << 20;
+    volatile uint8_t sink = 0;
+    for (int64_t off = 0; off < size; off += step) {
+        int64_t len = size - off < step ? size - off : step;
+        /* the mapping is page-aligned at its start, so off is too */
+        madvise((void *)(map + off), (size_t)len, MADV_WILLNEED);
+        for (int64_t i = 0; i < len; i += 4096) sink ^= map[off + i];
+        if (fn && !fn(ctx, off + len, size)) break;
+    }
+    (void)sink;
+}
 
 /* ------------------------------------------------------------ session */
 

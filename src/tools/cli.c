@@ -129,6 +129,17 @@ int cli_parse_common(const char *cmd, cli_opts *o, int argc, char **argv, int *i
     return 1;
 }
 
+/* Model loading progress on stderr (only when it is a terminal). */
+static bool load_bar(void *ctx, int64_t done, int64_t total) {
+    (void)ctx;
+    int width = 40, filled = (int)(width * (double)done / (double)(total ? total : 1));
+    fprintf(stderr, "\rloading [%.*s%*s] %.1f / %.1f GiB", filled, "########################################",
+            width - filled, "", (double)done / 1073741824.0, (double)total / 1073741824.0);
+    if (done == total) fputs("\r\033[K", stderr);
+    fflush(stderr);
+    return !cli_interrupted;
+}
+
 int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
     memset(m, 0, sizeof *m);
     if (!o->model) return tool_fail(cmd, "no model given (-m FILE)");
@@ -141,6 +152,10 @@ int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
         cli_close(m);
         return tool_fail(cmd, "%s", err.message);
     }
+    /* Bring the weights into memory now, with a progress bar, rather than
+     * stalling the first tokens on page faults (large files only). */
+    if (isatty(STDERR_FILENO) && ds4_engine_gguf(m->engine)->size > ((uint64_t)1 << 30))
+        ds4_engine_prefetch(m->engine, load_bar, NULL);
     m->load_seconds = now() - t0;
     ds4_rng_seed(&m->rng, ds4_sampler_resolve_seed(o->sampling.seed));
     return 0;

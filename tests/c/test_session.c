@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "ds4.h"
 #include "models/deepseek4/ds4_synth.h"
+#include "session/engine.h"
 #include "test.h"
 
 static char model_a[256], model_b[256];
@@ -252,6 +253,29 @@ static void test_checkpoint_disk_full(void) {
     free(t);
 }
 
+typedef struct prefetch_log {
+    int64_t calls, last, total;
+    bool monotonic;
+} prefetch_log;
+
+static bool record_prefetch(void *ctx, int64_t done, int64_t total) {
+    prefetch_log *log = ctx;
+    log->monotonic &= done > log->last;
+    log->last = done;
+    log->total = total;
+    log->calls++;
+    return true;
+}
+
+static void test_prefetch_reads_the_whole_file(void) {
+    if (!setup()) { CHECK(0); return; }
+    prefetch_log log = { 0, 0, 0, true };
+    ds4_engine_prefetch(engine, record_prefetch, &log);
+    CHECK(log.calls >= 1 && log.monotonic);
+    CHECK_EQ_INT(log.last, (int64_t)ds4_engine_gguf(engine)->size);
+    CHECK_EQ_INT(log.total, (int64_t)ds4_engine_gguf(engine)->size);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(engine);
     engine = NULL;
@@ -266,6 +290,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_checkpoint_roundtrip),
     TEST_ENTRY(test_checkpoint_damage),
     TEST_ENTRY(test_checkpoint_disk_full),
+    TEST_ENTRY(test_prefetch_reads_the_whole_file),
     TEST_ENTRY(test_teardown),
     { 0, 0 },
 };
