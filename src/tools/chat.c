@@ -193,16 +193,8 @@ static int respond(cli_model *m, cli_opts *o, conversation *c) {
 
 int tool_chat(int argc, char **argv) {
     cli_opts o;
-    cli_opts_defaults(&o);
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: ds4server chat -m FILE [options]\n%s", cli_common_usage());
-            return 0;
-        }
-        int r = cli_parse_common("chat", &o, argc, argv, &i);
-        if (r < 0) return 1;
-        if (r == 0) return tool_fail("chat", "unknown option '%s'", argv[i]);
-    }
+    int parsed = cli_parse_args("chat", "chat -m FILE [options]", &o, argc, argv);
+    if (parsed) return parsed < 0 ? 1 : 0;
     cli_model m;
     if (cli_open("chat", &o, &m)) return 1;
     cli_install_sigint();

@@ -140,6 +140,23 @@ static bool load_bar(void *ctx, int64_t done, int64_t total) {
     return !cli_interrupted;
 }
 
+int cli_parse_args(const char *cmd, const char *synopsis, cli_opts *o, int argc, char **argv) {
+    cli_opts_defaults(o);
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: ds4server %s\n%s", synopsis, cli_common_usage());
+            return 1;
+        }
+        int r = cli_parse_common(cmd, o, argc, argv, &i);
+        if (r < 0) return -1;
+        if (r == 0) {
+            tool_fail(cmd, "unknown option '%s'", argv[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
     memset(m, 0, sizeof *m);
     if (!o->model) return tool_fail(cmd, "no model given (-m FILE)");

@@ -32,6 +32,11 @@ void cli_opts_defaults(cli_opts *o);
 int cli_parse_common(const char *cmd, cli_opts *o, int argc, char **argv, int *i);
 const char *cli_common_usage(void);
 
+/* Defaults, then every argument of argv[1..] through cli_parse_common; --help
+ * prints "usage: ds4server <synopsis>" and the options. Returns 0 to go on,
+ * 1 when --help was printed, -1 after printing an error. */
+int cli_parse_args(const char *cmd, const char *synopsis, cli_opts *o, int argc, char **argv);
+
 typedef struct cli_model {
     ds4_engine *engine;
     ds4_session *session;

@@ -19,16 +19,8 @@
 
 int tool_run(int argc, char **argv) {
     cli_opts o;
-    cli_opts_defaults(&o);
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: ds4server run -m FILE -p TEXT [options]\n%s", cli_common_usage());
-            return 0;
-        }
-        int r = cli_parse_common("run", &o, argc, argv, &i);
-        if (r < 0) return 1;
-        if (r == 0) return tool_fail("run", "unknown option '%s'", argv[i]);
-    }
+    int parsed = cli_parse_args("run", "run -m FILE -p TEXT [options]", &o, argc, argv);
+    if (parsed) return parsed < 0 ? 1 : 0;
     if (!o.prompt) return tool_fail("run", "no prompt given (-p TEXT)");
     cli_model m;
     if (cli_open("run", &o, &m)) return 1;
