@@ -83,6 +83,10 @@ typedef struct ds4_engine_params {
     const char *backend;        /* "cpu" (NULL = "cpu") or "cuda" */
     int n_threads;              /* CPU threads; <= 0 = one per core */
     ds4_numerics_mode numerics;
+    /* Optional: called while the weights are bound to the backend (for CUDA,
+     * uploaded to device memory) with the bytes done and the total. */
+    void (*load_progress)(void *ctx, int64_t done, int64_t total);
+    void *load_progress_ctx;
 } ds4_engine_params;
 
 ds4_status ds4_engine_open(const ds4_engine_params *params, ds4_engine **out, ds4_error *err);

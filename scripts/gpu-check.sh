@@ -16,6 +16,17 @@
 #   ALLOW_SKIP=1    accept skipped CUDA tests (by default a skip is a failure:
 #                   on a GPU machine it means the device was not usable)
 #   STEP_TIMEOUT    seconds per test / sanitizer run (default 600)
+#   STAGES          comma-separated stages to run (default build,unit,parity,sanitize):
+#                     build     make clean, CPU and CUDA builds, CPU unit tests
+#                     unit      the CUDA unit test binaries
+#                     parity    `ds4server parity` cpu vs cuda on the tiny synthetic models
+#                               (every quant scheme, both numerics, greedy 32) and on the
+#                               oracle models of tests/oracle (reference numerics)
+#                     sanitize  compute-sanitizer memcheck/racecheck/initcheck on the CUDA tests
+#                     full      full-size q2 model in /dev/shm: synth (timed), parity of the first
+#                               2 layers cpu vs cuda, 128 greedy tokens on CUDA (finite logits,
+#                               peak device memory), layer parity on the generated tokens
+#   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -23,6 +34,9 @@ cd "$(dirname "$0")/.." || exit 1
 JOBS=${JOBS:-16}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 ALLOW_SKIP=${ALLOW_SKIP:-0}
+STAGES=${STAGES:-build,unit,parity,sanitize}
+SHM=${SHM:-/dev/shm/ds4-gpu-check}
+has_stage() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 export DS4_TEST_SEED=${DS4_TEST_SEED:-$(date +%s)}
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="/usr/local/cuda/bin:$PATH"
@@ -68,6 +82,80 @@ find_sanitizer() {
     return 1
 }
 
+# parity_step NAME ARGS...: `ds4server parity` cpu vs cuda, JSON under $OUT.
+parity_step() {
+    local name=$1
+    shift
+    section "parity $name: $*"
+    local json="${OUT:-$TMP}/parity-$name.json"
+    timeout "$STEP_TIMEOUT" build/cuda/ds4server parity --backends cpu,cuda --json "$json" "$@"
+    local rc=$?
+    if [ $rc -eq 0 ]; then record "parity $name" PASS; else record "parity $name" "FAIL (exit $rc)"; fi
+}
+
+parity_stage() {
+    mkdir -p "$SHM"
+    local q num
+    for q in f32 q8_0 q2 q4; do
+        build/cuda/ds4server synth --arch deepseek4 --scale tiny --quant $q --seed 7 --out "$SHM/tiny-$q.gguf" ||
+            record "synth tiny $q" FAIL
+        for num in reference ds4; do
+            parity_step "tiny-$q-$num" -m "$SHM/tiny-$q.gguf" --numerics $num --n-tokens 80 --decode 4 --greedy 32
+        done
+    done
+    local cfg py=${PYTHON:-python3}
+    for cfg in tests/oracle/configs/*.json; do
+        local name d toks
+        name=$(basename "$cfg" .json)
+        d="$SHM/oracle-$name"
+        rm -rf "$d"
+        if ! "$py" tests/oracle/gen_weights.py "$cfg" "$d" >/dev/null ||
+            ! build/cuda/ds4server convert --from-hf "$d" --out "$d/m.gguf" --quant f32 >/dev/null; then
+            record "oracle $name model" FAIL
+            continue
+        fi
+        toks=$("$py" -c 'import json,sys; print(",".join(map(str, json.load(open(sys.argv[1])))))' "$d/tokens.json")
+        parity_step "oracle-$name-reference" -m "$d/m.gguf" --numerics reference --tokens "$toks" --decode 4 --greedy 32
+    done
+    parity_step "oracle-aligned-ds4" -m "$SHM/oracle-aligned/m.gguf" --numerics ds4 --n-tokens 64 --greedy 32
+}
+
+full_stage() {
+    mkdir -p "$SHM"
+    local m="$SHM/full-q2.gguf" t0 t1
+    section "synth --scale full --quant q2 -> $m"
+    df -h /dev/shm
+    t0=$(date +%s.%N)
+    if [ -s "$m" ] || build/cuda/ds4server synth --arch deepseek4 --scale full --quant q2 --seed 1 --out "$m"; then
+        t1=$(date +%s.%N)
+        ls -l "$m"
+        echo "synth seconds: $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')"
+        record "synth full q2" PASS
+    else
+        record "synth full q2" FAIL
+        return
+    fi
+    parity_step "full-q2-2layers-ds4" -m "$m" --layers 2 --numerics ds4 --n-tokens 6 --decode 2
+    parity_step "full-q2-2layers-reference" -m "$m" --layers 2 --numerics reference --n-tokens 4 --decode 1
+    section "full q2 on CUDA: 16 prompt tokens + 128 greedy"
+    local log="${OUT:-$TMP}/full-greedy.log" prompt="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16"
+    t0=$(date +%s.%N)
+    timeout "$STEP_TIMEOUT" build/cuda/ds4server logits -m "$m" --backend cuda --tokens "$prompt" --greedy 128 \
+        --out "$SHM/full-logits.bin" | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    t1=$(date +%s.%N)
+    echo "seconds (load + prefill + 128 tokens): $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')"
+    rm -f "$SHM/full-logits.bin"
+    if [ $rc -eq 0 ] && grep -q " 0 non-finite values" "$log"; then
+        record "full q2 cuda greedy 128" PASS
+        local gen
+        gen=$(sed -n 's/^generated: //p' "$log" | cut -d, -f1-8)
+        parity_step "full-q2-2layers-generated" -m "$m" --layers 2 --numerics ds4 --tokens "$prompt,$gen" --decode 8
+    else
+        record "full q2 cuda greedy 128" "FAIL (exit $rc or non-finite logits)"
+    fi
+}
+
 main() {
     section "gpu-check $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
     echo "repo: $(pwd)"
@@ -103,12 +191,14 @@ main() {
         local libdir=/opt/gpu-debs/usr/lib/x86_64-linux-gnu
         export CFLAGS="-I/opt/gpu-debs/usr/include" LDFLAGS="-L$libdir -Wl,-rpath,$libdir"
     fi
-    run_step "make clean" make clean
-    run_step "make -j$JOBS (CPU build)" make -j"$JOBS"
-    if ! run_step "make -j$JOBS cuda" make -j"$JOBS" cuda; then
-        section "the CUDA build failed: no CUDA tests to run"
+    if has_stage build; then
+        run_step "make clean" make clean
+        run_step "make -j$JOBS (CPU build)" make -j"$JOBS"
+        if ! run_step "make -j$JOBS cuda" make -j"$JOBS" cuda; then
+            section "the CUDA build failed: no CUDA tests to run"
+        fi
+        run_step "make test-c (CPU unit tests)" make -j"$JOBS" test-c
     fi
-    run_step "make test-c (CPU unit tests)" make -j"$JOBS" test-c
 
     if [ -x build/cuda/ds4server ]; then
         section "build/cuda/ds4server version"
@@ -128,9 +218,11 @@ main() {
         while IFS= read -r b; do bins+=("$b"); done < <(find build/cuda/tests -maxdepth 1 -type f -perm -u+x | sort)
     fi
     if [ ${#bins[@]} -eq 0 ]; then record "CUDA test binaries" "FAIL (none built)"; fi
+    local bins_to_test=("${bins[@]}")
 
     local b log rc counts
-    for b in "${bins[@]}"; do
+    has_stage unit || bins_to_test=()
+    for b in "${bins_to_test[@]}"; do
         section "$b"
         log="$TMP/$(basename "$b").log"
         timeout "$STEP_TIMEOUT" "$b" >"$log" 2>&1
@@ -147,25 +239,47 @@ main() {
         fi
     done
 
-    if [ -n "$san" ]; then
-        local tool
+    if has_stage parity && [ -x build/cuda/ds4server ]; then parity_stage; fi
+    if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
+
+    if ! has_stage sanitize; then
+        :
+    elif [ -n "$san" ]; then
+        # All sanitizer runs at once (they are CPU-bound; the GPU has room),
+        # each with its own log, then reported in order.
+        local tool pids=() runs=()
+        section "compute-sanitizer memcheck/racecheck/initcheck on ${#bins[@]} test binaries, in parallel"
         for b in "${bins[@]}"; do
             for tool in memcheck racecheck initcheck; do
                 local extra=()
                 [ "$tool" = memcheck ] && extra=(--leak-check full)
-                section "compute-sanitizer --tool $tool $b"
                 log="$TMP/$(basename "$b").$tool.log"
-                timeout "$STEP_TIMEOUT" "$san" --tool "$tool" "${extra[@]}" --error-exitcode 86 "$b" >"$log" 2>&1
-                rc=$?
-                cat "$log"
-                if [ $rc -eq 0 ]; then
-                    record "$tool $b" PASS
-                elif [ $rc -eq 86 ]; then
-                    record "$tool $b" "FAIL (sanitizer errors: $(grep -E '^========= ERROR SUMMARY' "$log" | tail -n1 | sed 's/^========= //'))"
-                else
-                    record "$tool $b" "FAIL (exit $rc)"
-                fi
+                (
+                    timeout "$STEP_TIMEOUT" "$san" --tool "$tool" "${extra[@]}" --error-exitcode 86 "$b" >"$log" 2>&1
+                    echo $? >"$log.rc"
+                ) &
+                pids+=($!)
+                runs+=("$tool $b")
             done
+        done
+        wait "${pids[@]}"
+        local run
+        for run in "${runs[@]}"; do
+            tool=${run%% *}
+            b=${run#* }
+            log="$TMP/$(basename "$b").$tool.log"
+            rc=$(cat "$log.rc" 2>/dev/null || echo 1)
+            section "compute-sanitizer --tool $tool $b (exit $rc)"
+            grep -E "ERROR SUMMARY|passed, .* failed|LEAK SUMMARY|Invalid|Race|Uninitialized" "$log" | head -n 20
+            if [ "$rc" -eq 0 ]; then
+                record "$tool $b" PASS
+            elif [ "$rc" -eq 86 ]; then
+                record "$tool $b" "FAIL (sanitizer errors: $(grep -E '^========= ERROR SUMMARY' "$log" | tail -n1 | sed 's/^========= //'))"
+            elif [ "$rc" -eq 124 ]; then
+                record "$tool $b" "FAIL (timed out after ${STEP_TIMEOUT}s)"
+            else
+                record "$tool $b" "FAIL (exit $rc)"
+            fi
         done
     else
         record "compute-sanitizer" "SKIP (not installed)"

@@ -68,7 +68,7 @@ ds4_status ds4_engine_open(const ds4_engine_params *p, ds4_engine **out, ds4_err
     e->num = p->numerics == DS4_NUMERICS_MODE_REFERENCE ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
     ds4_status st = gguf_open(p->model_path, &e->file, err);
     if (!st) st = ds4_backend_create(p->backend, p->n_threads, &e->be, err);
-    if (!st) st = ds4_model_load(e->file, e->be, &e->model, err);
+    if (!st) st = ds4_model_load_progress(e->file, e->be, p->load_progress, p->load_progress_ctx, &e->model, err);
     if (st) {
         ds4_engine_close(e);
         return st;

@@ -129,15 +129,21 @@ int cli_parse_common(const char *cmd, cli_opts *o, int argc, char **argv, int *i
     return 1;
 }
 
-/* Model loading progress on stderr (only when it is a terminal). */
+/* Model loading progress on stderr (only when it is a terminal); ctx is the
+ * label. */
 static bool load_bar(void *ctx, int64_t done, int64_t total) {
-    (void)ctx;
     int width = 40, filled = (int)(width * (double)done / (double)(total ? total : 1));
-    fprintf(stderr, "\rloading [%.*s%*s] %.1f / %.1f GiB", filled, "########################################",
-            width - filled, "", (double)done / 1073741824.0, (double)total / 1073741824.0);
+    fprintf(stderr, "\r%s [%.*s%*s] %.1f / %.1f GiB", (const char *)ctx, filled,
+            "########################################", width - filled, "", (double)done / 1073741824.0,
+            (double)total / 1073741824.0);
     if (done == total) fputs("\r\033[K", stderr);
     fflush(stderr);
     return !cli_interrupted;
+}
+
+/* Weight upload progress (device backends), for files over 1 GiB. */
+static void upload_bar(void *ctx, int64_t done, int64_t total) {
+    if (total > ((int64_t)1 << 30)) (void)load_bar(ctx, done, total);
 }
 
 int cli_parse_args(const char *cmd, const char *synopsis, cli_opts *o, int argc, char **argv) {
@@ -162,7 +168,9 @@ int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
     if (!o->model) return tool_fail(cmd, "no model given (-m FILE)");
     ds4_error err = { 0 };
     double t0 = now();
-    ds4_engine_params p = { o->model, o->backend, o->threads, o->numerics };
+    const bool on_cpu = !o->backend || !strcmp(o->backend, "cpu");
+    ds4_engine_params p = { o->model, o->backend, o->threads, o->numerics, NULL, NULL };
+    if (!on_cpu && isatty(STDERR_FILENO)) p.load_progress = upload_bar, p.load_progress_ctx = (void *)"uploading";
     if (ds4_engine_open(&p, &m->engine, &err) || ds4_tokenizer_load(ds4_engine_gguf(m->engine), &m->tok, &err) ||
         ds4_session_create(m->engine, o->ctx, &m->session, &err) ||
         ds4_sample_scratch_init(&m->scratch, ds4_engine_vocab_size(m->engine), &err)) {
@@ -171,8 +179,8 @@ int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
     }
     /* Bring the weights into memory now, with a progress bar, rather than
      * stalling the first tokens on page faults (large files only). */
-    if (isatty(STDERR_FILENO) && ds4_engine_gguf(m->engine)->size > ((uint64_t)1 << 30))
-        ds4_engine_prefetch(m->engine, load_bar, NULL);
+    if (on_cpu && isatty(STDERR_FILENO) && ds4_engine_gguf(m->engine)->size > ((uint64_t)1 << 30))
+        ds4_engine_prefetch(m->engine, load_bar, (void *)"loading");
     m->load_seconds = now() - t0;
     ds4_rng_seed(&m->rng, ds4_sampler_resolve_seed(o->sampling.seed));
     return 0;

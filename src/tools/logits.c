@@ -1,16 +1,21 @@
 /*
  * logits.c - `ds4server logits`: float32 logits for every position.
  *
- *   ds4server logits -m FILE --tokens 1,2,3,... --out PATH [--backend cpu]
+ *   ds4server logits -m FILE --tokens 1,2,3,... --out PATH [--backend cpu|cuda]
  *                    [--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N]
+ *                    [--greedy N]
  *
  * Writes [n_tokens x vocab] float32 little-endian. By default the whole
  * sequence is prefilled in one call; --incremental feeds one token at a time
  * (the decode path); --chunks evaluates successive batches of the given sizes
  * (then the rest in one batch), i.e. prefill, then prefill again from a
  * non-zero position. Every split must give the same logits: that is a test.
+ * --greedy N then decodes N more tokens, each the argmax of the previous
+ * logits, appending their logits rows too; the generated ids, a count of
+ * non-finite logits and (CUDA) the peak device memory go to stdout.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -20,44 +25,20 @@
 #include "core/gguf.h"
 #include "models/deepseek4/ds4_model.h"
 #include "tools/tools.h"
-
-/* Parse "1,2,3" into a malloc'd array. */
-static int32_t *parse_tokens(const char *s, int64_t *n_out) {
-    int64_t cap = 16, n = 0;
-    int32_t *v = malloc((size_t)cap * sizeof *v);
-    const char *p = s;
-    while (v && *p) {
-        char *end;
-        errno = 0;
-        long long x = strtoll(p, &end, 10);
-        if (end == p || errno || x < 0 || x > INT32_MAX) {
-            free(v);
-            return NULL;
-        }
-        if (n == cap) {
-            int32_t *nv = realloc(v, (size_t)(cap *= 2) * sizeof *v);
-            if (!nv) { free(v); return NULL; }
-            v = nv;
-        }
-        v[n++] = (int32_t)x;
-        p = end;
-        if (*p == ',') p++;
-        else if (*p) { free(v); return NULL; }
-    }
-    if (v && n == 0) { free(v); return NULL; }
-    *n_out = n;
-    return v;
-}
+#ifdef DS4_WITH_CUDA
+#include "backends/cuda/cuda_backend.h"
+#endif
 
 int tool_logits(int argc, char **argv) {
     const char *model = NULL, *tokens_s = NULL, *out = NULL, *backend = "cpu", *numerics = "ds4", *chunks_s = NULL;
     bool incremental = false;
+    long long n_greedy = 0;
     int threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             printf("usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH [--backend cpu] "
-                   "[--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N]\n");
+                   "[--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N] [--greedy N]\n");
             return 0;
         }
         if (!strcmp(a, "--incremental")) { incremental = true; continue; }
@@ -69,18 +50,20 @@ int tool_logits(int argc, char **argv) {
         else if (!strcmp(a, "--numerics")) numerics = v;
         else if (!strcmp(a, "--chunks")) chunks_s = v;
         else if (!strcmp(a, "--threads")) threads = atoi(v);
+        else if (!strcmp(a, "--greedy")) n_greedy = atoll(v);
         else return tool_fail("logits", "unknown option '%s'", a);
         i++;
     }
     if (!model || !tokens_s || !out) return tool_fail("logits", "usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH");
+    if (n_greedy < 0 || n_greedy > 1000000) return tool_fail("logits", "--greedy must be between 0 and 1000000");
     ds4_numerics num;
     if (!strcmp(numerics, "ds4")) num = DS4_NUMERICS_DS4;
     else if (!strcmp(numerics, "reference")) num = DS4_NUMERICS_REFERENCE;
     else return tool_fail("logits", "unknown --numerics '%s' (ds4 or reference)", numerics);
     int64_t n, n_chunks = 0;
-    int32_t *tokens = parse_tokens(tokens_s, &n);
+    int32_t *tokens = tool_parse_tokens(tokens_s, &n);
     if (!tokens) return tool_fail("logits", "--tokens must be a comma-separated list of token ids");
-    int32_t *chunks = chunks_s ? parse_tokens(chunks_s, &n_chunks) : NULL;
+    int32_t *chunks = chunks_s ? tool_parse_tokens(chunks_s, &n_chunks) : NULL;
     if (chunks_s && !chunks) {
         free(tokens);
         return tool_fail("logits", "--chunks must be a comma-separated list of batch sizes");
@@ -96,12 +79,12 @@ int tool_logits(int argc, char **argv) {
     int rc = 0;
     char *tmp = NULL;
     if (gguf_open(model, &f, &err) || ds4_backend_create(backend, threads, &be, &err) ||
-        ds4_model_load(f, be, &m, &err) || ds4_state_create(m, n, &st, &err)) {
+        ds4_model_load(f, be, &m, &err) || ds4_state_create(m, n + n_greedy, &st, &err)) {
         rc = tool_fail("logits", "%s", err.message);
         goto done;
     }
     const int64_t V = ds4_model_config(m)->n_vocab;
-    logits = malloc((size_t)(n * V) * sizeof *logits);
+    logits = malloc((size_t)((n + n_greedy) * V) * sizeof *logits);
     if (!logits) {
         rc = tool_fail("logits", "out of memory for %lld x %lld logits", (long long)n, (long long)V);
         goto done;
@@ -114,6 +97,28 @@ int tool_logits(int argc, char **argv) {
         done += len;
     }
     if (rc) goto done;
+    if (n_greedy > 0) printf("generated:");
+    for (int64_t g = 0; g < n_greedy && !rc; g++) {
+        const float *last = logits + (n + g - 1) * V;
+        int32_t next = 0;
+        for (int64_t i = 1; i < V; i++)
+            if (last[i] > last[next]) next = (int32_t)i;
+        printf("%s%d", g ? "," : " ", next);
+        if (ds4_model_eval(m, st, &next, 1, num, logits + (n + g) * V, true, &err))
+            rc = tool_fail("logits", "%s", err.message);
+    }
+    if (n_greedy > 0) printf("\n");
+    if (rc) goto done;
+    n += n_greedy;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n * V; i++) bad += !isfinite(logits[i]);
+    printf("logits: %lld positions, %lld non-finite values\n", (long long)n, (long long)bad);
+#ifdef DS4_WITH_CUDA
+    if (!strncmp(be->ops->name, "cuda", 4))
+        printf("device memory: weights %.2f GiB, peak in use %.2f GiB\n",
+               (double)ds4_cuda_backend_weight_bytes(be) / 1073741824.0,
+               (double)ds4_cuda_backend_peak_bytes(be) / 1073741824.0);
+#endif
     tmp = malloc(strlen(out) + 5);
     if (!tmp) { rc = tool_fail("logits", "out of memory"); goto done; }
     sprintf(tmp, "%s.tmp", out);

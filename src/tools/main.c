@@ -21,6 +21,7 @@ static const command COMMANDS[] = {
     { "tokenize", tool_tokenize, "text to token ids and back (--decode); both pre-tokenizers" },
     { "run", tool_run, "answer one prompt, streaming the reply (with load, prefill and decode speed)" },
     { "chat", tool_chat, "interactive multi-turn chat (/help inside for commands)" },
+    { "parity", tool_parity, "compare two backends op by op, layer by layer and end to end" },
     { NULL, NULL, NULL },
 };
 

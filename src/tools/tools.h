@@ -15,6 +15,7 @@ int tool_run(int argc, char **argv);
 int tool_chat(int argc, char **argv);
 int tool_convert(int argc, char **argv);
 int tool_tokenize(int argc, char **argv);
+int tool_parity(int argc, char **argv);
 
 /* Print "ds4server <cmd>: message" to stderr and return exit status 1. */
 int tool_fail(const char *cmd, const char *fmt, ...)
@@ -28,5 +29,9 @@ int tool_fail(const char *cmd, const char *fmt, ...)
 void tool_json_escape(FILE *out, const char *s, uint64_t n);
 /* Write bytes for a human: printable ASCII and valid UTF-8 as is, others \xNN. */
 void tool_text_escape(FILE *out, const char *s, uint64_t n, uint64_t max_bytes);
+
+/* Parse "1,2,3" (non-negative int32 ids) into a malloc'd array; NULL when
+ * empty or malformed. */
+int32_t *tool_parse_tokens(const char *s, int64_t *n_out);
 
 #endif

@@ -1,5 +1,7 @@
 /* util.c - small output helpers shared by the ds4server subcommands. */
+#include <errno.h>
 #include <stdarg.h>
+#include <stdlib.h>
 
 #include "tools/tools.h"
 
@@ -68,4 +70,32 @@ void tool_text_escape(FILE *out, const char *str, uint64_t n, uint64_t max_bytes
         i++;
     }
     if (i < n) fputs("...", out);
+}
+
+/* Parse "1,2,3" into a malloc'd array. */
+int32_t *tool_parse_tokens(const char *s, int64_t *n_out) {
+    int64_t cap = 16, n = 0;
+    int32_t *v = malloc((size_t)cap * sizeof *v);
+    const char *p = s;
+    while (v && *p) {
+        char *end;
+        errno = 0;
+        long long x = strtoll(p, &end, 10);
+        if (end == p || errno || x < 0 || x > INT32_MAX) {
+            free(v);
+            return NULL;
+        }
+        if (n == cap) {
+            int32_t *nv = realloc(v, (size_t)(cap *= 2) * sizeof *v);
+            if (!nv) { free(v); return NULL; }
+            v = nv;
+        }
+        v[n++] = (int32_t)x;
+        p = end;
+        if (*p == ',') p++;
+        else if (*p) { free(v); return NULL; }
+    }
+    if (v && n == 0) { free(v); return NULL; }
+    *n_out = n;
+    return v;
 }

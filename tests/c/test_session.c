@@ -22,7 +22,7 @@ static bool setup(void) {
         fprintf(stderr, "synth: %s\n", err.message);
         return false;
     }
-    ds4_engine_params p = { model_a, "cpu", 2, DS4_NUMERICS_MODE_DS4 };
+    ds4_engine_params p = { model_a, "cpu", 2, DS4_NUMERICS_MODE_DS4, NULL, NULL };
     if (ds4_engine_open(&p, &engine, &err)) {
         fprintf(stderr, "engine: %s\n", err.message);
         return false;
@@ -206,7 +206,7 @@ static void test_checkpoint_damage(void) {
     }
     /* another model's session */
     ds4_engine *other = NULL;
-    ds4_engine_params p = { model_b, "cpu", 1, DS4_NUMERICS_MODE_DS4 };
+    ds4_engine_params p = { model_b, "cpu", 1, DS4_NUMERICS_MODE_DS4, NULL, NULL };
     CHECK(ds4_engine_open(&p, &other, &err) == DS4_OK);
     ds4_session *c = NULL;
     if (other && ds4_session_create(other, 256, &c, &err) == DS4_OK) {

@@ -37,3 +37,23 @@ def test_inventory_cpu_tests_exist():
         assert named, f"{op}: no CPU test named"
         for t in named:
             assert t in tests, f"{op}: {t} is not in tests/c/test_cpu_ops.c"
+
+
+def test_inventory_cuda_tests_exist():
+    """Each op names its CUDA unit test ("file: test_name"; test_name may end in _* or _<type>) and it exists."""
+    files = {"ops": "test_cuda_ops.c", "matmul": "test_cuda_matmul.c", "attention": "test_cuda_attention.c",
+             "hc_ffn": "test_cuda_hc_ffn.c", "session": "test_cuda_session.c"}
+    defined = {}
+    for key, name in files.items():
+        defined[key] = set(re.findall(r"static void (test_[a-z0-9_A-Z]+)\(void\)", (ROOT / "tests/cuda" / name).read_text()))
+    for op, cells in inventory().items():
+        cell = cells[5]
+        assert cell and cell != "—", f"{op}: no CUDA parity entry"
+        found = re.findall(r"\b(ops|matmul|attention|hc_ffn|session): ((?:test_[a-zA-Z0-9_<>*]+(?:, )?)+)", cell)
+        if op == "take_error":
+            found = [f for f in found if f[0] == "session"]
+        assert found, f"{op}: no CUDA test named in {cell!r}"
+        for key, names in found:
+            for t in re.findall(r"test_[a-zA-Z0-9_<>*]+", names):
+                pattern = re.escape(t).replace(r"<type>", "[a-zA-Z0-9_]+").replace(r"\*", "[a-zA-Z0-9_]+")
+                assert any(re.fullmatch(pattern, d) for d in defined[key]), f"{op}: {t} not in {files[key]}"

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backends/backend.h"
 #include "ds4.h"
 
 #ifdef __cplusplus
@@ -86,6 +87,19 @@ ds4_status ds4_cuda_dequant_rows(uint32_t type, const void *d_src, float *d_dst,
  * free. Synchronous; same errors. */
 ds4_status ds4_cuda_dequant_host(uint32_t type, const void *h_src, float *h_dst, int64_t n_rows, int64_t row_elems,
                                  ds4_error *err);
+
+/* ---- the backend (cuda_backend.cu) ---- */
+
+/* The CUDA op table on device `device` (its own stream, device scratch and
+ * error state). DS4_ERR_UNSUPPORTED when the device cannot be used. Destroy
+ * with ds4_backend_destroy. */
+ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4_error *err);
+void ds4_cuda_backend_free(ds4_backend *be); /* ds4_backend_destroy's part */
+/* Device bytes held by the weights bound so far. */
+size_t ds4_cuda_backend_weight_bytes(const ds4_backend *be);
+/* Peak device memory in use since the backend was created (all allocations
+ * of the process on this device, as cudaMemGetInfo sees them), in bytes. */
+size_t ds4_cuda_backend_peak_bytes(const ds4_backend *be);
 
 #ifdef __cplusplus
 }

@@ -30,6 +30,31 @@
 
 #define EVAL_CHUNK 256 /* tokens per layer-major pass (bounds scratch memory) */
 
+/* The inspection hook (ds4_model_set_tap): a no-op unless a harness set it. */
+#define TAP(name, layer, token, buf, n)                                                 \
+    do {                                                                                \
+        if (m->tap) m->tap(m->tap_ctx, (name), (layer), (token), (buf), (n), false);    \
+    } while (0)
+
+/* Integer host results (expert ids, selected rows) pass through the hook as
+ * floats (exact below 2^24) and come back rounded. */
+static void tap_ints(const ds4_model *m, const char *name, int layer, int64_t token, int32_t *v, int64_t n) {
+    if (!m->tap || n <= 0 || n > 4096) return;
+    float f[4096];
+    for (int64_t i = 0; i < n; i++) f[i] = (float)v[i];
+    m->tap(m->tap_ctx, name, layer, token, f, n, true);
+    for (int64_t i = 0; i < n; i++) v[i] = (int32_t)lrintf(f[i]);
+}
+
+void ds4_model_set_tap(ds4_model *m, ds4_model_tap_fn fn, void *ctx) {
+    m->tap = fn;
+    m->tap_ctx = ctx;
+}
+
+void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
+    m->layer_limit = n_layers > 0 && n_layers < m->cfg.n_layer ? n_layers : 0;
+}
+
 const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
 int64_t ds4_state_pos(const ds4_state *s) { return s->pos; }
 ds4_backend *ds4_model_backend(const ds4_model *m) { return m->be; }
@@ -143,7 +168,35 @@ static ds4_status bind_one(ds4_model *m, const ds4_tensor_spec *spec, uint32_t q
 }
 
 ds4_status ds4_model_load(gguf_file *file, ds4_backend *be, ds4_model **out, ds4_error *err) {
+    return ds4_model_load_progress(file, be, NULL, NULL, out, err);
+}
+
+/* Every op the forward pass calls must be in the backend's table: a backend
+ * that lacks one cannot run this model, and says which. */
+static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
+    const ds4_backend_ops *o = be->ops;
+    const struct { const char *name; bool present; } need[] = {
+        { "alloc", o->alloc }, { "free", o->free }, { "upload", o->upload }, { "download", o->download },
+        { "copy", o->copy }, { "fill", o->fill }, { "bind_weight", o->bind_weight },
+        { "release_weight", o->release_weight }, { "embed", o->embed }, { "rmsnorm", o->rmsnorm }, { "add", o->add },
+        { "add_weight_row", o->add_weight_row }, { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
+        { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "rope_tail", o->rope_tail },
+        { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
+        { "compressor_pool", o->compressor_pool }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
+        { "router", o->router }, { "swiglu", o->swiglu }, { "moe", o->moe }, { "take_error", o->take_error },
+    };
+    for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
+        if (!need[i].present)
+            return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "the %s backend has no %s op, which DeepSeek V4 needs",
+                                 o->name, need[i].name);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_load_progress(gguf_file *file, ds4_backend *be, ds4_model_load_fn fn, void *ctx,
+                                   ds4_model **out, ds4_error *err) {
     *out = NULL;
+    ds4_status ops_st = check_ops(be, err);
+    if (ops_st) return ops_st;
     ds4_model *m = calloc(1, sizeof *m);
     if (!m) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
     m->file = file;
@@ -169,7 +222,19 @@ ds4_status ds4_model_load(gguf_file *file, ds4_backend *be, ds4_model **out, ds4
     }
     ds4_layout_tensors(c, DS4_QUANT_F32, specs, n, &ignore);
     ds4_layout_tensors(c, DS4_QUANT_Q2, q2, n, &ignore); /* classes only: may not fit the widths */
-    for (int64_t i = 0; i < n && !st; i++) st = bind_one(m, &specs[i], q2[i].type, err);
+    int64_t total = 0, done = 0;
+    for (int64_t i = 0; i < n && fn; i++) {
+        const gguf_tensor *t = gguf_find_tensor(file, specs[i].name);
+        if (t) total += (int64_t)t->n_bytes;
+    }
+    for (int64_t i = 0; i < n && !st; i++) {
+        st = bind_one(m, &specs[i], q2[i].type, err);
+        const gguf_tensor *t = fn && !st ? gguf_find_tensor(file, specs[i].name) : NULL;
+        if (t) {
+            done += (int64_t)t->n_bytes;
+            fn(ctx, done, total);
+        }
+    }
     for (int l = 0; l < c->n_layer && !st; l++) {
         layer_weights *L = &m->layers[l];
         L->has_bias = L->probs_bias.host != NULL;
@@ -358,25 +423,31 @@ static void window_push(ds4_backend *be, const ds4_config *c, layer_state *L, co
 /* One compressor step for the token at position p (spec 3.5). kv_cur and
  * sc_cur are this token's projections (width coff*dim); on a window end the
  * pooled, normalised, rotated and rounded row is appended. */
-static void compressor_step(ds4_model *m, compressor_state *cs, const ds4_weight *ape, const ds4_weight *norm,
-                            bool is_index, const float *kv_cur, float *sc_cur, int64_t p, float *row,
-                            ds4_numerics num) {
+static void compressor_step(ds4_model *m, int l, int64_t t, compressor_state *cs, const ds4_weight *ape,
+                            const ds4_weight *norm, bool is_index, const float *kv_cur, float *sc_cur, int64_t p,
+                            float *row, ds4_numerics num) {
     ds4_backend *be = m->be;
     const int ratio = cs->ratio;
     const int64_t width = cs->coff * cs->dim;
     be->ops->add_weight_row(be, sc_cur, ape, p % ratio, 1);
+    TAP(is_index ? "idx_comp_score" : "comp_score", l, t, sc_cur, width);
     int64_t r = ratio == 4 ? 4 + p % 4 : p % ratio;
     be->ops->copy(be, cs->state_kv + r * width, kv_cur, width);
     be->ops->copy(be, cs->state_sc + r * width, sc_cur, width);
     if ((p + 1) % ratio != 0) return;
     be->ops->compressor_pool(be, cs->state_kv, cs->state_sc, ratio, cs->dim, row);
+    TAP(is_index ? "idx_comp_pool" : "comp_pool", l, t, row, cs->dim);
     be->ops->rmsnorm(be, row, norm, m->cfg.rms_eps, row, 1, cs->dim);
+    TAP(is_index ? "idx_comp_norm" : "comp_norm", l, t, row, cs->dim);
     int32_t first = (int32_t)(p + 1 - ratio);
     be->ops->rope_tail(be, row, 1, 1, cs->dim, &first, &m->rope_comp, false);
+    TAP(is_index ? "idx_comp_rope" : "comp_rope", l, t, row, cs->dim);
     if (num == DS4_NUMERICS_DS4) {
         if (is_index) be->ops->indexer_qat(be, row, 1, cs->dim);
         else be->ops->round_fp8_kv(be, row, 1, cs->dim, m->cfg.n_rot);
+        TAP(is_index ? "idx_comp_qat" : "comp_fp8", l, t, row, cs->dim);
         be->ops->round_f16(be, row, cs->dim);
+        TAP(is_index ? "idx_comp_f16" : "comp_f16", l, t, row, cs->dim);
     }
     if (cs->n_rows < cs->cap) {
         be->ops->copy(be, cs->rows + cs->n_rows * cs->dim, row, cs->dim);
@@ -399,48 +470,73 @@ static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, c
     const ds4_rope *rope = ratio ? &m->rope_comp : &m->rope_dense;
 
     be->ops->hc_pre(be, &m->hc, s->X, &W->hc_attn_fn, &W->hc_attn_scale, &W->hc_attn_base, s->x, s->post, s->comb, n);
+    TAP("attn_hc_x", l, -1, s->x, n * H);
+    TAP("attn_hc_post", l, -1, s->post, n * c->n_hc);
+    TAP("attn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
     be->ops->rmsnorm(be, s->x, &W->attn_norm, c->rms_eps, s->a, n, H);
+    TAP("attn_norm", l, -1, s->a, n * H);
     /* q: low rank, norm, up, per-head plain norm, RoPE */
     be->ops->matmul(be, &W->q_a, 0, qr, s->a, H, s->qr, qr, n, num);
+    TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
+    TAP("q_a_norm", l, -1, s->qr, n * qr);
     be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
+    TAP("q_b", l, -1, s->q, n * nh * D);
     be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
+    TAP("q_head_norm", l, -1, s->q, n * nh * D);
     be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
+    TAP("q_rope", l, -1, s->q, n * nh * D);
     /* kv: projection, norm, RoPE, FP8 */
     be->ops->matmul(be, &W->kv, 0, D, s->a, H, s->kv, D, n, num);
+    TAP("kv", l, -1, s->kv, n * D);
     be->ops->rmsnorm(be, s->kv, &W->kv_norm, c->rms_eps, s->kv, n, D);
+    TAP("kv_norm", l, -1, s->kv, n * D);
     be->ops->rope_tail(be, s->kv, n, 1, D, pos, rope, false);
+    TAP("kv_rope", l, -1, s->kv, n * D);
     if (num == DS4_NUMERICS_DS4) {
         be->ops->round_fp8_kv(be, s->kv, n, D, c->n_rot);
+        TAP("kv_fp8", l, -1, s->kv, n * D);
         be->ops->round_f16(be, s->kv, n * D); /* stored F16-rounded (CPU semantics) */
+        TAP("kv_f16", l, -1, s->kv, n * D);
     }
     /* compressor and indexer projections, batched */
     const int64_t cw = (ratio == 4 ? 2 : 1) * D, iw = 2 * c->idx_head_dim;
     if (ratio) {
         be->ops->matmul(be, &W->comp_kv, 0, cw, s->a, H, s->ckv, cw, n, num);
+        TAP("comp_kv", l, -1, s->ckv, n * cw);
         be->ops->matmul(be, &W->comp_gate, 0, cw, s->a, H, s->csc, cw, n, num);
+        TAP("comp_gate", l, -1, s->csc, n * cw);
     }
     if (ratio == 4) {
         be->ops->matmul(be, &W->idx_kv, 0, iw, s->a, H, s->ikv, iw, n, num);
+        TAP("idx_comp_kv", l, -1, s->ikv, n * iw);
         be->ops->matmul(be, &W->idx_gate, 0, iw, s->a, H, s->isc, iw, n, num);
+        TAP("idx_comp_gate", l, -1, s->isc, n * iw);
         be->ops->matmul(be, &W->idx_proj, 0, c->idx_n_head, s->a, H, s->iw, c->idx_n_head, n, num);
+        TAP("idx_proj", l, -1, s->iw, n * c->idx_n_head);
     }
     /* token by token: state updates and attention */
     for (int64_t t = 0; t < n; t++) {
         const int64_t p = pos[t];
         window_push(be, c, L, s->kv + t * D);
-        if (ratio) compressor_step(m, &L->attn, &W->comp_ape, &W->comp_norm, false, s->ckv + t * cw, s->csc + t * cw,
-                                   p, s->crow, num);
+        if (ratio)
+            compressor_step(m, l, t, &L->attn, &W->comp_ape, &W->comp_norm, false, s->ckv + t * cw, s->csc + t * cw,
+                            p, s->crow, num);
         if (ratio == 4)
-            compressor_step(m, &L->index, &W->idx_ape, &W->idx_norm, true, s->ikv + t * iw, s->isc + t * iw, p,
+            compressor_step(m, l, t, &L->index, &W->idx_ape, &W->idx_norm, true, s->ikv + t * iw, s->isc + t * iw, p,
                             s->crow, num);
         const int32_t *sel = NULL;
         int64_t n_b = ratio ? L->attn.n_rows : 0;
         if (ratio == 4 && n_b > c->idx_top_k) {
             const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
             be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, s->iq, ih * id, 1, num);
+            TAP("idx_q", l, t, s->iq, ih * id);
             be->ops->rope_tail(be, s->iq, 1, ih, id, &pos[t], rope, false);
-            if (num == DS4_NUMERICS_DS4) be->ops->indexer_qat(be, s->iq, ih, id);
+            TAP("idx_q_rope", l, t, s->iq, ih * id);
+            if (num == DS4_NUMERICS_DS4) {
+                be->ops->indexer_qat(be, s->iq, ih, id);
+                TAP("idx_q_qat", l, t, s->iq, ih * id);
+            }
             /* head weights times 1/sqrt(id * ih) (spec 3.6.3): a few floats, scaled on the host */
             float wt[4096];
             be->ops->download(be, wt, s->iw + t * ih, ih);
@@ -448,20 +544,27 @@ static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, c
             for (int64_t h = 0; h < ih; h++) wt[h] *= wscale;
             be->ops->upload(be, s->crow, wt, ih);
             be->ops->indexer_scores(be, s->iq, s->crow, ih, id, L->index.rows, L->index.n_rows, s->iscores);
+            TAP("idx_scores", l, t, s->iscores, L->index.n_rows);
             be->ops->top_k(be, s->iscores, L->index.n_rows, c->idx_top_k, s->topk);
+            tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
             sel = s->topk;
             n_b = c->idx_top_k;
         }
         be->ops->attention(be, s->q + t * nh * D, nh, D, L->window, L->n_window, ratio ? L->attn.rows : NULL, sel,
                            n_b, &W->sinks, s->attn + t * nh * D);
+        TAP("attention", l, t, s->attn + t * nh * D, nh * D);
     }
     be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
+    TAP("attn_rope_inv", l, -1, s->attn, n * nh * D);
     /* grouped low-rank output: group g reads heads g*nh/G .. (g+1)*nh/G - 1 */
     const int64_t G = c->o_groups, ro = c->o_lora, gin = nh * D / G;
     for (int64_t g = 0; g < G; g++)
         be->ops->matmul(be, &W->out_a, g * ro, ro, s->attn + g * gin, nh * D, s->low + g * ro, G * ro, n, num);
+    TAP("attn_out_a", l, -1, s->low, n * G * ro);
     be->ops->matmul(be, &W->out_b, 0, H, s->low, G * ro, s->y, H, n, num);
+    TAP("attn_out_b", l, -1, s->y, n * H);
     be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
+    TAP("attn_X", l, -1, s->X2, n * c->n_hc * H);
     float *tmp = s->X;
     s->X = s->X2;
     s->X2 = tmp;
@@ -476,13 +579,22 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     const float limit = c->swiglu_limit[l];
 
     be->ops->hc_pre(be, &m->hc, s->X, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, s->x, s->post, s->comb, n);
+    TAP("ffn_hc_x", l, -1, s->x, n * H);
+    TAP("ffn_hc_post", l, -1, s->post, n * c->n_hc);
+    TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
     be->ops->rmsnorm(be, s->x, &W->ffn_norm, c->rms_eps, s->a, n, H);
+    TAP("ffn_norm", l, -1, s->a, n * H);
     be->ops->matmul(be, &W->gate_inp, 0, E, s->a, H, s->logits_e, E, n, num);
+    TAP("router_logits", l, -1, s->logits_e, n * E);
     /* shared expert, batched */
     be->ops->matmul(be, &W->gate_sh, 0, I, s->a, H, s->g, I, n, num);
+    TAP("shexp_gate", l, -1, s->g, n * I);
     be->ops->matmul(be, &W->up_sh, 0, I, s->a, H, s->u, I, n, num);
+    TAP("shexp_up", l, -1, s->u, n * I);
     be->ops->swiglu(be, s->g, s->u, limit, 1.0f, s->g, n * I);
+    TAP("shexp_swiglu", l, -1, s->g, n * I);
     be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
+    TAP("shexp_down", l, -1, s->y, n * H);
     /* routed experts, token by token */
     for (int64_t t = 0; t < n; t++) {
         int32_t hash_ids[16];
@@ -493,11 +605,16 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
         }
         be->ops->router(be, s->logits_e + t * E, E, W->has_bias ? &W->probs_bias : NULL, hash, k,
                         c->expert_weights_norm, c->expert_weights_scale, s->sel, s->sel_w);
+        tap_ints(m, "router_experts", l, t, s->sel, k);
+        if (m->tap) m->tap(m->tap_ctx, "router_weights", l, t, s->sel_w, k, true);
         be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a + t * H, s->sel, s->sel_w, k, limit, s->moe,
                      num);
+        TAP("moe", l, t, s->moe, H);
         be->ops->add(be, s->y + t * H, s->moe, s->y + t * H, H);
+        TAP("ffn_sum", l, t, s->y + t * H, H);
     }
     be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
+    TAP("ffn_X", l, -1, s->X2, n * c->n_hc * H);
     float *tmp = s->X;
     s->X = s->X2;
     s->X2 = tmp;
@@ -516,21 +633,28 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens,
 
     /* embedding, copied into every HC stream */
     be->ops->embed(be, &m->token_embd, tokens, (int)n, s->x);
+    TAP("embed", -1, -1, s->x, n * H);
     for (int64_t t = 0; t < n; t++)
         for (int sidx = 0; sidx < c->n_hc; sidx++)
             be->ops->copy(be, s->X + (t * c->n_hc + sidx) * H, s->x + t * H, H);
 
-    for (int l = 0; l < c->n_layer; l++) {
+    const int n_layer = m->layer_limit ? m->layer_limit : c->n_layer;
+    for (int l = 0; l < n_layer; l++) {
         attention_sublayer(m, st, l, s, pos, n, num);
         ffn_sublayer(m, l, s, tokens, n, num);
     }
     /* head: only the rows whose logits are wanted */
     int64_t first = all_logits ? 0 : n - 1, rows = n - first;
-    if (logits) {
+    if (logits && m->layer_limit) {
+        memset(logits, 0, (size_t)(rows * V) * sizeof *logits); /* layers only: no head */
+    } else if (logits) {
         be->ops->hc_head(be, &m->hc, s->X + first * c->n_hc * H, &m->out_hc_fn, &m->out_hc_scale, &m->out_hc_base,
                          s->h, rows);
+        TAP("hc_head", -1, -1, s->h, rows * H);
         be->ops->rmsnorm(be, s->h, &m->out_norm, c->rms_eps, s->h, rows, H);
+        TAP("out_norm", -1, -1, s->h, rows * H);
         be->ops->matmul(be, &m->output, 0, V, s->h, H, s->logits, V, rows, num);
+        TAP("logits", -1, -1, s->logits, rows * V);
         be->ops->download(be, logits, s->logits, rows * V);
     }
     st->pos += n;

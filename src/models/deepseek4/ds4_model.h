@@ -43,6 +43,29 @@ int64_t ds4_state_pos(const ds4_state *s); /* tokens consumed so far */
 ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int64_t n, ds4_numerics num,
                           float *logits, bool all_logits, ds4_error *err);
 
+/* ---- inspection (the parity harness) ---------------------------------- */
+
+/* Called after every op of the forward pass with the op's output: `name`
+ * (e.g. "attn_norm", "q", "kv", "attn", "moe", "X"), the layer (-1 for the
+ * embedding and the head), the token index within the batch (-1 when the
+ * buffer holds the whole batch), the buffer and its length in floats. The
+ * buffer is in backend memory unless `host` is true (router results). The
+ * callback may overwrite the buffer (through the backend's upload op, or
+ * directly when `host`): the forward pass continues from what it holds then,
+ * which lets the harness feed one backend's values to the next op of another.
+ * Integer host results (expert ids, top-k rows) are passed as floats. */
+typedef void (*ds4_model_tap_fn)(void *ctx, const char *name, int layer, int64_t token, float *buf, int64_t n,
+                                 bool host);
+void ds4_model_set_tap(ds4_model *m, ds4_model_tap_fn fn, void *ctx);
+/* Evaluate only the first n layers (0 = all); the head is then skipped and
+ * no logits are produced. For checking real-size layers of a large file. */
+void ds4_model_set_layer_limit(ds4_model *m, int n_layers);
+
+/* Progress of ds4_model_load_progress: bytes of weights bound so far. */
+typedef void (*ds4_model_load_fn)(void *ctx, int64_t done, int64_t total);
+ds4_status ds4_model_load_progress(gguf_file *file, ds4_backend *be, ds4_model_load_fn fn, void *ctx,
+                                   ds4_model **out, ds4_error *err);
+
 /* ---- state as bytes (DS4's session payload, spec 4.3) ------------------ */
 
 /* Size of the payload of a state holding n_tokens tokens. */

@@ -29,6 +29,9 @@ struct ds4_model {
     ds4_weight **bound; /* every bound weight, for release */
     char **names;       /* their names (ds4_weight.name points here) */
     int64_t n_bound;
+    ds4_model_tap_fn tap; /* inspection hook (NULL: none) */
+    void *tap_ctx;
+    int layer_limit; /* 0: all layers */
 };
 
 /* Compressor state of one layer: kv and score rows plus the emitted rows. */

@@ -16,10 +16,13 @@
  * 129,280); otherwise a byte-level vocabulary of the scale's size is written.
  * --zero writes no weight data at all (a sparse
  * file of zeros): enough to check a full-size layout on a small disk.
- * Every tensor has its own random stream (seed, tensor index), so the output
- * depends only on the arguments.
+ * Every row of every tensor has its own random stream (seed, tensor index,
+ * row), so the output depends only on the arguments, not on the number of
+ * threads that generate it (all cores, in 64 MiB batches).
  */
 #include <errno.h>
+#include <pthread.h>
+#include <unistd.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,37 +151,85 @@ static void random_blocks(rng *r, uint32_t type, uint8_t *row, int64_t row_bytes
     }
 }
 
+/* One row of tensor t into buf: its own random stream (seed, tensor, row),
+ * so rows can be generated in any order and on any number of threads. */
+static void synth_row(const ds4_tensor_spec *t, const ds4_config *cfg, uint64_t seed, int64_t index, int64_t rr,
+                      uint8_t *buf, float *f) {
+    const int64_t row = (int64_t)t->ne[0];
+    const int64_t row_bytes = ds4_type_row_bytes(t->type, row);
+    rng r = { seed * 0x100000001B3ULL ^ (uint64_t)(index + 1) * 0x9E3779B97F4A7C15ULL };
+    r.s ^= rng_next(&r) + (uint64_t)rr * 0xD1B54A32D192ED03ULL;
+    (void)rng_next(&r);
+    if (t->role == DS4_ROLE_TID2EID) { /* n_used distinct expert ids per token */
+        int32_t *ids = (int32_t *)buf;
+        for (int64_t k = 0; k < row; k++) {
+            int32_t e;
+            bool dup;
+            do {
+                e = (int32_t)(rng_next(&r) % (uint64_t)cfg->n_expert);
+                dup = false;
+                for (int64_t j = 0; j < k; j++) dup |= ids[j] == e;
+            } while (dup);
+            ids[k] = e;
+        }
+    } else if (t->type == DS4_TYPE_IQ2_XXS || t->type == DS4_TYPE_Q2_K || t->type == DS4_TYPE_Q4_K) {
+        random_blocks(&r, t->type, buf, row_bytes, t->fan_in);
+    } else {
+        for (int64_t i = 0; i < row; i++) f[i] = role_value(&r, t);
+        ds4_type_traits_get(t->type)->quantize_row(f, buf, row);
+    }
+}
+
+typedef struct synth_job {
+    const ds4_tensor_spec *t;
+    const ds4_config *cfg;
+    uint64_t seed;
+    int64_t index, first, n_rows, row_bytes;
+    uint8_t *out;
+    float *f; /* row scratch of this job */
+} synth_job;
+
+static void *synth_rows(void *arg) {
+    synth_job *j = arg;
+    for (int64_t k = 0; k < j->n_rows; k++)
+        synth_row(j->t, j->cfg, j->seed, j->index, j->first + k, j->out + k * j->row_bytes, j->f);
+    return NULL;
+}
+
+#define SYNTH_BATCH_BYTES ((int64_t)64 << 20)
+#define SYNTH_MAX_THREADS 64
+
+/* Rows are generated in batches of about 64 MiB, each split over the
+ * machine's cores, and written in order. */
 static ds4_status write_tensor(gguf_writer *w, const ds4_tensor_spec *t, uint64_t seed, int64_t index,
-                               const ds4_config *cfg, bool zero, ds4_error *err) {
+                               const ds4_config *cfg, bool zero, int n_threads, ds4_error *err) {
     const int64_t row = (int64_t)t->ne[0], rows = (int64_t)(t->ne[1] * t->ne[2] * t->ne[3]);
     const int64_t row_bytes = ds4_type_row_bytes(t->type, row);
     if (zero) return gguf_writer_write_zeros(w, (uint64_t)(row_bytes * rows));
-    rng r = { seed * 0x100000001B3ULL ^ (uint64_t)(index + 1) * 0x9E3779B97F4A7C15ULL };
-    uint8_t *buf = malloc((size_t)row_bytes);
-    float *f = malloc((size_t)row * sizeof *f);
+    int64_t batch = SYNTH_BATCH_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    if (batch < 1) batch = 1;
+    if (batch > rows) batch = rows;
+    if (rows < 64) n_threads = 1; /* small tensors: not worth threads */
+    uint8_t *buf = malloc((size_t)(batch * row_bytes));
+    float *f = malloc((size_t)n_threads * (size_t)row * sizeof *f);
     ds4_status st = DS4_OK;
-    if (!buf || !f) st = ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a row of %s", t->name);
-    const ds4_type_traits *tr = ds4_type_traits_get(t->type);
-    for (int64_t rr = 0; rr < rows && !st; rr++) {
-        if (t->role == DS4_ROLE_TID2EID) { /* n_used distinct expert ids per token */
-            int32_t *ids = (int32_t *)buf;
-            for (int64_t k = 0; k < row; k++) {
-                int32_t e;
-                bool dup;
-                do {
-                    e = (int32_t)(rng_next(&r) % (uint64_t)cfg->n_expert);
-                    dup = false;
-                    for (int64_t j = 0; j < k; j++) dup |= ids[j] == e;
-                } while (dup);
-                ids[k] = e;
-            }
-        } else if (t->type == DS4_TYPE_IQ2_XXS || t->type == DS4_TYPE_Q2_K || t->type == DS4_TYPE_Q4_K) {
-            random_blocks(&r, t->type, buf, row_bytes, t->fan_in);
-        } else {
-            for (int64_t i = 0; i < row; i++) f[i] = role_value(&r, t);
-            tr->quantize_row(f, buf, row);
+    if (!buf || !f) st = ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for rows of %s", t->name);
+    for (int64_t r0 = 0; r0 < rows && !st; r0 += batch) {
+        const int64_t nb = rows - r0 < batch ? rows - r0 : batch;
+        synth_job jobs[SYNTH_MAX_THREADS];
+        pthread_t tid[SYNTH_MAX_THREADS];
+        bool started[SYNTH_MAX_THREADS] = { false };
+        const int nt = nb < n_threads ? (int)nb : n_threads;
+        for (int k = 0; k < nt; k++) {
+            const int64_t a = nb * k / nt, b = nb * (k + 1) / nt;
+            jobs[k] = (synth_job){ t, cfg, seed, index, r0 + a, b - a, row_bytes, buf + a * row_bytes, f + k * row };
+            started[k] = k > 0 && pthread_create(&tid[k], NULL, synth_rows, &jobs[k]) == 0;
+            if (k > 0 && !started[k]) synth_rows(&jobs[k]); /* no thread: do it here */
         }
-        st = gguf_writer_write(w, buf, (uint64_t)row_bytes);
+        if (nt > 0) synth_rows(&jobs[0]);
+        for (int k = 1; k < nt; k++)
+            if (started[k]) pthread_join(tid[k], NULL);
+        st = gguf_writer_write(w, buf, (uint64_t)(nb * row_bytes));
     }
     free(buf);
     free(f);
@@ -238,7 +289,9 @@ ds4_status ds4_synth_write(const char *out, ds4_scale scale, ds4_quant_scheme qu
     }
     for (int64_t i = 0; i < n; i++) gguf_writer_add_tensor(w, specs[i].name, specs[i].type, specs[i].n_dims, specs[i].ne);
     ds4_status st = DS4_OK;
-    for (int64_t i = 0; i < n && !st; i++) st = write_tensor(w, &specs[i], seed, i, &cfg, zero, err);
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    const int n_threads = cores < 1 ? 1 : cores > SYNTH_MAX_THREADS ? SYNTH_MAX_THREADS : (int)cores;
+    for (int64_t i = 0; i < n && !st; i++) st = write_tensor(w, &specs[i], seed, i, &cfg, zero, n_threads, err);
     if (st) {
         const ds4_error *we = gguf_writer_error(w);
         rc = we->status ? ds4_error_set(err, we->status, "%s", we->message) : st;

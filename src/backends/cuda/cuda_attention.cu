@@ -1,0 +1,629 @@
+/*
+ * cuda_attention.cu - the attention side of the CUDA backend: tail RoPE,
+ * attention with sinks, the compressor's softmax-gated pooling, indexer
+ * scores and top-k selection (spec 3.4 - 3.6). The GPU twins of
+ * cpu_attention.c, with the same contracts (backend.h) and validation.
+ *
+ * Numerics.
+ *   rope_tail: the angle, its cosine and sine are computed in double exactly
+ *     as the CPU writes them (no FMA contraction), then rounded to float; the
+ *     rotation is done with __fmul_rn / __fadd_rn / __fsub_rn in the CPU's
+ *     order. Results are the CPU's up to a last-ulp difference of a cos/sin
+ *     where CUDA's double pow/cos/sin and the C library's differ in the last
+ *     double bit across a float rounding boundary.
+ *   attention: float throughout like the CPU, but split over the keys
+ *     (flash-decoding): each block keeps a running max, a denominator and a
+ *     weighted row sum for its share of the rows, rescaling when the max
+ *     grows; a second kernel merges the shares with the sink logit. Same
+ *     precision class as the CPU's two-pass float softmax, different
+ *     summation order.
+ *   compressor_pool: the CPU's loop and operation order per output dim
+ *     (__fadd_rn / __fmul_rn), so only expf's last ulp differs.
+ *   indexer_scores: float dots reduced as a warp tree (the CPU: 8 sequential
+ *     lanes), relu, then the CPU's sequential weighted sum over heads.
+ *   top_k: exact. Scores become 64-bit keys (order-preserving float bits,
+ *     NaN as -inf, -0 as +0, then the complemented index so ties put the
+ *     lowest index first); a device radix sort of the keys, descending, gives
+ *     the CPU's order; the first k go to the host.
+ *
+ * Layout.
+ *   rope_tail: block (row, group of heads); the block's cos/sin table is
+ *     computed once into shared memory, then every (head, pair) is rotated.
+ *   attention: grid (head, split); 256 threads; tiles of 32 rows: each warp
+ *     dots its rows with the head's query (in shared memory), then every
+ *     thread updates its own dims of the accumulator (shared memory).
+ *   compressor_pool: one thread per output dim.
+ *   indexer_scores: one warp per key (key in registers for dims <= 512),
+ *     the queries and head weights in shared memory when they fit.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+#include <cub/cub.cuh>
+
+#include "backends/cuda/cuda_internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* Shared pieces                                                             */
+/* ------------------------------------------------------------------------ */
+
+#define ATT_THREADS 256         /* attention blocks: 8 warps */
+#define ATT_WARPS (ATT_THREADS / 32)
+#define ATT_TILE 32             /* rows scored per pass of a block */
+#define ATT_MIN_ROWS 64         /* fewest rows worth a split of their own */
+#define ATT_TARGET_BLOCKS 512   /* heads x splits aimed for (a few waves of the SMs) */
+#define ROPE_THREADS 256
+#define ROPE_PAIRS_PER_BLOCK 2048
+#define POOL_THREADS 256
+#define IDX_THREADS 256         /* indexer blocks: 8 warps, one key each at a time */
+#define IDX_WARPS (IDX_THREADS / 32)
+#define IDX_MAX_BLOCKS 1024     /* each block stages the queries once, then strides over keys */
+#define TOPK_THREADS 256
+#define SMEM_DEFAULT (48 * 1024) /* dynamic shared memory usable without opting in */
+#define SMEM_STATIC_RESERVE 1024 /* static shared memory of the kernels, at most */
+
+static_assert(ATT_THREADS % 32 == 0 && ATT_TILE <= ATT_THREADS, "one weight per thread of the tile");
+
+static unsigned blocks_for(int64_t n, int threads, int64_t cap) {
+    int64_t b = (n + threads - 1) / threads;
+    if (b > cap) b = cap;
+    if (b < 1) b = 1;
+    return (unsigned)b;
+}
+
+/* Sum over the warp; every lane gets the result. */
+static __device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Allow `kernel` `bytes` of dynamic shared memory: free below 48 KiB, else
+ * opt in up to the device's limit. false (error recorded) when too large. */
+static bool allow_dynamic_smem(ds4_backend *be, const void *kernel, size_t bytes, const char *op, int64_t dim) {
+    if (bytes + SMEM_STATIC_RESERVE <= SMEM_DEFAULT) return true;
+    int optin = 0;
+    if (!CUDA_OK(be, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda_impl(be)->device)))
+        return false;
+    if (bytes + SMEM_STATIC_RESERVE > (size_t)optin) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: width %lld needs %zu bytes of shared memory (the device has %d)", op,
+                  (long long)dim, bytes, optin);
+        return false;
+    }
+    return CUDA_OK(be, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+/* ------------------------------------------------------------------------ */
+/* RoPE on the tail of each head (spec 3.4.4)                                */
+/* ------------------------------------------------------------------------ */
+
+struct rope_params {
+    int n_rot;
+    double base, factor, yarn_lo, yarn_hi;
+    double sin_sign;
+};
+
+/* The CPU's rope_angle, operation for operation (double, no contraction). */
+static __device__ double rope_angle(const rope_params &rp, int64_t p, int64_t k) {
+    const double theta = (double)p * pow(rp.base, -2.0 * (double)k / (double)rp.n_rot);
+    if (!(rp.factor > 1.0)) return theta;
+    double span = rp.yarn_hi - rp.yarn_lo;
+    if (span < 0.001) span = 0.001;
+    double y = ((double)k - rp.yarn_lo) / span;
+    if (y < 0.0) y = 0.0;
+    if (y > 1.0) y = 1.0;
+    const double ramp = 1.0 - y;
+    return __dadd_rn(__dmul_rn(theta / rp.factor, 1.0 - ramp), __dmul_rn(theta, ramp));
+}
+
+/* Block (row r, heads [h0, h0 + heads_per_block)). cs: cos of each pair, then
+ * sin (sign applied for the inverse), as floats. */
+static __global__ void __launch_bounds__(ROPE_THREADS)
+    rope_tail_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const int32_t *__restrict__ pos,
+                     rope_params rp, int64_t heads_per_block) {
+    extern __shared__ float rope_cs[];
+    const int64_t r = blockIdx.x;
+    const int half = rp.n_rot / 2;
+    const int64_t p = pos[r];
+    for (int k = threadIdx.x; k < half; k += blockDim.x) {
+        const double theta = rope_angle(rp, p, k);
+        rope_cs[k] = (float)cos(theta);
+        rope_cs[half + k] = (float)(rp.sin_sign * sin(theta));
+    }
+    __syncthreads();
+    const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
+    const int64_t h1 = h0 + heads_per_block < n_heads ? h0 + heads_per_block : n_heads;
+    const int64_t count = (h1 - h0) * half;
+    for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
+        const int64_t h = h0 + e / half;
+        const int k = (int)(e % half);
+        float *tail = x + (r * n_heads + h) * head_dim + (head_dim - rp.n_rot);
+        const float c = rope_cs[k], s = rope_cs[half + k];
+        const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
+        tail[2 * k] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        tail[2 * k + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    }
+}
+
+void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t *pos,
+                    const ds4_rope *rope, bool inverse) {
+    if (!rope) {
+        cuda_fail(be, DS4_ERR_INVALID, "rope_tail: no RoPE parameters");
+        return;
+    }
+    const int64_t n_rot = rope->n_rot;
+    if (n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim) {
+        cuda_fail(be, DS4_ERR_INVALID, "rope_tail: %lld rotated dims in heads of %lld", (long long)n_rot,
+                  (long long)head_dim);
+        return;
+    }
+    if (n_rows <= 0 || n_heads <= 0) return;
+    if (!x || !pos) {
+        cuda_fail(be, DS4_ERR_INVALID, "rope_tail: NULL %s for %lld rows", !x ? "buffer" : "positions",
+                  (long long)n_rows);
+        return;
+    }
+    if (n_rows > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "rope_tail: %lld rows", (long long)n_rows);
+        return;
+    }
+    if (cuda_failed(be)) return;
+    const size_t smem = (size_t)n_rot * sizeof(float);
+    if (!allow_dynamic_smem(be, (const void *)rope_tail_kernel, smem, "rope_tail", n_rot)) return;
+    const int32_t *d_pos =
+        (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
+    if (!d_pos) return;
+
+    const int64_t half = n_rot / 2;
+    int64_t per_block = (ROPE_PAIRS_PER_BLOCK + half - 1) / half;
+    const int64_t min_per_block = (n_heads + 65534) / 65535; /* grid y limit */
+    if (per_block < min_per_block) per_block = min_per_block;
+    if (per_block > n_heads) per_block = n_heads;
+    const int64_t groups = (n_heads + per_block - 1) / per_block;
+
+    rope_params rp;
+    rp.n_rot = (int)n_rot;
+    rp.base = (double)rope->base;
+    rp.factor = (double)rope->factor;
+    rp.yarn_lo = (double)rope->yarn_lo;
+    rp.yarn_hi = (double)rope->yarn_hi;
+    rp.sin_sign = inverse ? -1.0 : 1.0;
+    const dim3 grid((unsigned)n_rows, (unsigned)groups);
+    rope_tail_kernel<<<grid, ROPE_THREADS, smem, cuda_stream(be)>>>(x, n_heads, head_dim, d_pos, rp, per_block);
+    (void)CUDA_LAUNCHED(be, "rope_tail_kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Attention with sinks (spec 3.4.7)                                         */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Per head h: s_r = q_h . row_r / sqrt(dim); out_h = sum_r exp(s_r - m) row_r
+ * / (exp(sink - m) + sum_r exp(s_r - m)), m = max(sink, s_r).
+ *
+ * attention_partial_kernel, block (h, split): over its rows [split * rps,
+ * (split + 1) * rps) it keeps m (running max), den = sum exp(s_r - m) and
+ * acc = sum exp(s_r - m) row_r, and writes (m, den, acc[dim]) to part.
+ * attention_combine_kernel, block h: M = max(sink, m_split), factors
+ * f = exp(m_split - M), out = sum f acc / (exp(sink - M) + sum f den).
+ * A share whose scores are all -inf (m = -inf) weighs 0, as a -inf score
+ * does on the CPU.
+ */
+
+struct att_rows {
+    const float *a; /* rows_a [n_a, dim] */
+    int64_t n_a;
+    const float *b; /* rows_b */
+    const int32_t *idx; /* device copy of idx_b, or NULL */
+    int64_t dim;
+};
+
+static __device__ __forceinline__ const float *att_row(const att_rows &rows, int64_t r) {
+    if (r < rows.n_a) return rows.a + r * rows.dim;
+    r -= rows.n_a;
+    return rows.b + (rows.idx ? (int64_t)rows.idx[r] : r) * rows.dim;
+}
+
+static __global__ void __launch_bounds__(ATT_THREADS)
+    attention_partial_kernel(const float *__restrict__ q, att_rows rows, int64_t n, int64_t rows_per_split,
+                             float kq_scale, float *__restrict__ part) {
+    extern __shared__ float att_smem[];
+    __shared__ float s_tile[ATT_TILE];
+    __shared__ float w_tile[ATT_TILE];
+    __shared__ const float *row_tile[ATT_TILE];
+    const int64_t dim = rows.dim;
+    float *qs = att_smem;    /* q_h [dim] */
+    float *acc = qs + dim;   /* [dim]; element i is touched only by thread i % ATT_THREADS */
+    const int64_t h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int64_t i = tid; i < dim; i += ATT_THREADS) {
+        qs[i] = q[h * dim + i];
+        acc[i] = 0.0f;
+    }
+    __syncthreads();
+    const int64_t r0 = split * rows_per_split;
+    const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
+    float m = -INFINITY, den = 0.0f; /* the same in every thread */
+    for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
+        const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
+        for (int j = warp; j < nt; j += ATT_WARPS) {
+            const float *row = att_row(rows, t0 + j);
+            float d = 0.0f;
+            for (int64_t i = lane; i < dim; i += 32) d = fmaf(qs[i], row[i], d);
+            d = warp_sum(d);
+            if (lane == 0) {
+                s_tile[j] = d * kq_scale;
+                row_tile[j] = row;
+            }
+        }
+        __syncthreads();
+        float tile_max = -INFINITY;
+        for (int j = 0; j < nt; j++) tile_max = fmaxf(tile_max, s_tile[j]);
+        const float m_new = fmaxf(m, tile_max);
+        const float rescale = m == -INFINITY ? 0.0f : expf(m - m_new);
+        if (tid < nt) w_tile[tid] = s_tile[tid] == -INFINITY ? 0.0f : expf(s_tile[tid] - m_new);
+        __syncthreads();
+        float wsum = 0.0f;
+        for (int j = 0; j < nt; j++) wsum += w_tile[j];
+        den = den * rescale + wsum;
+        for (int64_t i = tid; i < dim; i += ATT_THREADS) {
+            float a = acc[i] * rescale;
+            for (int j = 0; j < nt; j++) a = fmaf(w_tile[j], row_tile[j][i], a);
+            acc[i] = a;
+        }
+        m = m_new;
+        __syncthreads(); /* the tile arrays are refilled next */
+    }
+    float *out = part + (h * n_splits + split) * (dim + 2);
+    if (tid == 0) {
+        out[0] = m;
+        out[1] = den;
+    }
+    for (int64_t i = tid; i < dim; i += ATT_THREADS) out[2 + i] = acc[i];
+}
+
+static __global__ void __launch_bounds__(ATT_THREADS)
+    attention_combine_kernel(const float *__restrict__ part, int64_t n_splits, int64_t dim, const void *sinks,
+                             uint32_t sinks_type, float *__restrict__ out) {
+    extern __shared__ float att_factor[]; /* [n_splits] */
+    __shared__ float sh_inv;
+    const int64_t h = blockIdx.x;
+    const int64_t stride = dim + 2;
+    const float *ph = part + h * n_splits * stride;
+    const float sink = cuda_load_float(sinks, sinks_type, h);
+    float M = sink;
+    for (int64_t s = 0; s < n_splits; s++) M = fmaxf(M, ph[s * stride]);
+    for (int64_t s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        const float ms = ph[s * stride];
+        att_factor[s] = ms == -INFINITY ? 0.0f : expf(ms - M);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float den = expf(sink - M);
+        for (int64_t s = 0; s < n_splits; s++) den = fmaf(ph[s * stride + 1], att_factor[s], den);
+        sh_inv = 1.0f / den;
+    }
+    __syncthreads();
+    const float inv = sh_inv;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        float o = 0.0f;
+        for (int64_t s = 0; s < n_splits; s++) o = fmaf(ph[s * stride + 2 + i], att_factor[s], o);
+        out[h * dim + i] = o * inv;
+    }
+}
+
+/* As the CPU's cpu_has_dequant: a type with a dequantiser and whole blocks. */
+static bool weight_has_dequant(const ds4_weight *w) {
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    return t && t->dequant_row && t->block_elems > 0 && w->ne[0] % t->block_elems == 0;
+}
+
+void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
+                    const float *rows_b, const int32_t *idx_b, int64_t n_b, const ds4_weight *sinks, float *out) {
+    if (!sinks || !weight_has_dequant(sinks) || sinks->ne[0] < n_heads || n_heads < 0 || dim <= 0 || n_a < 0 ||
+        n_b < 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention: %lld heads of %lld, %lld + %lld rows, sinks %s", (long long)n_heads,
+                  (long long)dim, (long long)n_a, (long long)n_b, cuda_wname(sinks));
+        return;
+    }
+    if (n_heads == 0) return;
+    if (!sinks->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention: sinks %s are not bound to the device", cuda_wname(sinks));
+        return;
+    }
+    if (!cuda_is_float_type(sinks->type) && !ds4_cuda_dequant_supported(sinks->type)) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "attention: sinks %s have type %s, which the CUDA backend cannot read",
+                  cuda_wname(sinks), ds4_type_name(sinks->type));
+        return;
+    }
+    if (!q || !out || (n_a > 0 && !rows_a) || (n_b > 0 && !rows_b)) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention: NULL %s", !q ? "query" : !out ? "output" : "key/value rows");
+        return;
+    }
+    if (n_heads > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention: %lld heads", (long long)n_heads);
+        return;
+    }
+    if (idx_b) {
+        for (int64_t r = 0; r < n_b; r++) {
+            if (idx_b[r] < 0) {
+                cuda_fail(be, DS4_ERR_INVALID, "attention: selected row %lld has index %d", (long long)r, idx_b[r]);
+                return;
+            }
+        }
+    }
+    if (cuda_failed(be)) return;
+
+    /* splits: enough blocks to fill the GPU, at least ATT_MIN_ROWS rows each,
+     * a whole number of tiles each */
+    const int64_t n = n_a + n_b;
+    int64_t n_splits = 0, rows_per_split = 0;
+    if (n > 0) {
+        const int64_t want = (ATT_TARGET_BLOCKS + n_heads - 1) / n_heads;
+        const int64_t by_rows = (n + ATT_MIN_ROWS - 1) / ATT_MIN_ROWS;
+        n_splits = want < by_rows ? want : by_rows;
+        if (n_splits < 1) n_splits = 1;
+        rows_per_split = (n + n_splits - 1) / n_splits;
+        rows_per_split = (rows_per_split + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+        n_splits = (n + rows_per_split - 1) / rows_per_split;
+    }
+    const size_t part_floats = (size_t)n_heads * (size_t)n_splits * (size_t)(dim + 2);
+    const bool sinks_float = cuda_is_float_type(sinks->type);
+    const size_t sink_floats = sinks_float ? 0 : (size_t)sinks->ne[0];
+    float *scratch = (float *)cuda_scratch(be, CUDA_SCRATCH_ATTN, (part_floats + sink_floats) * sizeof(float));
+    if (!scratch) return;
+    cudaStream_t stream = cuda_stream(be);
+
+    const void *sink_ptr = sinks->device;
+    uint32_t sink_type = sinks->type;
+    if (!sinks_float) { /* a block-quantised sink vector: dequantise it first */
+        ds4_error derr;
+        memset(&derr, 0, sizeof derr);
+        float *d_sinks = scratch + part_floats;
+        if (ds4_cuda_dequant_rows(sinks->type, sinks->device, d_sinks, 1, sinks->ne[0], (void *)stream, &derr) !=
+            DS4_OK) {
+            cuda_fail(be, derr.status, "attention: sinks %s: %s", cuda_wname(sinks), derr.message);
+            return;
+        }
+        sink_ptr = d_sinks;
+        sink_type = DS4_TYPE_F32;
+    }
+
+    if (n > 0) {
+        const size_t smem = 2 * (size_t)dim * sizeof(float);
+        if (!allow_dynamic_smem(be, (const void *)attention_partial_kernel, smem, "attention", dim)) return;
+        const int32_t *d_idx = NULL;
+        if (idx_b && n_b > 0) {
+            d_idx = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, idx_b, (size_t)n_b * sizeof(int32_t));
+            if (!d_idx) return;
+        }
+        att_rows rows = { rows_a, n_a, rows_b, d_idx, dim };
+        const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
+        const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
+        attention_partial_kernel<<<grid, ATT_THREADS, smem, stream>>>(q, rows, n, rows_per_split, kq_scale, scratch);
+        if (!CUDA_LAUNCHED(be, "attention_partial_kernel")) return;
+    }
+    attention_combine_kernel<<<(unsigned)n_heads, ATT_THREADS, (size_t)n_splits * sizeof(float), stream>>>(
+        scratch, n_splits, dim, sink_ptr, sink_type, out);
+    (void)CUDA_LAUNCHED(be, "attention_combine_kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Compressor pooling (spec 3.5.4)                                           */
+/* ------------------------------------------------------------------------ */
+
+/* One thread per output dim j, the CPU's loop: max over the candidates, then
+ * den and sum in candidate order (ratio 4: pairs (row r, lane A), (row 4 + r,
+ * lane B)); all -inf gives 0. */
+static __global__ void __launch_bounds__(POOL_THREADS)
+    compressor_pool_kernel(const float *__restrict__ kv, const float *__restrict__ sc, int ratio, int64_t dim,
+                           float *__restrict__ out) {
+    const bool overlap = ratio == 4;
+    const int64_t width = overlap ? 2 * dim : dim;
+    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < dim; j += (int64_t)gridDim.x * blockDim.x) {
+        float m = -INFINITY;
+        for (int r = 0; r < ratio; r++) {
+            const float s = sc[r * width + j];
+            if (s > m) m = s;
+            if (overlap) {
+                const float sb = sc[(ratio + r) * width + dim + j];
+                if (sb > m) m = sb;
+            }
+        }
+        if (m == -INFINITY) {
+            out[j] = 0.0f;
+            continue;
+        }
+        float den = 0.0f, sum = 0.0f;
+        for (int r = 0; r < ratio; r++) {
+            const float wa = expf(__fsub_rn(sc[r * width + j], m));
+            if (overlap) {
+                const int64_t b = (ratio + r) * width + dim + j;
+                const float wb = expf(__fsub_rn(sc[b], m));
+                den = __fadd_rn(den, __fadd_rn(wa, wb));
+                sum = __fadd_rn(sum, __fmul_rn(wa, kv[r * width + j]));
+                sum = __fadd_rn(sum, __fmul_rn(wb, kv[b]));
+            } else {
+                den = __fadd_rn(den, wa);
+                sum = __fadd_rn(sum, __fmul_rn(wa, kv[r * width + j]));
+            }
+        }
+        out[j] = __fdiv_rn(sum, den);
+    }
+}
+
+void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
+                          float *out) {
+    if (ratio < 1 || dim <= 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "compressor_pool: ratio %d, dim %lld", ratio, (long long)dim);
+        return;
+    }
+    if (!state_kv || !state_score || !out) {
+        cuda_fail(be, DS4_ERR_INVALID, "compressor_pool: NULL %s",
+                  !state_kv ? "state" : !state_score ? "scores" : "output");
+        return;
+    }
+    if (cuda_failed(be)) return;
+    compressor_pool_kernel<<<blocks_for(dim, POOL_THREADS, 65535), POOL_THREADS, 0, cuda_stream(be)>>>(
+        state_kv, state_score, ratio, dim, out);
+    (void)CUDA_LAUNCHED(be, "compressor_pool_kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Indexer (spec 3.6)                                                        */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * score[c] = sum over heads, in order, of relu(q_h . key_c) * w_h. One warp
+ * per key: KPL > 0 keeps the key in registers (lane holds dims lane + 32 j,
+ * j < KPL; dim <= 32 * KPL), KPL == 0 reads it from memory (L1) per head.
+ * QSHARED stages q [n_heads, dim] and the weights in shared memory.
+ */
+template <int KPL, bool QSHARED>
+static __global__ void __launch_bounds__(IDX_THREADS)
+    indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, int64_t n_heads,
+                          int64_t dim, const float *__restrict__ keys, int64_t n_keys, float *__restrict__ scores) {
+    extern __shared__ float idx_smem[];
+    const float *qv = q, *wv = weights;
+    if constexpr (QSHARED) {
+        float *qs = idx_smem, *ws = idx_smem + n_heads * dim;
+        for (int64_t i = threadIdx.x; i < n_heads * dim; i += IDX_THREADS) qs[i] = q[i];
+        for (int64_t i = threadIdx.x; i < n_heads; i += IDX_THREADS) ws[i] = weights[i];
+        __syncthreads();
+        qv = qs;
+        wv = ws;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t c = (int64_t)blockIdx.x * IDX_WARPS + warp; c < n_keys; c += (int64_t)gridDim.x * IDX_WARPS) {
+        const float *key = keys + c * dim;
+        float kr[KPL > 0 ? KPL : 1];
+        if constexpr (KPL > 0) {
+#pragma unroll
+            for (int j = 0; j < KPL; j++) {
+                const int64_t i = lane + 32 * j;
+                kr[j] = i < dim ? key[i] : 0.0f;
+            }
+        }
+        float s = 0.0f;
+        for (int64_t h = 0; h < n_heads; h++) {
+            const float *qh = qv + h * dim;
+            float d = 0.0f;
+            if constexpr (KPL > 0) {
+#pragma unroll
+                for (int j = 0; j < KPL; j++) {
+                    const int64_t i = lane + 32 * j;
+                    if (i < dim) d = fmaf(qh[i], kr[j], d);
+                }
+            } else {
+                for (int64_t i = lane; i < dim; i += 32) d = fmaf(qh[i], key[i], d);
+            }
+            d = warp_sum(d);
+            if (d < 0.0f) d = 0.0f;
+            s = __fadd_rn(s, __fmul_rn(d, wv[h]));
+        }
+        if (lane == 0) scores[c] = s;
+    }
+}
+
+template <int KPL>
+static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const float *weights, int64_t n_heads,
+                           int64_t dim, const float *keys, int64_t n_keys, float *scores) {
+    const unsigned blocks = blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS);
+    cudaStream_t stream = cuda_stream(be);
+    if (qshared) {
+        const size_t smem = (size_t)(n_heads * dim + n_heads) * sizeof(float);
+        indexer_scores_kernel<KPL, true><<<blocks, IDX_THREADS, smem, stream>>>(q, weights, n_heads, dim, keys, n_keys,
+                                                                                scores);
+    } else {
+        indexer_scores_kernel<KPL, false><<<blocks, IDX_THREADS, 0, stream>>>(q, weights, n_heads, dim, keys, n_keys,
+                                                                             scores);
+    }
+    (void)CUDA_LAUNCHED(be, "indexer_scores_kernel");
+}
+
+void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
+                         const float *keys, int64_t n_keys, float *scores) {
+    if (n_heads < 0 || dim < 0 || n_keys < 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "indexer_scores: %lld heads of %lld, %lld keys", (long long)n_heads,
+                  (long long)dim, (long long)n_keys);
+        return;
+    }
+    if (n_keys == 0) return;
+    if (!scores || (dim > 0 && !keys) || (n_heads > 0 && (!weights || (dim > 0 && !q)))) {
+        cuda_fail(be, DS4_ERR_INVALID, "indexer_scores: NULL %s",
+                  !scores ? "scores" : (dim > 0 && !keys) ? "keys" : !weights ? "weights" : "query");
+        return;
+    }
+    if (cuda_failed(be)) return;
+    const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + SMEM_STATIC_RESERVE <= SMEM_DEFAULT;
+    if (dim <= 128) indexer_launch<4>(be, qshared, q, weights, n_heads, dim, keys, n_keys, scores);
+    else if (dim <= 512) indexer_launch<16>(be, qshared, q, weights, n_heads, dim, keys, n_keys, scores);
+    else indexer_launch<0>(be, qshared, q, weights, n_heads, dim, keys, n_keys, scores);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Top-k                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * key_i = ordered(score_i) << shift | (n - 1 - i), shift = bits of n - 1.
+ * ordered() maps float bits to an unsigned integer that increases with the
+ * value (negative: all bits flipped; positive: the sign bit set), after NaN ->
+ * -inf and -0 -> +0, so a descending sort of the keys is the CPU's rank order
+ * (higher score first, then the lower index) and every key is distinct.
+ */
+static __global__ void __launch_bounds__(TOPK_THREADS)
+    topk_keys_kernel(const float *__restrict__ scores, int64_t n, int shift, unsigned long long *__restrict__ keys) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t u = __float_as_uint(scores[i]);
+        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u; /* NaN ranks as -inf */
+        if ((u & 0x7fffffffu) == 0u) u = 0u;                  /* -0 ties with +0 */
+        u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+        keys[i] = ((unsigned long long)u << shift) | (unsigned long long)(n - 1 - i);
+    }
+}
+
+void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx) {
+    if (n < 0 || k < 0 || n > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "top_k: %lld of %lld", (long long)k, (long long)n);
+        return;
+    }
+    if (k == 0) return;
+    if (!idx || (n > 0 && !scores)) {
+        cuda_fail(be, DS4_ERR_INVALID, "top_k: NULL %s", !idx ? "index output" : "scores");
+        return;
+    }
+    if (cuda_failed(be)) return;
+    const int64_t size = k < n ? k : n;
+    for (int64_t i = size; i < k; i++) idx[i] = -1;
+    if (size == 0) return;
+
+    int shift = 0;
+    while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+    const unsigned long long mask = (1ull << shift) - 1ull;
+    cudaStream_t stream = cuda_stream(be);
+    unsigned long long *keys =
+        (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_A, (size_t)n * sizeof(unsigned long long));
+    unsigned long long *sorted =
+        (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_B, (size_t)n * sizeof(unsigned long long));
+    if (!keys || !sorted) return;
+    size_t temp_bytes = 0;
+    if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(NULL, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
+                                                              stream)))
+        return;
+    void *temp = cuda_scratch(be, CUDA_SCRATCH_TOPK_D, temp_bytes);
+    if (!temp) return;
+
+    topk_keys_kernel<<<blocks_for(n, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(scores, n, shift, keys);
+    if (!CUDA_LAUNCHED(be, "topk_keys_kernel")) return;
+    if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(temp, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
+                                                              stream)))
+        return;
+    unsigned long long *host = (unsigned long long *)cuda_host_stage(be, (size_t)size * sizeof(unsigned long long));
+    if (!host) return;
+    if (!CUDA_OK(be, cudaMemcpyAsync(host, sorted, (size_t)size * sizeof(unsigned long long), cudaMemcpyDeviceToHost,
+                                     stream)))
+        return;
+    if (!cuda_sync(be)) return;
+    for (int64_t i = 0; i < size; i++) idx[i] = (int32_t)(n - 1 - (int64_t)(host[i] & mask));
+}

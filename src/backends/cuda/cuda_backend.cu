@@ -1,0 +1,708 @@
+/*
+ * cuda_backend.cu - the CUDA backend: its op table and constructor, device
+ * memory, weights, errors, and the elementwise ops, norms, rounding steps and
+ * embedding. The matrix products, attention and HC/FFN ops live in
+ * cuda_matmul.cu, cuda_attention.cu and cuda_hc_ffn.cu (cuda_internal.h).
+ *
+ * Memory: activation buffers come from the device's stream-ordered pool
+ * (cudaMallocAsync on the backend's stream, with the pool's release
+ * threshold raised so freed blocks are reused instead of returned to the
+ * driver). Weights are uploaded once at bind time into their own
+ * allocations, through two pinned staging buffers so the copy from the file
+ * mapping overlaps the DMA. Rounding ops are bit-identical to src/core's
+ * reference functions (the same float operations in the same order, no
+ * contractions); rmsnorm sums squares in double like the CPU, in a different
+ * order, so it agrees to the last bit or two.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_fp16.h>
+
+#include "backends/cuda/cuda_internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                    */
+/* ------------------------------------------------------------------------ */
+
+void cuda_fail(ds4_backend *be, ds4_status status, const char *fmt, ...) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->error.status != DS4_OK) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cb->error.message, sizeof cb->error.message, fmt, ap);
+    va_end(ap);
+    cb->error.status = status;
+}
+
+bool cuda_failed(ds4_backend *be) { return cuda_impl(be)->error.status != DS4_OK; }
+
+bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file, int line) {
+    if (e == cudaSuccess) return true;
+    cuda_backend *cb = cuda_impl(be);
+    ds4_error tmp;
+    ds4_error_clear(&tmp);
+    ds4_status st = ds4_cuda_error(e, call, file, line, &tmp);
+    if (cb->error.status == DS4_OK) cb->error = tmp, cb->error.status = st;
+    return false;
+}
+
+bool cuda_sync(ds4_backend *be) { return CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be))); }
+
+static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    /* asynchronous faults surface here at the latest */
+    (void)cuda_sync(be);
+    ds4_status status = cb->error.status;
+    if (status != DS4_OK && err) *err = cb->error;
+    ds4_error_clear(&cb->error);
+    return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Scratch and staging                                                       */
+/* ------------------------------------------------------------------------ */
+
+static void note_peak(cuda_backend *cb) {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && total_b - free_b > cb->peak_bytes)
+        cb->peak_bytes = total_b - free_b;
+    else
+        (void)cudaGetLastError();
+}
+
+void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    if (slot < 0 || slot >= CUDA_SCRATCH_SLOTS || slot == CUDA_SCRATCH_HOST_STAGE) {
+        cuda_fail(be, DS4_ERR_INVALID, "cuda scratch: bad slot %d", (int)slot);
+        return NULL;
+    }
+    if (bytes == 0) bytes = 1;
+    if (cb->scratch_cap[slot] >= bytes) return cb->scratch[slot];
+    size_t cap = cb->scratch_cap[slot] ? cb->scratch_cap[slot] : 4096;
+    while (cap < bytes) cap = cap > SIZE_MAX / 2 ? bytes : cap * 2;
+    if (!cuda_sync(be)) return NULL; /* the old buffer may still be in use */
+    cudaFree(cb->scratch[slot]);
+    cb->scratch[slot] = NULL;
+    cb->scratch_cap[slot] = 0;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, cap);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of device memory for %zu bytes of scratch", cap);
+        return NULL;
+    }
+    cb->scratch[slot] = p;
+    cb->scratch_cap[slot] = cap;
+    note_peak(cb);
+    return p;
+}
+
+void *cuda_host_stage(ds4_backend *be, size_t bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    if (bytes == 0) bytes = 1;
+    if (cb->host_stage_cap >= bytes) return cb->host_stage;
+    size_t cap = cb->host_stage_cap ? cb->host_stage_cap : 4096;
+    while (cap < bytes) cap = cap > SIZE_MAX / 2 ? bytes : cap * 2;
+    if (!cuda_sync(be)) return NULL;
+    cudaFreeHost(cb->host_stage);
+    cb->host_stage = NULL;
+    cb->host_stage_cap = 0;
+    if (!CUDA_OK(be, cudaMallocHost(&cb->host_stage, cap))) return NULL;
+    cb->host_stage_cap = cap;
+    return cb->host_stage;
+}
+
+void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host, size_t bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    void *d = cuda_scratch(be, slot, bytes);
+    if (!d) return NULL;
+    if (bytes == 0) return d;
+    /* The ring of pinned control buffers: the copy must not read a host
+     * buffer that a later call overwrites before the stream reaches it, so
+     * each slot has its own pinned buffer, and we wait for the previous copy
+     * out of it (an event) before refilling it. */
+    if (cb->ctrl_cap[slot] < bytes) {
+        if (!cuda_sync(be)) return NULL;
+        cudaFreeHost(cb->ctrl_host[slot]);
+        cb->ctrl_host[slot] = NULL;
+        cb->ctrl_cap[slot] = 0;
+        size_t cap = bytes < 4096 ? 4096 : bytes;
+        if (!CUDA_OK(be, cudaMallocHost(&cb->ctrl_host[slot], cap))) return NULL;
+        cb->ctrl_cap[slot] = cap;
+    } else if (!CUDA_OK(be, cudaEventSynchronize(cb->ctrl_done[slot]))) {
+        return NULL;
+    }
+    memcpy(cb->ctrl_host[slot], host, bytes);
+    if (!CUDA_OK(be, cudaMemcpyAsync(d, cb->ctrl_host[slot], bytes, cudaMemcpyHostToDevice, cb->stream))) return NULL;
+    if (!CUDA_OK(be, cudaEventRecord(cb->ctrl_done[slot], cb->stream))) return NULL;
+    return d;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Launch geometry                                                           */
+/* ------------------------------------------------------------------------ */
+
+static unsigned grid_for(int64_t n, int threads) {
+    int64_t blocks = (n + threads - 1) / threads;
+    if (blocks > 65535LL * 32) blocks = 65535LL * 32; /* kernels loop (grid-stride) */
+    return (unsigned)(blocks > 0 ? blocks : 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Memory                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static float *cuda_alloc(ds4_backend *be, int64_t n_floats) {
+    cuda_backend *cb = cuda_impl(be);
+    if (n_floats < 0 || (uint64_t)n_floats > SIZE_MAX / sizeof(float) - 64) return NULL;
+    size_t bytes = (size_t)(n_floats > 0 ? n_floats : 1) * sizeof(float);
+    void *p = NULL;
+    if (cudaMallocAsync(&p, bytes, cb->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (cudaMemsetAsync(p, 0, bytes, cb->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaFreeAsync(p, cb->stream);
+        return NULL;
+    }
+    note_peak(cb);
+    return (float *)p;
+}
+
+static void cuda_free_buf(ds4_backend *be, float *buf) {
+    if (buf) (void)CUDA_OK(be, cudaFreeAsync(buf, cuda_stream(be)));
+}
+
+static void cuda_upload(ds4_backend *be, float *dst, const float *host_src, int64_t n) {
+    if (n <= 0 || cuda_failed(be)) return;
+    /* pageable source: the call returns once the data is staged, so the
+     * caller may reuse host_src at once */
+    (void)CUDA_OK(be, cudaMemcpyAsync(dst, host_src, (size_t)n * sizeof(float), cudaMemcpyHostToDevice,
+                                      cuda_stream(be)));
+}
+
+static void cuda_download(ds4_backend *be, float *host_dst, const float *src, int64_t n) {
+    if (n <= 0) return;
+    if (cuda_failed(be)) {
+        memset(host_dst, 0, (size_t)n * sizeof(float));
+        return;
+    }
+    if (!CUDA_OK(be, cudaMemcpyAsync(host_dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost,
+                                     cuda_stream(be))))
+        return;
+    (void)cuda_sync(be);
+}
+
+static void cuda_copy(ds4_backend *be, float *dst, const float *src, int64_t n) {
+    if (n <= 0 || dst == src || cuda_failed(be)) return;
+    const size_t bytes = (size_t)n * sizeof(float);
+    const bool overlap = dst < src + n && src < dst + n;
+    cudaStream_t s = cuda_stream(be);
+    if (!overlap) {
+        (void)CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+        return;
+    }
+    /* memmove semantics: through scratch */
+    void *tmp = cuda_scratch(be, CUDA_SCRATCH_COPY, bytes);
+    if (!tmp) return;
+    if (CUDA_OK(be, cudaMemcpyAsync(tmp, src, bytes, cudaMemcpyDeviceToDevice, s)))
+        (void)CUDA_OK(be, cudaMemcpyAsync(dst, tmp, bytes, cudaMemcpyDeviceToDevice, s));
+}
+
+__global__ void fill_kernel(float *dst, float v, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = v;
+}
+
+static void cuda_fill(ds4_backend *be, float *dst, float value, int64_t n) {
+    if (n <= 0 || cuda_failed(be)) return;
+    fill_kernel<<<grid_for(n, 256), 256, 0, cuda_stream(be)>>>(dst, value, n);
+    (void)CUDA_LAUNCHED(be, "fill_kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Weights                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static bool is_integer_type(uint32_t type) {
+    return type == DS4_TYPE_I8 || type == DS4_TYPE_I16 || type == DS4_TYPE_I32 || type == DS4_TYPE_I64;
+}
+
+#define STAGE_BYTES ((size_t)64 << 20)
+
+/* Host bytes (pageable, e.g. a file mapping) to device memory through the
+ * two pinned staging buffers: filling one overlaps the DMA out of the other. */
+static ds4_status upload_bytes(cuda_backend *cb, void *dst, const void *src, size_t bytes, ds4_error *err) {
+    for (int i = 0; i < 2; i++) {
+        if (!cb->wstage[i]) {
+            DS4_CUDA_CHECK(cudaMallocHost(&cb->wstage[i], STAGE_BYTES), err);
+        }
+    }
+    size_t off = 0;
+    int k = 0;
+    while (off < bytes) {
+        const size_t len = bytes - off < STAGE_BYTES ? bytes - off : STAGE_BYTES;
+        DS4_CUDA_CHECK(cudaEventSynchronize(cb->wstage_done[k]), err); /* the previous DMA out of it */
+        memcpy(cb->wstage[k], (const uint8_t *)src + off, len);
+        DS4_CUDA_CHECK(cudaMemcpyAsync((uint8_t *)dst + off, cb->wstage[k], len, cudaMemcpyHostToDevice, cb->upload),
+                       err);
+        DS4_CUDA_CHECK(cudaEventRecord(cb->wstage_done[k], cb->upload), err);
+        off += len;
+        k ^= 1;
+    }
+    DS4_CUDA_CHECK(cudaStreamSynchronize(cb->upload), err);
+    return DS4_OK;
+}
+
+static ds4_status cuda_bind_weight(ds4_backend *be, ds4_weight *w, ds4_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const char *name = cuda_wname(w);
+    w->device = NULL;
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    if (!t || (!t->dequant_row && !is_integer_type(w->type)))
+        return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "cuda backend: weight %s has type %s, which it cannot compute "
+                             "with", name, ds4_type_name(w->type));
+    /* Integer tables (token -> expert) are read on the host by the model. */
+    if (is_integer_type(w->type)) return DS4_OK;
+    if (!ds4_cuda_dequant_supported(w->type))
+        return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "cuda backend: no kernels for weight %s of type %s", name,
+                             ds4_type_name(w->type));
+    const int64_t expect = ds4_type_row_bytes(w->type, w->ne[0]);
+    if (expect <= 0 || w->row_bytes != expect)
+        return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s (%s, %lld per row) has row_bytes %lld, "
+                             "not %lld", name, t->name, (long long)w->ne[0], (long long)w->row_bytes,
+                             (long long)expect);
+    if (!w->host) return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s has no data", name);
+    const int64_t rows = cuda_weight_rows(w);
+    if (rows < 0 || (rows > 0 && w->row_bytes > INT64_MAX / rows))
+        return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s is too large", name);
+    const size_t bytes = (size_t)(w->row_bytes * rows);
+    void *d = NULL;
+    cudaError_t e = cudaMalloc(&d, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        size_t free_b = 0, total_b = 0;
+        (void)cudaMemGetInfo(&free_b, &total_b);
+        (void)cudaGetLastError();
+        return ds4_error_set(err, DS4_ERR_NOMEM, "cuda backend: out of device memory for weight %s (%.1f MiB; %.1f "
+                             "GiB already bound, %.1f GiB free)", name, (double)bytes / 1048576.0,
+                             (double)cb->weight_bytes / 1073741824.0, (double)free_b / 1073741824.0);
+    }
+    ds4_status st = upload_bytes(cb, d, w->host, bytes, err);
+    if (st) {
+        cudaFree(d);
+        return ds4_error_prefix(err, "cuda backend: uploading weight %s", name);
+    }
+    w->device = d;
+    cb->weight_bytes += bytes;
+    note_peak(cb);
+    return DS4_OK;
+}
+
+static void cuda_release_weight(ds4_backend *be, ds4_weight *w) {
+    if (!w->device) return;
+    cuda_backend *cb = cuda_impl(be);
+    (void)cuda_sync(be);
+    const size_t bytes = (size_t)(w->row_bytes * cuda_weight_rows(w));
+    cudaFree(w->device);
+    cb->weight_bytes -= bytes < cb->weight_bytes ? bytes : cb->weight_bytes;
+    w->device = NULL;
+}
+
+/* A weight row dequantised into CUDA_SCRATCH_COPY (floats), or NULL (error recorded). */
+static float *weight_row_floats(ds4_backend *be, const ds4_weight *w, int64_t row, int64_t n_rows, const char *op) {
+    if (!w->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: weight %s is not bound", op, cuda_wname(w));
+        return NULL;
+    }
+    float *tmp = (float *)cuda_scratch(be, CUDA_SCRATCH_COPY, (size_t)(n_rows * w->ne[0]) * sizeof(float));
+    if (!tmp) return NULL;
+    ds4_error e;
+    ds4_error_clear(&e);
+    if (ds4_cuda_dequant_rows(w->type, cuda_weight_row(w, row), tmp, n_rows, w->ne[0], cuda_stream(be), &e)) {
+        cuda_fail(be, e.status, "%s: %s: %s", op, cuda_wname(w), e.message);
+        return NULL;
+    }
+    return tmp;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Embedding, norms, elementwise                                             */
+/* ------------------------------------------------------------------------ */
+
+__global__ void embed_float_kernel(const void *table, uint32_t type, const int32_t *tokens, int n, int64_t dim,
+                                   float *out) {
+    const int r = blockIdx.y;
+    const int64_t base = (int64_t)tokens[r] * dim;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x)
+        out[(int64_t)r * dim + i] = cuda_load_float(table, type, base + i);
+}
+
+static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *tokens, int n, float *out) {
+    if (n <= 0 || cuda_failed(be)) return;
+    const int64_t dim = table->ne[0], vocab = cuda_weight_rows(table);
+    if (!table->device || !ds4_cuda_dequant_supported(table->type)) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "embed: table %s has type %s", cuda_wname(table),
+                  ds4_type_name(table->type));
+        return;
+    }
+    for (int r = 0; r < n; r++) {
+        if (tokens[r] < 0 || tokens[r] >= vocab) {
+            cuda_fail(be, DS4_ERR_INVALID, "embed: token id %d is outside the vocabulary of %s (%lld rows)",
+                      tokens[r], cuda_wname(table), (long long)vocab);
+            return;
+        }
+    }
+    if (cuda_is_float_type(table->type)) {
+        const int32_t *d_tok = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_CTRL, tokens, (size_t)n * 4);
+        if (!d_tok) return;
+        dim3 grid(grid_for(dim, 256) < 64 ? grid_for(dim, 256) : 64, (unsigned)n);
+        embed_float_kernel<<<grid, 256, 0, cuda_stream(be)>>>(table->device, table->type, d_tok, n, dim, out);
+        (void)CUDA_LAUNCHED(be, "embed_float_kernel");
+        return;
+    }
+    for (int r = 0; r < n; r++) { /* quantised tables: one dequant per row */
+        ds4_error e;
+        ds4_error_clear(&e);
+        if (ds4_cuda_dequant_rows(table->type, cuda_weight_row(table, tokens[r]), out + (int64_t)r * dim, 1, dim,
+                                  cuda_stream(be), &e)) {
+            cuda_fail(be, e.status, "embed: %s: %s", cuda_wname(table), e.message);
+            return;
+        }
+    }
+}
+
+#define NORM_THREADS 256
+
+/* One block per row: sum of squares in double (block reduction), then
+ * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps). */
+__global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t dim) {
+    __shared__ double part[NORM_THREADS / 32];
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * dim;
+    float *yr = out + r * dim;
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) ss += (double)xr[i] * (double)xr[i];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        double v = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+        if (threadIdx.x == 0) part[0] = v;
+    }
+    __syncthreads();
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(part[0] / (double)dim), eps)));
+    __syncthreads(); /* every thread has read part[0] before any row is written (out may be x) */
+    for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) {
+        const float v = __fmul_rn(xr[i], scale);
+        yr[i] = w ? __fmul_rn(v, w[i]) : v;
+    }
+}
+
+static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, float eps, float *out, int64_t n_rows,
+                         int64_t dim) {
+    if (dim <= 0 || n_rows <= 0 || cuda_failed(be)) return;
+    const float *wv = NULL;
+    if (w) {
+        if (!w->device || !ds4_cuda_dequant_supported(w->type) || w->ne[0] != dim) {
+            cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: weight %s (%s, %lld wide) does not fit rows of %lld",
+                      cuda_wname(w), ds4_type_name(w->type), (long long)w->ne[0], (long long)dim);
+            return;
+        }
+        if (w->type == DS4_TYPE_F32) wv = (const float *)w->device;
+        else if (!(wv = weight_row_floats(be, w, 0, 1, "rmsnorm"))) return;
+    }
+    if (n_rows > 0x7fffffffLL) {
+        cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: %lld rows", (long long)n_rows);
+        return;
+    }
+    rmsnorm_kernel<<<(unsigned)n_rows, NORM_THREADS, 0, cuda_stream(be)>>>(x, wv, eps, out, dim);
+    (void)CUDA_LAUNCHED(be, "rmsnorm_kernel");
+}
+
+__global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = __fadd_rn(a[i], b[i]);
+}
+
+static void cuda_add(ds4_backend *be, const float *a, const float *b, float *out, int64_t n) {
+    if (n <= 0 || cuda_failed(be)) return;
+    add_kernel<<<grid_for(n, 256), 256, 0, cuda_stream(be)>>>(a, b, out, n);
+    (void)CUDA_LAUNCHED(be, "add_kernel");
+}
+
+__global__ void add_row_kernel(float *x, const float *v, int64_t dim, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = __fadd_rn(x[i], v[i % dim]);
+}
+
+static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, int64_t row, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    const int64_t dim = w->ne[0];
+    if (!w->device || !ds4_cuda_dequant_supported(w->type) || row < 0 || row >= cuda_weight_rows(w)) {
+        cuda_fail(be, DS4_ERR_INVALID, "add_weight_row: row %lld of %s (%s, %lld rows)", (long long)row,
+                  cuda_wname(w), ds4_type_name(w->type), (long long)cuda_weight_rows(w));
+        return;
+    }
+    if (n_rows <= 0) return;
+    const float *v = w->type == DS4_TYPE_F32 ? (const float *)cuda_weight_row(w, row)
+                                             : weight_row_floats(be, w, row, 1, "add_weight_row");
+    if (!v) return;
+    add_row_kernel<<<grid_for(n_rows * dim, 256), 256, 0, cuda_stream(be)>>>(x, v, dim, n_rows * dim);
+    (void)CUDA_LAUNCHED(be, "add_row_kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Rounding (bit-identical to src/core/rounding.c)                           */
+/* ------------------------------------------------------------------------ */
+
+__global__ void round_f16_kernel(float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        if (v != v) continue; /* NaN stays NaN */
+        x[i] = __half2float(__float2half_rn(v));
+    }
+}
+
+static void cuda_round_f16(ds4_backend *be, float *x, int64_t n) {
+    if (n <= 0 || cuda_failed(be)) return;
+    round_f16_kernel<<<grid_for(n, 256), 256, 0, cuda_stream(be)>>>(x, n);
+    (void)CUDA_LAUNCHED(be, "round_f16_kernel");
+}
+
+/* round_small_float of rounding.c: nearest value with `mant_bits` mantissa
+ * bits, binades below 2^min_exp share the subnormal quantum, saturating. */
+static __device__ __forceinline__ float round_small(float v, int min_exp, int mant_bits, float max_mag) {
+    if (v != v) return v;
+    const float a = fabsf(v);
+    float r;
+    if (a >= max_mag) {
+        r = max_mag;
+    } else {
+        int e2;
+        (void)frexpf(a, &e2);
+        const int binade = e2 - 1 < min_exp ? min_exp : e2 - 1;
+        const float quantum = ldexpf(1.0f, binade - mant_bits);
+        r = __fmul_rn(rintf(__fdiv_rn(a, quantum)), quantum);
+        if (r > max_mag) r = max_mag;
+    }
+    return copysignf(r, v);
+}
+
+/* The block scale 2^ceil(log2f(max(amax, floor) / max_mag)). The CPU's
+ * log2f is correctly rounded to float; the float rounding of a double log2
+ * gives the same float (so the same ceiling) for every input that matters. */
+static __device__ __forceinline__ float block_scale_of(float amax, float amax_floor, float max_mag) {
+    if (amax < amax_floor) amax = amax_floor;
+    float e = ceilf(__double2float_rn(log2((double)__fdiv_rn(amax, max_mag))));
+    if (e > 127.0f) e = 127.0f;
+    return ldexpf(1.0f, (int)e);
+}
+
+/* One warp per block of up to 64 (FP8) or 32 (FP4) values. */
+template <int BLOCK, int FP4>
+__global__ void round_blocks_kernel(float *x, int64_t n_rows, int64_t dim, int64_t n_round, int64_t blocks_per_row,
+                                    float amax_floor, float max_mag) {
+    const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= n_rows * blocks_per_row) return; /* whole warps exit together */
+    const int64_t r = warp / blocks_per_row, b = warp % blocks_per_row;
+    float *p = x + r * dim + b * BLOCK;
+    const int64_t len = n_round - b * BLOCK < BLOCK ? n_round - b * BLOCK : BLOCK;
+    constexpr int PER = BLOCK / 32;
+    float v[PER];
+    float amax = 0.0f;
+    for (int j = 0; j < PER; j++) {
+        const int64_t i = lane + 32 * j;
+        v[j] = i < len ? p[i] : 0.0f;
+        const float a = fabsf(v[j]);
+        if (i < len && a > amax) amax = a; /* NaN never compares greater */
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, amax, o);
+        if (other > amax) amax = other;
+    }
+    const float scale = block_scale_of(amax, amax_floor, max_mag);
+    for (int j = 0; j < PER; j++) {
+        const int64_t i = lane + 32 * j;
+        if (i >= len) continue;
+        float q = __fdiv_rn(v[j], scale);
+        if (q > max_mag) q = max_mag;
+        if (q < -max_mag) q = -max_mag;
+        q = FP4 ? round_small(q, 0, 1, 6.0f) : round_small(q, -6, 3, 448.0f);
+        p[i] = __fmul_rn(q, scale);
+    }
+}
+
+static void cuda_round_fp8_kv(ds4_backend *be, float *x, int64_t n_rows, int64_t dim, int64_t n_rope) {
+    if (cuda_failed(be)) return;
+    if (n_rope < 0 || n_rope > dim) {
+        cuda_fail(be, DS4_ERR_INVALID, "round_fp8_kv: %lld RoPE dims in rows of %lld", (long long)n_rope,
+                  (long long)dim);
+        return;
+    }
+    const int64_t n_round = dim - n_rope, bpr = (n_round + 63) / 64;
+    if (n_rows <= 0 || bpr == 0) return;
+    const int64_t threads = n_rows * bpr * 32;
+    round_blocks_kernel<64, 0><<<grid_for(threads, 256) , 256, 0, cuda_stream(be)>>>(x, n_rows, dim, n_round, bpr,
+                                                                                      1.0e-4f, 448.0f);
+    (void)CUDA_LAUNCHED(be, "round_blocks_kernel<fp8>");
+}
+
+/* In-place Walsh-Hadamard of each row (one block per row, in shared memory),
+ * butterflies in rounding.c's order, then times norm. */
+__global__ void hadamard_kernel(float *x, int64_t dim, float norm) {
+    extern __shared__ float sh[];
+    float *row = x + (int64_t)blockIdx.x * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) sh[i] = row[i];
+    __syncthreads();
+    for (int64_t stride = 1; stride < dim; stride <<= 1) {
+        for (int64_t k = threadIdx.x; k < dim / 2; k += blockDim.x) {
+            const int64_t base = (k / stride) * 2 * stride, i = k % stride;
+            const float a = sh[base + i], b = sh[base + stride + i];
+            sh[base + i] = __fadd_rn(a, b);
+            sh[base + stride + i] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) row[i] = __fmul_rn(sh[i], norm);
+}
+
+static void cuda_indexer_qat(ds4_backend *be, float *x, int64_t n_rows, int64_t dim) {
+    if (cuda_failed(be)) return;
+    if (dim < 1 || (dim & (dim - 1)) != 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "indexer_qat: row width %lld is not a power of two", (long long)dim);
+        return;
+    }
+    if (n_rows <= 0) return;
+    if (dim > 8192 || n_rows > 0x7fffffffLL) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "indexer_qat: rows of %lld (at most 8192 on the GPU)", (long long)dim);
+        return;
+    }
+    const float norm = (float)(1.0 / sqrt((double)dim));
+    hadamard_kernel<<<(unsigned)n_rows, 256, (size_t)dim * sizeof(float), cuda_stream(be)>>>(x, dim, norm);
+    if (!CUDA_LAUNCHED(be, "hadamard_kernel")) return;
+    const int64_t bpr = (dim + 31) / 32;
+    round_blocks_kernel<32, 1><<<grid_for(n_rows * bpr * 32, 256), 256, 0, cuda_stream(be)>>>(
+        x, n_rows, dim, dim, bpr, 7.052966104933725e-38f, 6.0f);
+    (void)CUDA_LAUNCHED(be, "round_blocks_kernel<fp4>");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The table and the constructor                                             */
+/* ------------------------------------------------------------------------ */
+
+static const ds4_backend_ops CUDA_OPS = {
+    .name = "cuda",
+    .alloc = cuda_alloc,
+    .free = cuda_free_buf,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .copy = cuda_copy,
+    .fill = cuda_fill,
+    .bind_weight = cuda_bind_weight,
+    .release_weight = cuda_release_weight,
+    .embed = cuda_embed,
+    .rmsnorm = cuda_rmsnorm,
+    .add = cuda_add,
+    .add_weight_row = cuda_add_weight_row,
+    .round_f16 = cuda_round_f16,
+    .round_fp8_kv = cuda_round_fp8_kv,
+    .indexer_qat = cuda_indexer_qat,
+    .matmul = cuda_matmul,
+    .rope_tail = cuda_rope_tail,
+    .hc_pre = cuda_hc_pre,
+    .hc_post = cuda_hc_post,
+    .hc_head = cuda_hc_head,
+    .attention = cuda_attention,
+    .compressor_pool = cuda_compressor_pool,
+    .indexer_scores = cuda_indexer_scores,
+    .top_k = cuda_top_k,
+    .router = cuda_router,
+    .swiglu = cuda_swiglu,
+    .moe = cuda_moe,
+    .take_error = cuda_take_error,
+};
+
+extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4_error *err) {
+    *out = NULL;
+    int n = 0;
+    ds4_status st = ds4_cuda_probe(&n, err);
+    if (st) return ds4_error_prefix(err, "cuda backend");
+    if (device < 0 || device >= n)
+        return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: no device %d (%d present)", device, n);
+    DS4_CUDA_CHECK(cudaSetDevice(device), err);
+    cudaDeviceProp prop;
+    DS4_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), err);
+    if (prop.major < 9)
+        return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "cuda backend: %s has compute capability %d.%d; this build "
+                             "needs 9.0 or newer", prop.name, prop.major, prop.minor);
+    ds4_backend *be = (ds4_backend *)calloc(1, sizeof *be);
+    cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);
+    if (!be || !cb) {
+        free(be);
+        free(cb);
+        return ds4_error_set(err, DS4_ERR_NOMEM, "cuda backend: out of memory");
+    }
+    cb->device = device;
+    be->ops = &CUDA_OPS;
+    be->impl = cb;
+    st = DS4_OK;
+    DS4_CUDA_TRY(st, cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking), err, fail);
+    DS4_CUDA_TRY(st, cudaStreamCreateWithFlags(&cb->upload, cudaStreamNonBlocking), err, fail);
+    for (int i = 0; i < 2; i++)
+        DS4_CUDA_TRY(st, cudaEventCreateWithFlags(&cb->wstage_done[i], cudaEventDisableTiming), err, fail);
+    for (int i = 0; i < CUDA_SCRATCH_SLOTS; i++)
+        DS4_CUDA_TRY(st, cudaEventCreateWithFlags(&cb->ctrl_done[i], cudaEventDisableTiming), err, fail);
+    {
+        /* keep freed pool blocks for reuse instead of returning them at every sync */
+        cudaMemPool_t pool;
+        DS4_CUDA_TRY(st, cudaDeviceGetDefaultMemPool(&pool, device), err, fail);
+        uint64_t threshold = UINT64_MAX;
+        DS4_CUDA_TRY(st, cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), err, fail);
+    }
+    note_peak(cb);
+    *out = be;
+    return DS4_OK;
+fail:
+    ds4_cuda_backend_free(be);
+    return st;
+}
+
+extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
+    if (!be) return;
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->stream) cudaStreamSynchronize(cb->stream);
+    for (int i = 0; i < CUDA_SCRATCH_SLOTS; i++) {
+        cudaFree(cb->scratch[i]);
+        cudaFreeHost(cb->ctrl_host[i]);
+        if (cb->ctrl_done[i]) cudaEventDestroy(cb->ctrl_done[i]);
+    }
+    for (int i = 0; i < 2; i++) {
+        cudaFreeHost(cb->wstage[i]);
+        if (cb->wstage_done[i]) cudaEventDestroy(cb->wstage_done[i]);
+    }
+    cudaFreeHost(cb->host_stage);
+    if (cb->upload) cudaStreamDestroy(cb->upload);
+    if (cb->stream) cudaStreamDestroy(cb->stream);
+    (void)cudaGetLastError();
+    free(cb);
+    free(be);
+}
+
+extern "C" size_t ds4_cuda_backend_weight_bytes(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->weight_bytes;
+}
+
+extern "C" size_t ds4_cuda_backend_peak_bytes(const ds4_backend *be) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    note_peak(cb);
+    return cb->peak_bytes;
+}

@@ -1,0 +1,548 @@
+/*
+ * cuda_hc_ffn.cu - hyper-connections (spec 3.2, 3.3, 3.8) and the small
+ * feed-forward ops: router and SwiGLU (spec 3.7). The GPU twins of
+ * cpu_hc_ffn.c, with the same contracts (backend.h) and validation.
+ *
+ * Numerics. Where the CPU fixes an order of float operations on a few values
+ * (the sigmoid/softmax/Sinkhorn split, the weighted stream sums, HC post, the
+ * router weights) the kernels repeat that order with __fadd_rn / __fmul_rn /
+ * __fdiv_rn, which nvcc never contracts into an FMA (the build uses
+ * --fmad=true): given the same inputs they give the CPU's results up to the
+ * last-ulp differences of CUDA's expf / log1pf against the C library's. HC
+ * post uses no library function and is bit-identical to the CPU. The long
+ * reductions differ only in summation order: the RMS of the flattened state
+ * is summed in double as on the CPU; the HC mix dot products (fn . f, 16384
+ * terms at real size) are float sums, as on the CPU (DS4's F16-weight
+ * numerics), reduced as a tree rather than the CPU's 8 sequential lanes.
+ *
+ * Layout. hc_pre / hc_head: one block per token row (rows are independent
+ * and a row's 16384-wide state is the unit of the norm): the block sums the
+ * squares, computes the mix dot products with per-thread partial sums, one
+ * thread does the small sigmoid/Sinkhorn math, and the block writes the
+ * weighted sum of the streams. hc_post and swiglu are elementwise,
+ * grid-stride. The router is one block for one token: it needs the whole
+ * logit vector for its top-k and its results go to the host.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "backends/cuda/cuda_internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* Shared pieces                                                             */
+/* ------------------------------------------------------------------------ */
+
+#define HC_THREADS 256               /* threads per row block (8 warps) */
+#define HC_MAX_STREAMS 16            /* n_hc limit, as the CPU's */
+#define HC_MAX_MIX ((2 + HC_MAX_STREAMS) * HC_MAX_STREAMS)
+#define HC_MIX_CHUNK 24              /* mix dot products per pass over the state (n_hc 4: all 24 in one) */
+#define EW_THREADS 256               /* elementwise kernels */
+#define EW_MAX_BLOCKS 65536          /* grid cap; the kernels stride over the rest */
+#define ROUTER_THREADS 256
+
+static_assert(HC_THREADS % 32 == 0 && HC_THREADS <= 1024, "whole warps");
+static_assert(HC_MIX_CHUNK <= HC_THREADS, "one reducing thread per chunk entry");
+
+/* Blocks for n elements at EW_THREADS each, capped (the kernels stride). */
+static unsigned ew_blocks(int64_t n) {
+    const int64_t b = (n + EW_THREADS - 1) / EW_THREADS;
+    return (unsigned)(b < EW_MAX_BLOCKS ? b : EW_MAX_BLOCKS);
+}
+
+static bool ranges_overlap(const float *a, int64_t na, const float *b, int64_t nb) {
+    return a < b + nb && b < a + na;
+}
+
+/* Sum of a double over the block (every thread gets the result). `red` has
+ * HC_THREADS / 32 entries. Fixed shape, so the result is deterministic. */
+static __device__ double block_sum_double(double v, double *red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads(); /* red may still be read from a previous call */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    double s = 0.0;
+    for (int w = 0; w < HC_THREADS / 32; w++) s += red[w];
+    return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* HC pre and head: norm, mix, split, weighted sum (spec 3.2, 3.8)           */
+/* ------------------------------------------------------------------------ */
+
+/* Per-row kernel arguments (device pointers; fn/scale/base are weights). */
+struct hc_args {
+    const float *X;
+    const void *fn;
+    uint32_t fn_type;
+    int64_t fn_row_bytes;
+    const void *scale;
+    uint32_t scale_type;
+    const void *base;
+    uint32_t base_type;
+    int n_hc;
+    int64_t dim;
+    int iters;
+    float eps, norm_eps;
+    float *out;  /* x_out [n_rows, dim] */
+    float *post; /* hc_pre only: [n_rows, n_hc] */
+    float *comb; /* hc_pre only: [n_rows, n_hc * n_hc] */
+};
+
+/* The CPU's hc_split for one row, on thread 0: pre[s], post[s] and the
+ * Sinkhorn-normalised comb C[r * n + c] (r source, c destination), in the
+ * CPU's operation order (see cpu_hc_ffn.c). */
+static __device__ void hc_split_one(const hc_args &a, const float *mix, float *pre, float *post, float *C) {
+    const int n = a.n_hc;
+    const float eps = a.eps;
+    const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
+    const float sc1 = cuda_load_float(a.scale, a.scale_type, 1);
+    const float sc2 = cuda_load_float(a.scale, a.scale_type, 2);
+    for (int s = 0; s < n; s++) {
+        const float b0 = cuda_load_float(a.base, a.base_type, s);
+        const float b1 = cuda_load_float(a.base, a.base_type, n + s);
+        pre[s] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[s], sc0), b0)), eps);
+        post[s] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[n + s], sc1), b1)));
+    }
+    for (int r = 0; r < n; r++) {
+        float m = -INFINITY;
+        for (int c = 0; c < n; c++) {
+            const int k = 2 * n + r * n + c;
+            C[r * n + c] = __fadd_rn(__fmul_rn(mix[k], sc2), cuda_load_float(a.base, a.base_type, k));
+            if (C[r * n + c] > m) m = C[r * n + c];
+        }
+        float sum = 0.0f;
+        for (int c = 0; c < n; c++) {
+            C[r * n + c] = cuda_expf(__fsub_rn(C[r * n + c], m));
+            sum = __fadd_rn(sum, C[r * n + c]);
+        }
+        const float inv = __fdiv_rn(1.0f, sum);
+        for (int c = 0; c < n; c++) C[r * n + c] = __fadd_rn(__fmul_rn(C[r * n + c], inv), eps);
+    }
+    for (int iter = 0; iter < a.iters; iter++) {
+        if (iter > 0) {
+            for (int r = 0; r < n; r++) {
+                float sum = 0.0f;
+                for (int c = 0; c < n; c++) sum = __fadd_rn(sum, C[r * n + c]);
+                const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+                for (int c = 0; c < n; c++) C[r * n + c] = __fmul_rn(C[r * n + c], inv);
+            }
+        }
+        for (int c = 0; c < n; c++) {
+            float sum = 0.0f;
+            for (int r = 0; r < n; r++) sum = __fadd_rn(sum, C[r * n + c]);
+            const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+            for (int r = 0; r < n; r++) C[r * n + c] = __fmul_rn(C[r * n + c], inv);
+        }
+    }
+}
+
+/*
+ * One block per row r of X [n_rows, n_hc * dim]:
+ *   f = X[r] / sqrt(mean(X[r]^2) + norm_eps)     (squares summed in double)
+ *   mix[k] = fn[k] . f                           (k < n_mix; float sums)
+ *   HEAD:  w[s] = sigmoid(mix[s] * scale0 + base[s]) + eps
+ *   PRE:   pre/post/comb = hc_split(mix); w = pre
+ *   out[r][i] = sum_s X[r][s][i] * w[s]          (s in order, as the CPU)
+ */
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS) hc_mix_kernel(hc_args a) {
+    __shared__ double red_d[HC_THREADS / 32];
+    __shared__ float red_f[HC_THREADS / 32][HC_MIX_CHUNK];
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float w[HC_MAX_STREAMS];
+    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
+    __shared__ float post_s[HC_MAX_STREAMS];
+
+    const int n = a.n_hc;
+    const int64_t hc_dim = (int64_t)n * a.dim;
+    const int n_mix = HEAD ? n : (2 + n) * n;
+    const int64_t row = blockIdx.x;
+    const float *X = a.X + row * hc_dim;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    /* The plain RMS scale, exactly as the CPU forms it from the double sum. */
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < hc_dim; i += HC_THREADS) ss += (double)X[i] * (double)X[i];
+    ss = block_sum_double(ss, red_d);
+    const float rms_scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
+
+    /* The mix, HC_MIX_CHUNK dot products per pass over the row. */
+    for (int k0 = 0; k0 < n_mix; k0 += HC_MIX_CHUNK) {
+        const int kc = n_mix - k0 < HC_MIX_CHUNK ? n_mix - k0 : HC_MIX_CHUNK;
+        float acc[HC_MIX_CHUNK];
+#pragma unroll
+        for (int k = 0; k < HC_MIX_CHUNK; k++) acc[k] = 0.0f;
+        const uint8_t *fn0 = (const uint8_t *)a.fn + (int64_t)k0 * a.fn_row_bytes;
+        for (int64_t i = threadIdx.x; i < hc_dim; i += HC_THREADS) {
+            const float f = __fmul_rn(X[i], rms_scale); /* the normalised value, rounded as on the CPU */
+#pragma unroll
+            for (int k = 0; k < HC_MIX_CHUNK; k++)
+                if (k < kc) acc[k] = fmaf(cuda_load_float(fn0 + k * a.fn_row_bytes, a.fn_type, i), f, acc[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < HC_MIX_CHUNK; k++) {
+            float v = acc[k];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+            if (lane == 0) red_f[warp][k] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < kc) {
+            float s = 0.0f;
+            for (int wi = 0; wi < HC_THREADS / 32; wi++) s += red_f[wi][threadIdx.x];
+            mix[k0 + threadIdx.x] = s;
+        }
+        __syncthreads(); /* red_f is reused by the next pass; mix is complete after the last */
+    }
+
+    if (threadIdx.x == 0) {
+        if (HEAD) {
+            const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
+            for (int s = 0; s < n; s++)
+                w[s] = __fadd_rn(
+                    cuda_sigmoid(__fadd_rn(__fmul_rn(mix[s], sc0), cuda_load_float(a.base, a.base_type, s))), a.eps);
+        } else {
+            hc_split_one(a, mix, w, post_s, C);
+        }
+    }
+    __syncthreads();
+    if (!HEAD) {
+        if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
+        for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
+    }
+
+    float *out = a.out + row * a.dim;
+    for (int64_t i = threadIdx.x; i < a.dim; i += HC_THREADS) {
+        float acc = 0.0f;
+        for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
+        out[i] = acc;
+    }
+}
+
+/* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */
+static bool hc_float_weight(const ds4_weight *w) { return w && w->device && cuda_is_float_type(w->type); }
+
+/*
+ * The CPU's hc_check: fn [n_hc*dim, >= n_mix rows], scale [>= n_scale],
+ * base [>= n_mix], n_hc in 1..16, dim > 0 (DS4_ERR_INVALID, the CPU's
+ * message). Then what only this backend lacks: a weight type other than
+ * F32/F16/BF16, or a weight that is not bound here (DS4_ERR_UNSUPPORTED).
+ */
+static bool hc_check(ds4_backend *be, const char *op, const ds4_hc *hc, const ds4_weight *fn,
+                     const ds4_weight *scale, const ds4_weight *base, int64_t n_mix, int64_t n_scale) {
+    if (!hc || hc->n_hc < 1 || hc->n_hc > HC_MAX_STREAMS || hc->dim <= 0 || !fn || !scale || !base ||
+        fn->ne[0] != hc->n_hc * hc->dim || cuda_weight_rows(fn) < n_mix || scale->ne[0] < n_scale ||
+        base->ne[0] < n_mix) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: n_hc %d, dim %lld: weights %s / %s / %s do not fit", op,
+                  hc ? hc->n_hc : 0, hc ? (long long)hc->dim : 0LL, cuda_wname(fn), cuda_wname(scale),
+                  cuda_wname(base));
+        return false;
+    }
+    if (!hc_float_weight(fn) || !hc_float_weight(scale) || !hc_float_weight(base)) {
+        const ds4_weight *bad = !hc_float_weight(fn) ? fn : !hc_float_weight(scale) ? scale : base;
+        cuda_fail(be, DS4_ERR_UNSUPPORTED,
+                  "%s: weight %s (%s%s) cannot be used by the CUDA backend: it needs F32, F16 or BF16 weights bound "
+                  "to the device",
+                  op, cuda_wname(bad), ds4_type_name(bad->type), bad->device ? "" : ", not bound");
+        return false;
+    }
+    return true;
+}
+
+static hc_args hc_args_make(const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
+                            const ds4_weight *base, float *out, float *post, float *comb) {
+    hc_args a;
+    a.X = X;
+    a.fn = fn->device;
+    a.fn_type = fn->type;
+    a.fn_row_bytes = fn->row_bytes;
+    a.scale = scale->device;
+    a.scale_type = scale->type;
+    a.base = base->device;
+    a.base_type = base->type;
+    a.n_hc = hc->n_hc;
+    a.dim = hc->dim;
+    a.iters = hc->iters;
+    a.eps = hc->eps;
+    a.norm_eps = hc->norm_eps;
+    a.out = out;
+    a.post = post;
+    a.comb = comb;
+    return a;
+}
+
+void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
+                 const ds4_weight *base, float *x_out, float *post, float *comb, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    const int64_t n_mix = hc ? (int64_t)(2 + hc->n_hc) * hc->n_hc : 0;
+    if (!hc_check(be, "hc_pre", hc, fn, scale, base, n_mix, 3)) return;
+    if (hc->iters < 1) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_pre: %d Sinkhorn iterations", hc->iters);
+        return;
+    }
+    if (n_rows <= 0) return;
+    if (n_rows > INT32_MAX || !X || !x_out || !post || !comb) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_pre: %lld rows (a NULL buffer or too many rows)", (long long)n_rows);
+        return;
+    }
+    const hc_args a = hc_args_make(hc, X, fn, scale, base, x_out, post, comb);
+    hc_mix_kernel<false><<<(unsigned)n_rows, HC_THREADS, 0, cuda_stream(be)>>>(a);
+    (void)CUDA_LAUNCHED(be, "hc_pre kernel");
+}
+
+void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
+                  const ds4_weight *base, float *out, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    const int64_t n = hc ? hc->n_hc : 0;
+    if (!hc_check(be, "hc_head", hc, fn, scale, base, n, 1)) return;
+    if (n_rows <= 0) return;
+    if (n_rows > INT32_MAX || !X || !out) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_head: %lld rows (a NULL buffer or too many rows)", (long long)n_rows);
+        return;
+    }
+    const hc_args a = hc_args_make(hc, X, fn, scale, base, out, NULL, NULL);
+    hc_mix_kernel<true><<<(unsigned)n_rows, HC_THREADS, 0, cuda_stream(be)>>>(a);
+    (void)CUDA_LAUNCHED(be, "hc_head kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* HC post (spec 3.3)                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Element (r, d, i): X_out = y[r][i] * post[r][d] + sum_s comb[r][s*n + d] * X[r][s][i],
+ * the CPU's order and roundings (so bit-identical). */
+static __global__ void hc_post_kernel(const float *y, const float *X, const float *post, const float *comb, float *X_out,
+                               int n, int64_t dim, int64_t total) {
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = e % dim, rd = e / dim;
+        const int d = (int)(rd % n);
+        const int64_t r = rd / n;
+        const float *Xr = X + r * n * dim, *cr = comb + r * n * n;
+        float acc = __fmul_rn(y[r * dim + i], post[r * n + d]);
+        for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(cr[s * n + d], Xr[s * dim + i]));
+        X_out[e] = acc;
+    }
+}
+
+void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
+                  const float *comb, float *X_out, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    if (!hc || hc->n_hc < 1 || hc->n_hc > HC_MAX_STREAMS || hc->dim <= 0 || n_rows < 0 ||
+        n_rows > INT64_MAX / ((int64_t)hc->n_hc * hc->dim)) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_post: n_hc %d, dim %lld, %lld rows", hc ? hc->n_hc : 0,
+                  hc ? (long long)hc->dim : 0LL, (long long)n_rows);
+        return;
+    }
+    const int n = hc->n_hc;
+    const int64_t total = n_rows * n * hc->dim;
+    if (total == 0) return;
+    if (!y || !X || !post || !comb || !X_out || ranges_overlap(X_out, total, X, total)) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_post: NULL buffer, or X_out overlaps X (it must not alias it)");
+        return;
+    }
+    hc_post_kernel<<<ew_blocks(total), EW_THREADS, 0, cuda_stream(be)>>>(y, X, post, comb, X_out, n, hc->dim,
+                                                                          total);
+    (void)CUDA_LAUNCHED(be, "hc_post kernel");
+}
+
+/* ------------------------------------------------------------------------ */
+/* Router (spec 3.7)                                                         */
+/* ------------------------------------------------------------------------ */
+
+static __device__ float router_softplus(float x) {
+    if (x > 20.0f) return x;
+    if (x < -20.0f) return cuda_expf(x);
+    return cuda_log1pf(cuda_expf(x));
+}
+
+/*
+ * Rank key of expert e with selection score s: higher key = ranks higher.
+ * The score's bits map to an unsigned order (NaN ranks as -inf, -0 as +0,
+ * as the CPU's comparisons do), and ties go to the lower index through the
+ * low word. Every real key is > 0; 0 marks an expert already taken.
+ */
+static __device__ unsigned long long router_key(float s, uint32_t e) {
+    if (isnan(s)) s = -INFINITY;
+    if (s == 0.0f) s = 0.0f;
+    uint32_t u = __float_as_uint(s);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (unsigned long long)(0xffffffffu - e);
+}
+
+struct router_args {
+    const float *logits;
+    int64_t n_expert;
+    const void *bias; /* NULL: none */
+    uint32_t bias_type;
+    const int32_t *hash; /* device, n_used ids (validated); NULL: top-k */
+    int n_used;
+    bool normalise;
+    float scale;
+    unsigned long long *keys; /* scratch [n_expert] */
+    float *prob;    /* scratch [n_expert] */
+    int32_t *sel;   /* out [n_used] */
+    float *weight;  /* out [n_used] */
+};
+
+/* One block: probabilities, then n_used rounds of a block-wide arg-max over
+ * the rank keys (each round takes the best remaining expert, so the
+ * selection comes out in rank order, as the CPU's), then thread 0 forms the
+ * weights in the CPU's order. */
+static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_args a) {
+    __shared__ unsigned long long red[ROUTER_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    for (int64_t e = threadIdx.x; e < a.n_expert; e += ROUTER_THREADS) {
+        const float p = sqrtf(router_softplus(a.logits[e]));
+        a.prob[e] = p;
+        if (!a.hash) {
+            const float s = a.bias ? __fadd_rn(p, cuda_load_float(a.bias, a.bias_type, e)) : p;
+            a.keys[e] = router_key(s, (uint32_t)e);
+        }
+    }
+    __syncthreads();
+
+    if (a.hash) {
+        for (int k = threadIdx.x; k < a.n_used; k += ROUTER_THREADS) a.sel[k] = a.hash[k];
+    } else {
+        for (int k = 0; k < a.n_used; k++) {
+            unsigned long long best = 0;
+            for (int64_t e = threadIdx.x; e < a.n_expert; e += ROUTER_THREADS) {
+                const unsigned long long key = a.keys[e];
+                best = key > best ? key : best;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const unsigned long long other = __shfl_down_sync(0xffffffffu, best, o);
+                best = other > best ? other : best;
+            }
+            if (lane == 0) red[warp] = best;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                unsigned long long b = red[0];
+                for (int wi = 1; wi < ROUTER_THREADS / 32; wi++) b = red[wi] > b ? red[wi] : b;
+                const int32_t e = (int32_t)(0xffffffffu - (uint32_t)b);
+                a.sel[k] = e;
+                a.keys[e] = 0; /* taken */
+            }
+            __syncthreads(); /* the taken mark and red are settled before the next round */
+        }
+    }
+    __syncthreads();
+
+    if (threadIdx.x == 0) {
+        /* The weights use the unbiased probabilities. */
+        float sum = 0.0f;
+        for (int k = 0; k < a.n_used; k++) sum = __fadd_rn(sum, a.prob[a.sel[k]]);
+        if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
+        for (int k = 0; k < a.n_used; k++) {
+            const float p = a.prob[a.sel[k]];
+            a.weight[k] = a.normalise ? __fmul_rn(__fdiv_rn(p, sum), a.scale) : __fmul_rn(p, a.scale);
+        }
+    }
+}
+
+/* Zero results on a failed call, so a caller that reads them anyway indexes
+ * expert 0 rather than garbage. */
+static void router_clear(int32_t *sel_out, float *weight_out, int n_used) {
+    if (n_used <= 0) return;
+    if (sel_out) memset(sel_out, 0, (size_t)n_used * sizeof *sel_out);
+    if (weight_out) memset(weight_out, 0, (size_t)n_used * sizeof *weight_out);
+}
+
+void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
+                 const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
+                 float *weight_out) {
+    /* n_used is checked first: the results are cleared on later failures only. */
+    if (n_expert <= 0 || n_expert > INT32_MAX || n_used < 0 || n_used > n_expert ||
+        (bias && bias->ne[0] < n_expert)) {
+        cuda_fail(be, DS4_ERR_INVALID, "router: %d of %lld experts (bias %s)", n_used, (long long)n_expert,
+                  cuda_wname(bias));
+        return;
+    }
+    if (n_used > 0 && (!logits || !sel_out || !weight_out)) {
+        cuda_fail(be, DS4_ERR_INVALID, "router: NULL logits or result arrays");
+        return;
+    }
+    if (cuda_failed(be)) {
+        router_clear(sel_out, weight_out, n_used);
+        return;
+    }
+    if (bias && !hc_float_weight(bias)) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED,
+                  "router: bias %s (%s%s) cannot be used by the CUDA backend: it needs an F32, F16 or BF16 vector "
+                  "bound to the device",
+                  cuda_wname(bias), ds4_type_name(bias->type), bias->device ? "" : ", not bound");
+        router_clear(sel_out, weight_out, n_used);
+        return;
+    }
+    if (hash_ids) {
+        for (int k = 0; k < n_used; k++) {
+            if (hash_ids[k] < 0 || hash_ids[k] >= n_expert) {
+                cuda_fail(be, DS4_ERR_INVALID, "router: hash-selected expert %d is outside [0, %lld)", hash_ids[k],
+                          (long long)n_expert);
+                router_clear(sel_out, weight_out, n_used);
+                return;
+            }
+        }
+    }
+    if (n_used == 0) return; /* nothing to select or weigh */
+
+    /* ROUTER slot: keys [n_expert] u64 | prob [n_expert] f32 | sel [n_used] i32 | weight [n_used] f32. */
+    const size_t keys_bytes = (size_t)n_expert * sizeof(unsigned long long), prob_bytes = (size_t)n_expert * sizeof(float);
+    const size_t out_bytes = (size_t)n_used * (sizeof(int32_t) + sizeof(float));
+    uint8_t *scratch = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_ROUTER, keys_bytes + prob_bytes + out_bytes);
+    const int32_t *d_hash = NULL;
+    if (scratch && hash_ids)
+        d_hash = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_HC, hash_ids, (size_t)n_used * sizeof(int32_t));
+    uint8_t *stage = scratch && (!hash_ids || d_hash) ? (uint8_t *)cuda_host_stage(be, out_bytes) : NULL;
+    if (!stage) { /* the error is recorded */
+        router_clear(sel_out, weight_out, n_used);
+        return;
+    }
+
+    router_args a;
+    a.logits = logits;
+    a.n_expert = n_expert;
+    a.bias = bias ? bias->device : NULL;
+    a.bias_type = bias ? bias->type : (uint32_t)DS4_TYPE_F32;
+    a.hash = d_hash;
+    a.n_used = n_used;
+    a.normalise = normalise;
+    a.scale = scale;
+    a.keys = (unsigned long long *)scratch;
+    a.prob = (float *)(scratch + keys_bytes);
+    a.sel = (int32_t *)(scratch + keys_bytes + prob_bytes);
+    a.weight = (float *)(scratch + keys_bytes + prob_bytes + (size_t)n_used * sizeof(int32_t));
+    router_kernel<<<1, ROUTER_THREADS, 0, cuda_stream(be)>>>(a);
+    if (!CUDA_LAUNCHED(be, "router kernel") ||
+        !CUDA_OK(be, cudaMemcpyAsync(stage, a.sel, out_bytes, cudaMemcpyDeviceToHost, cuda_stream(be))) ||
+        !cuda_sync(be)) {
+        router_clear(sel_out, weight_out, n_used);
+        return;
+    }
+    memcpy(sel_out, stage, (size_t)n_used * sizeof(int32_t));
+    memcpy(weight_out, stage + (size_t)n_used * sizeof(int32_t), (size_t)n_used * sizeof(float));
+}
+
+/* ------------------------------------------------------------------------ */
+/* SwiGLU (spec 3.7)                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* out may equal g or u (elementwise: each element is read before it is written). */
+static __global__ void swiglu_kernel(const float *g, const float *u, float limit, float scale, float *out, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = cuda_swiglu1(g[i], u[i], limit, scale);
+}
+
+void cuda_swiglu(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out, int64_t n) {
+    if (cuda_failed(be)) return;
+    if (n < 0 || (n > 0 && (!g || !u || !out))) {
+        cuda_fail(be, DS4_ERR_INVALID, "swiglu: %lld elements (or a NULL buffer)", (long long)n);
+        return;
+    }
+    if (n == 0) return;
+    swiglu_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_stream(be)>>>(g, u, limit, scale, out, n);
+    (void)CUDA_LAUNCHED(be, "swiglu kernel");
+}

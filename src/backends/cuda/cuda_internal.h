@@ -1,0 +1,202 @@
+/*
+ * cuda_internal.h - what the CUDA backend's .cu files share (C++ only).
+ *
+ * Files: cuda_backend.cu (the op table, constructor, memory, weights,
+ * elementwise ops, norms, rounding, embedding), cuda_matmul.cu (activation
+ * quantisation, matmul, MoE), cuda_attention.cu (RoPE, attention,
+ * compressor pooling, indexer scores, top-k), cuda_hc_ffn.cu
+ * (hyper-connections, router, SwiGLU), cuda_dequant.cu (dequantisation),
+ * cuda_device.cu (devices, error mapping).
+ *
+ * Execution model: every op enqueues its kernels on the backend's one stream
+ * (`cuda_stream(be)`) and returns without waiting, except the ops whose
+ * results go to host memory (top_k, router, download), which wait for the
+ * stream. Buffers handed to ops are device pointers from the alloc op (or
+ * offsets into them); control arrays (tokens, positions, indices, expert ids)
+ * are host memory and are copied to the device by the op when a kernel needs
+ * them (through cuda_scratch + cudaMemcpyAsync, never a pageable-memory
+ * synchronous copy in the middle of a stream).
+ *
+ * Errors: an op that cannot run records the first error with cuda_fail (a
+ * bad argument, an unsupported weight type) or CUDA_OK / CUDA_LAUNCHED (a
+ * failed CUDA call or launch) and returns; take_error hands it to the model.
+ * Once an error is recorded, later ops may skip their work (cuda_failed).
+ * Nothing prints, aborts or exits.
+ */
+#ifndef DS4_BACKENDS_CUDA_INTERNAL_H
+#define DS4_BACKENDS_CUDA_INTERNAL_H
+
+#include <cuda_runtime.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backends/backend.h"
+#include "backends/cuda/cuda_backend.h"
+#include "core/error.h"
+#include "core/quant.h"
+
+/* Grow-only device scratch buffers, one per purpose; an op may use only the
+ * slots named for its file. Contents do not survive to the next op. */
+typedef enum cuda_scratch_slot {
+    CUDA_SCRATCH_COPY = 0,     /* cuda_backend.cu: overlapping copies */
+    CUDA_SCRATCH_CTRL,         /* cuda_backend.cu: small control arrays (tokens, positions) */
+    CUDA_SCRATCH_MATMUL_ACT,   /* cuda_matmul.cu: quantised activations */
+    CUDA_SCRATCH_MATMUL_CTRL,  /* cuda_matmul.cu: expert ids / weights */
+    CUDA_SCRATCH_MOE_GATE,     /* cuda_matmul.cu */
+    CUDA_SCRATCH_MOE_UP,       /* cuda_matmul.cu */
+    CUDA_SCRATCH_MOE_ACT,      /* cuda_matmul.cu */
+    CUDA_SCRATCH_ATTN,         /* cuda_attention.cu */
+    CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions, row indices */
+    CUDA_SCRATCH_TOPK_A,       /* cuda_attention.cu */
+    CUDA_SCRATCH_TOPK_B,       /* cuda_attention.cu */
+    CUDA_SCRATCH_TOPK_C,       /* cuda_attention.cu */
+    CUDA_SCRATCH_TOPK_D,       /* cuda_attention.cu */
+    CUDA_SCRATCH_HC,           /* cuda_hc_ffn.cu */
+    CUDA_SCRATCH_ROUTER,       /* cuda_hc_ffn.cu */
+    CUDA_SCRATCH_HOST_STAGE,   /* not a device slot: see cuda_host_stage */
+    CUDA_SCRATCH_SLOTS
+} cuda_scratch_slot;
+
+typedef struct cuda_backend {
+    int device;
+    cudaStream_t stream;
+    ds4_error error; /* first error since the last take_error; DS4_OK if none */
+    void *scratch[CUDA_SCRATCH_SLOTS];
+    size_t scratch_cap[CUDA_SCRATCH_SLOTS];
+    void *host_stage; /* pinned host memory for results read back by ops */
+    size_t host_stage_cap;
+    void *ctrl_host[CUDA_SCRATCH_SLOTS]; /* pinned sources of cuda_upload_ctrl, per slot */
+    size_t ctrl_cap[CUDA_SCRATCH_SLOTS];
+    cudaEvent_t ctrl_done[CUDA_SCRATCH_SLOTS]; /* the last copy out of ctrl_host[slot] */
+    cudaStream_t upload;                       /* weight uploads */
+    void *wstage[2];                           /* pinned weight staging buffers */
+    cudaEvent_t wstage_done[2];
+    size_t weight_bytes; /* device memory held by bound weights */
+    size_t peak_bytes;   /* highest device memory in use seen (cudaMemGetInfo) */
+} cuda_backend;
+
+static inline cuda_backend *cuda_impl(ds4_backend *be) { return (cuda_backend *)be->impl; }
+static inline cudaStream_t cuda_stream(ds4_backend *be) { return cuda_impl(be)->stream; }
+
+/* Record an error (only the first since the last take_error is kept). */
+void cuda_fail(ds4_backend *be, ds4_status status, const char *fmt, ...) DS4_PRINTF(3, 4);
+/* true when an error is pending (ops may then return at once). */
+bool cuda_failed(ds4_backend *be);
+/* Record a failed CUDA call; true when e == cudaSuccess. */
+bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file, int line);
+#define CUDA_OK(be, call) cuda_ok((be), (call), #call, __FILE__, __LINE__)
+/* After a <<<>>> launch: record a launch failure; true if it launched. */
+#define CUDA_LAUNCHED(be, what) cuda_ok((be), cudaGetLastError(), (what), __FILE__, __LINE__)
+
+/* A device scratch buffer of at least `bytes` for `slot` (grown as needed;
+ * growing waits for the stream first). NULL, with the error recorded, when
+ * it cannot be allocated. */
+void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes);
+/* Pinned host memory of at least `bytes` (one buffer per backend), for
+ * device-to-host results: enqueue cudaMemcpyAsync into it, then
+ * cuda_sync(be), then read it. NULL with the error recorded on failure. */
+void *cuda_host_stage(ds4_backend *be, size_t bytes);
+/* Copy `bytes` of host control data to the device slot on the stream (via
+ * pinned staging, so the host array may be reused when this returns). NULL
+ * with the error recorded on failure. */
+void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host, size_t bytes);
+/* Wait for the stream; records and returns false on a device fault. */
+bool cuda_sync(ds4_backend *be);
+
+/* A weight's name for messages (NULL-safe). */
+static inline const char *cuda_wname(const ds4_weight *w) { return w && w->name ? w->name : "(unnamed)"; }
+/* Device bytes of weight row `row`. */
+static inline const void *cuda_weight_row(const ds4_weight *w, int64_t row) {
+    return (const uint8_t *)w->device + row * w->row_bytes;
+}
+static inline int64_t cuda_weight_rows(const ds4_weight *w) { return w->ne[1] * w->ne[2] * w->ne[3]; }
+/* true for F32, F16 and BF16 (read element-wise with cuda_load_float). */
+static inline bool cuda_is_float_type(uint32_t t) {
+    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16;
+}
+
+/* ---- device helpers ------------------------------------------------------ */
+
+/* Exact binary16 / bfloat16 -> float (same values as the CPU's converters;
+ * NaN payloads may differ). */
+static __device__ __forceinline__ float cuda_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) bits = sign | 0x7f800000u | (mant << 13);
+    else if (exp != 0) bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    else if (mant == 0) bits = sign;
+    else {
+        const uint32_t k = (uint32_t)__clz((int)mant) - 21u;
+        bits = sign | ((113u - k) << 23) | (((mant << k) & 0x3ffu) << 13);
+    }
+    return __uint_as_float(bits);
+}
+static __device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+/* Element i of a float-typed (F32/F16/BF16) weight or vector at device p. */
+static __device__ __forceinline__ float cuda_load_float(const void *p, uint32_t type, int64_t i) {
+    if (type == DS4_TYPE_F32) return ((const float *)p)[i];
+    if (type == DS4_TYPE_F16) return cuda_f16_to_f32(((const uint16_t *)p)[i]);
+    return cuda_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* expf / log1pf as the C library computes them: the correctly rounded float
+ * of a double evaluation, which is what glibc's (sub-0.502-ulp) float
+ * functions return for all but a vanishing fraction of inputs. CUDA's own
+ * expf is up to 2 ulp off, which under DS4 numerics can move a value across
+ * a Q8 rounding boundary and change a quantised activation. */
+static __device__ __forceinline__ float cuda_expf(float x) { return __double2float_rn(exp((double)x)); }
+static __device__ __forceinline__ float cuda_log1pf(float x) { return __double2float_rn(log1p((double)x)); }
+
+/* Two-branch sigmoid as the CPU computes it (expf of a non-positive argument). */
+static __device__ __forceinline__ float cuda_sigmoid(float x) {
+    if (x >= 0.0f) return __fdiv_rn(1.0f, __fadd_rn(1.0f, cuda_expf(-x)));
+    const float e = cuda_expf(x);
+    return __fdiv_rn(e, __fadd_rn(1.0f, e));
+}
+static __device__ __forceinline__ float cuda_silu(float x) { return __fmul_rn(x, cuda_sigmoid(x)); }
+static __device__ __forceinline__ float cuda_swiglu1(float g, float u, float limit, float scale) {
+    if (limit > 0.0f) {
+        if (g > limit) g = limit;
+        if (u > limit) u = limit;
+        if (u < -limit) u = -limit;
+    }
+    return __fmul_rn(__fmul_rn(cuda_silu(g), u), scale);
+}
+
+/* ---- the ops (same contracts as backend.h) -------------------------------- */
+
+/* cuda_matmul.cu */
+void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
+                 int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
+void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
+              const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num);
+/* true when cuda_matmul can multiply this weight type under `num`. */
+bool cuda_matmul_supported(uint32_t type, ds4_numerics num);
+
+/* cuda_attention.cu */
+void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t *pos,
+                    const ds4_rope *rope, bool inverse);
+void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
+                    const float *rows_b, const int32_t *idx_b, int64_t n_b, const ds4_weight *sinks, float *out);
+void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
+                          float *out);
+void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
+                         const float *keys, int64_t n_keys, float *scores);
+void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
+
+/* cuda_hc_ffn.cu */
+void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
+                 const ds4_weight *base, float *x_out, float *post, float *comb, int64_t n_rows);
+void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
+                  const float *comb, float *X_out, int64_t n_rows);
+void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
+                  const ds4_weight *base, float *out, int64_t n_rows);
+void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
+                 const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
+                 float *weight_out);
+void cuda_swiglu(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out, int64_t n);
+
+#endif

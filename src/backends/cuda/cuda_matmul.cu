@@ -1,0 +1,803 @@
+/*
+ * cuda_matmul.cu - weight x activation products on the GPU: activation
+ * quantisation, the matmul op and the routed-expert (MoE) op.
+ *
+ * The four dot kinds of the CPU backend (cpu_matmul.c), chosen the same way
+ * from the weight type and the numerics:
+ *   MM_REF   REFERENCE, every type: each weight element dequantised exactly as
+ *            the CPU does (deq<T>, bit-identical), products and sums in
+ *            float64 (a float*float product is exact in double), rounded to
+ *            float once. Only the order of the double additions differs from
+ *            the CPU, so results agree to the float rounding of the sum.
+ *   MM_F32   DS4, F32/F16/BF16: float products and float sums (fmaf per lane,
+ *            then a warp tree); the CPU uses 8 interleaved float partial
+ *            sums, so the two differ by float summation-order error only.
+ *   MM_Q8_0  DS4, Q8_0 weights: every activation row quantised to DS4's Q8_0
+ *            activation blocks (float d = amax/127, q = round-half-even(x/d)
+ *            clamped) - bit-identical to the CPU's quantiser - then per block
+ *            an exact int8 dot, and the block term (f16(w.d) * x.d) * isum
+ *            computed with the CPU's float operations; only the order of the
+ *            float sum over blocks differs.
+ *   MM_Q8_K  DS4, K-quants / IQ2_XXS / Q8_K weights: activations quantised to
+ *            Q8_K bit-identically to ds4_quantize_row_q8_K; per 256-block the
+ *            integer sums (sum_j sc_j * isub_j, sum_j m_j * bsum_j) are exact
+ *            integers (any order), the block term uses the CPU's float
+ *            formula, and the block terms are added in the CPU's order (lane
+ *            0, block by block, from 0.0f), so the result is the CPU's bit
+ *            for bit.
+ * All float arithmetic whose rounding matters goes through __fmul_rn /
+ * __fadd_rn / __fsub_rn / __fdiv_rn (never contracted into an FMA: the build
+ * uses --fmad=true).
+ *
+ * Kernel layout: one warp per output (weight) row, 4 warps per thread block;
+ * blockIdx.y walks tiles of ROWS activation rows (1, 4 or 8), so each decoded
+ * weight chunk is reused for ROWS activation rows from registers. Inside a
+ * row, lane l handles elements 8l..8l+7 of each 256-block (K-quants, Q8_K
+ * acts; 8-byte contiguous reads per lane), 8-element chunks for Q8_0 (four
+ * lanes per 32-block), or every 32nd element for float types (coalesced).
+ *
+ * MoE (one token): the selected experts' gate and up rows are the same kernels
+ * with a row indirection (row = sel[k] * rows_per_expert + j, shared
+ * activation row), then a SwiGLU kernel applies the routing weight, each mid
+ * row is quantised on its own, the down rows run the same way, and the n_used
+ * partial outputs are added in the order k = 0, 1, ... as the CPU does.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_quant.cuh"
+
+#define MM_WARPS 4
+#define MM_THREADS (32 * MM_WARPS)
+#define FULL_MASK 0xffffffffu
+#define MOE_MAX_USED 256
+
+typedef enum mm_mode { MM_REF, MM_F32, MM_Q8_0, MM_Q8_K } mm_mode;
+
+/* DS4's Q8_0 activation block: float scale, 32 int8 codes. */
+struct act_q8_0 {
+    float d;
+    int8_t q[32];
+};
+static_assert(sizeof(act_q8_0) == 36, "q8_0 activation block size");
+
+/* One launch's geometry. Weight row of output o for activation-row tile y:
+ * (sel ? sel[y] * rows_per_expert : row0) + o (with sel, ROWS is 1). Row r of
+ * the activations is act + r * act_stride (floats, or quantised blocks), row
+ * r of the outputs out + r * out_stride. */
+struct mm_args {
+    const uint8_t *w;
+    int64_t row_bytes;
+    int64_t n; /* elements per weight row */
+    int64_t row0;
+    const int32_t *sel;
+    int64_t rows_per_expert;
+    int64_t n_out;
+    const void *act;
+    int64_t act_stride;
+    float *out;
+    int64_t out_stride;
+    int64_t n_rows;
+    int64_t y0; /* first tile of this launch */
+};
+
+/* ------------------------------------------------------------------------ */
+/* Activation quantisers                                                     */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Q8_K, one thread block of 256 threads per (row, 256-block): as
+ * ds4_quantize_row_q8_K, m = the first element of largest |x| (NaNs never
+ * win, as `a > amax` never holds for them); m == 0 -> an all-zero block;
+ * iscale = -127/m, q = round-half-even(iscale * x) clamped to [-128, 127],
+ * bsums of 16, d = 1/iscale.
+ */
+__global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
+                                                         ds4_block_q8_K *__restrict__ out) {
+    __shared__ float s_a[8];
+    __shared__ int s_i[8];
+    __shared__ float s_m;
+    const int64_t row = blockIdx.x / nb, ib = blockIdx.x % nb;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const float *xb = x + row * x_stride + ib * DS4_QK_K;
+    const float v = xb[t];
+    float ba = fabsf(v);
+    if (!(ba == ba)) ba = -1.0f;
+    int bi = t;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float oa = __shfl_xor_sync(FULL_MASK, ba, off);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+        if (oa > ba || (oa == ba && oi < bi)) ba = oa, bi = oi;
+    }
+    if (lane == 0) s_a[warp] = ba, s_i[warp] = bi;
+    __syncthreads();
+    if (warp == 0) {
+        ba = lane < 8 ? s_a[lane] : -2.0f;
+        bi = lane < 8 ? s_i[lane] : 1 << 30;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float oa = __shfl_xor_sync(FULL_MASK, ba, off);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+            if (oa > ba || (oa == ba && oi < bi)) ba = oa, bi = oi;
+        }
+        if (lane == 0) s_m = ba > 0.0f ? xb[bi] : 0.0f;
+    }
+    __syncthreads();
+    const float m = s_m;
+    ds4_block_q8_K *y = out + blockIdx.x;
+    if (m == 0.0f) {
+        y->qs[t] = 0;
+        if (t < 16) y->bsums[t] = 0;
+        if (t == 0) y->d = 0.0f;
+        return;
+    }
+    const float iscale = __fdiv_rn(-127.0f, m);
+    int q = __float2int_rn(__fmul_rn(iscale, v));
+    q = q > 127 ? 127 : q < -128 ? -128 : q;
+    y->qs[t] = (int8_t)q;
+    int s = q;
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+    if ((t & 15) == 0) y->bsums[t >> 4] = (int16_t)s;
+    if (t == 0) y->d = __fdiv_rn(1.0f, iscale);
+}
+
+/* DS4's Q8_0 activations, one warp per 32-block: d = amax / 127 (float),
+ * id = 1/d (0 when d == 0), q = round-half-even(x * id) clamped. */
+__global__ void __launch_bounds__(256) quant_q8_0_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
+                                                         int64_t total, act_q8_0 *__restrict__ out) {
+    const int lane = threadIdx.x & 31;
+    const int64_t gw = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gw >= total) return;
+    const int64_t row = gw / nb, ib = gw % nb;
+    const float v = x[row * x_stride + ib * DS4_QK8_0 + lane];
+    float amax = fabsf(v);
+    if (!(amax == amax)) amax = 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    int q = __float2int_rn(__fmul_rn(v, id));
+    q = q > 127 ? 127 : q < -128 ? -128 : q;
+    out[gw].q[lane] = (int8_t)q;
+    if (lane == 0) out[gw].d = d;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Per-type integer codes for the Q8_K dot (ggml's vec_dot_*_q8_K)           */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * codes(b, lane, w, mul, mmul): the integer weight codes of elements
+ * 8*lane .. 8*lane+7 of block b, the integer multiplier of their sub-block
+ * (scale) and of its min (0 if none). Then per block
+ *   isum  = sum_lanes mul * sum_i w_i * q8_i
+ *   summs = sum_lanes mmul * sum_i q8_i       (= sum_j m_j * bsum_j)
+ * and term(b, y.d, isum, summs) is the CPU's float formula; finish() is
+ * applied to the sum of the terms.
+ */
+template <uint32_t T> struct q8k;
+
+static __device__ __forceinline__ float fi(int v) { return __int2float_rn(v); }
+
+template <> struct q8k<DS4_TYPE_Q2_K> {
+    typedef ds4_block_q2_K block;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void codes(const block *b, int lane, int w[8], int &mul, int &mmul) {
+        const int h = lane >> 4, s = (lane & 15) >> 2, l0 = (lane & 3) * 8, j = lane >> 1;
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = (b->qs[32 * h + l0 + i] >> (2 * s)) & 3;
+        mul = b->scales[j] & 15;
+        mmul = b->scales[j] >> 4;
+    }
+    static __device__ __forceinline__ float term(const block *b, float yd, int isum, int summs) {
+        const float dall = __fmul_rn(yd, f16_to_f32(b->d)), dmin = __fmul_rn(yd, f16_to_f32(b->dmin));
+        return __fsub_rn(__fmul_rn(dall, fi(isum)), __fmul_rn(dmin, fi(summs)));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+template <> struct q8k<DS4_TYPE_Q4_K> {
+    typedef ds4_block_q4_K block;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void codes(const block *b, int lane, int w[8], int &mul, int &mmul) {
+        const int j = lane >> 2, l0 = (lane & 3) * 8;
+        const uint8_t *qs = b->qs + 32 * (j >> 1);
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = (qs[l0 + i] >> shift) & 15;
+        unpack_scale_min_k4(b->scales, j, &mul, &mmul);
+    }
+    static __device__ __forceinline__ float term(const block *b, float yd, int isum, int summs) {
+        const float d = __fmul_rn(f16_to_f32(b->d), yd), dmin = __fmul_rn(f16_to_f32(b->dmin), yd);
+        return __fsub_rn(__fmul_rn(d, fi(isum)), __fmul_rn(dmin, fi(summs)));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+template <> struct q8k<DS4_TYPE_Q5_K> {
+    typedef ds4_block_q5_K block;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void codes(const block *b, int lane, int w[8], int &mul, int &mmul) {
+        const int j = lane >> 2, l0 = (lane & 3) * 8;
+        const uint8_t *qs = b->qs + 32 * (j >> 1);
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = ((qs[l0 + i] >> shift) & 15) | (((b->qh[l0 + i] >> j) & 1) << 4);
+        unpack_scale_min_k4(b->scales, j, &mul, &mmul);
+    }
+    static __device__ __forceinline__ float term(const block *b, float yd, int isum, int summs) {
+        const float d = __fmul_rn(f16_to_f32(b->d), yd), dmin = __fmul_rn(f16_to_f32(b->dmin), yd);
+        return __fsub_rn(__fmul_rn(d, fi(isum)), __fmul_rn(dmin, fi(summs)));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+template <> struct q8k<DS4_TYPE_Q6_K> {
+    typedef ds4_block_q6_K block;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void codes(const block *b, int lane, int w[8], int &mul, int &mmul) {
+        const int h = lane >> 4, i0 = (8 * lane) & 127;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int ii = i0 + i;
+            const int lo = (b->ql[64 * h + (ii & 63)] >> (4 * (ii >> 6))) & 15;
+            const int hi = (b->qh[32 * h + (ii & 31)] >> (2 * (ii >> 5))) & 3;
+            w[i] = (lo | (hi << 4)) - 32;
+        }
+        mul = b->scales[lane >> 1];
+        mmul = 0;
+    }
+    static __device__ __forceinline__ float term(const block *b, float yd, int isum, int) {
+        return __fmul_rn(__fmul_rn(f16_to_f32(b->d), yd), fi(isum));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+/* Lane l: group ib = l/4 (ls = 2s + 1), subgroup l%4 (grid byte, 7 sign
+ * bits + parity); the 1/8 of db is applied once at the end, as the CPU does. */
+template <> struct q8k<DS4_TYPE_IQ2_XXS> {
+    typedef ds4_block_iq2_xxs block;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void codes(const block *b, int lane, int w[8], int &mul, int &mmul) {
+        const int ib = lane >> 2, l = lane & 3;
+        const uint32_t aux0 = (uint32_t)b->qs[4 * ib] | ((uint32_t)b->qs[4 * ib + 1] << 16);
+        const uint32_t aux1 = (uint32_t)b->qs[4 * ib + 2] | ((uint32_t)b->qs[4 * ib + 3] << 16);
+        const uint32_t grid = c_iq2xxs_grid.packed[(aux0 >> (8 * l)) & 255u];
+        const uint32_t v7 = (aux1 >> (7 * l)) & 127u;
+        const uint32_t signs = v7 | ((uint32_t)(__popc(v7) & 1) << 7);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const uint32_t code = (grid >> (2 * i)) & 3u;
+            const int mag = code == 0 ? 8 : code == 1 ? 25 : code == 2 ? 43 : 0;
+            w[i] = (signs >> i) & 1u ? -mag : mag;
+        }
+        mul = 2 * (int)(aux1 >> 28) + 1;
+        mmul = 0;
+    }
+    static __device__ __forceinline__ float term(const block *b, float yd, int isum, int) {
+        return __fmul_rn(__fmul_rn(f16_to_f32(b->d), yd), fi(isum));
+    }
+    static __device__ __forceinline__ float finish(float s) { return __fmul_rn(0.125f, s); }
+};
+
+template <> struct q8k<DS4_TYPE_Q8_K> {
+    typedef ds4_block_q8_K block;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void codes(const block *b, int lane, int w[8], int &mul, int &mmul) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = b->qs[8 * lane + i];
+        mul = 1;
+        mmul = 0;
+    }
+    static __device__ __forceinline__ float term(const block *b, float yd, int isum, int) {
+        return __fmul_rn(fi(isum), __fmul_rn(b->d, yd));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+/* Four int8 codes packed into a word (low byte first). */
+static __device__ __forceinline__ int pack4(int a, int b, int c, int d) {
+    return (int)((uint32_t)(a & 0xff) | ((uint32_t)(b & 0xff) << 8) | ((uint32_t)(c & 0xff) << 16) |
+                 ((uint32_t)(d & 0xff) << 24));
+}
+
+/* ------------------------------------------------------------------------ */
+/* Product kernels                                                           */
+/* ------------------------------------------------------------------------ */
+
+struct mm_tile {
+    int64_t o, r0;
+    int nr;
+    const uint8_t *wrow;
+};
+
+/* Output row, first activation row, rows in the tile, weight row of this
+ * warp; false when the warp has no output row. */
+static __device__ __forceinline__ bool mm_tile_of(const mm_args &a, int rows, mm_tile *t) {
+    t->o = (int64_t)blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
+    if (t->o >= a.n_out) return false;
+    const int64_t y = a.y0 + blockIdx.y;
+    t->r0 = y * rows;
+    const int64_t left = a.n_rows - t->r0;
+    t->nr = left < rows ? (int)left : rows;
+    const int64_t wr = (a.sel ? (int64_t)a.sel[y] * a.rows_per_expert : a.row0) + t->o;
+    t->wrow = a.w + wr * a.row_bytes;
+    return true;
+}
+
+/* Float activations: REFERENCE (Acc = double, every type) and DS4's float
+ * dot for F32/F16/BF16 (Acc = float). */
+template <uint32_t T, int ROWS, typename Acc>
+__global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
+    typedef deq<T> D;
+    mm_tile t;
+    if (!mm_tile_of(a, ROWS, &t)) return;
+    const int lane = threadIdx.x & 31;
+    const typename D::block *blocks = (const typename D::block *)t.wrow;
+    const float *x = (const float *)a.act + t.r0 * a.act_stride;
+    Acc acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0;
+    if constexpr (D::ELEMS == 1) {
+        for (int64_t i = lane; i < a.n; i += 32) {
+            const float wv = D::elem(&blocks[i], 0);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                if (r < t.nr) acc[r] = fma((Acc)wv, (Acc)x[r * a.act_stride + i], acc[r]);
+        }
+    } else {
+        for (int64_t c = lane; c < a.n / 8; c += 32) {
+            const int64_t e0 = c * 8;
+            const typename D::block *b = &blocks[e0 / D::ELEMS];
+            const int eb = (int)(e0 % D::ELEMS);
+            float wv[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) wv[i] = D::elem(b, eb + i);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < t.nr) {
+                    const float *xr = x + r * a.act_stride + e0;
+                    Acc s = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) s = fma((Acc)wv[i], (Acc)xr[i], s);
+                    acc[r] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(FULL_MASK, acc[r], off);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (r < t.nr) a.out[(t.r0 + r) * a.out_stride + t.o] = (float)acc[r];
+    }
+}
+
+/* DS4 numerics, Q8_K activations (act_stride in blocks). */
+template <uint32_t T, int ROWS>
+__global__ void __launch_bounds__(MM_THREADS) mm_q8k_kernel(mm_args a) {
+    typedef q8k<T> K;
+    mm_tile t;
+    if (!mm_tile_of(a, ROWS, &t)) return;
+    const int lane = threadIdx.x & 31;
+    const typename K::block *blocks = (const typename K::block *)t.wrow;
+    const ds4_block_q8_K *xq = (const ds4_block_q8_K *)a.act + t.r0 * a.act_stride;
+    const int64_t nb = a.n / DS4_QK_K;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const typename K::block *b = &blocks[ib];
+        int w[8], mul, mmul;
+        K::codes(b, lane, w, mul, mmul);
+        const int w0 = pack4(w[0], w[1], w[2], w[3]), w1 = pack4(w[4], w[5], w[6], w[7]);
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r < t.nr) { /* warp-uniform */
+                const ds4_block_q8_K *y = xq + r * a.act_stride + ib;
+                const int *q8 = (const int *)(y->qs + 8 * lane); /* 4-byte aligned: qs at offset 4 */
+                const int x0 = q8[0], x1 = q8[1];
+                const int isub = __dp4a(w1, x1, __dp4a(w0, x0, 0));
+                const int isum = __reduce_add_sync(FULL_MASK, mul * isub);
+                int summs = 0;
+                if (K::HAS_MIN) {
+                    const int qsum = __dp4a(x1, 0x01010101, __dp4a(x0, 0x01010101, 0));
+                    summs = __reduce_add_sync(FULL_MASK, mmul * qsum);
+                }
+                if (lane == 0) acc[r] = __fadd_rn(acc[r], K::term(b, y->d, isum, summs));
+            }
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (r < t.nr) a.out[(t.r0 + r) * a.out_stride + t.o] = K::finish(acc[r]);
+    }
+}
+
+/* DS4 numerics, Q8_0 weights with Q8_0 activations (act_stride in blocks):
+ * lanes 4k..4k+3 share a 32-block, 8 blocks per warp step. */
+template <int ROWS>
+__global__ void __launch_bounds__(MM_THREADS) mm_q8_0_kernel(mm_args a) {
+    mm_tile t;
+    if (!mm_tile_of(a, ROWS, &t)) return;
+    const int lane = threadIdx.x & 31, k = lane & 3;
+    const ds4_block_q8_0 *blocks = (const ds4_block_q8_0 *)t.wrow;
+    const act_q8_0 *xq = (const act_q8_0 *)a.act + t.r0 * a.act_stride;
+    const int64_t nch = a.n / 8;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+    for (int64_t base = 0; base < nch; base += 32) {
+        const int64_t c = base + lane, bi = c >> 2;
+        const bool valid = c < nch;
+        int w0 = 0, w1 = 0;
+        float wd = 0.0f;
+        if (valid) {
+            const ds4_block_q8_0 *b = &blocks[bi];
+            const int8_t *q = b->qs + 8 * k;
+            w0 = pack4(q[0], q[1], q[2], q[3]);
+            w1 = pack4(q[4], q[5], q[6], q[7]);
+            wd = f16_to_f32(b->d);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r < t.nr) {
+                int isub = 0;
+                float xd = 0.0f;
+                if (valid) {
+                    const act_q8_0 *xa = xq + r * a.act_stride + bi;
+                    const int *q8 = (const int *)(xa->q + 8 * k); /* 4-byte aligned */
+                    isub = __dp4a(w1, q8[1], __dp4a(w0, q8[0], 0));
+                    xd = xa->d;
+                }
+                isub += __shfl_xor_sync(FULL_MASK, isub, 1);
+                isub += __shfl_xor_sync(FULL_MASK, isub, 2);
+                if (valid && k == 0) acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xd), fi(isub)));
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(FULL_MASK, acc[r], off));
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (r < t.nr) a.out[(t.r0 + r) * a.out_stride + t.o] = acc[r];
+    }
+}
+
+/* mid[i] = swiglu(g[i], u[i]) * weights[i / n_ff], in place over g. */
+__global__ void __launch_bounds__(256) moe_swiglu_kernel(float *__restrict__ g, const float *__restrict__ u,
+                                                         const float *__restrict__ weights, int64_t n_ff,
+                                                         int64_t n, float limit) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) g[i] = cuda_swiglu1(g[i], u[i], limit, weights[i / n_ff]);
+}
+
+/* out[o] = sum over k (in order, from 0.0f) of part[k][o]. */
+__global__ void __launch_bounds__(256) moe_sum_kernel(const float *__restrict__ part, int n_used, int64_t dim,
+                                                      float *__restrict__ out) {
+    const int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= dim) return;
+    float acc = 0.0f;
+    for (int k = 0; k < n_used; k++) acc = __fadd_rn(acc, part[(int64_t)k * dim + o]);
+    out[o] = acc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Host side                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool cuda_matmul_supported(uint32_t type, ds4_numerics num) {
+    (void)num; /* every supported type has both numerics */
+    switch (type) {
+    case DS4_TYPE_F32:
+    case DS4_TYPE_F16:
+    case DS4_TYPE_BF16:
+    case DS4_TYPE_Q8_0:
+    case DS4_TYPE_Q2_K:
+    case DS4_TYPE_Q4_K:
+    case DS4_TYPE_Q5_K:
+    case DS4_TYPE_Q6_K:
+    case DS4_TYPE_IQ2_XXS:
+    case DS4_TYPE_Q8_K: return true;
+    default: return false;
+    }
+}
+
+static mm_mode mode_for(uint32_t type, ds4_numerics num) {
+    if (num == DS4_NUMERICS_REFERENCE) return MM_REF;
+    if (cuda_is_float_type(type)) return MM_F32;
+    if (type == DS4_TYPE_Q8_0) return MM_Q8_0;
+    return MM_Q8_K;
+}
+
+/* The weight's type and row length suit a product (else the error is
+ * recorded, naming the weight). */
+static bool check_weight(ds4_backend *be, const char *op, const ds4_weight *w, ds4_numerics num) {
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    if (!t || !cuda_matmul_supported(w->type, num)) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: weight %s has type %s, which the CUDA backend cannot compute with", op,
+                  cuda_wname(w), ds4_type_name(w->type));
+        return false;
+    }
+    if (w->ne[0] <= 0 || w->ne[0] % t->block_elems != 0) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: weight %s: row of %lld elements is not a whole number of %s blocks (%d)",
+                  op, cuda_wname(w), (long long)w->ne[0], t->name, t->block_elems);
+        return false;
+    }
+    return true;
+}
+
+/* Bytes of n_rows quantised activation rows of n elements (0: float kinds). */
+static size_t act_bytes(mm_mode mode, int64_t n, int64_t n_rows) {
+    if (mode == MM_Q8_K) return (size_t)(n / DS4_QK_K) * (size_t)n_rows * sizeof(ds4_block_q8_K);
+    if (mode == MM_Q8_0) return (size_t)(n / DS4_QK8_0) * (size_t)n_rows * sizeof(act_q8_0);
+    return 0;
+}
+
+static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+/* Quantise n_rows rows of n floats (x_stride apart) into dst for `mode`;
+ * *stride = blocks per row. Float kinds: nothing to do (act = x). */
+static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t x_stride, int64_t n, int64_t n_rows,
+                          void *dst) {
+    cudaStream_t st = cuda_stream(be);
+    if (mode == MM_Q8_K) {
+        const int64_t nb = n / DS4_QK_K;
+        quant_q8_K_kernel<<<(unsigned)(nb * n_rows), 256, 0, st>>>(x, x_stride, nb, (ds4_block_q8_K *)dst);
+        return CUDA_LAUNCHED(be, "quant_q8_K_kernel");
+    }
+    if (mode == MM_Q8_0) {
+        const int64_t nb = n / DS4_QK8_0, total = nb * n_rows;
+        quant_q8_0_kernel<<<(unsigned)cdiv(total, 8), 256, 0, st>>>(x, x_stride, nb, total, (act_q8_0 *)dst);
+        return CUDA_LAUNCHED(be, "quant_q8_0_kernel");
+    }
+    return true;
+}
+
+static int64_t act_stride_of(mm_mode mode, int64_t n, int64_t float_stride) {
+    if (mode == MM_Q8_K) return n / DS4_QK_K;
+    if (mode == MM_Q8_0) return n / DS4_QK8_0;
+    return float_stride;
+}
+
+#define MM_FLOAT_CASES(ACC)                                                                            \
+    case DS4_TYPE_F32: mm_float_kernel<DS4_TYPE_F32, ROWS, ACC><<<grid, MM_THREADS, 0, st>>>(b); break; \
+    case DS4_TYPE_F16: mm_float_kernel<DS4_TYPE_F16, ROWS, ACC><<<grid, MM_THREADS, 0, st>>>(b); break; \
+    case DS4_TYPE_BF16: mm_float_kernel<DS4_TYPE_BF16, ROWS, ACC><<<grid, MM_THREADS, 0, st>>>(b); break;
+
+#define MM_REF_CASE(T) \
+    case T: mm_float_kernel<T, ROWS, double><<<grid, MM_THREADS, 0, st>>>(b); break;
+#define MM_Q8K_CASE(T) \
+    case T: mm_q8k_kernel<T, ROWS><<<grid, MM_THREADS, 0, st>>>(b); break;
+
+/* Launch the product kernel of (type, mode) over a.n_rows activation rows in
+ * tiles of ROWS (blockIdx.y, at most 65535 tiles per launch). */
+template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mode mode, const mm_args &a) {
+    cudaStream_t st = cuda_stream(be);
+    const int64_t n_tiles = cdiv(a.n_rows, ROWS);
+    for (int64_t y0 = 0; y0 < n_tiles; y0 += 65535) {
+        mm_args b = a;
+        b.y0 = y0;
+        const int64_t ny = n_tiles - y0 < 65535 ? n_tiles - y0 : 65535;
+        const dim3 grid((unsigned)cdiv(a.n_out, MM_WARPS), (unsigned)ny);
+        bool known = true;
+        if (mode == MM_REF) {
+            switch (type) {
+                MM_FLOAT_CASES(double)
+                MM_REF_CASE(DS4_TYPE_Q8_0)
+                MM_REF_CASE(DS4_TYPE_Q2_K)
+                MM_REF_CASE(DS4_TYPE_Q4_K)
+                MM_REF_CASE(DS4_TYPE_Q5_K)
+                MM_REF_CASE(DS4_TYPE_Q6_K)
+                MM_REF_CASE(DS4_TYPE_IQ2_XXS)
+                MM_REF_CASE(DS4_TYPE_Q8_K)
+            default: known = false;
+            }
+        } else if (mode == MM_F32) {
+            switch (type) {
+                MM_FLOAT_CASES(float)
+            default: known = false;
+            }
+        } else if (mode == MM_Q8_0) {
+            if (type == DS4_TYPE_Q8_0) mm_q8_0_kernel<ROWS><<<grid, MM_THREADS, 0, st>>>(b);
+            else known = false;
+        } else {
+            switch (type) {
+                MM_Q8K_CASE(DS4_TYPE_Q2_K)
+                MM_Q8K_CASE(DS4_TYPE_Q4_K)
+                MM_Q8K_CASE(DS4_TYPE_Q5_K)
+                MM_Q8K_CASE(DS4_TYPE_Q6_K)
+                MM_Q8K_CASE(DS4_TYPE_IQ2_XXS)
+                MM_Q8K_CASE(DS4_TYPE_Q8_K)
+            default: known = false;
+            }
+        }
+        if (!known) { /* unreachable after check_weight; kept as a guard */
+            cuda_fail(be, DS4_ERR_UNSUPPORTED, "matmul: no kernel for type %s", ds4_type_name(type));
+            return false;
+        }
+        if (!CUDA_LAUNCHED(be, "matmul kernel")) return false;
+    }
+    return true;
+}
+
+static bool launch_product(ds4_backend *be, uint32_t type, mm_mode mode, const mm_args &a) {
+    if (a.sel || a.n_rows <= 1) return launch_mm<1>(be, type, mode, a);
+    if (a.n_rows <= 4) return launch_mm<4>(be, type, mode, a);
+    return launch_mm<8>(be, type, mode, a);
+}
+
+void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
+                 int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
+    if (!w || !w->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "matmul: weight %s is not bound", cuda_wname(w));
+        return;
+    }
+    if (!check_weight(be, "matmul", w, num)) return;
+    const int64_t n_in = w->ne[0];
+    if (row0 < 0 || n_out < 0 || n_rows < 0 || row0 + n_out > cuda_weight_rows(w) ||
+        (n_rows > 1 && (x_stride < n_in || out_stride < n_out))) {
+        cuda_fail(be, DS4_ERR_INVALID,
+                  "matmul: weight %s [%lld x %lld rows]: rows %lld..+%lld, %lld x rows (stride %lld), out stride %lld",
+                  cuda_wname(w), (long long)n_in, (long long)cuda_weight_rows(w), (long long)row0, (long long)n_out,
+                  (long long)n_rows, (long long)x_stride, (long long)out_stride);
+        return;
+    }
+    if (n_out == 0 || n_rows == 0 || cuda_failed(be)) return;
+
+    const mm_mode mode = mode_for(w->type, num);
+    const void *act = x;
+    const size_t qbytes = act_bytes(mode, n_in, n_rows);
+    if (qbytes) {
+        void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
+        if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q)) return;
+        act = q;
+    }
+    mm_args a;
+    memset(&a, 0, sizeof a);
+    a.w = (const uint8_t *)w->device;
+    a.row_bytes = w->row_bytes;
+    a.n = n_in;
+    a.row0 = row0;
+    a.sel = NULL;
+    a.rows_per_expert = 0;
+    a.n_out = n_out;
+    a.act = act;
+    a.act_stride = act_stride_of(mode, n_in, x_stride);
+    a.out = out;
+    a.out_stride = out_stride;
+    a.n_rows = n_rows;
+    launch_product(be, w->type, mode, a);
+}
+
+void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
+              const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num) {
+    if (!gate || !up || !down || !gate->device || !up->device || !down->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: expert weights are not bound");
+        return;
+    }
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2];
+    if (up->ne[0] != dim || up->ne[1] != n_ff || up->ne[2] != n_expert || down->ne[0] != n_ff ||
+        down->ne[1] != dim || down->ne[2] != n_expert || n_used < 0) {
+        cuda_fail(be, DS4_ERR_INVALID,
+                  "moe: %s [%lld, %lld, %lld], %s [%lld, %lld, %lld] and %s [%lld, %lld, %lld] do not fit together",
+                  cuda_wname(gate), (long long)gate->ne[0], (long long)gate->ne[1], (long long)gate->ne[2],
+                  cuda_wname(up), (long long)up->ne[0], (long long)up->ne[1], (long long)up->ne[2], cuda_wname(down),
+                  (long long)down->ne[0], (long long)down->ne[1], (long long)down->ne[2]);
+        return;
+    }
+    if (n_used > MOE_MAX_USED) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: %d experts per token (at most %d) for %s", n_used, MOE_MAX_USED,
+                  cuda_wname(gate));
+        return;
+    }
+    for (int k = 0; k < n_used; k++) {
+        if (sel[k] < 0 || sel[k] >= n_expert) {
+            cuda_fail(be, DS4_ERR_INVALID, "moe: selected expert %d is outside [0, %lld) of %s", sel[k],
+                      (long long)n_expert, cuda_wname(gate));
+            return;
+        }
+    }
+    if (!check_weight(be, "moe", gate, num) || !check_weight(be, "moe", up, num) ||
+        !check_weight(be, "moe", down, num))
+        return;
+    if (cuda_failed(be)) return;
+    cudaStream_t st = cuda_stream(be);
+    if (n_used == 0) {
+        CUDA_OK(be, cudaMemsetAsync(out, 0, (size_t)dim * sizeof(float), st));
+        return;
+    }
+
+    /* sel and weights to the device in one upload: [n_used int32][n_used float] */
+    int32_t ctrl[2 * MOE_MAX_USED];
+    memcpy(ctrl, sel, (size_t)n_used * sizeof(int32_t));
+    memcpy(ctrl + n_used, weights, (size_t)n_used * sizeof(float));
+    const int32_t *d_ctrl =
+        (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_MATMUL_CTRL, ctrl, 2 * (size_t)n_used * sizeof(int32_t));
+    if (!d_ctrl) return;
+    const int32_t *d_sel = d_ctrl;
+    const float *d_w = (const float *)(d_ctrl + n_used);
+
+    const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
+    /* quantised x: gate's, and up's when its kind differs (shared otherwise) */
+    const size_t qg = act_bytes(mg, dim, 1), qu = mu != mg ? act_bytes(mu, dim, 1) : 0;
+    const void *xg = x, *xu = x;
+    if (qg + qu) {
+        uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, align256(qg) + qu);
+        if (!q) return;
+        if (qg) {
+            if (!quantize_acts(be, mg, x, dim, dim, 1, q)) return;
+            xg = q;
+        }
+        if (mu == mg) xu = xg;
+        else if (qu) {
+            if (!quantize_acts(be, mu, x, dim, dim, 1, q + align256(qg))) return;
+            xu = q + align256(qg);
+        }
+    }
+    const int64_t n_mid = (int64_t)n_used * n_ff, n_part = (int64_t)n_used * dim;
+    float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
+    float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)(n_mid > n_part ? n_mid : n_part) * sizeof(float));
+    if (!g || !u) return;
+
+    mm_args a;
+    memset(&a, 0, sizeof a);
+    a.n = dim;
+    a.row0 = 0;
+    a.sel = d_sel;
+    a.rows_per_expert = n_ff;
+    a.n_out = n_ff;
+    a.out_stride = n_ff;
+    a.n_rows = n_used;
+    /* gate and up: expert sel[k]'s rows against the one (shared) x row */
+    a.w = (const uint8_t *)gate->device;
+    a.row_bytes = gate->row_bytes;
+    a.act = xg;
+    a.act_stride = 0;
+    a.out = g;
+    if (!launch_product(be, gate->type, mg, a)) return;
+    a.w = (const uint8_t *)up->device;
+    a.row_bytes = up->row_bytes;
+    a.act = xu;
+    a.out = u;
+    if (!launch_product(be, up->type, mu, a)) return;
+
+    /* mids (routing weight applied), then each mid row quantised on its own */
+    moe_swiglu_kernel<<<(unsigned)cdiv(n_mid, 256), 256, 0, st>>>(g, u, d_w, n_ff, n_mid, limit);
+    if (!CUDA_LAUNCHED(be, "moe_swiglu_kernel")) return;
+    const void *mids = g;
+    const size_t qm = act_bytes(md, n_ff, n_used);
+    if (qm) {
+        void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
+        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, n_used, q)) return;
+        mids = q;
+    }
+
+    /* down: row k of the partial outputs = expert sel[k]'s down . mid k */
+    a.w = (const uint8_t *)down->device;
+    a.row_bytes = down->row_bytes;
+    a.n = n_ff;
+    a.rows_per_expert = dim;
+    a.n_out = dim;
+    a.act = mids;
+    a.act_stride = act_stride_of(md, n_ff, n_ff);
+    a.out = u;
+    a.out_stride = dim;
+    if (!launch_product(be, down->type, md, a)) return;
+    moe_sum_kernel<<<(unsigned)cdiv(dim, 256), 256, 0, st>>>(u, n_used, dim, out);
+    CUDA_LAUNCHED(be, "moe_sum_kernel");
+}

@@ -1,0 +1,679 @@
+/* test_cuda_attention.c - the CUDA attention-side ops (rope_tail, attention,
+ * compressor_pool, indexer_scores, top_k) against the CPU backend, element by
+ * element, plus their error paths.
+ *
+ * Tolerances (u = 2^-24, the float unit roundoff) follow from how each side
+ * computes; they are worst-case bounds of float rounding, computed per element
+ * from the data (a double-precision pass on the host gives the magnitudes), so
+ * a reordered but correct GPU reduction passes and a wrong row, weight or
+ * index does not:
+ *   rope_tail       both sides round the same double angle's cos/sin to float
+ *                   and rotate in the same float order; they differ only when
+ *                   CUDA's and the C library's double pow/cos/sin differ in
+ *                   the last double bit across a float rounding boundary: one
+ *                   ulp of a cos/sin, i.e. 2u (|x0| + |x1|) per element.
+ *   attention       float dots (CPU: 8 sequential lanes; GPU: any tree),
+ *                   float softmax and weighted sums in different orders.
+ *   compressor_pool the same operation order on both sides; expf may differ
+ *                   in its last ulps.
+ *   indexer_scores  float dots in different orders, the same head order.
+ *   top_k           exact: the same index list.
+ * Without a usable CUDA device every test reports itself as skipped. */
+#include <float.h>
+#include <stdlib.h>
+
+#include "cuda_op_test.h"
+
+#define OPEN_OR_SKIP(p)                                                           \
+    do {                                                                          \
+        if (!op_pair_open(p)) TEST_SKIP("%s", op_pair_skip_reason);               \
+    } while (0)
+
+#define U ((double)FLT_EPSILON / 2.0) /* float unit roundoff, 2^-24 */
+#define GUARD 64                      /* poisoned floats after each output */
+
+/* ------------------------------------------------------------------------ */
+/* Helpers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static int64_t rand_range(int64_t lo, int64_t hi) { /* [lo, hi] */
+    return lo + (int64_t)(test_rand_u64() % (uint64_t)(hi - lo + 1));
+}
+
+static double max_abs(const float *x, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (fabs(x[i]) > m) m = fabs(x[i]);
+    return m;
+}
+
+/* Compare n floats of b with a tolerance per element: |g - c| <= tol[i]
+ * (equal infinities pass; NaN never does). Returns the failures. */
+static int64_t compare_each(const char *what, op_pair *p, op_buf b, int64_t n, const double *tol) {
+    float *hc = malloc((size_t)(n > 0 ? n : 1) * sizeof *hc), *hg = malloc((size_t)(n > 0 ? n : 1) * sizeof *hg);
+    p->cpu->ops->download(p->cpu, hc, b.c, n);
+    p->gpu->ops->download(p->gpu, hg, b.g, n);
+    int64_t bad = 0, worst = -1;
+    double worst_ratio = -1;
+    for (int64_t i = 0; i < n; i++) {
+        const double c = hc[i], g = hg[i];
+        bool ok;
+        if (isinf(c) || isinf(g)) ok = c == g;
+        else ok = fabs(g - c) <= tol[i];
+        if (!ok) {
+            bad++;
+            const double r = isnan(g - c) ? INFINITY : fabs(g - c) / (tol[i] > 0 ? tol[i] : 1e-300);
+            if (r > worst_ratio) worst_ratio = r, worst = i;
+        }
+    }
+    if (bad) {
+        fprintf(stderr, "  FAIL %s: %lld of %lld elements out of tolerance; worst [%lld] cpu %.9g cuda %.9g tol %.3g\n",
+                what, (long long)bad, (long long)n, (long long)worst, hc[worst], hg[worst], tol[worst]);
+        test_current_failures++;
+    }
+    free(hc);
+    free(hg);
+    return bad;
+}
+
+/* The GPU side wrote nothing in [from, from + count) of a poisoned buffer. */
+static void expect_untouched(const char *what, op_pair *p, op_buf b, int64_t from, int64_t count) {
+    float *h = malloc((size_t)count * sizeof *h);
+    p->gpu->ops->download(p->gpu, h, b.g + from, count);
+    int64_t written = 0;
+    for (int64_t i = 0; i < count; i++) written += !isnan(h[i]);
+    CHECK_MSG(written == 0, "%s: %lld floats past the output were written", what, (long long)written);
+    free(h);
+}
+
+/* Both backends recorded DS4_ERR_INVALID with the same message. */
+static void expect_same_error(op_pair *p, const char *what) {
+    ds4_error ec = { 0 }, eg = { 0 };
+    ds4_status sc = p->cpu->ops->take_error(p->cpu, &ec);
+    ds4_status sg = p->gpu->ops->take_error(p->gpu, &eg);
+    CHECK_MSG(sc == DS4_ERR_INVALID, "%s: cpu status %d", what, (int)sc);
+    CHECK_MSG(sg == DS4_ERR_INVALID, "%s: cuda status %d: %s", what, (int)sg, eg.message);
+    CHECK_MSG(strcmp(ec.message, eg.message) == 0, "%s: messages differ: cpu \"%s\" cuda \"%s\"", what, ec.message,
+              eg.message);
+}
+
+/* ------------------------------------------------------------------------ */
+/* rope_tail                                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct rope_case {
+    int64_t n_rows, n_heads, head_dim;
+    int n_rot;
+    float base, factor, yarn_lo, yarn_hi;
+    int64_t max_pos;
+} rope_case;
+
+static void test_rope_tail(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    static const rope_case cases[] = {
+        { 5, 64, 512, 64, 10000.0f, 1.0f, 0.0f, 0.0f, 1 << 20 },        /* q, plain (dense layers) */
+        { 3, 1, 512, 64, 160000.0f, 16.0f, 9.6f, 21.3f, 1000000 },    /* kv / compressed row, YaRN */
+        { 1, 64, 128, 64, 160000.0f, 16.0f, 9.6f, 21.3f, 1048575 },   /* indexer q */
+        { 300, 8, 64, 64, 10000.0f, 1.0f, 0.0f, 0.0f, 4096 },         /* many rows, n_rot == head_dim */
+        { 7, 3, 10, 4, 10000.0f, 1.0f, 0.0f, 0.0f, 999999 },          /* small heads */
+        { 4, 2, 16, 16, 500.0f, 4.0f, 2.0f, 2.0f, 1000000 },          /* empty ramp (span clamped) */
+        { 2, 5, 64, 32, 10000.0f, 8.0f, 12.0f, 3.0f, 1000000 },       /* lo > hi */
+        { 2, 3000, 8, 8, 10000.0f, 1.0f, 0.0f, 0.0f, 1000000 },       /* many heads: several head groups */
+        { 1, 1, 2, 2, 10000.0f, 1.0f, 0.0f, 0.0f, 1000000 },          /* one pair */
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const rope_case *rc = &cases[ci];
+        const ds4_rope rope = { rc->n_rot, rc->base, rc->factor, rc->yarn_lo, rc->yarn_hi };
+        const int64_t n = rc->n_rows * rc->n_heads * rc->head_dim;
+        int32_t *pos = malloc((size_t)rc->n_rows * sizeof *pos);
+        for (int64_t r = 0; r < rc->n_rows; r++) pos[r] = (int32_t)rand_range(0, rc->max_pos);
+        pos[0] = (int32_t)rc->max_pos;
+        if (rc->n_rows > 1) pos[1] = 0;
+        for (int inverse = 0; inverse <= 1; inverse++) {
+            float *hx = op_rand(n, 1.0);
+            op_buf x = op_buf_from(&p, hx, n);
+            p.cpu->ops->rope_tail(p.cpu, x.c, rc->n_rows, rc->n_heads, rc->head_dim, pos, &rope, inverse);
+            p.gpu->ops->rope_tail(p.gpu, x.g, rc->n_rows, rc->n_heads, rc->head_dim, pos, &rope, inverse);
+            op_expect_ok(&p);
+            /* one ulp (2u relative) of a cos or sin moves an output by at most
+             * 2u (|x0| + |x1|) <= 4u max|x|; plus the output's own rounding
+             * flipping (2u relative). The unrotated dims must be unchanged. */
+            char what[96];
+            snprintf(what, sizeof what, "rope_tail case %zu%s", ci, inverse ? " inverse" : "");
+            op_compare(what, &p, x, n, 4.0 * U * max_abs(hx, n), 2.0 * U);
+            op_buf_free(&p, &x);
+            free(hx);
+        }
+        free(pos);
+    }
+    /* n_rows 0 and n_heads 0 do nothing and are no error */
+    {
+        float *hx = op_rand(64, 1.0);
+        op_buf x = op_buf_from(&p, hx, 64);
+        const ds4_rope rope = { 64, 10000.0f, 1.0f, 0.0f, 0.0f };
+        const int32_t pos0 = 5;
+        p.gpu->ops->rope_tail(p.gpu, x.g, 0, 1, 64, &pos0, &rope, false);
+        p.gpu->ops->rope_tail(p.gpu, x.g, 1, 0, 64, &pos0, &rope, false);
+        op_expect_ok(&p);
+        op_compare("rope_tail nothing to do", &p, x, 64, 0, 0);
+        op_buf_free(&p, &x);
+        free(hx);
+    }
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* attention                                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef enum { SEL_NONE, SEL_DISTINCT, SEL_REPEATS } sel_kind;
+
+typedef struct att_case {
+    const char *name;
+    int64_t n_heads, dim, n_a, n_b, n_rows_b; /* n_rows_b: rows in rows_b (selection) */
+    sel_kind sel;
+    double q_scale, sink_mean, sink_scale;
+    uint32_t sink_type;
+    int64_t sink_ne0; /* >= n_heads; 0 = n_heads */
+} att_case;
+
+/*
+ * Tolerance of out[h][i]. Per head, in double: s_r = q_h . row_r * kq, the
+ * softmax weights p_r (with the sink) and A_i = sum_r p_r |row_r[i]|.
+ *   scores: a float dot of dim terms accumulated in chains of dim/8 (CPU) and
+ *     about dim/32 + 5 (GPU, warp lanes then a tree) terms errs by at most
+ *     (chain + 1) u sum_i |q_i r_i| kq on each side: E = (dim/8 + dim/32 + 16)
+ *     u S, S = max_r sum_i |q_i r_i| kq;
+ *   weights: p_r = exp(s_r - m) / den shifts by at most 2E relatively from
+ *     the scores, plus the expf error and the denominators' sums (chains of
+ *     n on the CPU): (2n + 24) u;
+ *   output: the weighted sums of n rows on each side, (2n + 24) u A_i more.
+ * tol = A_i (2E + (4n + 48) u). Worst-case bounds: typical errors are far
+ * smaller, but a misplaced row, weight or sink moves outputs by p_r |row|.
+ */
+static void attention_tolerance(const att_case *ac, const float *q, const float *rows_a, const float *rows_b,
+                                const int32_t *idx, const float *sinks, double *tol) {
+    const int64_t n = ac->n_a + ac->n_b, dim = ac->dim;
+    const double kq = (double)(1.0f / sqrtf((float)dim));
+    double *s = malloc((size_t)(n > 0 ? n : 1) * sizeof *s);
+    for (int64_t h = 0; h < ac->n_heads; h++) {
+        const float *qh = q + h * dim;
+        double m = sinks[h], S = 0;
+        for (int64_t r = 0; r < n; r++) {
+            const float *row = r < ac->n_a ? rows_a + r * dim
+                                           : rows_b + (idx ? (int64_t)idx[r - ac->n_a] : r - ac->n_a) * dim;
+            double d = 0, a = 0;
+            for (int64_t i = 0; i < dim; i++) {
+                d += (double)qh[i] * row[i];
+                a += fabs((double)qh[i] * row[i]);
+            }
+            s[r] = d * kq;
+            if (s[r] > m) m = s[r];
+            if (a * kq > S) S = a * kq;
+        }
+        double den = exp(sinks[h] - m);
+        for (int64_t r = 0; r < n; r++) den += exp(s[r] - m);
+        const double E = ((double)dim / 8 + (double)dim / 32 + 16) * U * S;
+        const double rel = 2 * E + (4 * (double)n + 48) * U;
+        for (int64_t i = 0; i < dim; i++) {
+            double A = 0;
+            for (int64_t r = 0; r < n; r++) {
+                const float *row = r < ac->n_a ? rows_a + r * dim
+                                               : rows_b + (idx ? (int64_t)idx[r - ac->n_a] : r - ac->n_a) * dim;
+                A += exp(s[r] - m) / den * fabs((double)row[i]);
+            }
+            tol[h * dim + i] = A * rel;
+        }
+    }
+    free(s);
+}
+
+static void attention_case(op_pair *p, const att_case *ac) {
+    const int64_t dim = ac->dim, n_heads = ac->n_heads, n_b = ac->n_b;
+    const int64_t n_rows_b = ac->sel == SEL_NONE ? n_b : ac->n_rows_b;
+    const int64_t sink_ne0 = ac->sink_ne0 ? ac->sink_ne0 : n_heads;
+    /* at least one float each: a buffer of 1 is uploaded for empty inputs */
+    float *hq = op_rand(n_heads * dim, ac->q_scale);
+    float *ha = op_rand(ac->n_a * dim > 0 ? ac->n_a * dim : 1, 1.0);
+    float *hb = op_rand(n_rows_b * dim > 0 ? n_rows_b * dim : 1, 1.0);
+    float *hs = op_rand(sink_ne0, ac->sink_scale);
+    for (int64_t h = 0; h < sink_ne0; h++) hs[h] += (float)ac->sink_mean;
+    int32_t *idx = NULL;
+    if (ac->sel != SEL_NONE) {
+        idx = malloc((size_t)(n_b > 0 ? n_b : 1) * sizeof *idx);
+        if (ac->sel == SEL_DISTINCT) { /* a random subset of distinct rows, in random order */
+            int32_t *perm = malloc((size_t)n_rows_b * sizeof *perm);
+            for (int64_t i = 0; i < n_rows_b; i++) perm[i] = (int32_t)i;
+            for (int64_t i = n_rows_b - 1; i > 0; i--) {
+                const int64_t j = rand_range(0, i);
+                const int32_t t = perm[i];
+                perm[i] = perm[j];
+                perm[j] = t;
+            }
+            for (int64_t i = 0; i < n_b; i++) idx[i] = perm[i];
+            free(perm);
+        } else {
+            for (int64_t i = 0; i < n_b; i++) idx[i] = (int32_t)rand_range(0, n_rows_b - 1);
+            if (n_b >= 3) idx[n_b - 1] = idx[n_b - 2] = idx[0]; /* certainly repeated */
+        }
+    }
+    op_weight *sinks = op_weight_floats(p, "attn_sinks", ac->sink_type, sink_ne0, 1, 1, hs);
+    /* the sink values the op sees (rounded to the weight's type) */
+    float *sink_vals = malloc((size_t)sink_ne0 * sizeof *sink_vals);
+    ds4_type_traits_get(ac->sink_type)->dequant_row(sinks->bytes, sink_vals, sink_ne0);
+
+    op_buf q = op_buf_from(p, hq, n_heads * dim);
+    op_buf ra = op_buf_from(p, ha, ac->n_a * dim > 0 ? ac->n_a * dim : 1);
+    op_buf rb = op_buf_from(p, hb, n_rows_b * dim > 0 ? n_rows_b * dim : 1);
+    op_buf out = op_buf_poisoned(p, n_heads * dim + GUARD);
+    p->cpu->ops->attention(p->cpu, q.c, n_heads, dim, ra.c, ac->n_a, rb.c, idx, n_b, &sinks->c, out.c);
+    p->gpu->ops->attention(p->gpu, q.g, n_heads, dim, ra.g, ac->n_a, rb.g, idx, n_b, &sinks->g, out.g);
+    op_expect_ok(p);
+
+    double *tol = malloc((size_t)(n_heads * dim) * sizeof *tol);
+    attention_tolerance(ac, hq, ha, hb, idx, sink_vals, tol);
+    char what[160];
+    snprintf(what, sizeof what, "attention %s (%lld heads of %lld, %lld + %lld rows)", ac->name, (long long)n_heads,
+             (long long)dim, (long long)ac->n_a, (long long)n_b);
+    compare_each(what, p, out, n_heads * dim, tol);
+    expect_untouched(what, p, out, n_heads * dim, GUARD);
+
+    free(tol);
+    op_buf_free(p, &q);
+    op_buf_free(p, &ra);
+    op_buf_free(p, &rb);
+    op_buf_free(p, &out);
+    op_weight_free(p, sinks);
+    free(sink_vals);
+    free(idx);
+    free(hq);
+    free(ha);
+    free(hb);
+    free(hs);
+}
+
+static void test_attention(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const uint32_t F32 = DS4_TYPE_F32;
+    const att_case cases[] = {
+        /* name                 heads dim  n_a  n_b  rows_b sel          q    sink mean/scale  type */
+        { "decode ratio 4", 64, 512, 128, 512, 2000, SEL_REPEATS, 1.0, 0.0, 1.0, F32, 0 },
+        { "window only 1", 64, 512, 1, 0, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "window only 37", 8, 512, 37, 0, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "window only 128", 64, 512, 128, 0, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "distinct selection", 16, 512, 128, 512, 600, SEL_DISTINCT, 1.0, 0.0, 1.0, F32, 0 },
+        { "repeated selection", 4, 64, 10, 300, 7, SEL_REPEATS, 1.0, 0.0, 1.0, F32, 0 },
+        { "selection empty", 8, 512, 20, 0, 10, SEL_REPEATS, 1.0, 0.0, 1.0, F32, 0 },
+        { "all rows (ratio 128)", 64, 512, 128, 1000, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "many rows", 2, 64, 3, 20000, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "no window", 8, 512, 0, 100, 300, SEL_DISTINCT, 1.0, 0.0, 1.0, F32, 0 },
+        { "no rows at all", 8, 64, 0, 0, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "dim 8", 3, 8, 5, 9, 4, SEL_REPEATS, 1.0, 0.0, 1.0, F32, 0 },
+        { "dim 33", 5, 33, 17, 40, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "dim 1", 2, 1, 3, 4, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "dim 1000", 3, 1000, 50, 70, 90, SEL_DISTINCT, 1.0, 0.0, 1.0, F32, 0 },
+        { "128 heads", 128, 512, 128, 64, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 },
+        { "large sinks", 64, 512, 128, 512, 900, SEL_REPEATS, 1.0, 30.0, 2.0, F32, 0 },
+        { "small sinks", 64, 512, 128, 512, 900, SEL_REPEATS, 1.0, -40.0, 2.0, F32, 0 },
+        { "large scores", 64, 512, 128, 512, 900, SEL_REPEATS, 8.0, 0.0, 1.0, F32, 0 },
+        { "huge scores", 16, 512, 64, 256, 300, SEL_DISTINCT, 16.0, 0.0, 50.0, F32, 0 },
+        { "F16 sinks", 64, 512, 32, 64, 80, SEL_DISTINCT, 1.0, 0.0, 1.0, DS4_TYPE_F16, 0 },
+        { "BF16 sinks", 64, 512, 32, 64, 0, SEL_NONE, 1.0, 0.0, 1.0, DS4_TYPE_BF16, 0 },
+        { "Q8_0 sinks", 64, 512, 32, 64, 0, SEL_NONE, 1.0, 0.0, 1.0, DS4_TYPE_Q8_0, 0 },
+        { "more sinks than heads", 16, 128, 40, 30, 50, SEL_REPEATS, 1.0, 0.0, 1.0, F32, 64 },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) attention_case(&p, &cases[i]);
+    /* random shapes in the model's ranges */
+    for (int t = 0; t < 6; t++) {
+        att_case ac = { "random shape", 0, 0, 0, 0, 0, SEL_NONE, 1.0, 0.0, 1.0, F32, 0 };
+        ac.n_heads = rand_range(1, 64);
+        ac.dim = (t & 1) ? 512 : rand_range(1, 700);
+        ac.n_a = rand_range(1, 128);
+        ac.n_b = rand_range(0, 512);
+        ac.sel = (sel_kind)(t % 3);
+        ac.n_rows_b = ac.sel == SEL_DISTINCT ? ac.n_b + rand_range(0, 300) : rand_range(1, 1000);
+        ac.q_scale = 0.5 + 3.0 * test_rand_uniform();
+        ac.sink_mean = 4.0 * test_rand_normal();
+        attention_case(&p, &ac);
+    }
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* compressor_pool                                                           */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Tolerance of out[j]: both sides run the same float operations in the same
+ * order; only expf differs (CUDA <= 2 ulp, glibc <= 1 ulp: each weight within
+ * 6u relatively). Through the c-candidate sums of weights and of weighted
+ * values (each side within c u of exact) and the division:
+ * tol = A_j (4c + 24) u, A_j = sum_r p_r |kv_r| (double). A column whose
+ * scores are all -inf must be exactly 0 (A_j = 0).
+ */
+static void compressor_case(op_pair *p, int ratio, int64_t dim) {
+    const bool overlap = ratio == 4;
+    const int64_t width = overlap ? 2 * dim : dim, rows = overlap ? 8 : ratio, n = rows * width;
+    float *kv = op_rand(n, 1.0), *sc = op_rand(n, 2.0);
+    /* ratio 4 reads rows 0..3 at lane A and rows 4..7 at lane B: poison the
+     * other halves so reading them shows */
+    if (overlap) {
+        for (int64_t r = 0; r < 8; r++)
+            for (int64_t j = 0; j < dim; j++) {
+                const int64_t unused = r * width + (r < 4 ? dim : 0) + j;
+                kv[unused] = NAN;
+                sc[unused] = NAN;
+            }
+    }
+    const int c = overlap ? 8 : ratio;
+    for (int64_t j = 0; j < dim; j++) {
+        const int mode = (int)(j % 7); /* 0: all -inf; 1: one finite; else ~15% -inf */
+        for (int k = 0; k < c; k++) {
+            const int64_t at = overlap ? (k < 4 ? k * width + j : k * width + dim + j) : k * width + j;
+            if (mode == 0 || (mode == 1 && k != c / 2) || (mode > 1 && test_rand_uniform() < 0.15))
+                sc[at] = -INFINITY;
+        }
+    }
+    double *tol = malloc((size_t)dim * sizeof *tol);
+    for (int64_t j = 0; j < dim; j++) {
+        double m = -INFINITY, den = 0, num = 0;
+        for (int k = 0; k < c; k++) {
+            const int64_t at = overlap ? (k < 4 ? k * width + j : k * width + dim + j) : k * width + j;
+            if (sc[at] > m) m = sc[at];
+        }
+        if (m == -INFINITY) {
+            tol[j] = 0;
+            continue;
+        }
+        for (int k = 0; k < c; k++) {
+            const int64_t at = overlap ? (k < 4 ? k * width + j : k * width + dim + j) : k * width + j;
+            const double w = exp(sc[at] - m);
+            den += w;
+            num += w * fabs(kv[at]);
+        }
+        tol[j] = num / den * (4.0 * c + 24) * U;
+    }
+    op_buf bkv = op_buf_from(p, kv, n), bsc = op_buf_from(p, sc, n), out = op_buf_poisoned(p, dim + GUARD);
+    p->cpu->ops->compressor_pool(p->cpu, bkv.c, bsc.c, ratio, dim, out.c);
+    p->gpu->ops->compressor_pool(p->gpu, bkv.g, bsc.g, ratio, dim, out.g);
+    op_expect_ok(p);
+    char what[96];
+    snprintf(what, sizeof what, "compressor_pool ratio %d dim %lld", ratio, (long long)dim);
+    compare_each(what, p, out, dim, tol);
+    expect_untouched(what, p, out, dim, GUARD);
+    op_buf_free(p, &bkv);
+    op_buf_free(p, &bsc);
+    op_buf_free(p, &out);
+    free(tol);
+    free(kv);
+    free(sc);
+}
+
+static void test_compressor_pool(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    compressor_case(&p, 4, 512);
+    compressor_case(&p, 4, 128);
+    compressor_case(&p, 128, 512);
+    compressor_case(&p, 128, 128);
+    compressor_case(&p, 1, 7);
+    compressor_case(&p, 16, 33);
+    compressor_case(&p, 2, 100);
+    compressor_case(&p, 4, 1);
+    compressor_case(&p, 128, 70000); /* a wide state: many blocks */
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* indexer_scores                                                            */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Tolerance of score[c] = sum_h relu(q_h . key_c) w_h: each dot errs by at
+ * most (dim/8 + 4) u sum_i |q_hi k_ci| on the CPU and (dim/32 + 6) u ... on
+ * the GPU (relu does not enlarge a difference), times |w_h|; the sequential
+ * weighted sums over heads add (n_heads + 2) u sum_h |relu(d_h) w_h| each.
+ */
+static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_keys) {
+    /* at least one float each: a buffer of 1 is uploaded for empty inputs */
+    float *hq = op_rand(n_heads * dim > 0 ? n_heads * dim : 1, 1.0);
+    float *hk = op_rand(n_keys * dim > 0 ? n_keys * dim : 1, 1.0);
+    float *hw = op_rand(n_heads > 0 ? n_heads : 1,
+                        1.0 / sqrt((double)(n_heads > 0 ? n_heads : 1) * (double)(dim > 0 ? dim : 1)));
+    double *tol = malloc((size_t)(n_keys > 0 ? n_keys : 1) * sizeof *tol);
+    const double chain = ((double)dim / 8 + 4) + ((double)dim / 32 + 6);
+    for (int64_t c = 0; c < n_keys; c++) {
+        double dots = 0, terms = 0;
+        for (int64_t h = 0; h < n_heads; h++) {
+            double d = 0, a = 0;
+            for (int64_t i = 0; i < dim; i++) {
+                d += (double)hq[h * dim + i] * hk[c * dim + i];
+                a += fabs((double)hq[h * dim + i] * hk[c * dim + i]);
+            }
+            dots += fabs((double)hw[h]) * chain * U * a;
+            terms += fabs((d > 0 ? d : 0) * hw[h]);
+        }
+        tol[c] = dots + 2 * ((double)n_heads + 2) * U * terms;
+    }
+    op_buf q = op_buf_from(p, hq, n_heads * dim > 0 ? n_heads * dim : 1);
+    op_buf k = op_buf_from(p, hk, n_keys * dim > 0 ? n_keys * dim : 1);
+    op_buf w = op_buf_from(p, hw, n_heads > 0 ? n_heads : 1);
+    op_buf out = op_buf_poisoned(p, n_keys + GUARD);
+    p->cpu->ops->indexer_scores(p->cpu, q.c, w.c, n_heads, dim, k.c, n_keys, out.c);
+    p->gpu->ops->indexer_scores(p->gpu, q.g, w.g, n_heads, dim, k.g, n_keys, out.g);
+    op_expect_ok(p);
+    char what[96];
+    snprintf(what, sizeof what, "indexer_scores %lld heads of %lld, %lld keys", (long long)n_heads, (long long)dim,
+             (long long)n_keys);
+    compare_each(what, p, out, n_keys, tol);
+    expect_untouched(what, p, out, n_keys, GUARD);
+    op_buf_free(p, &q);
+    op_buf_free(p, &k);
+    op_buf_free(p, &w);
+    op_buf_free(p, &out);
+    free(tol);
+    free(hq);
+    free(hk);
+    free(hw);
+}
+
+static void test_indexer_scores(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    indexer_case(&p, 64, 128, 1);
+    indexer_case(&p, 64, 128, 2);
+    indexer_case(&p, 64, 128, 31);
+    indexer_case(&p, 64, 128, 1000);
+    indexer_case(&p, 64, 128, 5000);
+    indexer_case(&p, 64, 128, 0);   /* nothing to do */
+    indexer_case(&p, 3, 40, 77);    /* partial register lanes */
+    indexer_case(&p, 8, 512, 300);  /* key in 16 registers per lane */
+    indexer_case(&p, 4, 600, 100);  /* key read from memory */
+    indexer_case(&p, 128, 128, 500); /* queries too large for shared memory */
+    indexer_case(&p, 1, 1, 10);
+    indexer_case(&p, 0, 128, 10);   /* no heads: scores 0 */
+    indexer_case(&p, 64, 128, 9000); /* more keys than the capped grid's warps: the blocks stride */
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* top_k                                                                     */
+/* ------------------------------------------------------------------------ */
+
+#define IDX_SENTINEL 0x5a5a5a5a
+
+/* Run top_k on both sides (idx prefilled with a sentinel) and compare the
+ * index lists exactly; k + 4 entries are checked so writes past k show. */
+static void top_k_case(op_pair *p, const char *name, const float *scores, int64_t n, int64_t k) {
+    op_buf s = op_buf_from(p, scores, n > 0 ? n : 1);
+    int32_t *ic = malloc((size_t)(k + 4) * sizeof *ic), *ig = malloc((size_t)(k + 4) * sizeof *ig);
+    for (int64_t i = 0; i < k + 4; i++) ic[i] = ig[i] = IDX_SENTINEL;
+    p->cpu->ops->top_k(p->cpu, s.c, n, k, ic);
+    p->gpu->ops->top_k(p->gpu, s.g, n, k, ig);
+    op_expect_ok(p);
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < k + 4; i++)
+        if (ic[i] != ig[i]) {
+            if (first < 0) first = i;
+            bad++;
+        }
+    CHECK_MSG(bad == 0, "top_k %s (n %lld, k %lld): %lld entries differ; first [%lld] cpu %d cuda %d", name,
+              (long long)n, (long long)k, (long long)bad, (long long)first, first >= 0 ? ic[first] : 0,
+              first >= 0 ? ig[first] : 0);
+    /* the oracle itself: -1 padding past n, sentinels past k */
+    for (int64_t i = n; i < k; i++) CHECK_EQ_INT(ic[i], -1);
+    for (int64_t i = k; i < k + 4; i++) CHECK_EQ_INT(ic[i], IDX_SENTINEL);
+    op_buf_free(p, &s);
+    free(ic);
+    free(ig);
+}
+
+static void test_top_k(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t big = 262144;
+    float *s = malloc((size_t)big * sizeof *s);
+
+    for (int64_t i = 0; i < 1000; i++) s[i] = (float)test_rand_normal();
+    top_k_case(&p, "random", s, 1000, 100);
+    top_k_case(&p, "k = 1", s, 1000, 1);
+    top_k_case(&p, "k = n", s, 777, 777);
+    top_k_case(&p, "k = 0", s, 1000, 0);
+
+    /* many ties, with -0.0 and +0.0 (equal: the lower index first) */
+    for (int64_t i = 0; i < 5000; i++) {
+        const int v = (int)rand_range(-1, 2);
+        s[i] = v == 0 ? ((test_rand_u64() & 1) ? -0.0f : 0.0f) : (float)v;
+    }
+    top_k_case(&p, "ties", s, 5000, 512);
+    top_k_case(&p, "ties, all", s, 5000, 5000);
+
+    /* NaN (ranks as -inf, tying with -inf), infinities, and k = n */
+    for (int64_t i = 0; i < 300; i++) {
+        const double u = test_rand_uniform();
+        s[i] = u < 0.1 ? NAN : u < 0.15 ? -INFINITY : u < 0.2 ? INFINITY : u < 0.25 ? -NAN : (float)test_rand_normal();
+    }
+    top_k_case(&p, "NaN and infinities", s, 300, 300);
+    top_k_case(&p, "NaN and infinities, k < n", s, 300, 40);
+    for (int64_t i = 0; i < 50; i++) s[i] = NAN;
+    top_k_case(&p, "all NaN", s, 50, 20);
+
+    /* n < k: -1 padding; n = 0: all -1 */
+    for (int64_t i = 0; i < 5; i++) s[i] = (float)test_rand_normal();
+    top_k_case(&p, "n < k", s, 5, 16);
+    top_k_case(&p, "n = 1", s, 1, 4);
+    top_k_case(&p, "n = 0", s, 0, 8);
+
+    /* the model's size: 1M context / 4 rows, top 512 */
+    for (int64_t i = 0; i < big; i++) s[i] = (float)test_rand_normal();
+    top_k_case(&p, "large", s, big, 512);
+    top_k_case(&p, "large, k 2048", s, big, 2048);
+    for (int64_t i = 0; i < big; i++) s[i] = (float)(floor(test_rand_normal() * 4.0) / 4.0); /* heavy ties */
+    top_k_case(&p, "large with ties", s, big, 2048);
+    top_k_case(&p, "odd size", s, 100003, 512);
+    free(s);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Error paths                                                               */
+/* ------------------------------------------------------------------------ */
+
+static void test_attention_ops_errors(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    float *h = op_rand(4096, 1.0);
+    op_buf x = op_buf_from(&p, h, 4096), y = op_buf_from(&p, h, 4096), out = op_buf_poisoned(&p, 4096);
+    const int32_t pos[4] = { 1, 2, 3, 4 };
+
+    /* rope_tail: odd, zero or too many rotated dims (same message as the CPU) */
+    const int bad_rot[] = { 3, 0, -2, 66 };
+    for (size_t i = 0; i < sizeof bad_rot / sizeof bad_rot[0]; i++) {
+        const ds4_rope rope = { bad_rot[i], 10000.0f, 1.0f, 0.0f, 0.0f };
+        p.cpu->ops->rope_tail(p.cpu, x.c, 2, 2, 64, pos, &rope, false);
+        p.gpu->ops->rope_tail(p.gpu, x.g, 2, 2, 64, pos, &rope, false);
+        expect_same_error(&p, "rope_tail n_rot");
+    }
+    p.gpu->ops->rope_tail(p.gpu, x.g, 2, 2, 64, pos, NULL, false); /* the CPU would crash */
+    op_expect_error(&p, DS4_ERR_INVALID);
+    op_compare("rope_tail after errors: untouched", &p, x, 4096, 0, 0);
+
+    /* attention: sinks, shapes */
+    float sv[64];
+    for (int i = 0; i < 64; i++) sv[i] = (float)i;
+    op_weight *sinks = op_weight_floats(&p, "sinks", DS4_TYPE_F32, 8, 1, 1, sv);
+    ds4_weight bogus = { "bogus", 1000, { 64, 1, 1, 1 }, 0, NULL, NULL }; /* a type nobody can read */
+    struct {
+        int64_t heads, dim, n_a, n_b;
+        int sinks; /* 0 NULL, 1 ok, 2 bogus */
+    } bad_att[] = {
+        { 4, 8, 2, 0, 0 }, { 9, 8, 2, 0, 1 }, { 4, 0, 2, 0, 1 }, { 4, 8, -1, 0, 1 },
+        { 4, 8, 2, -1, 1 }, { -1, 8, 2, 0, 1 }, { 4, 8, 2, 0, 2 },
+    };
+    for (size_t i = 0; i < sizeof bad_att / sizeof bad_att[0]; i++) {
+        const ds4_weight *sc = bad_att[i].sinks == 0 ? NULL : bad_att[i].sinks == 1 ? &sinks->c : &bogus;
+        const ds4_weight *sg = bad_att[i].sinks == 0 ? NULL : bad_att[i].sinks == 1 ? &sinks->g : &bogus;
+        p.cpu->ops->attention(p.cpu, x.c, bad_att[i].heads, bad_att[i].dim, y.c, bad_att[i].n_a, y.c, NULL,
+                              bad_att[i].n_b, sc, out.c);
+        p.gpu->ops->attention(p.gpu, x.g, bad_att[i].heads, bad_att[i].dim, y.g, bad_att[i].n_a, y.g, NULL,
+                              bad_att[i].n_b, sg, out.g);
+        expect_same_error(&p, "attention arguments");
+    }
+    /* a negative selected index (the CPU would read out of bounds) */
+    const int32_t bad_idx[3] = { 0, -5, 1 };
+    p.gpu->ops->attention(p.gpu, x.g, 4, 8, y.g, 2, y.g, bad_idx, 3, &sinks->g, out.g);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    expect_untouched("attention after errors", &p, out, 0, 4096);
+
+    /* compressor_pool */
+    const int bad_ratio[] = { 0, -3, 4 };
+    const int64_t bad_dim[] = { 8, 8, 0 };
+    for (int i = 0; i < 3; i++) {
+        p.cpu->ops->compressor_pool(p.cpu, x.c, y.c, bad_ratio[i], bad_dim[i], out.c);
+        p.gpu->ops->compressor_pool(p.gpu, x.g, y.g, bad_ratio[i], bad_dim[i], out.g);
+        expect_same_error(&p, "compressor_pool arguments");
+    }
+
+    /* indexer_scores: negative sizes (the CPU does nothing with them) */
+    p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, 4, 8, y.g, -1, out.g);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, -4, 8, y.g, 10, out.g);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    expect_untouched("indexer_scores after errors", &p, out, 0, 4096);
+
+    /* top_k: negative sizes, more rows than int32 indices */
+    int32_t ic[8], ig[8];
+    const int64_t bad_n[] = { -1, 10, (int64_t)INT32_MAX + 1 };
+    const int64_t bad_k[] = { 4, -1, 4 };
+    for (int i = 0; i < 3; i++) {
+        p.cpu->ops->top_k(p.cpu, x.c, bad_n[i], bad_k[i], ic);
+        p.gpu->ops->top_k(p.gpu, x.g, bad_n[i], bad_k[i], ig);
+        expect_same_error(&p, "top_k arguments");
+    }
+
+    /* after all that the backend still works */
+    op_expect_ok(&p);
+    compressor_case(&p, 4, 64);
+    top_k_case(&p, "after errors", h, 4096, 64);
+
+    op_weight_free(&p, sinks);
+    op_buf_free(&p, &x);
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &out);
+    free(h);
+    op_pair_close(&p);
+}
+
+static const test_case TESTS[] = {
+    TEST_ENTRY(test_rope_tail),
+    TEST_ENTRY(test_attention),
+    TEST_ENTRY(test_compressor_pool),
+    TEST_ENTRY(test_indexer_scores),
+    TEST_ENTRY(test_top_k),
+    TEST_ENTRY(test_attention_ops_errors),
+    { 0 },
+};
+
+int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }

@@ -1,0 +1,604 @@
+/* test_cuda_hc_ffn.c - the CUDA hyper-connection ops (hc_pre, hc_post,
+ * hc_head), router and SwiGLU against the CPU backend, through the op table:
+ * the same random inputs on both sides, outputs poisoned with NaN before
+ * each launch, every output element compared, plus the error paths.
+ *
+ * Tolerances (atol, rtol for op_compare) follow from the precision of each op:
+ *
+ *  - hc_pre / hc_head: the CUDA kernel repeats the CPU's operations except for
+ *    the order of the long float sums of the mix (fn . f over n_hc * dim
+ *    terms; tree on the GPU, 8 sequential lanes on the CPU). With O(1) terms
+ *    their rounding errors grow like sqrt(n) * FLT_EPSILON (random walk); the
+ *    mix is O(1) by construction (fn ~ N(0, 1/n)). The sigmoid / softmax /
+ *    Sinkhorn split passes a mix error on with a gain below ~1 (scales are
+ *    <= 1.5), and the weighted stream sum multiplies it by O(|X|) <= ~5
+ *    times the row's scale (so x_out is compared per row with atol scaled
+ *    by the row: its elements may cancel far below the row's magnitude);
+ *    CUDA's expf may differ from the C library's by 2 ulp. tol = 4 *
+ *    sqrt(n) * FLT_EPSILON (6.1e-5 at the real 16384, 7.6e-6 at 256); a host
+ *    emulation of the kernel's exact summation order stayed below 0.5 *
+ *    sqrt(n) * FLT_EPSILON over several seeds, so the margin is >= 8x, and
+ *    the bound is still orders of magnitude below what a wrong index, stream
+ *    or Sinkhorn step does (errors of 1e-2 .. 1).
+ *  - hc_post: the same float operations in the same order, no FMA, no
+ *    library function on either side: exact (0, 0).
+ *  - router: expert ids exactly (inputs are drawn so that no two distinct
+ *    scores near the selection boundary are within 1e-5 of each other, while
+ *    exact ties are deliberate). Weights: prob = sqrt(softplus) differs by a
+ *    few ulp (CUDA expf / log1pf vs the C library, ~3 ulp after the sqrt), the
+ *    normalisation adds the sum's and the division's: ~7 ulp = 4e-7 relative;
+ *    rtol 2e-6.
+ *  - swiglu: one expf (<= 2 ulp apart) and four correctly rounded operations:
+ *    rtol 2e-6; atol 1e-30 for results in the subnormal range, where the
+ *    2-ulp difference of expf is a large relative one.
+ *
+ * Without a usable CUDA device every test reports SKIPPED.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_op_test.h"
+
+#define OPEN_OR_SKIP(p)                                                  \
+    do {                                                                 \
+        if (!op_pair_open(p)) TEST_SKIP("%s", op_pair_skip_reason);      \
+    } while (0)
+
+/* ------------------------------------------------------------------------ */
+/* Helpers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static double hc_tol(int64_t hc_dim) { return 4.0 * sqrt((double)hc_dim) * FLT_EPSILON; }
+
+/* n host floats uniform in [lo, hi) (malloc'd). */
+static float *rand_uniform(int64_t n, double lo, double hi) {
+    float *h = malloc((size_t)(n > 0 ? n : 1) * sizeof *h);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)(lo + (hi - lo) * test_rand_uniform());
+    return h;
+}
+
+/* The GPU side of b[off .. off + n) is still all NaN (a kernel wrote nothing
+ * past the output it owns). */
+static void check_guard(const char *what, op_pair *p, op_buf b, int64_t off, int64_t n) {
+    float *h = malloc((size_t)n * sizeof *h);
+    p->gpu->ops->download(p->gpu, h, b.g + off, n);
+    int64_t written = 0;
+    for (int64_t i = 0; i < n; i++) written += !isnan(h[i]);
+    CHECK_MSG(written == 0, "%s: %lld floats past the output were written", what, (long long)written);
+    free(h);
+}
+
+/* HC states: rows of N(0, 1) scaled by a per-row factor, so the plain norm
+ * sees very different magnitudes (the outputs scale with the row). */
+static const double hc_row_scale[] = { 1.0, 1e3, 1e-3, 7.0, 0.05 };
+
+static float *hc_states(int64_t n_rows, int64_t hc_dim) {
+    float *X = op_rand(n_rows * hc_dim, 1.0);
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t i = 0; i < hc_dim; i++) X[r * hc_dim + i] *= (float)hc_row_scale[r % 5];
+    return X;
+}
+
+/* Compare the weighted stream sums row by row: an output element is
+ * sum_s w_s X[s][i], so its error is relative to the row's scale (the sum may
+ * cancel to far below it), i.e. atol = tol * row scale. */
+static void compare_hc_rows(const char *what, op_pair *p, op_buf b, int64_t n_rows, int64_t dim, double tol) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const op_buf row = { b.c + r * dim, b.g + r * dim };
+        char name[160];
+        snprintf(name, sizeof name, "%s row %lld", what, (long long)r);
+        op_compare(name, p, row, dim, tol * hc_row_scale[r % 5], tol);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* hc_pre                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void check_hc_pre(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_type) {
+    const int n = 4;
+    const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
+    const int64_t hc_dim = n * dim, n_mix = (2 + n) * n;
+    float *hfn = op_rand(hc_dim * n_mix, 1.0 / sqrt((double)hc_dim)); /* mix ~ N(0, 1) */
+    float *hscale = rand_uniform(3, 0.5, 1.5);
+    float *hbase = op_rand(n_mix, 0.5);
+    float *hX = hc_states(n_rows, hc_dim);
+    op_weight *fn = op_weight_floats(p, "hc_fn", fn_type, hc_dim, n_mix, 1, hfn);
+    op_weight *scale = op_weight_floats(p, "hc_scale", DS4_TYPE_F32, 3, 1, 1, hscale);
+    op_weight *base = op_weight_floats(p, "hc_base", DS4_TYPE_F32, n_mix, 1, 1, hbase);
+    op_buf X = op_buf_from(p, hX, n_rows * hc_dim);
+    /* one extra (poisoned) row past each output: nothing may be written there */
+    op_buf x_out = op_buf_poisoned(p, (n_rows + 1) * dim);
+    op_buf post = op_buf_poisoned(p, (n_rows + 1) * n);
+    op_buf comb = op_buf_poisoned(p, (n_rows + 1) * n * n);
+
+    p->cpu->ops->hc_pre(p->cpu, &hc, X.c, &fn->c, &scale->c, &base->c, x_out.c, post.c, comb.c, n_rows);
+    p->gpu->ops->hc_pre(p->gpu, &hc, X.g, &fn->g, &scale->g, &base->g, x_out.g, post.g, comb.g, n_rows);
+    op_expect_ok(p);
+    const double tol = hc_tol(hc_dim);
+    char what[96];
+    snprintf(what, sizeof what, "hc_pre x_out (dim %lld, %lld rows, %s)", (long long)dim, (long long)n_rows,
+             ds4_type_name(fn_type));
+    compare_hc_rows(what, p, x_out, n_rows, dim, tol);
+    check_guard(what, p, x_out, n_rows * dim, dim);
+    snprintf(what, sizeof what, "hc_pre post (dim %lld, %lld rows, %s)", (long long)dim, (long long)n_rows,
+             ds4_type_name(fn_type));
+    op_compare(what, p, post, n_rows * n, tol, tol);
+    check_guard(what, p, post, n_rows * n, n);
+    snprintf(what, sizeof what, "hc_pre comb (dim %lld, %lld rows, %s)", (long long)dim, (long long)n_rows,
+             ds4_type_name(fn_type));
+    op_compare(what, p, comb, n_rows * n * n, tol, tol);
+    check_guard(what, p, comb, n_rows * n * n, n * n);
+
+    op_buf_free(p, &X);
+    op_buf_free(p, &x_out);
+    op_buf_free(p, &post);
+    op_buf_free(p, &comb);
+    op_weight_free(p, fn);
+    op_weight_free(p, scale);
+    op_weight_free(p, base);
+    free(hfn);
+    free(hscale);
+    free(hbase);
+    free(hX);
+}
+
+static void test_hc_pre_small(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_hc_pre(&p, 64, 1, DS4_TYPE_F32);
+    check_hc_pre(&p, 64, 37, DS4_TYPE_F32);
+    check_hc_pre(&p, 64, 1, DS4_TYPE_F16);
+    check_hc_pre(&p, 64, 37, DS4_TYPE_F16);
+    check_hc_pre(&p, 64, 5, DS4_TYPE_BF16);
+    check_hc_pre(&p, 3, 9, DS4_TYPE_F32); /* a state narrower than the block */
+    op_pair_close(&p);
+}
+
+static void test_hc_pre_real(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_hc_pre(&p, 4096, 1, DS4_TYPE_F32);
+    check_hc_pre(&p, 4096, 37, DS4_TYPE_F32);
+    check_hc_pre(&p, 4096, 1, DS4_TYPE_F16);
+    check_hc_pre(&p, 4096, 37, DS4_TYPE_F16);
+    op_pair_close(&p);
+}
+
+/* The largest batch the model runs (256 rows) at the real width, F16 fn. */
+static void test_hc_pre_batch(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_hc_pre(&p, 4096, 256, DS4_TYPE_F16);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* hc_head                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void check_hc_head(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_type) {
+    const int n = 4;
+    const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
+    const int64_t hc_dim = n * dim;
+    float *hfn = op_rand(hc_dim * n, 1.0 / sqrt((double)hc_dim));
+    float *hscale = rand_uniform(1, 0.5, 1.5);
+    float *hbase = op_rand(n, 0.5);
+    float *hX = hc_states(n_rows, hc_dim);
+    op_weight *fn = op_weight_floats(p, "out_hc_fn", fn_type, hc_dim, n, 1, hfn);
+    op_weight *scale = op_weight_floats(p, "out_hc_scale", DS4_TYPE_F32, 1, 1, 1, hscale);
+    op_weight *base = op_weight_floats(p, "out_hc_base", DS4_TYPE_F32, n, 1, 1, hbase);
+    op_buf X = op_buf_from(p, hX, n_rows * hc_dim);
+    op_buf out = op_buf_poisoned(p, (n_rows + 1) * dim);
+
+    p->cpu->ops->hc_head(p->cpu, &hc, X.c, &fn->c, &scale->c, &base->c, out.c, n_rows);
+    p->gpu->ops->hc_head(p->gpu, &hc, X.g, &fn->g, &scale->g, &base->g, out.g, n_rows);
+    op_expect_ok(p);
+    char what[96];
+    snprintf(what, sizeof what, "hc_head (dim %lld, %lld rows, %s)", (long long)dim, (long long)n_rows,
+             ds4_type_name(fn_type));
+    const double tol = hc_tol(hc_dim);
+    compare_hc_rows(what, p, out, n_rows, dim, tol);
+    check_guard(what, p, out, n_rows * dim, dim);
+
+    op_buf_free(p, &X);
+    op_buf_free(p, &out);
+    op_weight_free(p, fn);
+    op_weight_free(p, scale);
+    op_weight_free(p, base);
+    free(hfn);
+    free(hscale);
+    free(hbase);
+    free(hX);
+}
+
+static void test_hc_head(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_hc_head(&p, 64, 1, DS4_TYPE_F32);
+    check_hc_head(&p, 64, 37, DS4_TYPE_F16);
+    check_hc_head(&p, 4096, 1, DS4_TYPE_F16);
+    check_hc_head(&p, 4096, 37, DS4_TYPE_F32);
+    check_hc_head(&p, 4096, 3, DS4_TYPE_BF16);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* hc_post                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void check_hc_post(op_pair *p, int64_t dim, int64_t n_rows) {
+    const int n = 4;
+    const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
+    const int64_t hc_dim = n * dim;
+    float *hy = op_rand(n_rows * dim, 2.0), *hX = hc_states(n_rows, hc_dim);
+    float *hpost = rand_uniform(n_rows * n, 0.0, 2.0), *hcomb = rand_uniform(n_rows * n * n, 0.0, 1.0);
+    op_buf y = op_buf_from(p, hy, n_rows * dim), X = op_buf_from(p, hX, n_rows * hc_dim);
+    op_buf post = op_buf_from(p, hpost, n_rows * n), comb = op_buf_from(p, hcomb, n_rows * n * n);
+    op_buf out = op_buf_poisoned(p, (n_rows + 1) * hc_dim);
+
+    p->cpu->ops->hc_post(p->cpu, &hc, y.c, X.c, post.c, comb.c, out.c, n_rows);
+    p->gpu->ops->hc_post(p->gpu, &hc, y.g, X.g, post.g, comb.g, out.g, n_rows);
+    op_expect_ok(p);
+    char what[64];
+    snprintf(what, sizeof what, "hc_post (dim %lld, %lld rows)", (long long)dim, (long long)n_rows);
+    op_compare(what, p, out, n_rows * hc_dim, 0.0, 0.0); /* same operations, same order: exact */
+    check_guard(what, p, out, n_rows * hc_dim, hc_dim);
+
+    op_buf_free(p, &y);
+    op_buf_free(p, &X);
+    op_buf_free(p, &post);
+    op_buf_free(p, &comb);
+    op_buf_free(p, &out);
+    free(hy);
+    free(hX);
+    free(hpost);
+    free(hcomb);
+}
+
+static void test_hc_post(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_hc_post(&p, 64, 1);
+    check_hc_post(&p, 64, 37);
+    check_hc_post(&p, 4096, 1);
+    check_hc_post(&p, 4096, 37);
+    check_hc_post(&p, 4096, 256);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Router                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static double softplus_d(double x) { return x > 20.0 ? x : x < -20.0 ? exp(x) : log1p(exp(x)); }
+
+/*
+ * true when the selection is well defined in float: walking the scores
+ * prob + bias (in double) from the best down to rank n_used, each step down
+ * is either an exact tie (identical inputs, which both backends resolve by
+ * index) or a gap of more than 1e-5 relative to the scores, far above the
+ * few-ulp differences of the two backends' expf / log1pf.
+ */
+static bool router_well_posed(const float *logits, const float *bias, int64_t n_expert, int n_used) {
+    double *s = malloc((size_t)n_expert * sizeof *s);
+    char *taken = calloc((size_t)n_expert, 1);
+    for (int64_t e = 0; e < n_expert; e++) s[e] = sqrt(softplus_d(logits[e])) + (bias ? bias[e] : 0.0);
+    bool ok = true;
+    double prev = 0.0;
+    for (int k = 0; k <= n_used && k < n_expert && ok; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n_expert; e++)
+            if (!taken[e] && (best < 0 || s[e] > s[best])) best = e;
+        taken[best] = 1;
+        if (k > 0) {
+            const double gap = prev - s[best];
+            if (gap != 0.0 && gap <= 1e-5 * fmax(fabs(prev), fabs(s[best]))) ok = false;
+        }
+        prev = s[best];
+    }
+    free(s);
+    free(taken);
+    return ok;
+}
+
+/* Round host values to what a weight of `type` holds (F32: unchanged). */
+static void round_to_type(uint32_t type, float *v, int64_t n) {
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    void *bytes = malloc((size_t)ds4_type_row_bytes(type, n));
+    t->quantize_row(v, bytes, n);
+    t->dequant_row(bytes, v, n);
+    free(bytes);
+}
+
+typedef struct router_case {
+    const char *name;
+    int64_t n_expert;
+    int n_used;
+    int bias_type;     /* -1: no bias; else the weight type */
+    bool hash;         /* hash-selected ids */
+    bool normalise;
+    float scale;
+    int logit_kind;    /* 0: N(0, 2); 1: ties (a few values); 2: tiny (~ -30); 3: many -inf */
+} router_case;
+
+/* Logits of one kind (host); bias values (host, may be NULL) to match. */
+static void router_inputs(const router_case *rc, float *logits, float *bias) {
+    static const float tie_logits[] = { -1.0f, 0.0f, 0.5f, 2.0f };
+    static const float tie_bias[] = { 0.0f, 0.25f };
+    for (int64_t e = 0; e < rc->n_expert; e++) {
+        switch (rc->logit_kind) {
+        case 1: logits[e] = tie_logits[test_rand_u64() % 4]; break;
+        case 2: logits[e] = (float)(-30.0 + test_rand_normal()); break;
+        case 3: logits[e] = test_rand_u64() % 4 ? -INFINITY : (float)(test_rand_normal() * 2.0); break;
+        default: logits[e] = (float)(test_rand_normal() * 2.0); break;
+        }
+        if (bias) bias[e] = rc->logit_kind == 1 ? tie_bias[test_rand_u64() % 2] : (float)(test_rand_normal() * 0.1);
+    }
+}
+
+static void check_router(op_pair *p, const router_case *rc, int trials) {
+    const int64_t E = rc->n_expert;
+    const int K = rc->n_used;
+    float *hl = malloc((size_t)E * sizeof *hl), *hb = rc->bias_type >= 0 ? malloc((size_t)E * sizeof *hb) : NULL;
+    int32_t *hash = malloc((size_t)(K > 0 ? K : 1) * sizeof *hash);
+    int32_t *sel_c = malloc((size_t)(K > 0 ? K : 1) * sizeof *sel_c), *sel_g = malloc((size_t)(K > 0 ? K : 1) * sizeof *sel_g);
+    float *w_c = malloc((size_t)(K > 0 ? K : 1) * sizeof *w_c), *w_g = malloc((size_t)(K > 0 ? K : 1) * sizeof *w_g);
+    for (int t = 0; t < trials; t++) {
+        int attempts = 0;
+        do {
+            router_inputs(rc, hl, hb);
+            if (hb) round_to_type((uint32_t)rc->bias_type, hb, E); /* the values the bias weight will hold */
+        } while (!rc->hash && !router_well_posed(hl, hb, E, K) && ++attempts < 100);
+        CHECK_MSG(attempts < 100, "%s: could not draw well-posed router inputs", rc->name);
+        op_weight *bias = hb ? op_weight_floats(p, "exp_probs_b", (uint32_t)rc->bias_type, E, 1, 1, hb) : NULL;
+        for (int k = 0; k < K; k++) hash[k] = (int32_t)(test_rand_u64() % (uint64_t)E);
+        op_buf logits = op_buf_from(p, hl, E);
+        for (int k = 0; k < K; k++) sel_c[k] = sel_g[k] = -7, w_c[k] = w_g[k] = NAN;
+
+        p->cpu->ops->router(p->cpu, logits.c, E, bias ? &bias->c : NULL, rc->hash ? hash : NULL, K, rc->normalise,
+                            rc->scale, sel_c, w_c);
+        p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, rc->hash ? hash : NULL, K, rc->normalise,
+                            rc->scale, sel_g, w_g);
+        op_expect_ok(p);
+        int bad_sel = 0, bad_w = 0, worst = -1;
+        for (int k = 0; k < K; k++) {
+            bad_sel += sel_c[k] != sel_g[k];
+            const bool ok = fabs((double)w_g[k] - (double)w_c[k]) <= 2e-6 * fabs((double)w_c[k]); /* NaN fails */
+            if (!ok) bad_w++, worst = k;
+        }
+        CHECK_MSG(bad_sel == 0, "%s (trial %d): %d of %d selected experts differ (first cpu %d cuda %d)", rc->name,
+                  t, bad_sel, K, K ? sel_c[0] : -1, K ? sel_g[0] : -1);
+        if (bad_sel)
+            for (int k = 0; k < K && k < 16; k++) fprintf(stderr, "    [%d] cpu %d cuda %d\n", k, sel_c[k], sel_g[k]);
+        CHECK_MSG(bad_w == 0, "%s (trial %d): %d weights out of tolerance, worst [%d] cpu %.9g cuda %.9g", rc->name,
+                  t, bad_w, worst, worst >= 0 ? w_c[worst] : 0.0, worst >= 0 ? w_g[worst] : 0.0);
+        op_buf_free(p, &logits);
+        op_weight_free(p, bias);
+    }
+    free(hl);
+    free(hb);
+    free(hash);
+    free(sel_c);
+    free(sel_g);
+    free(w_c);
+    free(w_g);
+}
+
+static void test_router_topk(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    static const router_case cases[] = {
+        /* name                     E     K  bias           hash   norm   scale logits */
+        { "router 256/6 bias",       256, 6, DS4_TYPE_F32, false, true,  1.5f, 0 },
+        { "router 256/6 no bias",    256, 6, -1,           false, true,  1.0f, 0 },
+        { "router 256/6 raw x2.5",   256, 6, DS4_TYPE_F32, false, false, 2.5f, 0 },
+        { "router 256/6 f16 bias",   256, 6, DS4_TYPE_F16, false, true,  1.5f, 0 },
+        { "router 5000/40",         5000, 40, DS4_TYPE_F32, false, true, 1.5f, 0 },
+        { "router 8/8 (all)",          8, 8, -1,           false, true,  1.0f, 0 },
+        { "router 1/1",                1, 1, DS4_TYPE_F32, false, true,  1.5f, 0 },
+        { "router 300/0",            300, 0, -1,           false, true,  1.5f, 0 },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router(&p, &cases[i], 8);
+    op_pair_close(&p);
+}
+
+static void test_router_hash(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    static const router_case cases[] = {
+        { "router hash",              256, 6, -1,           true, true,  1.5f, 0 },
+        { "router hash raw",          256, 6, -1,           true, false, 1.5f, 0 },
+        { "router hash, bias unused", 256, 6, DS4_TYPE_F32, true, true,  0.7f, 0 },
+        { "router hash tiny probs",   256, 6, -1,           true, true,  1.5f, 2 },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router(&p, &cases[i], 8);
+    op_pair_close(&p);
+}
+
+/* Exact ties (lowest index wins), -inf logits (probability 0, ranked by
+ * index), and probabilities whose sum is below the 6.1e-5 floor. */
+static void test_router_ties(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    static const router_case cases[] = {
+        { "router ties",             256, 6, -1,           false, true,  1.5f, 1 },
+        { "router ties + bias",      256, 6, DS4_TYPE_F32, false, true,  1.5f, 1 },
+        { "router ties, 64 of 256",  256, 64, DS4_TYPE_F32, false, false, 1.0f, 1 },
+        { "router -inf logits",       40, 20, -1,          false, true,  1.5f, 3 },
+        { "router tiny probs",       256, 6, -1,           false, true,  1.5f, 2 },
+        { "router tiny probs raw",   256, 6, DS4_TYPE_F32, false, false, 3.0f, 2 },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router(&p, &cases[i], 6);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* SwiGLU                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void check_swiglu(op_pair *p, int64_t n, double sigma, float limit, float scale, bool in_place) {
+    float *hg = op_rand(n, sigma), *hu = op_rand(n, sigma);
+    op_buf g = op_buf_from(p, hg, n), u = op_buf_from(p, hu, n);
+    op_buf out = in_place ? g : op_buf_poisoned(p, n + 64);
+    p->cpu->ops->swiglu(p->cpu, g.c, u.c, limit, scale, out.c, n);
+    p->gpu->ops->swiglu(p->gpu, g.g, u.g, limit, scale, out.g, n);
+    op_expect_ok(p);
+    char what[96];
+    snprintf(what, sizeof what, "swiglu (n %lld, sigma %g, limit %g, scale %g%s)", (long long)n, sigma, limit,
+             scale, in_place ? ", in place" : "");
+    op_compare(what, p, out, n, 1e-30, 2e-6);
+    if (!in_place) {
+        check_guard(what, p, out, n, 64);
+        op_buf_free(p, &out);
+    }
+    op_buf_free(p, &g);
+    op_buf_free(p, &u);
+    free(hg);
+    free(hu);
+}
+
+static void test_swiglu(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_swiglu(&p, 100003, 3.0, 0.0f, 1.0f, false);   /* no clamp */
+    check_swiglu(&p, 100003, 3.0, 10.0f, 1.0f, false);  /* the model's limit */
+    check_swiglu(&p, 100003, 8.0, 7.0f, 0.37f, false);  /* clamps active, scaled */
+    check_swiglu(&p, 100003, 1e4, 0.0f, 1.0f, false);   /* large values, no clamp */
+    check_swiglu(&p, 100003, 1e4, 10.0f, 1.5f, false);  /* large values, clamped */
+    check_swiglu(&p, 2048 * 37, 3.0, 10.0f, 1.0f, true); /* out == g, as the model calls it */
+    check_swiglu(&p, 1, 3.0, 10.0f, 1.0f, false);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Error paths: an error is recorded, nothing crashes, the backend goes on   */
+/* ------------------------------------------------------------------------ */
+
+static void test_errors(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int n = 4;
+    const int64_t dim = 64, hc_dim = n * dim, n_mix = (2 + n) * n;
+    float *hfn = op_rand(hc_dim * n_mix, 0.05), *hvec = op_rand(n_mix, 0.5), *hX = op_rand(2 * hc_dim, 1.0);
+    op_weight *fn = op_weight_floats(&p, "fn", DS4_TYPE_F16, hc_dim, n_mix, 1, hfn);
+    op_weight *fn_narrow = op_weight_floats(&p, "fn_narrow", DS4_TYPE_F16, hc_dim / 2, n_mix, 1, hfn);
+    op_weight *fn_q8 = op_weight_floats(&p, "fn_q8", DS4_TYPE_Q8_0, hc_dim, n_mix, 1, hfn);
+    op_weight *scale = op_weight_floats(&p, "scale", DS4_TYPE_F32, 3, 1, 1, hvec);
+    op_weight *base = op_weight_floats(&p, "base", DS4_TYPE_F32, n_mix, 1, 1, hvec);
+    op_weight *base_short = op_weight_floats(&p, "base_short", DS4_TYPE_F32, n_mix - 1, 1, 1, hvec);
+    op_buf X = op_buf_from(&p, hX, 2 * hc_dim), out = op_buf_poisoned(&p, 2 * hc_dim);
+    op_buf post = op_buf_poisoned(&p, 2 * n), comb = op_buf_poisoned(&p, 2 * n * n);
+    ds4_backend *g = p.gpu;
+    const ds4_hc good = { n, dim, 20, 1e-6f, 1e-6f };
+    ds4_hc bad = good;
+
+    /* hc_pre */
+    bad.n_hc = 0;
+    g->ops->hc_pre(g, &bad, X.g, &fn->g, &scale->g, &base->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    bad = good, bad.n_hc = 17;
+    g->ops->hc_pre(g, &bad, X.g, &fn->g, &scale->g, &base->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->hc_pre(g, &good, X.g, &fn_narrow->g, &scale->g, &base->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->hc_pre(g, &good, X.g, &fn->g, &scale->g, &base_short->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->hc_pre(g, &good, X.g, &fn->g, NULL, &base->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    bad = good, bad.iters = 0;
+    g->ops->hc_pre(g, &bad, X.g, &fn->g, &scale->g, &base->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->hc_pre(g, &good, X.g, &fn_q8->g, &scale->g, &base->g, out.g, post.g, comb.g, 2);
+    op_expect_error(&p, DS4_ERR_UNSUPPORTED); /* the CPU computes with Q8_0; this backend does not */
+
+    /* hc_head: fn needs n_hc rows, base n_hc values, scale 1 */
+    op_weight *fn_head_short = op_weight_floats(&p, "fn_head_short", DS4_TYPE_F16, hc_dim, n - 1, 1, hfn);
+    g->ops->hc_head(g, &good, X.g, &fn_head_short->g, &scale->g, &base->g, out.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    bad = good, bad.dim = 0;
+    g->ops->hc_head(g, &bad, X.g, &fn->g, &scale->g, &base->g, out.g, 2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+
+    /* hc_post: bad stream count, output aliasing the input */
+    bad = good, bad.n_hc = 17;
+    g->ops->hc_post(g, &bad, X.g, X.g, post.g, comb.g, out.g, 1);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->hc_post(g, &good, out.g, X.g, post.g, comb.g, X.g, 1);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->hc_post(g, &good, out.g, X.g, post.g, comb.g, out.g, -1);
+    op_expect_error(&p, DS4_ERR_INVALID);
+
+    /* router */
+    op_buf logits = op_buf_from(&p, hX, 256);
+    op_weight *bias_short = op_weight_floats(&p, "bias_short", DS4_TYPE_F32, 100, 1, 1, hX);
+    op_weight *bias_q8 = op_weight_floats(&p, "bias_q8", DS4_TYPE_Q8_0, 256, 1, 1, hX);
+    int32_t sel[8], hash[6] = { 0, 5, 255, 3, 2, 1 };
+    float w[8];
+    g->ops->router(g, logits.g, 256, NULL, NULL, 257, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->router(g, logits.g, 0, NULL, NULL, 0, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->router(g, logits.g, 256, NULL, NULL, -1, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->router(g, logits.g, 256, &bias_short->g, NULL, 6, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    g->ops->router(g, logits.g, 256, &bias_q8->g, NULL, 6, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_UNSUPPORTED);
+    hash[2] = 256;
+    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    hash[2] = -1;
+    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
+    op_expect_error(&p, DS4_ERR_INVALID);
+
+    /* swiglu */
+    g->ops->swiglu(g, X.g, X.g, 10.0f, 1.0f, out.g, -1);
+    op_expect_error(&p, DS4_ERR_INVALID);
+
+    /* the backend still computes after all that */
+    check_hc_pre(&p, 64, 2, DS4_TYPE_F16);
+    hash[2] = 9;
+    for (int k = 0; k < 6; k++) sel[k] = -7;
+    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
+    op_expect_ok(&p);
+    for (int k = 0; k < 6; k++) CHECK_EQ_INT(sel[k], hash[k]);
+    check_swiglu(&p, 1000, 3.0, 10.0f, 1.0f, false);
+
+    op_buf_free(&p, &logits);
+    op_buf_free(&p, &X);
+    op_buf_free(&p, &out);
+    op_buf_free(&p, &post);
+    op_buf_free(&p, &comb);
+    op_weight_free(&p, fn);
+    op_weight_free(&p, fn_narrow);
+    op_weight_free(&p, fn_q8);
+    op_weight_free(&p, fn_head_short);
+    op_weight_free(&p, scale);
+    op_weight_free(&p, base);
+    op_weight_free(&p, base_short);
+    op_weight_free(&p, bias_short);
+    op_weight_free(&p, bias_q8);
+    free(hfn);
+    free(hvec);
+    free(hX);
+    op_pair_close(&p);
+}
+
+static const test_case TESTS[] = {
+    TEST_ENTRY(test_hc_pre_small),
+    TEST_ENTRY(test_hc_pre_real),
+    TEST_ENTRY(test_hc_pre_batch),
+    TEST_ENTRY(test_hc_head),
+    TEST_ENTRY(test_hc_post),
+    TEST_ENTRY(test_router_topk),
+    TEST_ENTRY(test_router_hash),
+    TEST_ENTRY(test_router_ties),
+    TEST_ENTRY(test_swiglu),
+    TEST_ENTRY(test_errors),
+    { 0 },
+};
+
+int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }

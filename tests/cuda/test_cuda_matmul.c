@@ -1,0 +1,691 @@
+/*
+ * test_cuda_matmul.c - the matmul and moe ops, CPU backend (the oracle) vs
+ * CUDA backend, through the op table; every output element is compared.
+ *
+ * Tolerances are per output element, from quantities computed on the host
+ * (weights dequantised with the CPU's dequant_row, u = 2^-24 the float unit
+ * roundoff):
+ *   S = sum_i |w_i x_i|   (the scale of a dot's rounding errors)
+ *   T = sum_b |term_b|    (DS4 quantised kinds: the block terms, computed with
+ *                          the CPU's own per-block functions)
+ *   REFERENCE   both sides sum exact products in float64 (error <= n 2^-53 S,
+ *               negligible) and round to float once, so they differ by at
+ *               most one float rounding: tol = 2.5e-7 |c| + 1e-9 S.
+ *   DS4 F32/F16/BF16   float sums in different orders: the CPU's 8 lanes of
+ *               n/8 terms (+3 levels) and the GPU's 32 lanes of n/32 (+5):
+ *               tol = (n/8 + n/32 + 16) u S (the worst-case bound).
+ *   DS4 Q8_0 / Q8_K kinds   the quantised activations are bit-identical and
+ *               each block term uses the CPU's float operations, so only the
+ *               float sum over the nb blocks may differ in order:
+ *               tol = (2 nb + 8) u T. Rows of one or two blocks must be equal
+ *               (a sum of <= 2 terms does not depend on order), which checks
+ *               the GPU's activation quantisation bit for bit.
+ *   MoE         SwiGLU uses expf, whose CUDA version may differ from glibc's
+ *               by an ulp or two, so mids agree only to a few ulps; under DS4
+ *               a mid may then (rarely) land on the other side of a Q8 rounding
+ *               boundary, moving one code by one step (one flip moves an
+ *               output by about |w| amax/127, ~1e-5 of S_o here). With S_o =
+ *               sum_k sum_j |down_k[o][j] * mid_k[j]| (host mids in double):
+ *               REFERENCE tol = 1e-5 S_o, DS4 tol = 1e-4 S_o (+ 2.5e-7 |c|);
+ *               one wrong term (~S_o / (n_used n_ff) = 3e-4 S_o) still fails.
+ *
+ * Without a usable CUDA device every test reports itself as skipped.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_op_test.h"
+
+#define U24 0x1p-24
+
+#define OPEN_PAIR(p)                                              \
+    op_pair p;                                                    \
+    if (!op_pair_open(&p)) TEST_SKIP("%s", op_pair_skip_reason)
+
+static const uint32_t ALL_TYPES[] = { DS4_TYPE_F32,  DS4_TYPE_F16,  DS4_TYPE_BF16, DS4_TYPE_Q8_0,    DS4_TYPE_Q2_K,
+                                      DS4_TYPE_Q4_K, DS4_TYPE_Q5_K, DS4_TYPE_Q6_K, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q8_K };
+#define N_TYPES (sizeof ALL_TYPES / sizeof ALL_TYPES[0])
+
+static const char *num_name(ds4_numerics num) { return num == DS4_NUMERICS_DS4 ? "ds4" : "reference"; }
+
+static bool is_float_type(uint32_t t) { return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16; }
+
+/* ------------------------------------------------------------------------ */
+/* Weights                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void put_u16(uint8_t *p, uint16_t v) { memcpy(p, &v, sizeof v); }
+
+/* A positive f16 scale around `target` (x 0.5 .. 1.5). */
+static uint16_t scale_f16(double target) {
+    return ds4_f32_to_f16((float)(target * (0.5 + test_rand_uniform())));
+}
+
+/* Random valid blocks: random code bytes, scales chosen so the dequantised
+ * values are around 0.05 in magnitude. */
+static void random_blocks(uint32_t type, uint8_t *p, int64_t n_blocks) {
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    for (int64_t i = 0; i < n_blocks * t->block_bytes; i++) p[i] = (uint8_t)test_rand_u64();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        uint8_t *blk = p + b * t->block_bytes;
+        switch (type) {
+        case DS4_TYPE_Q8_0: put_u16(blk + offsetof(ds4_block_q8_0, d), scale_f16(4e-4)); break;
+        case DS4_TYPE_Q2_K:
+            put_u16(blk + offsetof(ds4_block_q2_K, d), scale_f16(2e-3));
+            put_u16(blk + offsetof(ds4_block_q2_K, dmin), scale_f16(2e-3));
+            break;
+        case DS4_TYPE_Q4_K:
+            put_u16(blk + offsetof(ds4_block_q4_K, d), scale_f16(1e-4));
+            put_u16(blk + offsetof(ds4_block_q4_K, dmin), scale_f16(1e-4));
+            break;
+        case DS4_TYPE_Q5_K:
+            put_u16(blk + offsetof(ds4_block_q5_K, d), scale_f16(5e-5));
+            put_u16(blk + offsetof(ds4_block_q5_K, dmin), scale_f16(5e-5));
+            break;
+        case DS4_TYPE_Q6_K: put_u16(blk + offsetof(ds4_block_q6_K, d), scale_f16(2e-5)); break;
+        case DS4_TYPE_IQ2_XXS: put_u16(blk + offsetof(ds4_block_iq2_xxs, d), scale_f16(3e-4)); break;
+        case DS4_TYPE_Q8_K: {
+            float d = (float)(4e-4 * (0.5 + test_rand_uniform()));
+            memcpy(blk + offsetof(ds4_block_q8_K, d), &d, sizeof d);
+            break;
+        }
+        default: break;
+        }
+    }
+}
+
+/* Weight bytes of `rows` rows of ne0 (malloc'd): the reference quantiser on
+ * N(0, 0.05^2) floats (quantiser = true, or always for float types), or
+ * random valid blocks. *deq = the CPU's dequantisation of the bytes. */
+static uint8_t *weight_bytes(uint32_t type, int64_t ne0, int64_t rows, bool quantiser, float **deq) {
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    const int64_t rb = ds4_type_row_bytes(type, ne0);
+    uint8_t *bytes = malloc((size_t)(rb * rows));
+    *deq = malloc((size_t)(ne0 * rows) * sizeof(float));
+    if (quantiser || is_float_type(type)) {
+        float *v = op_rand(ne0, 0.05);
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t i = 0; i < ne0; i++) v[i] = (float)(test_rand_normal() * 0.05);
+            t->quantize_row(v, bytes + r * rb, ne0);
+        }
+        free(v);
+    } else {
+        random_blocks(type, bytes, rows * (ne0 / t->block_elems));
+    }
+    for (int64_t r = 0; r < rows; r++) t->dequant_row(bytes + r * rb, *deq + r * ne0, ne0);
+    return bytes;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Host-side tolerances                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* DS4's Q8_0 activation block, as the CPU quantises it (cpu_matmul.c). */
+typedef struct {
+    float d;
+    int8_t q[32];
+} act_q8_0;
+
+static void host_quant_q8_0(const float *x, act_q8_0 *y, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++)
+            if (fabsf(x[32 * b + j]) > amax) amax = fabsf(x[32 * b + j]);
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = d;
+        for (int j = 0; j < 32; j++) {
+            long q = lrintf(x[32 * b + j] * id);
+            y[b].q[j] = (int8_t)(q > 127 ? 127 : q < -128 ? -128 : q);
+        }
+    }
+}
+
+typedef enum { KIND_REF, KIND_F32, KIND_Q8_0, KIND_Q8_K } dot_kind;
+
+static dot_kind kind_of(uint32_t type, ds4_numerics num) {
+    if (num == DS4_NUMERICS_REFERENCE) return KIND_REF;
+    if (is_float_type(type)) return KIND_F32;
+    return type == DS4_TYPE_Q8_0 ? KIND_Q8_0 : KIND_Q8_K;
+}
+
+/* Number of blocks summed in float per dot for the quantised kinds. */
+static int64_t dot_blocks(dot_kind k, int64_t n) { return k == KIND_Q8_0 ? n / 32 : n / DS4_QK_K; }
+
+/*
+ * tol[r * n_out + o] for out[r][o] = W[row0 + o] . x[r] (see the top of the
+ * file). `bytes`/`deq` are the whole weight, x rows x_stride apart.
+ */
+static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t *bytes, const float *deq, int64_t n,
+                                 int64_t row0, int64_t n_out, const float *x, int64_t x_stride, int64_t n_rows) {
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    const int64_t rb = ds4_type_row_bytes(type, n);
+    const dot_kind kind = kind_of(type, num);
+    double *tol = malloc((size_t)(n_rows * n_out > 0 ? n_rows * n_out : 1) * sizeof *tol);
+    ds4_block_q8_K *xk = malloc((size_t)(n / DS4_QK_K + 1) * sizeof *xk);
+    act_q8_0 *x0 = malloc((size_t)(n / 32 + 1) * sizeof *x0);
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *xr = x + r * x_stride;
+        if (kind == KIND_Q8_K) ds4_quantize_row_q8_K(xr, xk, n);
+        if (kind == KIND_Q8_0) host_quant_q8_0(xr, x0, n);
+        for (int64_t o = 0; o < n_out; o++) {
+            const float *w = deq + (row0 + o) * n;
+            const uint8_t *wrow = bytes + (row0 + o) * rb;
+            double S = 0;
+            for (int64_t i = 0; i < n; i++) S += fabs((double)w[i] * xr[i]);
+            double T = 0;
+            if (kind == KIND_Q8_K) {
+                for (int64_t b = 0; b < n / DS4_QK_K; b++)
+                    T += fabs(t->dot_q8_K(wrow + b * t->block_bytes, &xk[b], DS4_QK_K));
+            } else if (kind == KIND_Q8_0) {
+                for (int64_t b = 0; b < n / 32; b++) {
+                    const ds4_block_q8_0 *wb = (const ds4_block_q8_0 *)wrow + b;
+                    int32_t isum = 0;
+                    for (int j = 0; j < 32; j++) isum += (int32_t)wb->qs[j] * x0[b].q[j];
+                    T += fabs(ds4_f16_to_f32(wb->d) * x0[b].d * (float)isum);
+                }
+            }
+            double v;
+            switch (kind) {
+            case KIND_REF: v = 1e-9 * S; break;
+            case KIND_F32: v = ((double)n / 8 + (double)n / 32 + 16) * U24 * S; break;
+            default: v = (2.0 * (double)dot_blocks(kind, n) + 8) * U24 * T; break;
+            }
+            tol[r * n_out + o] = v;
+        }
+    }
+    free(xk);
+    free(x0);
+    return tol;
+}
+
+/*
+ * Compare out[r][o] (r < n_rows, o < n_out; rows out_stride apart) of the two
+ * sides: |g - c| <= tol + rel |c| (exact: g == c); NaN never passes. The gap
+ * of each row past n_out must still hold the GPU's NaN poison.
+ */
+static void compare_out(const char *what, op_pair *p, op_buf y, int64_t n_rows, int64_t n_out, int64_t out_stride,
+                        const double *tol, double rel, bool exact) {
+    const int64_t total = n_rows * out_stride;
+    float *hc = malloc((size_t)total * sizeof *hc), *hg = malloc((size_t)total * sizeof *hg);
+    p->cpu->ops->download(p->cpu, hc, y.c, total);
+    p->gpu->ops->download(p->gpu, hg, y.g, total);
+    int64_t bad = 0, worst = -1, gap_written = 0;
+    double worst_ex = -1;
+    for (int64_t r = 0; r < n_rows; r++) {
+        for (int64_t o = 0; o < out_stride; o++) {
+            const int64_t i = r * out_stride + o;
+            if (o >= n_out) {
+                gap_written += !isnan(hg[i]);
+                continue;
+            }
+            const double c = hc[i], g = hg[i];
+            const double lim = exact ? 0.0 : tol[r * n_out + o] + rel * fabs(c);
+            const bool ok = exact ? (c == g) : fabs(g - c) <= lim;
+            if (!ok) {
+                bad++;
+                const double ex = isnan(g - c) ? INFINITY : fabs(g - c) - lim;
+                if (ex > worst_ex) worst_ex = ex, worst = i;
+            }
+        }
+    }
+    if (bad) {
+        const int64_t r = worst / out_stride, o = worst % out_stride;
+        fprintf(stderr, "  FAIL %s: %lld of %lld outputs out of tolerance; worst [%lld][%lld] cpu %.9g cuda %.9g "
+                "(tol %.3g)\n", what, (long long)bad, (long long)(n_rows * n_out), (long long)r, (long long)o,
+                hc[worst], hg[worst], exact ? 0.0 : tol[r * n_out + o] + rel * fabs(hc[worst]));
+        test_current_failures++;
+    }
+    CHECK_MSG(gap_written == 0, "%s: %lld elements between out rows were written", what, (long long)gap_written);
+    free(hc);
+    free(hg);
+}
+
+/* ------------------------------------------------------------------------ */
+/* matmul                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* One matmul of a [n, rows] weight of `type`: out rows row0..row0+n_out,
+ * n_rows activation rows (x_stride / out_stride apart), both numerics. */
+static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool quantiser, int64_t row0,
+                        int64_t n_out, int64_t n_rows, int64_t x_stride, int64_t out_stride, bool exact) {
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(type, n, rows, quantiser, &deq);
+    op_weight *w = op_weight_make(p, "blk.0.test_matmul.weight", type, n, rows, 1, bytes);
+    const int64_t nx = n_rows > 0 ? (n_rows - 1) * x_stride + n : 1;
+    float *hx = op_rand(nx, 1.0);
+    op_buf x = op_buf_from(p, hx, nx);
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        if (exact && num == DS4_NUMERICS_REFERENCE) continue;
+        op_buf y = op_buf_poisoned(p, n_rows * out_stride > 0 ? n_rows * out_stride : 1);
+        p->cpu->ops->matmul(p->cpu, &w->c, row0, n_out, x.c, x_stride, y.c, out_stride, n_rows, num);
+        p->gpu->ops->matmul(p->gpu, &w->g, row0, n_out, x.g, x_stride, y.g, out_stride, n_rows, num);
+        op_expect_ok(p);
+        double *tol = matmul_tolerances(type, num, bytes, deq, n, row0, n_out, hx, x_stride, n_rows);
+        char what[160];
+        snprintf(what, sizeof what, "matmul %s %s [%lld -> %lld rows %lld..+%lld] x %lld rows (strides %lld, %lld)%s",
+                 ds4_type_name(type), num_name(num), (long long)n, (long long)rows, (long long)row0,
+                 (long long)n_out, (long long)n_rows, (long long)x_stride, (long long)out_stride,
+                 exact ? " bit-exact" : "");
+        compare_out(what, p, y, n_rows, n_out, out_stride, tol, num == DS4_NUMERICS_REFERENCE ? 2.5e-7 : 0.0, exact);
+        free(tol);
+        op_buf_free(p, &y);
+    }
+    op_buf_free(p, &x);
+    op_weight_free(p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+}
+
+/* Every n_rows in {1, 3, 37}; full range with tight strides and a sub-range
+ * with strides wider than the data; a row of several blocks and a large one. */
+static void check_matmul_type(uint32_t type) {
+    OPEN_PAIR(p);
+    const ds4_type_traits *t = ds4_type_traits_get(type);
+    const int64_t bl = t->block_elems;
+    const int64_t n_small = bl == 1 ? 300 : bl == 32 ? 96 : 512;
+    const int64_t n_mid = bl == 1 ? 1000 : 1024;
+    const bool slow_quantiser = type == DS4_TYPE_IQ2_XXS; /* its reference encoder is slow: random blocks */
+    static const int64_t ROWS[] = { 1, 3, 37 };
+    for (size_t ri = 0; ri < 3; ri++) {
+        const int64_t nr = ROWS[ri];
+        matmul_case(&p, type, n_small, 40, !slow_quantiser, 0, 40, nr, n_small, 40, false);
+        matmul_case(&p, type, n_small, 40, !slow_quantiser, 5, 31, nr, n_small + 7, 36, false);
+        matmul_case(&p, type, n_mid, 24, false, 3, 20, nr, n_mid + 1, 23, false);
+    }
+    matmul_case(&p, type, 4096, 300, false, 0, 300, 1, 4096, 300, false);
+    matmul_case(&p, type, 4096, 300, false, 0, 300, 37, 4096, 300, false);
+    op_pair_close(&p);
+}
+
+static void test_matmul_f32(void) { check_matmul_type(DS4_TYPE_F32); }
+static void test_matmul_f16(void) { check_matmul_type(DS4_TYPE_F16); }
+static void test_matmul_bf16(void) { check_matmul_type(DS4_TYPE_BF16); }
+static void test_matmul_q8_0(void) { check_matmul_type(DS4_TYPE_Q8_0); }
+static void test_matmul_q2_K(void) { check_matmul_type(DS4_TYPE_Q2_K); }
+static void test_matmul_q4_K(void) { check_matmul_type(DS4_TYPE_Q4_K); }
+static void test_matmul_q5_K(void) { check_matmul_type(DS4_TYPE_Q5_K); }
+static void test_matmul_q6_K(void) { check_matmul_type(DS4_TYPE_Q6_K); }
+static void test_matmul_iq2_xxs(void) { check_matmul_type(DS4_TYPE_IQ2_XXS); }
+static void test_matmul_q8_K(void) { check_matmul_type(DS4_TYPE_Q8_K); }
+
+/*
+ * DS4 numerics, rows of one and two blocks: the result is a sum of at most
+ * two block terms, which does not depend on the order, so CPU and GPU must be
+ * equal - any difference in the GPU's Q8_0 / Q8_K activation codes or scales
+ * would show. The activations include the quantisers' edge cases: an all-zero
+ * block (a zero Q8_K block), equal largest |x| of opposite signs (the first
+ * one sets the scale's sign), and values on exact half-code ties.
+ */
+static void test_matmul_act_quant_bitexact(void) {
+    OPEN_PAIR(p);
+    for (size_t ti = 0; ti < N_TYPES; ti++) {
+        const uint32_t type = ALL_TYPES[ti];
+        if (is_float_type(type)) continue;
+        const int64_t bl = ds4_type_traits_get(type)->block_elems;
+        for (int nb = 1; nb <= 2; nb++) {
+            const int64_t n = bl * nb, n_rows = 37, rows = 16;
+            float *deq = NULL;
+            uint8_t *bytes = weight_bytes(type, n, rows, false, &deq);
+            op_weight *w = op_weight_make(&p, "blk.0.bitexact.weight", type, n, rows, 1, bytes);
+            float *hx = op_rand(n_rows * n, 1.0);
+            for (int64_t i = 0; i < bl; i++) hx[i] = 0.0f;           /* row 0, block 0: zeros */
+            hx[n + 3] = 2.5f, hx[n + 7] = -2.5f;                      /* row 1: tie, + first */
+            for (int64_t i = 0; i < n; i++)
+                if (fabsf(hx[n + i]) > 2.4f && i != 3 && i != 7) hx[n + i] = 0.1f;
+            hx[2 * n + 1] = -3.0f, hx[2 * n + 2] = 3.0f;              /* row 2: tie, - first */
+            for (int64_t i = 0; i < n; i++)
+                if (fabsf(hx[2 * n + i]) > 2.9f && i != 1 && i != 2) hx[2 * n + i] = 0.2f;
+            /* row 3: max 127 so iscale = -1 and d = 1: x.5 values are exact ties */
+            hx[3 * n] = -127.0f;
+            for (int64_t i = 1; i < bl; i++) hx[3 * n + i] = (float)((int)(test_rand_u64() % 200) - 100) + 0.5f;
+            op_buf x = op_buf_from(&p, hx, n_rows * n);
+            op_buf y = op_buf_poisoned(&p, n_rows * rows);
+            p.cpu->ops->matmul(p.cpu, &w->c, 0, rows, x.c, n, y.c, rows, n_rows, DS4_NUMERICS_DS4);
+            p.gpu->ops->matmul(p.gpu, &w->g, 0, rows, x.g, n, y.g, rows, n_rows, DS4_NUMERICS_DS4);
+            op_expect_ok(&p);
+            char what[96];
+            snprintf(what, sizeof what, "matmul %s ds4, %d block(s) per row: exact", ds4_type_name(type), nb);
+            compare_out(what, &p, y, n_rows, rows, rows, NULL, 0.0, true);
+            op_buf_free(&p, &y);
+            op_buf_free(&p, &x);
+            op_weight_free(&p, w);
+            free(hx);
+            free(bytes);
+            free(deq);
+        }
+    }
+    op_pair_close(&p);
+}
+
+/* n_rows == 0 and n_out == 0 do nothing (and record no error). */
+static void test_matmul_empty(void) {
+    OPEN_PAIR(p);
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q4_K, 256, 8, false, &deq);
+    op_weight *w = op_weight_make(&p, "blk.0.empty.weight", DS4_TYPE_Q4_K, 256, 8, 1, bytes);
+    float *hx = op_rand(256, 1.0);
+    op_buf x = op_buf_from(&p, hx, 256);
+    op_buf y = op_buf_poisoned(&p, 8);
+    float *hf = op_rand(256 * 8, 0.05);
+    op_weight *wf = op_weight_floats(&p, "blk.0.empty_f16.weight", DS4_TYPE_F16, 256, 8, 1, hf);
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        p.gpu->ops->matmul(p.gpu, &w->g, 0, 8, x.g, 256, y.g, 8, 0, num);
+        p.gpu->ops->matmul(p.gpu, &w->g, 2, 0, x.g, 256, y.g, 8, 1, num);
+        p.gpu->ops->matmul(p.gpu, &wf->g, 0, 8, x.g, 256, y.g, 8, 0, num);
+        p.gpu->ops->matmul(p.gpu, &wf->g, 8, 0, x.g, 256, y.g, 8, 3, num);
+        op_expect_ok(&p);
+    }
+    op_weight_free(&p, wf);
+    free(hf);
+    float hy[8];
+    p.gpu->ops->download(p.gpu, hy, y.g, 8);
+    int written = 0;
+    for (int i = 0; i < 8; i++) written += !isnan(hy[i]);
+    CHECK_EQ_INT(written, 0);
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &x);
+    op_weight_free(&p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+    op_pair_close(&p);
+}
+
+/* Bad arguments record an error (and do not crash); the backend then still
+ * computes correctly. */
+static void test_matmul_errors(void) {
+    OPEN_PAIR(p);
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, 64, 16, true, &deq);
+    op_weight *w = op_weight_make(&p, "blk.0.err.weight", DS4_TYPE_Q8_0, 64, 16, 1, bytes);
+    float *hx = op_rand(4 * 64, 1.0);
+    op_buf x = op_buf_from(&p, hx, 4 * 64);
+    op_buf y = op_buf_poisoned(&p, 4 * 16);
+    const ds4_backend_ops *g = p.gpu->ops;
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        /* row ranges */
+        g->matmul(p.gpu, &w->g, 10, 7, x.g, 64, y.g, 16, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        g->matmul(p.gpu, &w->g, -1, 4, x.g, 64, y.g, 16, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        g->matmul(p.gpu, &w->g, 0, -2, x.g, 64, y.g, 16, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        g->matmul(p.gpu, &w->g, 0, 16, x.g, 64, y.g, 16, -1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        /* strides narrower than the rows */
+        g->matmul(p.gpu, &w->g, 0, 16, x.g, 63, y.g, 16, 4, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        g->matmul(p.gpu, &w->g, 0, 16, x.g, 64, y.g, 15, 4, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        /* unsupported type (a known type without a kernel), unknown type id */
+        ds4_weight bad = w->g;
+        bad.type = DS4_TYPE_Q4_0;
+        g->matmul(p.gpu, &bad, 0, 4, x.g, 64, y.g, 16, 1, num);
+        ds4_error e = { 0 };
+        CHECK_EQ_INT(g->take_error(p.gpu, &e), DS4_ERR_UNSUPPORTED);
+        CHECK_MSG(strstr(e.message, "blk.0.err.weight") != NULL, "%s", e.message);
+        bad.type = 1000;
+        g->matmul(p.gpu, &bad, 0, 4, x.g, 64, y.g, 16, 1, num);
+        CHECK(g->take_error(p.gpu, &e) != DS4_OK);
+        /* a row length that is not a whole number of blocks */
+        bad = w->g;
+        bad.ne[0] = 48;
+        g->matmul(p.gpu, &bad, 0, 4, x.g, 64, y.g, 16, 1, num);
+        CHECK(g->take_error(p.gpu, &e) != DS4_OK);
+        CHECK_MSG(strstr(e.message, "blk.0.err.weight") != NULL, "%s", e.message);
+        /* not bound */
+        bad = w->g;
+        bad.device = NULL;
+        g->matmul(p.gpu, &bad, 0, 4, x.g, 64, y.g, 16, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        g->matmul(p.gpu, NULL, 0, 4, x.g, 64, y.g, 16, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+    }
+    /* nothing was written by the failed calls ... */
+    {
+        float hy[4 * 16];
+        g->download(p.gpu, hy, y.g, 4 * 16);
+        int written = 0;
+        for (int i = 0; i < 4 * 16; i++) written += !isnan(hy[i]);
+        CHECK_EQ_INT(written, 0);
+    }
+    /* ... and a valid call afterwards is correct */
+    p.cpu->ops->matmul(p.cpu, &w->c, 0, 16, x.c, 64, y.c, 16, 4, DS4_NUMERICS_DS4);
+    g->matmul(p.gpu, &w->g, 0, 16, x.g, 64, y.g, 16, 4, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    double *tol = matmul_tolerances(DS4_TYPE_Q8_0, DS4_NUMERICS_DS4, bytes, deq, 64, 0, 16, hx, 64, 4);
+    compare_out("matmul after errors", &p, y, 4, 16, 16, tol, 0.0, false);
+    free(tol);
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &x);
+    op_weight_free(&p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* MoE                                                                       */
+/* ------------------------------------------------------------------------ */
+
+static double host_swiglu(double g, double u, float limit, double scale) {
+    if (limit > 0.0f) {
+        if (g > limit) g = limit;
+        if (u > limit) u = limit;
+        if (u < -limit) u = -limit;
+    }
+    return g / (1.0 + exp(-g)) * u * scale;
+}
+
+typedef struct moe_weights {
+    op_weight *gate, *up, *down;
+    float *dg, *du, *dd; /* dequantised */
+} moe_weights;
+
+static moe_weights moe_make(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert) {
+    moe_weights m;
+    uint8_t *b;
+    b = weight_bytes(tg, dim, n_ff * n_expert, false, &m.dg);
+    m.gate = op_weight_make(p, "blk.3.ffn_gate_exps.weight", tg, dim, n_ff, n_expert, b);
+    free(b);
+    b = weight_bytes(tg, dim, n_ff * n_expert, false, &m.du);
+    m.up = op_weight_make(p, "blk.3.ffn_up_exps.weight", tg, dim, n_ff, n_expert, b);
+    free(b);
+    b = weight_bytes(td, n_ff, dim * n_expert, false, &m.dd);
+    m.down = op_weight_make(p, "blk.3.ffn_down_exps.weight", td, n_ff, dim, n_expert, b);
+    free(b);
+    return m;
+}
+
+static void moe_free(op_pair *p, moe_weights *m) {
+    op_weight_free(p, m->gate);
+    op_weight_free(p, m->up);
+    op_weight_free(p, m->down);
+    free(m->dg);
+    free(m->du);
+    free(m->dd);
+}
+
+/* n_used distinct random experts and positive routing weights. */
+static void moe_route(int64_t n_expert, int n_used, int32_t *sel, float *wts) {
+    for (int k = 0; k < n_used; k++) {
+        bool dup;
+        do {
+            sel[k] = (int32_t)(test_rand_u64() % (uint64_t)n_expert);
+            dup = false;
+            for (int j = 0; j < k; j++) dup |= sel[j] == sel[k];
+        } while (dup);
+        wts[k] = (float)(0.1 + test_rand_uniform());
+    }
+}
+
+static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert, int n_used,
+                     float limit) {
+    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
+    int32_t sel[16];
+    float wts[16];
+    moe_route(n_expert, n_used, sel, wts);
+    float *hx = op_rand(dim, 1.0);
+    op_buf x = op_buf_from(p, hx, dim);
+
+    /* S_o from host mids in double */
+    double *mid = malloc((size_t)(n_used * n_ff) * sizeof *mid), *S = calloc((size_t)dim, sizeof *S);
+    for (int k = 0; k < n_used; k++) {
+        for (int64_t j = 0; j < n_ff; j++) {
+            const float *gr = m.dg + ((int64_t)sel[k] * n_ff + j) * dim, *ur = m.du + ((int64_t)sel[k] * n_ff + j) * dim;
+            double gs = 0, us = 0;
+            for (int64_t i = 0; i < dim; i++) gs += (double)gr[i] * hx[i], us += (double)ur[i] * hx[i];
+            mid[k * n_ff + j] = host_swiglu(gs, us, limit, wts[k]);
+        }
+        for (int64_t o = 0; o < dim; o++) {
+            const float *dr = m.dd + ((int64_t)sel[k] * dim + o) * n_ff;
+            for (int64_t j = 0; j < n_ff; j++) S[o] += fabs((double)dr[j] * mid[k * n_ff + j]);
+        }
+    }
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        op_buf y = op_buf_poisoned(p, dim);
+        p->cpu->ops->moe(p->cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, sel, wts, n_used, limit, y.c, num);
+        p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, n_used, limit, y.g, num);
+        op_expect_ok(p);
+        double *tol = malloc((size_t)dim * sizeof *tol);
+        for (int64_t o = 0; o < dim; o++) tol[o] = (num == DS4_NUMERICS_REFERENCE ? 1e-5 : 1e-4) * S[o];
+        char what[160];
+        snprintf(what, sizeof what, "moe %s/%s %s dim %lld n_ff %lld, %d of %lld experts, limit %g",
+                 ds4_type_name(tg), ds4_type_name(td), num_name(num), (long long)dim, (long long)n_ff, n_used,
+                 (long long)n_expert, (double)limit);
+        compare_out(what, p, y, 1, dim, dim, tol, 2.5e-7, false);
+        free(tol);
+        op_buf_free(p, &y);
+    }
+    free(mid);
+    free(S);
+    op_buf_free(p, &x);
+    free(hx);
+    moe_free(p, &m);
+}
+
+/* gate/up of type tg, down of td; limit off and on (0.7 clamps often: the
+ * gate/up dots are ~N(0, 1)). */
+static void check_moe(uint32_t tg, uint32_t td) {
+    OPEN_PAIR(p);
+    moe_case(&p, tg, td, 512, 256, 8, 6, 0.0f);
+    moe_case(&p, tg, td, 512, 256, 8, 6, 0.7f);
+    moe_case(&p, tg, td, 256, 512, 16, 6, 0.7f);
+    op_pair_close(&p);
+}
+
+static void test_moe_iq2_xxs(void) { check_moe(DS4_TYPE_IQ2_XXS, DS4_TYPE_IQ2_XXS); }
+static void test_moe_q2_K(void) { check_moe(DS4_TYPE_Q2_K, DS4_TYPE_Q2_K); }
+static void test_moe_q4_K(void) { check_moe(DS4_TYPE_Q4_K, DS4_TYPE_Q4_K); }
+static void test_moe_q8_0(void) { check_moe(DS4_TYPE_Q8_0, DS4_TYPE_Q8_0); }
+static void test_moe_f16(void) { check_moe(DS4_TYPE_F16, DS4_TYPE_F16); }
+/* DS4 Flash's own mix: IQ2_XXS gate/up, Q2_K down; and differing kinds. */
+static void test_moe_mixed(void) {
+    check_moe(DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K);
+    check_moe(DS4_TYPE_Q8_0, DS4_TYPE_Q4_K);
+}
+
+static void test_moe_errors(void) {
+    OPEN_PAIR(p);
+    const int64_t dim = 512, n_ff = 256, n_expert = 4;
+    moe_weights m = moe_make(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, dim, n_ff, n_expert);
+    float *hx = op_rand(dim, 1.0);
+    op_buf x = op_buf_from(&p, hx, dim);
+    op_buf y = op_buf_poisoned(&p, dim);
+    const ds4_backend_ops *g = p.gpu->ops;
+    int32_t sel[6] = { 0, 1, 2, 3, 1, 0 };
+    float wts[6] = { 0.5f, 0.25f, 0.125f, 0.5f, 0.25f, 0.125f };
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        sel[2] = (int32_t)n_expert; /* out of range */
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        sel[2] = -1;
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        sel[2] = 2;
+        /* shapes that do not fit together: up used as down */
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.up->g, x.g, sel, wts, 6, 0.0f, y.g, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        /* unbound */
+        ds4_weight unbound = m.down->g;
+        unbound.device = NULL;
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &unbound, x.g, sel, wts, 6, 0.0f, y.g, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        /* unsupported type */
+        ds4_weight bad = m.up->g;
+        bad.type = DS4_TYPE_Q3_K;
+        g->moe(p.gpu, &m.gate->g, &bad, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
+        op_expect_error(&p, DS4_ERR_UNSUPPORTED);
+    }
+    {
+        float hy[512];
+        g->download(p.gpu, hy, y.g, dim);
+        int written = 0;
+        for (int i = 0; i < dim; i++) written += !isnan(hy[i]);
+        CHECK_EQ_INT(written, 0);
+    }
+    /* n_used == 0: zeros on both sides */
+    p.cpu->ops->moe(p.cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, sel, wts, 0, 0.0f, y.c, DS4_NUMERICS_DS4);
+    g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 0, 0.0f, y.g, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    CHECK_EQ_INT(op_compare("moe n_used 0", &p, y, dim, 0.0, 0.0), 0);
+    /* and a valid call after the errors; repeated experts are allowed */
+    op_buf_free(&p, &y);
+    y = op_buf_poisoned(&p, dim);
+    p.cpu->ops->moe(p.cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, sel, wts, 6, 0.0f, y.c, DS4_NUMERICS_DS4);
+    g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    {
+        /* loose scale-free check: |g - c| <= 1e-3 * sum|c| / dim + 1e-4 |c| */
+        float hc[512], hg[512];
+        p.cpu->ops->download(p.cpu, hc, y.c, dim);
+        g->download(p.gpu, hg, y.g, dim);
+        double mean = 0;
+        for (int i = 0; i < dim; i++) mean += fabs(hc[i]) / (double)dim;
+        int bad = 0;
+        for (int i = 0; i < dim; i++) bad += !(fabs((double)hg[i] - hc[i]) <= 1e-3 * mean + 1e-4 * fabs(hc[i]));
+        CHECK_EQ_INT(bad, 0);
+    }
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &x);
+    free(hx);
+    moe_free(&p, &m);
+    op_pair_close(&p);
+}
+
+static const test_case TESTS[] = {
+    TEST_ENTRY(test_matmul_f32),
+    TEST_ENTRY(test_matmul_f16),
+    TEST_ENTRY(test_matmul_bf16),
+    TEST_ENTRY(test_matmul_q8_0),
+    TEST_ENTRY(test_matmul_q2_K),
+    TEST_ENTRY(test_matmul_q4_K),
+    TEST_ENTRY(test_matmul_q5_K),
+    TEST_ENTRY(test_matmul_q6_K),
+    TEST_ENTRY(test_matmul_iq2_xxs),
+    TEST_ENTRY(test_matmul_q8_K),
+    TEST_ENTRY(test_matmul_act_quant_bitexact),
+    TEST_ENTRY(test_matmul_empty),
+    TEST_ENTRY(test_matmul_errors),
+    TEST_ENTRY(test_moe_iq2_xxs),
+    TEST_ENTRY(test_moe_q2_K),
+    TEST_ENTRY(test_moe_q4_K),
+    TEST_ENTRY(test_moe_q8_0),
+    TEST_ENTRY(test_moe_f16),
+    TEST_ENTRY(test_moe_mixed),
+    TEST_ENTRY(test_moe_errors),
+    { 0 },
+};
+
+int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }

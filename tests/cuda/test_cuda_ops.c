@@ -1,0 +1,242 @@
+/* test_cuda_ops.c - the CUDA backend's memory, elementwise, norm, rounding
+ * and embedding ops against the CPU backend, element by element.
+ *
+ * The rounding ops (round_f16, round_fp8_kv, indexer_qat) and the pure
+ * copies must be bit-identical; rmsnorm sums squares in double in another
+ * order, so it may differ in the last bit of the float scale (rtol 4 ulp).
+ * Without a usable CUDA device every test reports itself as skipped. */
+#include <stdlib.h>
+
+#include "cuda_op_test.h"
+
+#define OPEN_OR_SKIP(p)                                                           \
+    do {                                                                          \
+        if (!op_pair_open(p)) TEST_SKIP("%s", op_pair_skip_reason);               \
+    } while (0)
+
+static const double ULP4 = 4.8e-7; /* 4 float ulps, relative */
+
+static void test_memory(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t n = 100003;
+    float *h = op_rand(n, 3.0);
+    op_buf b = op_buf_from(&p, h, n);
+    op_compare("upload/download", &p, b, n, 0, 0);
+    /* overlapping copies both ways (memmove semantics) */
+    p.cpu->ops->copy(p.cpu, b.c + 7, b.c, n - 7);
+    p.gpu->ops->copy(p.gpu, b.g + 7, b.g, n - 7);
+    p.cpu->ops->copy(p.cpu, b.c, b.c + 1000, n - 1000);
+    p.gpu->ops->copy(p.gpu, b.g, b.g + 1000, n - 1000);
+    op_compare("overlapping copy", &p, b, n, 0, 0);
+    p.cpu->ops->fill(p.cpu, b.c + 10, -2.5f, 333);
+    p.gpu->ops->fill(p.gpu, b.g + 10, -2.5f, 333);
+    op_compare("fill", &p, b, n, 0, 0);
+    /* alloc zero-fills */
+    op_buf z = { p.cpu->ops->alloc(p.cpu, 4097), p.gpu->ops->alloc(p.gpu, 4097) };
+    op_compare("alloc zero-fill", &p, z, 4097, 0, 0);
+    op_expect_ok(&p);
+    op_buf_free(&p, &z);
+    op_buf_free(&p, &b);
+    free(h);
+    op_pair_close(&p);
+}
+
+static void test_add_and_rows(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t dim = 384, rows = 9;
+    float *ha = op_rand(dim * rows, 1.0), *hb = op_rand(dim * rows, 1.0), *hw = op_rand(dim * 5, 1.0);
+    op_buf a = op_buf_from(&p, ha, dim * rows), b = op_buf_from(&p, hb, dim * rows);
+    op_buf out = op_buf_poisoned(&p, dim * rows);
+    p.cpu->ops->add(p.cpu, a.c, b.c, out.c, dim * rows);
+    p.gpu->ops->add(p.gpu, a.g, b.g, out.g, dim * rows);
+    op_compare("add", &p, out, dim * rows, 0, 0);
+    const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16 };
+    for (size_t t = 0; t < 3; t++) {
+        op_weight *w = op_weight_floats(&p, "ape", types[t], dim, 5, 1, hw);
+        p.cpu->ops->add_weight_row(p.cpu, a.c, &w->c, 3, rows);
+        p.gpu->ops->add_weight_row(p.gpu, a.g, &w->g, 3, rows);
+        op_compare("add_weight_row", &p, a, dim * rows, 0, 0);
+        op_expect_ok(&p);
+        p.gpu->ops->add_weight_row(p.gpu, a.g, &w->g, 5, rows); /* out of range */
+        op_expect_error(&p, DS4_ERR_INVALID);
+        op_weight_free(&p, w);
+    }
+    op_buf_free(&p, &a);
+    op_buf_free(&p, &b);
+    op_buf_free(&p, &out);
+    free(ha);
+    free(hb);
+    free(hw);
+    op_pair_close(&p);
+}
+
+static void test_embed(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t dim = 256, vocab = 300;
+    float *tab = op_rand(dim * vocab, 0.5);
+    const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16, DS4_TYPE_Q8_0 };
+    int32_t tokens[7] = { 0, 299, 5, 5, 123, 42, 1 };
+    for (size_t t = 0; t < 4; t++) {
+        op_weight *w = op_weight_floats(&p, "token_embd.weight", types[t], dim, vocab, 1, tab);
+        op_buf out = op_buf_poisoned(&p, dim * 7);
+        p.cpu->ops->embed(p.cpu, &w->c, tokens, 7, out.c);
+        p.gpu->ops->embed(p.gpu, &w->g, tokens, 7, out.g);
+        op_compare("embed", &p, out, dim * 7, 0, 0);
+        op_expect_ok(&p);
+        int32_t bad[2] = { 1, 300 };
+        p.gpu->ops->embed(p.gpu, &w->g, bad, 2, out.g);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        op_buf_free(&p, &out);
+        op_weight_free(&p, w);
+    }
+    free(tab);
+    op_pair_close(&p);
+}
+
+static void test_rmsnorm(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t dims[] = { 64, 512, 4096, 16384 };
+    for (size_t d = 0; d < 4; d++) {
+        const int64_t dim = dims[d], rows = 5;
+        float *hx = op_rand(dim * rows, 2.0), *hw = op_rand(dim, 1.0);
+        op_buf x = op_buf_from(&p, hx, dim * rows), out = op_buf_poisoned(&p, dim * rows);
+        p.cpu->ops->rmsnorm(p.cpu, x.c, NULL, 1e-6f, out.c, rows, dim);
+        p.gpu->ops->rmsnorm(p.gpu, x.g, NULL, 1e-6f, out.g, rows, dim);
+        op_compare("rmsnorm plain", &p, out, dim * rows, 0, ULP4);
+        const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16 };
+        for (size_t t = 0; t < 2; t++) {
+            op_weight *w = op_weight_floats(&p, "norm", types[t], dim, 1, 1, hw);
+            p.cpu->ops->rmsnorm(p.cpu, x.c, &w->c, 1e-6f, out.c, rows, dim);
+            p.gpu->ops->rmsnorm(p.gpu, x.g, &w->g, 1e-6f, out.g, rows, dim);
+            op_compare("rmsnorm weighted", &p, out, dim * rows, 0, ULP4);
+            /* in place */
+            op_buf y = op_buf_from(&p, hx, dim * rows);
+            p.cpu->ops->rmsnorm(p.cpu, y.c, &w->c, 1e-6f, y.c, rows, dim);
+            p.gpu->ops->rmsnorm(p.gpu, y.g, &w->g, 1e-6f, y.g, rows, dim);
+            op_compare("rmsnorm in place", &p, y, dim * rows, 0, ULP4);
+            op_buf_free(&p, &y);
+            op_expect_ok(&p);
+            p.gpu->ops->rmsnorm(p.gpu, x.g, &w->g, 1e-6f, out.g, rows, dim + 32); /* width mismatch */
+            op_expect_error(&p, DS4_ERR_INVALID);
+            op_weight_free(&p, w);
+        }
+        op_buf_free(&p, &x);
+        op_buf_free(&p, &out);
+        free(hx);
+        free(hw);
+    }
+    op_pair_close(&p);
+}
+
+/* Values that exercise the rounding edges: ties, subnormals, saturation. */
+static float *edge_values(int64_t n) {
+    float *h = malloc((size_t)n * sizeof *h);
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t r = test_rand_u64();
+        switch (r % 6) {
+        case 0: h[i] = (float)(test_rand_normal() * 1e-3); break;
+        case 1: h[i] = (float)(test_rand_normal() * 1e3); break;
+        case 2: h[i] = (float)((int)(r >> 8) % 64 - 32) * 0.0625f; break; /* exact ties */
+        case 3: h[i] = (float)(test_rand_normal() * 1e5); break;
+        case 4: h[i] = (float)(test_rand_normal() * 1e-8); break;
+        default: h[i] = (float)test_rand_normal();
+        }
+    }
+    return h;
+}
+
+static void test_rounding(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t rows = 33, dim = 512;
+    float *h = edge_values(rows * dim);
+    op_buf x = op_buf_from(&p, h, rows * dim);
+    p.cpu->ops->round_f16(p.cpu, x.c, rows * dim);
+    p.gpu->ops->round_f16(p.gpu, x.g, rows * dim);
+    op_compare("round_f16", &p, x, rows * dim, 0, 0);
+    op_buf_free(&p, &x);
+
+    const int64_t ropes[] = { 64, 0, 100, 512 };
+    for (size_t k = 0; k < 4; k++) {
+        x = op_buf_from(&p, h, rows * dim);
+        p.cpu->ops->round_fp8_kv(p.cpu, x.c, rows, dim, ropes[k]);
+        p.gpu->ops->round_fp8_kv(p.gpu, x.g, rows, dim, ropes[k]);
+        op_compare("round_fp8_kv", &p, x, rows * dim, 0, 0);
+        op_buf_free(&p, &x);
+    }
+    const int64_t widths[] = { 128, 512, 32, 4096 };
+    for (size_t k = 0; k < 4; k++) {
+        const int64_t w = widths[k], r = rows * dim / w;
+        x = op_buf_from(&p, h, r * w);
+        p.cpu->ops->indexer_qat(p.cpu, x.c, r, w);
+        p.gpu->ops->indexer_qat(p.gpu, x.g, r, w);
+        op_compare("indexer_qat", &p, x, r * w, 0, 0);
+        op_buf_free(&p, &x);
+    }
+    op_expect_ok(&p);
+    x = op_buf_from(&p, h, 96);
+    p.gpu->ops->indexer_qat(p.gpu, x.g, 1, 96);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    p.gpu->ops->round_fp8_kv(p.gpu, x.g, 1, 64, 65);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    op_buf_free(&p, &x);
+    free(h);
+    op_pair_close(&p);
+}
+
+static void test_weight_bind_errors(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    uint8_t bytes[64] = { 0 };
+    ds4_weight w = { "bad", DS4_TYPE_F32, { 16, 1, 1, 1 }, 60, bytes, NULL }; /* row_bytes wrong */
+    ds4_error err = { 0 };
+    CHECK(p.gpu->ops->bind_weight(p.gpu, &w, &err) == DS4_ERR_INVALID);
+    CHECK(strstr(err.message, "bad") != NULL);
+    w.row_bytes = 64;
+    w.host = NULL;
+    CHECK(p.gpu->ops->bind_weight(p.gpu, &w, &err) == DS4_ERR_INVALID);
+    w.host = bytes;
+    CHECK(p.gpu->ops->bind_weight(p.gpu, &w, &err) == DS4_OK);
+    CHECK(w.device != NULL);
+    CHECK(ds4_cuda_backend_weight_bytes(p.gpu) == 64);
+    p.gpu->ops->release_weight(p.gpu, &w);
+    CHECK(w.device == NULL);
+    CHECK(ds4_cuda_backend_weight_bytes(p.gpu) == 0);
+    CHECK(ds4_cuda_backend_peak_bytes(p.gpu) > 0);
+    /* a large weight goes through the staging buffers in several pieces */
+    const int64_t n = (int64_t)40 << 20; /* 160 MiB of F32 */
+    float *big = malloc((size_t)n * sizeof *big);
+    for (int64_t i = 0; i < n; i++) big[i] = (float)(i % 1000003);
+    ds4_weight wb = { "big", DS4_TYPE_F32, { 1 << 20, 40, 1, 1 }, 4 << 20, big, NULL };
+    CHECK(p.gpu->ops->bind_weight(p.gpu, &wb, &err) == DS4_OK);
+    float *back = malloc((size_t)n * sizeof *back);
+    p.gpu->ops->download(p.gpu, back, wb.device, n);
+    CHECK(memcmp(back, big, (size_t)n * sizeof *big) == 0);
+    op_expect_ok(&p);
+    p.gpu->ops->release_weight(p.gpu, &wb);
+    free(big);
+    free(back);
+    op_pair_close(&p);
+}
+
+static void test_backend_names(void) {
+    ds4_backend *be = NULL;
+    ds4_error err = { 0 };
+    CHECK(ds4_backend_create("cuda:x", 0, &be, &err) == DS4_ERR_INVALID);
+    CHECK(be == NULL);
+    CHECK(ds4_backend_create("cuda:999", 0, &be, &err) != DS4_OK);
+    CHECK(be == NULL);
+    CHECK(ds4_backend_create("cudax", 0, &be, &err) == DS4_ERR_INVALID);
+}
+
+static const test_case TESTS[] = {
+    TEST_ENTRY(test_memory),   TEST_ENTRY(test_add_and_rows), TEST_ENTRY(test_embed),
+    TEST_ENTRY(test_rmsnorm),  TEST_ENTRY(test_rounding),     TEST_ENTRY(test_weight_bind_errors),
+    TEST_ENTRY(test_backend_names), { 0 },
+};
+
+int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }
