@@ -293,8 +293,11 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     const float sink = cuda_load_float(sinks, sinks_type, h);
     float M = sink;
     for (int64_t s = 0; s < n_splits; s++) M = fmaxf(M, ph[s * stride]);
-    for (int64_t s = threadIdx.x; s < n_splits; s += blockDim.x) {
-        const float ms = ph[s * stride];
+    /* the array is padded to a multiple of 4 (zeros): the weighted sum below
+     * may be compiled into 16-byte shared loads */
+    const int64_t padded = (n_splits + 3) & ~(int64_t)3;
+    for (int64_t s = threadIdx.x; s < padded; s += blockDim.x) {
+        const float ms = s < n_splits ? ph[s * stride] : -INFINITY;
         att_factor[s] = ms == -INFINITY ? 0.0f : expf(ms - M);
     }
     __syncthreads();
@@ -403,7 +406,8 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         attention_partial_kernel<<<grid, ATT_THREADS, smem, stream>>>(q, rows, n, rows_per_split, kq_scale, scratch);
         if (!CUDA_LAUNCHED(be, "attention_partial_kernel")) return;
     }
-    attention_combine_kernel<<<(unsigned)n_heads, ATT_THREADS, (size_t)n_splits * sizeof(float), stream>>>(
+    attention_combine_kernel<<<(unsigned)n_heads, ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float),
+                               stream>>>(
         scratch, n_splits, dim, sink_ptr, sink_type, out);
     (void)CUDA_LAUNCHED(be, "attention_combine_kernel");
 }
