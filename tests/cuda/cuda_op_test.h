@@ -52,7 +52,7 @@ static bool op_pair_open(op_pair *p) {
     ds4_error err = { 0 };
     int n = 0;
     if (ds4_cuda_probe(&n, &err) != DS4_OK || n < 1) {
-        snprintf(op_pair_skip_reason, sizeof op_pair_skip_reason, "no CUDA device: %.150s", err.message);
+        snprintf(op_pair_skip_reason, sizeof op_pair_skip_reason, "%.190s", err.message[0] ? err.message : "no CUDA device");
         return false;
     }
     if (ds4_backend_create("cpu", 2, &p->cpu, &err) != DS4_OK ||

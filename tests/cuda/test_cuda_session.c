@@ -27,7 +27,7 @@ static bool setup(void) {
     ds4_error err = { 0 };
     int n = 0;
     if (ds4_cuda_probe(&n, &err) != DS4_OK || n < 1) {
-        snprintf(skip_reason, sizeof skip_reason, "no CUDA device: %.150s", err.message);
+        snprintf(skip_reason, sizeof skip_reason, "%.190s", err.message[0] ? err.message : "no CUDA device");
         return false;
     }
     snprintf(model_path, sizeof model_path, "/tmp/ds4_test_cuda_session_%d.gguf", (int)getpid());
