@@ -44,3 +44,11 @@ void ds4_backend_destroy(ds4_backend *be) {
     else if (strcmp(be->ops->name, "cuda") == 0) ds4_cuda_backend_free(be);
 #endif
 }
+
+void ds4_backend_counters_get(ds4_backend *be, ds4_backend_counters *out) {
+    memset(out, 0, sizeof *out);
+    if (!be) return;
+#ifdef DS4_WITH_CUDA
+    if (strcmp(be->ops->name, "cuda") == 0) ds4_cuda_backend_counters(be, out);
+#endif
+}

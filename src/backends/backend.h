@@ -199,6 +199,21 @@ struct ds4_backend {
     int n_threads;   /* CPU worker threads (CPU backend) */
 };
 
+/* What a backend has done since it was created (for benchmarks): device
+ * kernel launches and device-side copies, host <-> device copies and bytes,
+ * host waits for the device, and device memory. All zero on the CPU backend
+ * except what it can say (nothing moves between memories there). */
+typedef struct ds4_backend_counters {
+    uint64_t launches;  /* kernels and device-to-device copies/fills enqueued */
+    uint64_t copies;    /* host <-> device copies */
+    uint64_t h2d_bytes; /* bytes copied to the device (weights excluded) */
+    uint64_t d2h_bytes; /* bytes copied to the host */
+    uint64_t syncs;     /* host waits for the device */
+    uint64_t weight_bytes; /* device memory held by weights now */
+    uint64_t peak_bytes;   /* peak device memory in use */
+} ds4_backend_counters;
+void ds4_backend_counters_get(ds4_backend *be, ds4_backend_counters *out);
+
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */
 ds4_status ds4_backend_create(const char *name, int n_threads, ds4_backend **out, ds4_error *err);

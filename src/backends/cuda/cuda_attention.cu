@@ -612,6 +612,7 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_B, (size_t)n * sizeof(unsigned long long));
     if (!keys || !sorted) return;
     size_t temp_bytes = 0;
+    cuda_impl(be)->counters.launches++; /* the sort (several kernels, counted as one) */
     if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(NULL, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
                                                               stream)))
         return;
@@ -620,11 +621,13 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
 
     topk_keys_kernel<<<blocks_for(n, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(scores, n, shift, keys);
     if (!CUDA_LAUNCHED(be, "topk_keys_kernel")) return;
+    cuda_impl(be)->counters.launches++; /* the sort (several kernels, counted as one) */
     if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(temp, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
                                                               stream)))
         return;
     unsigned long long *host = (unsigned long long *)cuda_host_stage(be, (size_t)size * sizeof(unsigned long long));
     if (!host) return;
+    cuda_count_copy(be, false, (size_t)size * sizeof(unsigned long long));
     if (!CUDA_OK(be, cudaMemcpyAsync(host, sorted, (size_t)size * sizeof(unsigned long long), cudaMemcpyDeviceToHost,
                                      stream)))
         return;

@@ -50,7 +50,10 @@ bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file,
     return false;
 }
 
-bool cuda_sync(ds4_backend *be) { return CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be))); }
+bool cuda_sync(ds4_backend *be) {
+    cuda_impl(be)->counters.syncs++;
+    return CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
+}
 
 static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
     cuda_backend *cb = cuda_impl(be);
@@ -137,6 +140,7 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
         return NULL;
     }
     memcpy(cb->ctrl_host[slot], host, bytes);
+    cuda_count_copy(be, true, bytes);
     if (!CUDA_OK(be, cudaMemcpyAsync(d, cb->ctrl_host[slot], bytes, cudaMemcpyHostToDevice, cb->stream))) return NULL;
     if (!CUDA_OK(be, cudaEventRecord(cb->ctrl_done[slot], cb->stream))) return NULL;
     return d;
@@ -182,6 +186,7 @@ static void cuda_upload(ds4_backend *be, float *dst, const float *host_src, int6
     if (n <= 0 || cuda_failed(be)) return;
     /* pageable source: the call returns once the data is staged, so the
      * caller may reuse host_src at once */
+    cuda_count_copy(be, true, (size_t)n * sizeof(float));
     (void)CUDA_OK(be, cudaMemcpyAsync(dst, host_src, (size_t)n * sizeof(float), cudaMemcpyHostToDevice,
                                       cuda_stream(be)));
 }
@@ -192,6 +197,7 @@ static void cuda_download(ds4_backend *be, float *host_dst, const float *src, in
         memset(host_dst, 0, (size_t)n * sizeof(float));
         return;
     }
+    cuda_count_copy(be, false, (size_t)n * sizeof(float));
     if (!CUDA_OK(be, cudaMemcpyAsync(host_dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost,
                                      cuda_stream(be))))
         return;
@@ -203,6 +209,7 @@ static void cuda_copy(ds4_backend *be, float *dst, const float *src, int64_t n) 
     const size_t bytes = (size_t)n * sizeof(float);
     const bool overlap = dst < src + n && src < dst + n;
     cudaStream_t s = cuda_stream(be);
+    cuda_impl(be)->counters.launches += overlap ? 2 : 1;
     if (!overlap) {
         (void)CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
         return;
@@ -705,4 +712,12 @@ extern "C" size_t ds4_cuda_backend_peak_bytes(const ds4_backend *be) {
     cuda_backend *cb = (cuda_backend *)be->impl;
     note_peak(cb);
     return cb->peak_bytes;
+}
+
+extern "C" void ds4_cuda_backend_counters(const ds4_backend *be, ds4_backend_counters *out) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    note_peak(cb);
+    *out = cb->counters;
+    out->weight_bytes = cb->weight_bytes;
+    out->peak_bytes = cb->peak_bytes;
 }

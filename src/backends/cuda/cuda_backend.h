@@ -100,6 +100,8 @@ size_t ds4_cuda_backend_weight_bytes(const ds4_backend *be);
 /* Peak device memory in use since the backend was created (all allocations
  * of the process on this device, as cudaMemGetInfo sees them), in bytes. */
 size_t ds4_cuda_backend_peak_bytes(const ds4_backend *be);
+/* The backend's counters (ds4_backend_counters_get). */
+void ds4_cuda_backend_counters(const ds4_backend *be, ds4_backend_counters *out);
 
 #ifdef __cplusplus
 }

@@ -516,6 +516,7 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     a.sel = (int32_t *)(scratch + keys_bytes + prob_bytes);
     a.weight = (float *)(scratch + keys_bytes + prob_bytes + (size_t)n_used * sizeof(int32_t));
     router_kernel<<<1, ROUTER_THREADS, 0, cuda_stream(be)>>>(a);
+    cuda_count_copy(be, false, out_bytes);
     if (!CUDA_LAUNCHED(be, "router kernel") ||
         !CUDA_OK(be, cudaMemcpyAsync(stage, a.sel, out_bytes, cudaMemcpyDeviceToHost, cuda_stream(be))) ||
         !cuda_sync(be)) {

@@ -73,6 +73,7 @@ typedef struct cuda_backend {
     cudaEvent_t wstage_done[2];
     size_t weight_bytes; /* device memory held by bound weights */
     size_t peak_bytes;   /* highest device memory in use seen (cudaMemGetInfo) */
+    ds4_backend_counters counters; /* launches, copies, syncs (cuda_count_*) */
 } cuda_backend;
 
 static inline cuda_backend *cuda_impl(ds4_backend *be) { return (cuda_backend *)be->impl; }
@@ -85,8 +86,17 @@ bool cuda_failed(ds4_backend *be);
 /* Record a failed CUDA call; true when e == cudaSuccess. */
 bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file, int line);
 #define CUDA_OK(be, call) cuda_ok((be), (call), #call, __FILE__, __LINE__)
-/* After a <<<>>> launch: record a launch failure; true if it launched. */
-#define CUDA_LAUNCHED(be, what) cuda_ok((be), cudaGetLastError(), (what), __FILE__, __LINE__)
+/* After a <<<>>> launch: count it, record a launch failure; true if it
+ * launched. */
+#define CUDA_LAUNCHED(be, what) \
+    (cuda_impl(be)->counters.launches++, cuda_ok((be), cudaGetLastError(), (what), __FILE__, __LINE__))
+/* Count a host <-> device copy of `bytes` (h2d true: to the device). */
+static inline void cuda_count_copy(ds4_backend *be, bool h2d, size_t bytes) {
+    ds4_backend_counters *c = &cuda_impl(be)->counters;
+    c->copies++;
+    if (h2d) c->h2d_bytes += bytes;
+    else c->d2h_bytes += bytes;
+}
 
 /* A device scratch buffer of at least `bytes` for `slot` (grown as needed;
  * growing waits for the stream first). NULL, with the error recorded, when
