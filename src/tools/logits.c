@@ -13,9 +13,15 @@
  * --greedy N then decodes N more tokens, each the argmax of the previous
  * logits, appending their logits rows too; the generated ids, a count of
  * non-finite logits and (CUDA) the peak device memory go to stdout.
+ * --profile (with --greedy) times the decode steps op by op: after every op
+ * the backend is synchronised (a one-float download) and the wall time since
+ * the previous op is charged to it; a table of the ops by total time, with
+ * the time per decoded token, goes to stdout. The synchronisation slows the
+ * run down; the table shows where the time goes, not the speed.
  */
 #include <errno.h>
 #include <math.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -29,10 +35,54 @@
 #include "backends/cuda/cuda_backend.h"
 #endif
 
+/* --profile: wall time per op name, charged between consecutive ops. */
+typedef struct op_time {
+    char name[32];
+    double seconds;
+    int64_t calls;
+} op_time;
+
+typedef struct profiler {
+    ds4_backend *be;
+    bool on;
+    double last;
+    op_time ops[128];
+    int n_ops;
+} profiler;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void profile_tap(void *ctx, const char *name, int layer, int64_t token, float *buf, int64_t n, bool host) {
+    profiler *p = ctx;
+    if (!p->on) return;
+    float one;
+    if (!host && n > 0) p->be->ops->download(p->be, &one, buf, 1); /* waits for the op */
+    const double t = now_s();
+    int i = 0;
+    while (i < p->n_ops && strcmp(p->ops[i].name, name)) i++;
+    if (i == p->n_ops && p->n_ops < 128) snprintf(p->ops[p->n_ops++].name, sizeof p->ops[0].name, "%s", name);
+    if (i < p->n_ops) {
+        p->ops[i].seconds += t - p->last;
+        p->ops[i].calls++;
+    }
+    p->last = t;
+}
+
+static int by_time(const void *a, const void *b) {
+    const op_time *x = a, *y = b;
+    return x->seconds < y->seconds ? 1 : x->seconds > y->seconds ? -1 : 0;
+}
+
 int tool_logits(int argc, char **argv) {
     const char *model = NULL, *tokens_s = NULL, *out = NULL, *backend = "cpu", *numerics = "ds4", *chunks_s = NULL;
     bool incremental = false;
     long long n_greedy = 0;
+    bool profile = false;
+    static profiler prof;
     int threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -40,6 +90,10 @@ int tool_logits(int argc, char **argv) {
             printf("usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH [--backend cpu] "
                    "[--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N] [--greedy N]\n");
             return 0;
+        }
+        if (!strcmp(a, "--profile")) {
+            profile = true;
+            continue;
         }
         if (!strcmp(a, "--incremental")) { incremental = true; continue; }
         if (!v) return tool_fail("logits", "%s needs a value", a);
@@ -97,6 +151,14 @@ int tool_logits(int argc, char **argv) {
         done += len;
     }
     if (rc) goto done;
+    if (profile) {
+        memset(&prof, 0, sizeof prof);
+        prof.be = be;
+        prof.on = true;
+        ds4_model_set_tap(m, profile_tap, &prof);
+    }
+    const double t_gen = now_s();
+    prof.last = t_gen;
     if (n_greedy > 0) printf("generated:");
     for (int64_t g = 0; g < n_greedy && !rc; g++) {
         const float *last = logits + (n + g - 1) * V;
@@ -109,6 +171,19 @@ int tool_logits(int argc, char **argv) {
     }
     if (n_greedy > 0) printf("\n");
     if (rc) goto done;
+    if (n_greedy > 0)
+        printf("decode: %lld tokens in %.3f s, %.2f tokens/s%s\n", n_greedy, now_s() - t_gen,
+               (double)n_greedy / (now_s() - t_gen), profile ? " (synchronised after every op: --profile)" : "");
+    if (profile && n_greedy > 0) {
+        ds4_model_set_tap(m, NULL, NULL);
+        qsort(prof.ops, (size_t)prof.n_ops, sizeof prof.ops[0], by_time);
+        double total = 0;
+        for (int i = 0; i < prof.n_ops; i++) total += prof.ops[i].seconds;
+        printf("%-18s %10s %12s %8s\n", "op (ends at)", "calls/tok", "ms/token", "share");
+        for (int i = 0; i < prof.n_ops; i++)
+            printf("%-18s %10.1f %12.3f %7.1f%%\n", prof.ops[i].name, (double)prof.ops[i].calls / (double)n_greedy,
+                   1e3 * prof.ops[i].seconds / (double)n_greedy, 100.0 * prof.ops[i].seconds / (total > 0 ? total : 1));
+    }
     n += n_greedy;
     int64_t bad = 0;
     for (int64_t i = 0; i < n * V; i++) bad += !isfinite(logits[i]);
