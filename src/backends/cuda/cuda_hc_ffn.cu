@@ -15,11 +15,10 @@
  * terms at real size) are float sums, as on the CPU (DS4's F16-weight
  * numerics), reduced as a tree rather than the CPU's 8 sequential lanes.
  *
- * Layout. hc_pre / hc_head: one block per token row (rows are independent
- * and a row's 16384-wide state is the unit of the norm): the block sums the
- * squares, computes the mix dot products with per-thread partial sums, one
- * thread does the small sigmoid/Sinkhorn math, and the block writes the
- * weighted sum of the streams. hc_post and swiglu are elementwise,
+ * Layout. hc_pre / hc_head: a partial kernel spreads each row's state over
+ * blocks of 256 values (squares and mix dots per block), then one block per
+ * row combines them, one thread does the small sigmoid/Sinkhorn math, and the
+ * block writes the weighted sum of the streams. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
  * logit vector for its top-k and its results go to the host.
  */
@@ -140,51 +139,49 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
 }
 
 /*
- * One block per row r of X [n_rows, n_hc * dim]:
- *   f = X[r] / sqrt(mean(X[r]^2) + norm_eps)     (squares summed in double)
- *   mix[k] = fn[k] . f                           (k < n_mix; float sums)
+ * Two kernels per call, so that one token's 16384-wide state is spread over
+ * many blocks (a single block per row left the GPU idle in decode):
+ *
+ * hc_partial_kernel, block (row r, chunk c) over HC_CHUNK elements of X[r]:
+ *   part[r][c] = { sum of squares (double), raw dots fn[k] . X[r] (float) }
+ * hc_finish_kernel, block r:
+ *   ss = sum over chunks (double, in chunk order)
+ *   f-scale = 1 / sqrt(ss / n + norm_eps)          (formed as the CPU does)
+ *   mix[k] = (sum over chunks of the raw dots) * f-scale
  *   HEAD:  w[s] = sigmoid(mix[s] * scale0 + base[s]) + eps
  *   PRE:   pre/post/comb = hc_split(mix); w = pre
  *   out[r][i] = sum_s X[r][s][i] * w[s]          (s in order, as the CPU)
+ * The CPU scales each element before its dot product; scaling the finished
+ * dots instead differs by float rounding only (well inside the tolerance of
+ * a 16384-term float sum in another order).
  */
-template <bool HEAD>
-static __global__ void __launch_bounds__(HC_THREADS) hc_mix_kernel(hc_args a) {
+#define HC_CHUNK 256 /* elements of the flattened state per partial block (one per thread) */
+
+static_assert(HC_CHUNK == HC_THREADS, "one element per thread in a partial block");
+
+struct hc_part {
+    double ss;
+    float dot[HC_MAX_MIX];
+};
+
+static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
     __shared__ double red_d[HC_THREADS / 32];
     __shared__ float red_f[HC_THREADS / 32][HC_MIX_CHUNK];
-    __shared__ float mix[HC_MAX_MIX];
-    __shared__ float w[HC_MAX_STREAMS];
-    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
-    __shared__ float post_s[HC_MAX_STREAMS];
-
-    const int n = a.n_hc;
-    const int64_t hc_dim = (int64_t)n * a.dim;
-    const int n_mix = HEAD ? n : (2 + n) * n;
-    const int64_t row = blockIdx.x;
-    const float *X = a.X + row * hc_dim;
+    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
-    /* The plain RMS scale, exactly as the CPU forms it from the double sum. */
-    double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < hc_dim; i += HC_THREADS) ss += (double)X[i] * (double)X[i];
-    ss = block_sum_double(ss, red_d);
-    const float rms_scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
-
-    /* The mix, HC_MIX_CHUNK dot products per pass over the row. */
+    const int64_t i = chunk * HC_CHUNK + threadIdx.x;
+    const float x = i < hc_dim ? a.X[row * hc_dim + i] : 0.0f;
+    const double ss = block_sum_double((double)x * (double)x, red_d);
+    hc_part *out = part + row * n_chunks + chunk;
+    if (threadIdx.x == 0) out->ss = ss;
     for (int k0 = 0; k0 < n_mix; k0 += HC_MIX_CHUNK) {
         const int kc = n_mix - k0 < HC_MIX_CHUNK ? n_mix - k0 : HC_MIX_CHUNK;
-        float acc[HC_MIX_CHUNK];
-#pragma unroll
-        for (int k = 0; k < HC_MIX_CHUNK; k++) acc[k] = 0.0f;
         const uint8_t *fn0 = (const uint8_t *)a.fn + (int64_t)k0 * a.fn_row_bytes;
-        for (int64_t i = threadIdx.x; i < hc_dim; i += HC_THREADS) {
-            const float f = __fmul_rn(X[i], rms_scale); /* the normalised value, rounded as on the CPU */
-#pragma unroll
-            for (int k = 0; k < HC_MIX_CHUNK; k++)
-                if (k < kc) acc[k] = fmaf(cuda_load_float(fn0 + k * a.fn_row_bytes, a.fn_type, i), f, acc[k]);
-        }
 #pragma unroll
         for (int k = 0; k < HC_MIX_CHUNK; k++) {
-            float v = acc[k];
+            float v = k < kc && i < hc_dim ? __fmul_rn(cuda_load_float(fn0 + k * a.fn_row_bytes, a.fn_type, i), x)
+                                           : 0.0f;
             for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
             if (lane == 0) red_f[warp][k] = v;
         }
@@ -192,11 +189,37 @@ static __global__ void __launch_bounds__(HC_THREADS) hc_mix_kernel(hc_args a) {
         if (threadIdx.x < kc) {
             float s = 0.0f;
             for (int wi = 0; wi < HC_THREADS / 32; wi++) s += red_f[wi][threadIdx.x];
-            mix[k0 + threadIdx.x] = s;
+            out->dot[k0 + threadIdx.x] = s;
         }
-        __syncthreads(); /* red_f is reused by the next pass; mix is complete after the last */
+        __syncthreads(); /* red_f is reused by the next pass */
     }
+}
 
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float w[HC_MAX_STREAMS];
+    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
+    __shared__ float post_s[HC_MAX_STREAMS];
+    __shared__ float rms_scale_s;
+    const int n = a.n_hc;
+    const int64_t hc_dim = (int64_t)n * a.dim;
+    const int64_t row = blockIdx.x;
+    const float *X = a.X + row * hc_dim;
+    const hc_part *pr = part + row * n_chunks;
+    if (threadIdx.x == 0) {
+        double ss = 0.0;
+        for (int64_t c = 0; c < n_chunks; c++) ss += pr[c].ss;
+        rms_scale_s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
+    }
+    __syncthreads();
+    if (threadIdx.x < n_mix) {
+        float s = 0.0f;
+        for (int64_t c = 0; c < n_chunks; c++) s += pr[c].dot[threadIdx.x];
+        mix[threadIdx.x] = __fmul_rn(s, rms_scale_s);
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
         if (HEAD) {
             const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
@@ -212,13 +235,29 @@ static __global__ void __launch_bounds__(HC_THREADS) hc_mix_kernel(hc_args a) {
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
         for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
-
     float *out = a.out + row * a.dim;
     for (int64_t i = threadIdx.x; i < a.dim; i += HC_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
         out[i] = acc;
     }
+}
+
+/* Launch the partial and finishing kernels for n_rows rows. */
+template <bool HEAD>
+static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what) {
+    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+    const int64_t n_chunks = (hc_dim + HC_CHUNK - 1) / HC_CHUNK;
+    if (n_chunks > 65535) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: a state of %lld values is too wide", what, (long long)hc_dim);
+        return;
+    }
+    hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
+    if (!part) return;
+    hc_partial_kernel<<<dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, cuda_stream(be)>>>(a, n_mix, part);
+    if (!CUDA_LAUNCHED(be, what)) return;
+    hc_finish_kernel<HEAD><<<(unsigned)n_rows, HC_THREADS, 0, cuda_stream(be)>>>(a, n_mix, n_chunks, part);
+    (void)CUDA_LAUNCHED(be, what);
 }
 
 /* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */
@@ -288,8 +327,7 @@ void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_we
         return;
     }
     const hc_args a = hc_args_make(hc, X, fn, scale, base, x_out, post, comb);
-    hc_mix_kernel<false><<<(unsigned)n_rows, HC_THREADS, 0, cuda_stream(be)>>>(a);
-    (void)CUDA_LAUNCHED(be, "hc_pre kernel");
+    hc_launch<false>(be, a, (int)n_mix, n_rows, "hc_pre kernels");
 }
 
 void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
@@ -303,8 +341,7 @@ void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_w
         return;
     }
     const hc_args a = hc_args_make(hc, X, fn, scale, base, out, NULL, NULL);
-    hc_mix_kernel<true><<<(unsigned)n_rows, HC_THREADS, 0, cuda_stream(be)>>>(a);
-    (void)CUDA_LAUNCHED(be, "hc_head kernel");
+    hc_launch<true>(be, a, (int)n, n_rows, "hc_head kernels");
 }
 
 /* ------------------------------------------------------------------------ */

@@ -308,16 +308,23 @@ static __device__ __forceinline__ int pack4(int a, int b, int c, int d) {
 /* Product kernels                                                           */
 /* ------------------------------------------------------------------------ */
 
+/*
+ * One output row per block: its MM_WARPS warps split the row's length (warp
+ * `part` takes every MM_WARPS-th chunk), which keeps enough warps in flight
+ * when a decode step has few output rows; the partial sums are combined in
+ * shared memory in warp order (mm_store), so results are deterministic.
+ */
 struct mm_tile {
     int64_t o, r0;
-    int nr;
+    int nr, part;
     const uint8_t *wrow;
 };
 
-/* Output row, first activation row, rows in the tile, weight row of this
- * warp; false when the warp has no output row. */
+/* Output row, first activation row, rows in the tile, weight row, and this
+ * warp's part of the row; false when the block has no output row. */
 static __device__ __forceinline__ bool mm_tile_of(const mm_args &a, int rows, mm_tile *t) {
-    t->o = (int64_t)blockIdx.x * MM_WARPS + (threadIdx.x >> 5);
+    t->o = (int64_t)blockIdx.x;
+    t->part = (int)(threadIdx.x >> 5);
     if (t->o >= a.n_out) return false;
     const int64_t y = a.y0 + blockIdx.y;
     t->r0 = y * rows;
@@ -326,6 +333,24 @@ static __device__ __forceinline__ bool mm_tile_of(const mm_args &a, int rows, mm
     const int64_t wr = (a.sel ? (int64_t)a.sel[y] * a.rows_per_expert : a.row0) + t->o;
     t->wrow = a.w + wr * a.row_bytes;
     return true;
+}
+
+/* Sum the warps' partial results (lane 0 of each warp holds its part) in
+ * warp order and write the tile's outputs. Every thread of the block calls it. */
+template <int ROWS, typename Acc, typename Fin>
+static __device__ __forceinline__ void mm_store(const mm_args &a, const mm_tile &t, const Acc (&acc)[ROWS], Fin fin) {
+    __shared__ Acc red[MM_WARPS][ROWS];
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) red[t.part][r] = acc[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < ROWS && (int)threadIdx.x < t.nr) {
+        Acc sum = red[0][threadIdx.x];
+#pragma unroll
+        for (int p = 1; p < MM_WARPS; p++) sum += red[p][threadIdx.x];
+        a.out[(t.r0 + threadIdx.x) * a.out_stride + t.o] = fin(sum);
+    }
 }
 
 /* Float activations: REFERENCE (Acc = double, every type) and DS4's float
@@ -342,14 +367,14 @@ __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0;
     if constexpr (D::ELEMS == 1) {
-        for (int64_t i = lane; i < a.n; i += 32) {
+        for (int64_t i = t.part * 32 + lane; i < a.n; i += 32 * MM_WARPS) {
             const float wv = D::elem(&blocks[i], 0);
 #pragma unroll
             for (int r = 0; r < ROWS; r++)
                 if (r < t.nr) acc[r] = fma((Acc)wv, (Acc)x[r * a.act_stride + i], acc[r]);
         }
     } else {
-        for (int64_t c = lane; c < a.n / 8; c += 32) {
+        for (int64_t c = t.part * 32 + lane; c < a.n / 8; c += 32 * MM_WARPS) {
             const int64_t e0 = c * 8;
             const typename D::block *b = &blocks[e0 / D::ELEMS];
             const int eb = (int)(e0 % D::ELEMS);
@@ -373,11 +398,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(FULL_MASK, acc[r], off);
     }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            if (r < t.nr) a.out[(t.r0 + r) * a.out_stride + t.o] = (float)acc[r];
-    }
+    mm_store<ROWS>(a, t, acc, [](Acc v) { return (float)v; });
 }
 
 /* DS4 numerics, Q8_K activations (act_stride in blocks). */
@@ -393,7 +414,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_q8k_kernel(mm_args a) {
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    for (int64_t ib = 0; ib < nb; ib++) {
+    for (int64_t ib = t.part; ib < nb; ib += MM_WARPS) {
         const typename K::block *b = &blocks[ib];
         int w[8], mul, mmul;
         K::codes(b, lane, w, mul, mmul);
@@ -415,11 +436,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_q8k_kernel(mm_args a) {
             }
         }
     }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            if (r < t.nr) a.out[(t.r0 + r) * a.out_stride + t.o] = K::finish(acc[r]);
-    }
+    mm_store<ROWS>(a, t, acc, [](float v) { return K::finish(v); });
 }
 
 /* DS4 numerics, Q8_0 weights with Q8_0 activations (act_stride in blocks):
@@ -435,7 +452,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_q8_0_kernel(mm_args a) {
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    for (int64_t base = 0; base < nch; base += 32) {
+    for (int64_t base = t.part * 32; base < nch; base += 32 * MM_WARPS) {
         const int64_t c = base + lane, bi = c >> 2;
         const bool valid = c < nch;
         int w0 = 0, w1 = 0;
@@ -469,11 +486,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_q8_0_kernel(mm_args a) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc[r] = __fadd_rn(acc[r], __shfl_xor_sync(FULL_MASK, acc[r], off));
     }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            if (r < t.nr) a.out[(t.r0 + r) * a.out_stride + t.o] = acc[r];
-    }
+    mm_store<ROWS>(a, t, acc, [](float v) { return v; });
 }
 
 /* mid[i] = swiglu(g[i], u[i]) * weights[i / n_ff], in place over g. */
@@ -593,7 +606,7 @@ template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mod
         mm_args b = a;
         b.y0 = y0;
         const int64_t ny = n_tiles - y0 < 65535 ? n_tiles - y0 : 65535;
-        const dim3 grid((unsigned)cdiv(a.n_out, MM_WARPS), (unsigned)ny);
+        const dim3 grid((unsigned)a.n_out, (unsigned)ny); /* one output row per block */
         bool known = true;
         if (mode == MM_REF) {
             switch (type) {
