@@ -331,9 +331,15 @@ ds4_status ds4_state_create(ds4_model *m, int64_t n_ctx, ds4_state **out, ds4_er
     return DS4_OK;
 }
 
+static void scratch_free(ds4_backend *be, struct eval_scratch *s);
+
 void ds4_state_free(ds4_state *s) {
     if (!s) return;
     ds4_backend *be = s->model->be;
+    if (s->scratch) {
+        scratch_free(be, s->scratch);
+        free(s->scratch);
+    }
     for (int l = 0; s->layers && l < s->model->cfg.n_layer; l++) {
         be->ops->free(be, s->layers[l].window);
         compressor_free(be, &s->layers[l].attn);
@@ -345,7 +351,7 @@ void ds4_state_free(ds4_state *s) {
 
 /* ------------------------------------------------------------ scratch */
 
-typedef struct scratch {
+typedef struct eval_scratch {
     float *X, *X2;      /* HC state [n, hc*H] and its successor */
     float *x, *a;       /* sublayer input and its norm [n, H] */
     float *post, *comb; /* HC mix [n, hc], [n, hc*hc] */
@@ -674,9 +680,22 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, in
             return ds4_error_set(err, DS4_ERR_INVALID, "token %d at index %lld is outside the vocabulary (0..%lld)",
                                  tokens[t], (long long)t, (long long)c->n_vocab - 1);
     int64_t chunk = n < EVAL_CHUNK ? n : EVAL_CHUNK;
-    scratch s;
-    if (!scratch_alloc(m->be, c, chunk, st->n_ctx, all_logits, &s))
-        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-token batch", (long long)chunk);
+    if (!st->scratch || st->scratch_rows < chunk || (all_logits && !st->scratch_all_logits)) {
+        if (st->scratch) {
+            scratch_free(m->be, st->scratch);
+            free(st->scratch);
+            st->scratch = NULL;
+        }
+        scratch *fresh = calloc(1, sizeof *fresh);
+        if (!fresh || !scratch_alloc(m->be, c, chunk, st->n_ctx, all_logits, fresh)) {
+            free(fresh);
+            return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-token batch", (long long)chunk);
+        }
+        st->scratch = fresh;
+        st->scratch_rows = chunk;
+        st->scratch_all_logits = all_logits;
+    }
+    scratch *sp = st->scratch;
     ds4_status status = DS4_OK;
     for (int64_t off = 0; off < n && !status; off += chunk) {
         int64_t len = n - off < chunk ? n - off : chunk;
@@ -684,9 +703,8 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, in
         float *out = NULL;
         if (logits && all_logits) out = logits + off * c->n_vocab;
         else if (logits && last) out = logits;
-        status = eval_chunk(m, st, tokens + off, len, num, out, all_logits, &s);
+        status = eval_chunk(m, st, tokens + off, len, num, out, all_logits, sp);
     }
-    scratch_free(m->be, &s);
     if (status) return ds4_error_set(err, status, "evaluation failed: out of memory");
     /* An op that failed (bad shape, device fault) recorded why; the state is
      * then unusable and the caller must discard it. */

@@ -54,6 +54,12 @@ struct ds4_state {
     ds4_model *model;
     int64_t n_ctx, pos;
     layer_state *layers;
+    /* Evaluation scratch kept between calls (decode steps would otherwise
+     * allocate and free it every token): room for scratch_rows tokens, and
+     * logits for all of them when scratch_all_logits. */
+    struct eval_scratch *scratch;
+    int64_t scratch_rows;
+    bool scratch_all_logits;
 };
 
 #endif
