@@ -22,6 +22,7 @@ static const command COMMANDS[] = {
     { "run", tool_run, "answer one prompt, streaming the reply (with load, prefill and decode speed)" },
     { "chat", tool_chat, "interactive multi-turn chat (/help inside for commands)" },
     { "parity", tool_parity, "compare two backends op by op, layer by layer and end to end" },
+    { "bench", tool_bench, "measure load, prefill, time to first token, decode and the roofline (A/B mode)" },
     { NULL, NULL, NULL },
 };
 

@@ -16,6 +16,7 @@ int tool_chat(int argc, char **argv);
 int tool_convert(int argc, char **argv);
 int tool_tokenize(int argc, char **argv);
 int tool_parity(int argc, char **argv);
+int tool_bench(int argc, char **argv);
 
 /* Print "ds4server <cmd>: message" to stderr and return exit status 1. */
 int tool_fail(const char *cmd, const char *fmt, ...)

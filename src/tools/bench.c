@@ -1,0 +1,1545 @@
+/*
+ * bench.c - `ds4server bench`: load, prefill, time to first token, steady
+ * decode at context frontiers, device counters and the roofline, with an A/B
+ * mode that alternates two variants in one run.
+ *
+ *   ds4server bench -m FILE [--backend cpu|cuda] [--numerics ds4|reference]
+ *                   [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]
+ *                   [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]
+ *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]
+ *                   [--bandwidth GBPS | --bandwidth-mib N]
+ *
+ * Protocol (../shared/docs/MEASURING.md): a fixed seeded token sequence,
+ * greedy decoding with EOS ignored, warm-up runs first, every figure repeated
+ * and reported as median, p95 (nearest rank), min and max of the raw samples,
+ * which go to the JSON with the provenance. Every timed evaluation downloads
+ * logits to host memory, so it ends with the device idle: host clock times
+ * are complete.
+ *
+ * - Load: gguf_open, then ds4_model_load_progress (for a device backend the
+ *   first upload of the weights: bytes bound / seconds = upload GB/s).
+ * - Prefill at each --prefill size: a fresh state per sample, --warmup
+ *   untimed runs first, --repeat timed ones.
+ * - Time to first token: prefill of --ttft tokens plus the argmax of the last
+ *   logits, on a fresh state.
+ * - Decode: one state advanced through the --ctx frontiers in order. Before a
+ *   frontier the tokens since the previous decode are prefilled in --chunk
+ *   batches (timed as the interval's prefill rate); then --gen greedy steps
+ *   (one-token evaluation + argmax of its logits) are timed one by one. Each
+ *   row therefore measures only its new interval. A frontier beyond the
+ *   model's context, or one whose state or batch does not fit in memory, is
+ *   skipped with the reason.
+ * - Counters (ds4_backend_counters_get) around the decode steps give kernel
+ *   launches, host<->device copies and bytes and syncs per token; the peak
+ *   device memory is read after each frontier.
+ * - Roofline: bytes read per decoded token from the tensor table (every
+ *   tensor once, routed experts n_expert_used / n_expert of their bytes, one
+ *   row of the embedding and of a hash-routing table) and, added, the
+ *   attention state read at the position (sliding-window rows, compressed
+ *   rows, indexer keys of ratio-4 layers, the top-k rows it selects: an
+ *   estimate from the config). Divided by the bandwidth (--bandwidth, else
+ *   the backend's copy op timed on a --bandwidth-mib buffer after everything
+ *   else, so its buffer never raises the reported peak) it gives the floor;
+ *   measured / floor is reported.
+ * - A/B (--ab KEY=VALUE, KEY backend|numerics|threads): variant A is the
+ *   command line, B the same with KEY changed. --repeat rounds of the decode
+ *   at the first frontier and of the prefill at the largest size run in the
+ *   order A B B A A B B A ..., and the B/A ratio of tokens/s comes with a
+ *   paired 95% confidence interval (Student t on the per-pair log ratios).
+ *
+ * Output: a Markdown table on stdout (and --md FILE), the JSON to --json.
+ * Progress goes to stderr. Exit status: 0 done, 1 a runtime failure, 2 bad
+ * usage. Timings are never judged here.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backends/backend.h"
+#include "core/error.h"
+#include "core/gguf.h"
+#include "models/deepseek4/ds4_model.h"
+#include "tools/tools.h"
+#ifdef DS4_WITH_CUDA
+#include "backends/cuda/cuda_backend.h"
+#endif
+
+#define CMD "bench"
+#define SCHEMA "ds4server-bench/1"
+#define MAX_LIST 64
+#define REASON_MAX 640
+
+/* ------------------------------------------------------------ small helpers */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+typedef struct dvec {
+    double *v;
+    int64_t n, cap;
+} dvec;
+
+static bool dvec_push(dvec *d, double x) {
+    if (d->n == d->cap) {
+        int64_t cap = d->cap ? d->cap * 2 : 16;
+        double *nv = realloc(d->v, (size_t)cap * sizeof *nv);
+        if (!nv) return false;
+        d->v = nv;
+        d->cap = cap;
+    }
+    d->v[d->n++] = x;
+    return true;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median (mean of the middle two for an even count), p95 by nearest rank
+ * (the ceil(95 n / 100)-th smallest), min, max, mean, sum. */
+typedef struct stats {
+    int64_t n;
+    double median, p95, min, max, mean, sum;
+} stats;
+
+static stats stats_of(const dvec *d) {
+    stats s = { 0 };
+    s.n = d->n;
+    if (d->n == 0) return s;
+    double *v = malloc((size_t)d->n * sizeof *v);
+    if (!v) return s;
+    memcpy(v, d->v, (size_t)d->n * sizeof *v);
+    qsort(v, (size_t)d->n, sizeof *v, cmp_double);
+    const int64_t n = d->n;
+    s.median = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    s.p95 = v[(95 * n + 99) / 100 - 1];
+    s.min = v[0];
+    s.max = v[n - 1];
+    for (int64_t i = 0; i < n; i++) s.sum += v[i];
+    s.mean = s.sum / (double)n;
+    free(v);
+    return s;
+}
+
+/* Two-sided 95% critical value of Student's t with df degrees of freedom:
+ * the x with CDF(x) = 0.975, by bisection on the CDF integrated with
+ * Simpson's rule from the density (exact to ~1e-9, plenty for a CI). */
+static double t_density(double x, double df, double lnorm) {
+    return exp(lnorm - (df + 1) / 2 * log1p(x * x / df));
+}
+
+static double t_cdf_pos(double x, double df) {
+    const double lnorm = lgamma((df + 1) / 2) - lgamma(df / 2) - 0.5 * log(df * M_PI);
+    const int n = 4000; /* even */
+    const double h = x / n;
+    double s = t_density(0, df, lnorm) + t_density(x, df, lnorm);
+    for (int i = 1; i < n; i++) s += (i % 2 ? 4 : 2) * t_density(i * h, df, lnorm);
+    return 0.5 + s * h / 3;
+}
+
+static double t_crit_975(int64_t df) {
+    if (df < 1) return NAN;
+    double lo = 0, hi = 20;
+    while (t_cdf_pos(hi, (double)df) < 0.975 && hi < 1e6) hi *= 2;
+    for (int i = 0; i < 60; i++) {
+        double mid = (lo + hi) / 2;
+        if (t_cdf_pos(mid, (double)df) < 0.975) lo = mid;
+        else hi = mid;
+    }
+    return (lo + hi) / 2;
+}
+
+/* Seeded tokens in [0, V): the same for a given seed on every machine. */
+static void fill_tokens(int32_t *t, int64_t n, uint64_t seed, int64_t V) {
+    uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
+    for (int64_t i = 0; i < n; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        t[i] = (int32_t)(x % (uint64_t)V);
+    }
+}
+
+static int32_t argmax_f(const float *v, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return (int32_t)best;
+}
+
+/* Strict number parsing: the whole string, in range. */
+static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    long long x = strtoll(s, &end, 10);
+    if (errno || *end || x < lo || x > hi) return false;
+    *out = x;
+    return true;
+}
+
+static bool parse_u64(const char *s, uint64_t *out) {
+    if (!s || !*s || *s == '-') return false;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(s, &end, 0);
+    if (errno || *end) return false;
+    *out = x;
+    return true;
+}
+
+/* "a,b,c" of integers in [lo, hi] into out (sorted ascending, duplicates dropped). */
+static bool parse_list(const char *s, int64_t lo, int64_t hi, int64_t *out, int *n_out) {
+    int n = 0;
+    const char *p = s;
+    if (!s || !*s) return false;
+    while (*p) {
+        char buf[32];
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        if (len == 0 || len >= sizeof buf || n == MAX_LIST) return false;
+        memcpy(buf, p, len);
+        buf[len] = 0;
+        int64_t x;
+        if (!parse_i64(buf, lo, hi, &x)) return false;
+        out[n++] = x;
+        p += len;
+        if (*p == ',') {
+            p++;
+            if (!*p) return false;
+        }
+    }
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && out[j - 1] > out[j]; j--) {
+            int64_t t = out[j];
+            out[j] = out[j - 1];
+            out[j - 1] = t;
+        }
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (m == 0 || out[m - 1] != out[i]) out[m++] = out[i];
+    *n_out = m;
+    return m > 0;
+}
+
+static void json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    tool_json_escape(f, s, strlen(s));
+    fputc('"', f);
+}
+
+/* A finite double, or null. */
+static void json_num(FILE *f, double x) {
+    if (isfinite(x)) fprintf(f, "%.9g", x);
+    else fputs("null", f);
+}
+
+static void json_samples(FILE *f, const dvec *d) {
+    fputc('[', f);
+    for (int64_t i = 0; i < d->n; i++) {
+        if (i) fputs(", ", f);
+        json_num(f, d->v[i]);
+    }
+    fputc(']', f);
+}
+
+/* "median_s", "p95_s", "min_s", "max_s", "mean_s" of a stats (no braces). */
+static void json_stats_s(FILE *f, const stats *s) {
+    fprintf(f, "\"n\": %lld, \"median_s\": ", (long long)s->n);
+    json_num(f, s->median);
+    fputs(", \"p95_s\": ", f);
+    json_num(f, s->p95);
+    fputs(", \"min_s\": ", f);
+    json_num(f, s->min);
+    fputs(", \"max_s\": ", f);
+    json_num(f, s->max);
+    fputs(", \"mean_s\": ", f);
+    json_num(f, s->mean);
+}
+
+/* First line of a command's output (popen), or NULL. */
+static char *command_line(const char *cmd, char *buf, size_t cap) {
+    FILE *p = popen(cmd, "r");
+    if (!p) return NULL;
+    char *got = fgets(buf, (int)cap, p);
+    int rc = pclose(p);
+    if (!got || rc != 0) return NULL;
+    buf[strcspn(buf, "\r\n")] = 0;
+    return buf[0] ? buf : NULL;
+}
+
+/* ------------------------------------------------------------ options */
+
+typedef enum ab_key { AB_NONE, AB_BACKEND, AB_NUMERICS, AB_THREADS } ab_key;
+
+typedef struct opts {
+    const char *model, *json, *md;
+    char backend[16];
+    ds4_numerics num;
+    int64_t ctx[MAX_LIST], prefill[MAX_LIST];
+    int n_ctx, n_prefill;
+    int64_t gen, repeat, warmup, ttft, threads, chunk, bw_mib;
+    uint64_t seed;
+    double bandwidth; /* GB/s given, 0 = measure */
+    ab_key ab;
+    char ab_value[16];
+    const char *ab_arg;
+} opts;
+
+static const char *numerics_name(ds4_numerics n) { return n == DS4_NUMERICS_DS4 ? "ds4" : "reference"; }
+
+static int usage_error(const char *fmt, const char *arg) {
+    fprintf(stderr, "ds4server " CMD ": ");
+    fprintf(stderr, fmt, arg ? arg : "");
+    fprintf(stderr, " (see ds4server bench --help)\n");
+    return 2;
+}
+
+static void print_help(void) {
+    printf("usage: ds4server bench -m FILE [--backend cpu|cuda] [--numerics ds4|reference]\n"
+           "                       [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]\n"
+           "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
+           "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
+           "                       [--bandwidth GBPS | --bandwidth-mib N]\n"
+           "  Measures model load (and the first upload), prefill tokens/s at each --prefill size\n"
+           "  (fresh state each sample), time to first token for a --ttft-token prompt (0: skip),\n"
+           "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
+           "  between frontiers prefilled in --chunk batches), with kernel launches, host<->device\n"
+           "  bytes and syncs per token, peak device memory and the roofline ratio.\n"
+           "  --repeat N        timed samples per figure (default 5); --warmup N untimed runs (default 1)\n"
+           "  --bandwidth GBPS  memory bandwidth for the roofline; default: the backend's copy op\n"
+           "                    timed on a --bandwidth-mib buffer (default 1024 MiB)\n"
+           "  --ab KEY=VALUE    A/B mode: B is the command line with KEY (backend, numerics, threads)\n"
+           "                    set to VALUE; --repeat rounds of decode at the first frontier and\n"
+           "                    prefill at the largest size, in the order A B B A A B B A ...;\n"
+           "                    the B/A ratio of tokens/s with a paired 95%% confidence interval\n"
+           "  Markdown goes to stdout (and --md FILE), raw samples and provenance to --json OUT.\n"
+           "  DS4_BENCH_COMMIT=ID records ID as the commit when git cannot tell.\n");
+}
+
+static bool valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
+
+/* 0 when parsed, 2 on a usage error (message printed), -1 for --help. */
+static int parse_opts(int argc, char **argv, opts *o) {
+    memset(o, 0, sizeof *o);
+    snprintf(o->backend, sizeof o->backend, "cpu");
+    o->num = DS4_NUMERICS_DS4;
+    o->gen = 128;
+    o->repeat = 5;
+    o->warmup = 1;
+    o->ttft = 2048;
+    long nproc = sysconf(_SC_NPROCESSORS_ONLN);
+    o->threads = nproc > 0 ? nproc : 1;
+    o->chunk = 2048;
+    o->bw_mib = 1024;
+    o->seed = 1;
+    const int64_t dctx[] = { 2048, 16384, 65536 }, dpre[] = { 1, 128, 512, 2048, 8192 };
+    o->n_ctx = 3;
+    memcpy(o->ctx, dctx, sizeof dctx);
+    o->n_prefill = 5;
+    memcpy(o->prefill, dpre, sizeof dpre);
+    const int64_t BIG = (int64_t)1 << 30;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return -1;
+        if (strncmp(a, "-", 1)) return usage_error("unexpected argument '%s'", a);
+        if (!v) return usage_error("option %s needs a value", a);
+        i++;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--json")) o->json = v;
+        else if (!strcmp(a, "--md")) o->md = v;
+        else if (!strcmp(a, "--backend")) {
+            if (!valid_backend(v)) return usage_error("--backend must be cpu or cuda, not '%s'", v);
+            snprintf(o->backend, sizeof o->backend, "%s", v);
+        } else if (!strcmp(a, "--numerics")) {
+            if (!strcmp(v, "ds4")) o->num = DS4_NUMERICS_DS4;
+            else if (!strcmp(v, "reference")) o->num = DS4_NUMERICS_REFERENCE;
+            else return usage_error("--numerics must be ds4 or reference, not '%s'", v);
+        } else if (!strcmp(a, "--ctx")) {
+            if (!parse_list(v, 1, BIG, o->ctx, &o->n_ctx))
+                return usage_error("--ctx takes a comma-separated list of positive positions, not '%s'", v);
+        } else if (!strcmp(a, "--prefill")) {
+            if (!parse_list(v, 1, BIG, o->prefill, &o->n_prefill))
+                return usage_error("--prefill takes a comma-separated list of positive token counts, not '%s'", v);
+        } else if (!strcmp(a, "--gen")) {
+            if (!parse_i64(v, 1, 1000000, &o->gen)) return usage_error("--gen must be 1..1000000, not '%s'", v);
+        } else if (!strcmp(a, "--repeat")) {
+            if (!parse_i64(v, 1, 100000, &o->repeat)) return usage_error("--repeat must be 1..100000, not '%s'", v);
+        } else if (!strcmp(a, "--warmup")) {
+            if (!parse_i64(v, 0, 100000, &o->warmup)) return usage_error("--warmup must be 0..100000, not '%s'", v);
+        } else if (!strcmp(a, "--ttft")) {
+            if (!parse_i64(v, 0, BIG, &o->ttft)) return usage_error("--ttft must be a token count (0: skip), not '%s'", v);
+        } else if (!strcmp(a, "--threads")) {
+            if (!parse_i64(v, 1, 4096, &o->threads)) return usage_error("--threads must be 1..4096, not '%s'", v);
+        } else if (!strcmp(a, "--chunk")) {
+            if (!parse_i64(v, 1, BIG, &o->chunk)) return usage_error("--chunk must be a positive token count, not '%s'", v);
+        } else if (!strcmp(a, "--bandwidth-mib")) {
+            if (!parse_i64(v, 1, 1 << 20, &o->bw_mib)) return usage_error("--bandwidth-mib must be 1..1048576, not '%s'", v);
+        } else if (!strcmp(a, "--seed")) {
+            if (!parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
+        } else if (!strcmp(a, "--bandwidth")) {
+            char *end;
+            errno = 0;
+            double x = strtod(v, &end);
+            if (errno || *end || !*v || !(x > 0) || !isfinite(x))
+                return usage_error("--bandwidth must be a positive number of GB/s, not '%s'", v);
+            o->bandwidth = x;
+        } else if (!strcmp(a, "--ab")) {
+            const char *eq = strchr(v, '=');
+            if (!eq || !eq[1]) return usage_error("--ab takes KEY=VALUE (backend, numerics or threads), not '%s'", v);
+            size_t klen = (size_t)(eq - v);
+            const char *val = eq + 1;
+            o->ab_arg = v;
+            if (klen == 7 && !strncmp(v, "backend", 7)) {
+                if (!valid_backend(val)) return usage_error("--ab backend= must be cpu or cuda, not '%s'", val);
+                o->ab = AB_BACKEND;
+            } else if (klen == 8 && !strncmp(v, "numerics", 8)) {
+                if (strcmp(val, "ds4") && strcmp(val, "reference"))
+                    return usage_error("--ab numerics= must be ds4 or reference, not '%s'", val);
+                o->ab = AB_NUMERICS;
+            } else if (klen == 7 && !strncmp(v, "threads", 7)) {
+                int64_t t;
+                if (!parse_i64(val, 1, 4096, &t)) return usage_error("--ab threads= must be 1..4096, not '%s'", val);
+                o->ab = AB_THREADS;
+            } else {
+                return usage_error("--ab key must be backend, numerics or threads, not '%s'", v);
+            }
+            snprintf(o->ab_value, sizeof o->ab_value, "%s", val);
+        } else {
+            return usage_error("unknown option '%s'", a);
+        }
+    }
+    if (!o->model) return usage_error("no model given (-m FILE)%s", NULL);
+    const char *bk[2] = { o->backend, o->ab == AB_BACKEND ? o->ab_value : NULL };
+    for (int k = 0; k < 2; k++)
+        if (bk[k] && !ds4_backend_compiled(bk[k]))
+            return usage_error("backend '%s' is not built into this binary (`make cuda` builds build/cuda/ds4server)",
+                               bk[k]);
+    return 0;
+}
+
+/* ------------------------------------------------------------ results */
+
+typedef struct load_info {
+    double open_s, weights_s;
+    int64_t bytes_bound;     /* from the load progress */
+    uint64_t device_weights; /* counters.weight_bytes */
+} load_info;
+
+typedef struct variant {
+    char backend[16];
+    ds4_numerics num;
+    int64_t threads;
+    ds4_backend *be;
+    ds4_model *m;
+    bool owns; /* false when sharing A's backend and model */
+    load_info load;
+} variant;
+
+typedef struct prefill_row {
+    int64_t tokens;
+    dvec s;
+    bool skipped;
+    char reason[REASON_MAX];
+    ds4_backend_counters c; /* delta of the last sample */
+} prefill_row;
+
+typedef struct decode_row {
+    int64_t ctx, pos_start, interval_tokens;
+    double interval_s;
+    dvec s;
+    bool skipped;
+    char reason[REASON_MAX];
+    double launches, copies, h2d, d2h, syncs; /* per token */
+    uint64_t peak;
+    double kv_bytes; /* estimate at the middle of the decode run */
+} decode_row;
+
+typedef struct ab_result {
+    int64_t size;
+    bool skipped;
+    char reason[REASON_MAX];
+    char *order;    /* "ABBA..." */
+    dvec seconds;   /* in executed order */
+    dvec tps;       /* in executed order */
+    dvec log_ratio; /* per round: log(tps_B / tps_A) */
+    double ratio, lo, hi, t_crit;
+} ab_result;
+
+typedef struct bench {
+    opts o;
+    gguf_file *f;
+    const ds4_config *cfg;
+    int32_t *tokens;
+    int64_t n_tokens;
+    float *logits;
+    variant var[2];
+    int n_var;
+    prefill_row prefill[MAX_LIST];
+    bool ttft_run;
+    char ttft_reason[REASON_MAX];
+    dvec ttft;
+    decode_row decode[MAX_LIST];
+    uint64_t peak; /* before the bandwidth buffers */
+    double weights_bytes, dense_bytes, expert_bytes_tok, expert_bytes_all, embd_row_bytes;
+    double bw_gbps;
+    bool bw_measured;
+    char bw_reason[REASON_MAX];
+    dvec bw_samples;
+    int64_t bw_bytes;
+    ab_result ab_dec, ab_pre;
+} bench;
+
+/* ------------------------------------------------------------ roofline */
+
+static bool gstr_contains(gguf_str s, const char *x) {
+    size_t n = strlen(x);
+    for (uint64_t i = 0; i + n <= s.len; i++)
+        if (!memcmp(s.ptr + i, x, n)) return true;
+    return false;
+}
+
+static void weight_bytes_per_token(bench *b) {
+    const ds4_config *c = b->cfg;
+    for (uint64_t i = 0; i < b->f->n_tensors; i++) {
+        const gguf_tensor *t = &b->f->tensors[i];
+        const double bytes = (double)t->n_bytes;
+        if (gstr_contains(t->name, "ffn_gate_exps") || gstr_contains(t->name, "ffn_up_exps") ||
+            gstr_contains(t->name, "ffn_down_exps")) {
+            b->expert_bytes_all += bytes;
+            b->expert_bytes_tok += bytes * c->n_expert_used / (c->n_expert > 0 ? c->n_expert : 1);
+        } else if (gstr_contains(t->name, "token_embd") || gstr_contains(t->name, "tid2eid")) {
+            /* one row per token: the last dimension counts the rows */
+            uint64_t rows = t->n_dims > 1 ? t->ne[t->n_dims - 1] : 1;
+            b->embd_row_bytes += bytes / (double)(rows ? rows : 1);
+        } else {
+            b->dense_bytes += bytes;
+        }
+    }
+    b->weights_bytes = b->dense_bytes + b->expert_bytes_tok + b->embd_row_bytes;
+}
+
+/* Attention state read by one decode step at position p (p + 1 rows seen):
+ * float32 window rows, compressed rows (all of them, or the top-k chosen by
+ * the indexer on ratio-4 layers) and the indexer keys it scores. */
+static double kv_bytes_at(const ds4_config *c, int64_t p) {
+    const double D = (double)c->head_dim, id = (double)c->idx_head_dim;
+    const int64_t n = p + 1;
+    double bytes = 0;
+    for (int l = 0; l < c->n_layer; l++) {
+        int64_t w = n < c->sliding_window ? n : c->sliding_window;
+        bytes += (double)w * D * 4;
+        const int r = c->compress_ratio[l];
+        if (!r) continue;
+        const int64_t rows = n / r;
+        if (r == 4) {
+            bytes += (double)rows * id * 4;
+            bytes += (double)(rows < c->idx_top_k ? rows : c->idx_top_k) * D * 4;
+        } else {
+            bytes += (double)rows * D * 4;
+        }
+    }
+    return bytes;
+}
+
+/* ------------------------------------------------------------ measurements */
+
+static void load_progress(void *ctx, int64_t done, int64_t total) {
+    load_info *li = ctx;
+    li->bytes_bound = total > done ? total : done;
+}
+
+static int load_variant(bench *b, variant *v) {
+    ds4_error err = { 0 };
+    if (ds4_backend_create(v->backend, (int)v->threads, &v->be, &err))
+        return tool_fail(CMD, "backend %s: %s", v->backend, err.message);
+    v->owns = true;
+    double t0 = now_s();
+    if (ds4_model_load_progress(b->f, v->be, load_progress, &v->load, &v->m, &err))
+        return tool_fail(CMD, "loading %s on %s: %s", b->o.model, v->backend, err.message);
+    v->load.weights_s = now_s() - t0;
+    ds4_backend_counters c;
+    ds4_backend_counters_get(v->be, &c);
+    v->load.device_weights = c.weight_bytes;
+    return 0;
+}
+
+/* Runtime failure (1) unless the error is a lack of memory, which is recorded
+ * as the reason for a skip (0). */
+static int skip_or_fail(const ds4_error *err, const char *what, char *reason) {
+    if (err->status == DS4_ERR_NOMEM) {
+        snprintf(reason, REASON_MAX, "%s: %s", what, err->message);
+        fprintf(stderr, "ds4server bench: skipped %s: %s\n", what, err->message);
+        return 0;
+    }
+    return tool_fail(CMD, "%s: %s", what, err->message);
+}
+
+/* Evaluate tokens[from, to) on st in batches of chunk; logits of the last. */
+static ds4_status eval_range(bench *b, variant *v, ds4_state *st, int64_t from, int64_t to, ds4_error *err) {
+    for (int64_t p = from; p < to;) {
+        int64_t len = to - p < b->o.chunk ? to - p : b->o.chunk;
+        ds4_status s = ds4_model_eval(v->m, st, b->tokens + p, len, v->num, b->logits, false, err);
+        if (s) return s;
+        p += len;
+    }
+    return DS4_OK;
+}
+
+/* One prefill of n tokens on a fresh state, its seconds into *secs. With
+ * pick, the argmax of the last logits is inside the timing (TTFT). */
+static ds4_status time_prefill(bench *b, variant *v, int64_t n, bool pick, double *secs, ds4_error *err) {
+    ds4_state *st = NULL;
+    ds4_status s = ds4_state_create(v->m, n + 1, &st, err);
+    if (s) return s;
+    double t0 = now_s();
+    s = ds4_model_eval(v->m, st, b->tokens, n, v->num, b->logits, false, err);
+    if (!s && pick) {
+        volatile int32_t tok = argmax_f(b->logits, b->cfg->n_vocab);
+        (void)tok;
+    }
+    *secs = now_s() - t0;
+    ds4_state_free(st);
+    return s;
+}
+
+static void counters_delta(const ds4_backend_counters *a, const ds4_backend_counters *z, ds4_backend_counters *d) {
+    d->launches = z->launches - a->launches;
+    d->copies = z->copies - a->copies;
+    d->h2d_bytes = z->h2d_bytes - a->h2d_bytes;
+    d->d2h_bytes = z->d2h_bytes - a->d2h_bytes;
+    d->syncs = z->syncs - a->syncs;
+    d->weight_bytes = z->weight_bytes;
+    d->peak_bytes = z->peak_bytes;
+}
+
+static int run_prefill(bench *b) {
+    variant *v = &b->var[0];
+    for (int i = 0; i < b->o.n_prefill; i++) {
+        prefill_row *r = &b->prefill[i];
+        r->tokens = b->o.prefill[i];
+        if ((uint64_t)r->tokens > b->cfg->context_length) {
+            r->skipped = true;
+            snprintf(r->reason, REASON_MAX, "beyond the model's context of %llu",
+                     (unsigned long long)b->cfg->context_length);
+            continue;
+        }
+        fprintf(stderr, "ds4server bench: prefill %lld tokens\n", (long long)r->tokens);
+        ds4_error err = { 0 };
+        double secs;
+        ds4_status s = DS4_OK;
+        for (int64_t w = 0; w < b->o.warmup && !s; w++) s = time_prefill(b, v, r->tokens, false, &secs, &err);
+        for (int64_t k = 0; k < b->o.repeat && !s; k++) {
+            ds4_backend_counters c0, c1;
+            ds4_backend_counters_get(v->be, &c0);
+            s = time_prefill(b, v, r->tokens, false, &secs, &err);
+            ds4_backend_counters_get(v->be, &c1);
+            if (!s && !dvec_push(&r->s, secs)) return tool_fail(CMD, "out of memory");
+            counters_delta(&c0, &c1, &r->c);
+        }
+        if (s) {
+            char what[64];
+            snprintf(what, sizeof what, "prefill of %lld tokens", (long long)r->tokens);
+            if (skip_or_fail(&err, what, r->reason)) return 1;
+            r->skipped = true;
+            r->s.n = 0;
+        }
+    }
+    if (b->o.ttft > 0) {
+        if ((uint64_t)b->o.ttft > b->cfg->context_length) {
+            snprintf(b->ttft_reason, REASON_MAX, "beyond the model's context of %llu",
+                     (unsigned long long)b->cfg->context_length);
+            return 0;
+        }
+        fprintf(stderr, "ds4server bench: time to first token, %lld-token prompt\n", (long long)b->o.ttft);
+        ds4_error err = { 0 };
+        double secs;
+        ds4_status s = DS4_OK;
+        for (int64_t w = 0; w < b->o.warmup && !s; w++) s = time_prefill(b, v, b->o.ttft, true, &secs, &err);
+        for (int64_t k = 0; k < b->o.repeat && !s; k++) {
+            s = time_prefill(b, v, b->o.ttft, true, &secs, &err);
+            if (!s && !dvec_push(&b->ttft, secs)) return tool_fail(CMD, "out of memory");
+        }
+        if (s) {
+            if (skip_or_fail(&err, "time to first token", b->ttft_reason)) return 1;
+            b->ttft.n = 0;
+            return 0;
+        }
+        b->ttft_run = true;
+    } else {
+        snprintf(b->ttft_reason, REASON_MAX, "not asked (--ttft 0)");
+    }
+    return 0;
+}
+
+/* n greedy steps from `next` on st: per-token seconds into d (may be NULL),
+ * the total into *total. */
+static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t next, int64_t n, dvec *d, double *total,
+                               ds4_error *err) {
+    const int64_t V = b->cfg->n_vocab;
+    double sum = 0;
+    for (int64_t g = 0; g < n; g++) {
+        double t0 = now_s();
+        ds4_status s = ds4_model_eval(v->m, st, &next, 1, v->num, b->logits, false, err);
+        if (s) return s;
+        next = argmax_f(b->logits, V);
+        double dt = now_s() - t0;
+        sum += dt;
+        if (d && !dvec_push(d, dt)) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for samples");
+    }
+    if (total) *total = sum;
+    return DS4_OK;
+}
+
+static int run_decode(bench *b) {
+    variant *v = &b->var[0];
+    const int64_t gen = b->o.gen;
+    int last = -1; /* the last frontier that fits the model's context */
+    for (int i = 0; i < b->o.n_ctx; i++) {
+        decode_row *r = &b->decode[i];
+        r->ctx = b->o.ctx[i];
+        if ((uint64_t)(r->ctx + gen) > b->cfg->context_length) {
+            r->skipped = true;
+            snprintf(r->reason, REASON_MAX, "%lld + %lld decoded tokens exceed the model's context of %llu",
+                     (long long)r->ctx, (long long)gen, (unsigned long long)b->cfg->context_length);
+        } else {
+            last = i;
+        }
+    }
+    ds4_error err = { 0 };
+    /* warm-up on a throwaway state */
+    if (last >= 0 && b->o.warmup > 0) {
+        ds4_state *w = NULL;
+        int64_t steps = b->o.warmup * (gen < 16 ? gen : 16);
+        ds4_status s = ds4_state_create(v->m, steps + 2, &w, &err);
+        if (!s) s = ds4_model_eval(v->m, w, b->tokens, 1, v->num, b->logits, false, &err);
+        if (!s) s = decode_steps(b, v, w, argmax_f(b->logits, b->cfg->n_vocab), steps, NULL, NULL, &err);
+        ds4_state_free(w);
+        if (s) {
+            if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode warm-up: %s", err.message);
+            /* fall through: the frontiers below will report it */
+        }
+    }
+    /* one state for every frontier that fits; drop the largest while memory lacks */
+    ds4_state *st = NULL;
+    while (last >= 0) {
+        ds4_status s = ds4_state_create(v->m, b->decode[last].ctx + gen, &st, &err);
+        if (!s) break;
+        if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode state: %s", err.message);
+        decode_row *r = &b->decode[last];
+        r->skipped = true;
+        snprintf(r->reason, REASON_MAX, "state for %lld positions: %s", (long long)(r->ctx + gen), err.message);
+        fprintf(stderr, "ds4server bench: skipped frontier %lld: %s\n", (long long)r->ctx, err.message);
+        last--;
+    }
+    int64_t pos = 0;
+    int32_t next = b->tokens[0];
+    bool dead = false;
+    for (int i = 0; i <= last; i++) {
+        decode_row *r = &b->decode[i];
+        if (r->skipped) continue;
+        if (dead) {
+            r->skipped = true;
+            snprintf(r->reason, REASON_MAX, "an earlier frontier ran out of memory");
+            continue;
+        }
+        fprintf(stderr, "ds4server bench: decode at %lld\n", (long long)r->ctx);
+        ds4_status s = DS4_OK;
+        r->interval_tokens = r->ctx > pos ? r->ctx - pos : 0;
+        double t0 = now_s();
+        if (r->interval_tokens) {
+            s = eval_range(b, v, st, pos, r->ctx, &err);
+            if (!s) next = argmax_f(b->logits, b->cfg->n_vocab);
+        }
+        r->interval_s = now_s() - t0;
+        pos += r->interval_tokens;
+        r->pos_start = pos;
+        ds4_backend_counters c0, c1;
+        ds4_backend_counters_get(v->be, &c0);
+        if (!s) s = decode_steps(b, v, st, next, gen, &r->s, NULL, &err);
+        ds4_backend_counters_get(v->be, &c1);
+        if (s) {
+            char what[96];
+            snprintf(what, sizeof what, "decode at frontier %lld", (long long)r->ctx);
+            if (skip_or_fail(&err, what, r->reason)) {
+                ds4_state_free(st);
+                return 1;
+            }
+            r->skipped = true;
+            r->s.n = 0;
+            dead = true;
+            continue;
+        }
+        next = argmax_f(b->logits, b->cfg->n_vocab);
+        pos += gen;
+        const double g = (double)gen;
+        r->launches = (double)(c1.launches - c0.launches) / g;
+        r->copies = (double)(c1.copies - c0.copies) / g;
+        r->h2d = (double)(c1.h2d_bytes - c0.h2d_bytes) / g;
+        r->d2h = (double)(c1.d2h_bytes - c0.d2h_bytes) / g;
+        r->syncs = (double)(c1.syncs - c0.syncs) / g;
+        r->peak = c1.peak_bytes;
+        r->kv_bytes = kv_bytes_at(b->cfg, r->pos_start + gen / 2);
+    }
+    ds4_state_free(st);
+    return 0;
+}
+
+/* The backend's copy op on two buffers of bw_mib MiB: 2 x bytes / time. */
+static void run_bandwidth(bench *b) {
+    if (b->o.bandwidth > 0) {
+        b->bw_gbps = b->o.bandwidth;
+        return;
+    }
+    ds4_backend *be = b->var[0].be;
+    const int64_t n = b->o.bw_mib * 1024 * 256; /* floats */
+    b->bw_bytes = n * 4;
+    float *src = be->ops->alloc(be, n), *dst = src ? be->ops->alloc(be, n) : NULL;
+    if (!src || !dst) {
+        snprintf(b->bw_reason, REASON_MAX, "could not allocate two %lld MiB buffers", (long long)b->o.bw_mib);
+        if (src) be->ops->free(be, src);
+        ds4_error e = { 0 };
+        be->ops->take_error(be, &e);
+        return;
+    }
+    fprintf(stderr, "ds4server bench: copy bandwidth, %lld MiB\n", (long long)b->o.bw_mib);
+    float probe;
+    be->ops->fill(be, src, 1.5f, n);
+    be->ops->copy(be, dst, src, n); /* warm */
+    be->ops->download(be, &probe, dst + n - 1, 1);
+    const int inner = 4;
+    for (int r = 0; r < 5; r++) {
+        be->ops->download(be, &probe, dst, 1);
+        double t0 = now_s();
+        for (int k = 0; k < inner; k++) be->ops->copy(be, dst, src, n);
+        be->ops->download(be, &probe, dst + n - 1, 1);
+        double dt = now_s() - t0;
+        if (dt > 0) dvec_push(&b->bw_samples, 2.0 * (double)b->bw_bytes * inner / dt / 1e9);
+    }
+    be->ops->free(be, dst);
+    be->ops->free(be, src);
+    ds4_error e = { 0 };
+    if (be->ops->take_error(be, &e)) {
+        snprintf(b->bw_reason, REASON_MAX, "copy failed: %s", e.message);
+        b->bw_samples.n = 0;
+        return;
+    }
+    for (int64_t i = 0; i < b->bw_samples.n; i++)
+        if (b->bw_samples.v[i] > b->bw_gbps) b->bw_gbps = b->bw_samples.v[i];
+    b->bw_measured = b->bw_gbps > 0;
+}
+
+/* ------------------------------------------------------------ A/B */
+
+/* One A/B sample of variant v: tokens/s and seconds. */
+static ds4_status ab_sample(bench *b, variant *v, bool decode, int64_t size, double *secs, double *tps,
+                            ds4_error *err) {
+    if (!decode) {
+        ds4_status s = time_prefill(b, v, size, false, secs, err);
+        if (!s) *tps = (double)size / *secs;
+        return s;
+    }
+    ds4_state *st = NULL;
+    ds4_status s = ds4_state_create(v->m, size + b->o.gen, &st, err);
+    if (!s) s = eval_range(b, v, st, 0, size, err);
+    if (!s) s = decode_steps(b, v, st, argmax_f(b->logits, b->cfg->n_vocab), b->o.gen, NULL, secs, err);
+    if (!s) *tps = (double)b->o.gen / *secs;
+    ds4_state_free(st);
+    return s;
+}
+
+static int run_ab_exp(bench *b, ab_result *res, bool decode) {
+    const int64_t R = b->o.repeat;
+    res->order = calloc((size_t)(2 * R + 1), 1);
+    if (!res->order) return tool_fail(CMD, "out of memory");
+    const char *what = decode ? "A/B decode" : "A/B prefill";
+    ds4_error err = { 0 };
+    double secs, tps;
+    ds4_status s = DS4_OK;
+    for (int64_t w = 0; w < b->o.warmup && !s; w++)
+        for (int k = 0; k < 2 && !s; k++) s = ab_sample(b, &b->var[k], decode, res->size, &secs, &tps, &err);
+    double pair[2];
+    for (int64_t r = 0; r < R && !s; r++) {
+        fprintf(stderr, "ds4server bench: %s round %lld of %lld\n", what, (long long)r + 1, (long long)R);
+        for (int j = 0; j < 2 && !s; j++) {
+            const int k = (r % 2 == 0) ? j : 1 - j; /* A B, then B A */
+            s = ab_sample(b, &b->var[k], decode, res->size, &secs, &tps, &err);
+            if (s) break;
+            res->order[2 * r + j] = k ? 'B' : 'A';
+            pair[k] = tps;
+            if (!dvec_push(&res->seconds, secs) || !dvec_push(&res->tps, tps)) return tool_fail(CMD, "out of memory");
+        }
+        if (!s && !dvec_push(&res->log_ratio, log(pair[1] / pair[0]))) return tool_fail(CMD, "out of memory");
+    }
+    if (s) {
+        if (skip_or_fail(&err, what, res->reason)) return 1;
+        res->skipped = true;
+        res->seconds.n = res->tps.n = res->log_ratio.n = 0;
+        res->order[0] = 0;
+        return 0;
+    }
+    const dvec *d = &res->log_ratio;
+    const stats st = stats_of(d);
+    res->ratio = exp(st.mean);
+    res->lo = res->hi = res->t_crit = NAN;
+    if (d->n >= 2) {
+        double ss = 0;
+        for (int64_t i = 0; i < d->n; i++) ss += (d->v[i] - st.mean) * (d->v[i] - st.mean);
+        const double se = sqrt(ss / (double)(d->n - 1)) / sqrt((double)d->n);
+        res->t_crit = t_crit_975(d->n - 1);
+        res->lo = exp(st.mean - res->t_crit * se);
+        res->hi = exp(st.mean + res->t_crit * se);
+    }
+    return 0;
+}
+
+static int run_ab(bench *b) {
+    /* decode at the first frontier that fits, prefill at the largest size that fits */
+    ab_result *d = &b->ab_dec, *p = &b->ab_pre;
+    d->size = -1;
+    for (int i = 0; i < b->o.n_ctx && d->size < 0; i++)
+        if ((uint64_t)(b->o.ctx[i] + b->o.gen) <= b->cfg->context_length) d->size = b->o.ctx[i];
+    p->size = -1;
+    for (int i = b->o.n_prefill - 1; i >= 0 && p->size < 0; i--)
+        if ((uint64_t)b->o.prefill[i] <= b->cfg->context_length) p->size = b->o.prefill[i];
+    if (d->size < 0) {
+        d->skipped = true;
+        snprintf(d->reason, REASON_MAX, "no --ctx frontier + --gen fits the model's context of %llu",
+                 (unsigned long long)b->cfg->context_length);
+    } else if (run_ab_exp(b, d, true)) {
+        return 1;
+    }
+    if (p->size < 0) {
+        p->skipped = true;
+        snprintf(p->reason, REASON_MAX, "no --prefill size fits the model's context of %llu",
+                 (unsigned long long)b->cfg->context_length);
+    } else if (run_ab_exp(b, p, false)) {
+        return 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ provenance */
+
+typedef struct prov {
+    char commit[64];
+    int dirty; /* -1 unknown */
+    char compiler[160];
+    char device[600];
+    char host_cpu[160];
+    long host_cores;
+    char date[32];
+    int64_t file_bytes;
+    uint64_t fingerprint;
+} prov;
+
+static void get_provenance(bench *b, prov *p) {
+    memset(p, 0, sizeof *p);
+    p->dirty = -1;
+    snprintf(p->commit, sizeof p->commit, "unknown");
+    const char *env = getenv("DS4_BENCH_COMMIT");
+    char dir[4096] = "", cmd[4300], buf[256];
+    ssize_t n = readlink("/proc/self/exe", dir, sizeof dir - 1);
+    if (n > 0) {
+        dir[n] = 0;
+        char *slash = strrchr(dir, '/');
+        if (slash) *slash = 0;
+    }
+    const bool dir_ok = n > 0 && !strchr(dir, '\'');
+    if (env && *env) {
+        snprintf(p->commit, sizeof p->commit, "%.63s", env);
+    } else {
+        snprintf(cmd, sizeof cmd, "git %s%s%s rev-parse --short HEAD 2>/dev/null", dir_ok ? "-C '" : "",
+                 dir_ok ? dir : "", dir_ok ? "'" : "");
+        if (command_line(cmd, buf, sizeof buf)) {
+            snprintf(p->commit, sizeof p->commit, "%.63s", buf);
+            snprintf(cmd, sizeof cmd, "git %s%s%s diff --quiet HEAD -- 2>/dev/null && echo clean || echo dirty",
+                     dir_ok ? "-C '" : "", dir_ok ? dir : "", dir_ok ? "'" : "");
+            if (command_line(cmd, buf, sizeof buf)) p->dirty = !strcmp(buf, "dirty");
+        }
+    }
+#if defined(__clang__)
+    snprintf(p->compiler, sizeof p->compiler, "clang %s", __VERSION__);
+#elif defined(__GNUC__)
+    snprintf(p->compiler, sizeof p->compiler, "gcc %s", __VERSION__);
+#elif defined(__VERSION__)
+    snprintf(p->compiler, sizeof p->compiler, "%s", __VERSION__);
+#else
+    snprintf(p->compiler, sizeof p->compiler, "unknown");
+#endif
+    snprintf(p->device, sizeof p->device, "cpu");
+#ifdef DS4_WITH_CUDA
+    if (!strcmp(b->var[0].backend, "cuda") || (b->n_var > 1 && !strcmp(b->var[1].backend, "cuda"))) {
+        ds4_error err = { 0 };
+        if (ds4_cuda_device_describe(0, p->device, sizeof p->device, &err))
+            snprintf(p->device, sizeof p->device, "cuda: %s", err.message);
+    }
+#endif
+    FILE *ci = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    while (ci && fgets(line, sizeof line, ci)) {
+        if (!strncmp(line, "model name", 10)) {
+            const char *c = strchr(line, ':');
+            if (c) {
+                c++;
+                while (*c == ' ' || *c == '\t') c++;
+                snprintf(p->host_cpu, sizeof p->host_cpu, "%s", c);
+                p->host_cpu[strcspn(p->host_cpu, "\r\n")] = 0;
+            }
+            break;
+        }
+    }
+    if (ci) fclose(ci);
+    if (!p->host_cpu[0]) snprintf(p->host_cpu, sizeof p->host_cpu, "unknown");
+    p->host_cores = sysconf(_SC_NPROCESSORS_ONLN);
+    time_t t = time(NULL);
+    struct tm tm;
+    if (gmtime_r(&t, &tm)) strftime(p->date, sizeof p->date, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    struct stat sb;
+    p->file_bytes = stat(b->o.model, &sb) == 0 ? (int64_t)sb.st_size : (int64_t)b->f->size;
+    p->fingerprint = ds4_model_fingerprint(b->var[0].m);
+}
+
+/* ------------------------------------------------------------ JSON */
+
+static void json_load(FILE *f, const variant *v) {
+    fprintf(f, "{\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"open_s\": ", v->backend,
+            numerics_name(v->num), (long long)v->threads);
+    json_num(f, v->load.open_s);
+    fputs(", \"weights_s\": ", f);
+    json_num(f, v->load.weights_s);
+    fputs(", \"total_s\": ", f);
+    json_num(f, v->load.open_s + v->load.weights_s);
+    fprintf(f, ", \"bytes_bound\": %lld, \"device_weight_bytes\": %llu, \"upload_gbps\": ",
+            (long long)v->load.bytes_bound, (unsigned long long)v->load.device_weights);
+    if (v->load.device_weights > 0 && v->load.weights_s > 0)
+        json_num(f, (double)v->load.device_weights / v->load.weights_s / 1e9);
+    else
+        fputs("null", f);
+    fputc('}', f);
+}
+
+static void json_list(FILE *f, const int64_t *v, int n) {
+    fputc('[', f);
+    for (int i = 0; i < n; i++) fprintf(f, "%s%lld", i ? ", " : "", (long long)v[i]);
+    fputc(']', f);
+}
+
+static void json_ab(FILE *f, const ab_result *r, const char *size_key) {
+    fprintf(f, "{\"%s\": %lld, \"skipped\": %s, \"reason\": ", size_key, (long long)r->size,
+            r->skipped ? "true" : "false");
+    if (r->skipped) json_str(f, r->reason);
+    else fputs("null", f);
+    fputs(", \"order\": [", f);
+    for (size_t i = 0; r->order && r->order[i]; i++) fprintf(f, "%s\"%c\"", i ? ", " : "", r->order[i]);
+    fputs("], \"samples\": [", f);
+    for (int64_t i = 0; i < r->tps.n; i++) {
+        fprintf(f, "%s{\"variant\": \"%c\", \"round\": %lld, \"seconds\": ", i ? ", " : "", r->order[i],
+                (long long)(i / 2));
+        json_num(f, r->seconds.v[i]);
+        fputs(", \"tokens_per_s\": ", f);
+        json_num(f, r->tps.v[i]);
+        fputc('}', f);
+    }
+    fputs("], \"log_ratios\": ", f);
+    json_samples(f, &r->log_ratio);
+    /* per-variant medians */
+    dvec a = { 0 }, bb = { 0 };
+    for (int64_t i = 0; i < r->tps.n; i++) dvec_push(r->order[i] == 'A' ? &a : &bb, r->tps.v[i]);
+    stats sa = stats_of(&a), sb = stats_of(&bb);
+    fputs(", \"a_tokens_per_s_median\": ", f);
+    json_num(f, a.n ? sa.median : NAN);
+    fputs(", \"b_tokens_per_s_median\": ", f);
+    json_num(f, bb.n ? sb.median : NAN);
+    free(a.v);
+    free(bb.v);
+    fprintf(f, ", \"n_pairs\": %lld, \"ratio\": ", (long long)r->log_ratio.n);
+    json_num(f, r->skipped ? NAN : r->ratio);
+    fputs(", \"ci95\": ", f);
+    if (!r->skipped && isfinite(r->lo)) {
+        fputc('[', f);
+        json_num(f, r->lo);
+        fputs(", ", f);
+        json_num(f, r->hi);
+        fputc(']', f);
+    } else {
+        fputs("null", f);
+    }
+    fputs(", \"t_crit\": ", f);
+    json_num(f, r->t_crit);
+    fputc('}', f);
+}
+
+static int write_json(bench *b, const prov *p, int argc, char **argv) {
+    FILE *f = fopen(b->o.json, "w");
+    if (!f) return tool_fail(CMD, "%s: %s", b->o.json, strerror(errno));
+    const opts *o = &b->o;
+    const ds4_config *c = b->cfg;
+    fprintf(f, "{\n  \"schema\": \"" SCHEMA "\",\n  \"mode\": \"%s\",\n", o->ab ? "ab" : "sweep");
+    fputs("  \"provenance\": {\"commit\": ", f);
+    json_str(f, p->commit);
+    fprintf(f, ", \"git_dirty\": %s, \"compiler\": ", p->dirty < 0 ? "null" : p->dirty ? "true" : "false");
+    json_str(f, p->compiler);
+#ifdef DS4_WITH_CUDA
+    fputs(", \"build\": \"cuda\"", f);
+#else
+    fputs(", \"build\": \"cpu\"", f);
+#endif
+#ifdef __OPTIMIZE__
+    fputs(", \"optimized\": true", f);
+#else
+    fputs(", \"optimized\": false", f);
+#endif
+    fprintf(f, ", \"version\": \"%s\", \"device\": ", ds4_version());
+    json_str(f, p->device);
+    fputs(", \"host_cpu\": ", f);
+    json_str(f, p->host_cpu);
+    fprintf(f, ", \"host_cores\": %ld, \"date_utc\": \"%s\", \"command_line\": ", p->host_cores, p->date);
+    fputs("\"ds4server", f);
+    for (int i = 0; i < argc; i++) {
+        fputc(' ', f);
+        tool_json_escape(f, argv[i], strlen(argv[i]));
+    }
+    fputs("\",\n    \"model\": {\"path\": ", f);
+    json_str(f, o->model);
+    fprintf(f, ", \"file_bytes\": %lld, \"fingerprint\": \"%016llx\", \"n_layer\": %d, \"n_embd\": %lld, "
+            "\"n_vocab\": %lld, \"n_expert\": %d, \"n_expert_used\": %d, \"sliding_window\": %d, "
+            "\"context_length\": %llu},\n",
+            (long long)p->file_bytes, (unsigned long long)p->fingerprint, c->n_layer, (long long)c->n_embd,
+            (long long)c->n_vocab, c->n_expert, c->n_expert_used, c->sliding_window,
+            (unsigned long long)c->context_length);
+    fprintf(f, "    \"tokens\": {\"seed\": %llu, \"generated\": %lld, \"prefill_sizes\": ",
+            (unsigned long long)o->seed, (long long)b->n_tokens);
+    json_list(f, o->prefill, o->n_prefill);
+    fprintf(f, ", \"ttft_tokens\": %lld, \"ctx\": ", (long long)o->ttft);
+    json_list(f, o->ctx, o->n_ctx);
+    fprintf(f, ", \"gen\": %lld}},\n", (long long)o->gen);
+    fprintf(f, "  \"options\": {\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"ctx\": ", o->backend,
+            numerics_name(o->num), (long long)o->threads);
+    json_list(f, o->ctx, o->n_ctx);
+    fputs(", \"prefill\": ", f);
+    json_list(f, o->prefill, o->n_prefill);
+    fprintf(f, ", \"gen\": %lld, \"repeat\": %lld, \"warmup\": %lld, \"ttft\": %lld, \"seed\": %llu, "
+            "\"chunk\": %lld, \"ab\": ",
+            (long long)o->gen, (long long)o->repeat, (long long)o->warmup, (long long)o->ttft,
+            (unsigned long long)o->seed, (long long)o->chunk);
+    if (o->ab_arg) json_str(f, o->ab_arg);
+    else fputs("null", f);
+    fputs(", \"bandwidth_gbps\": ", f);
+    json_num(f, o->bandwidth > 0 ? o->bandwidth : NAN);
+    fprintf(f, ", \"bandwidth_mib\": %lld},\n", (long long)o->bw_mib);
+    fputs("  \"stats_method\": {\"median\": \"middle sample (mean of the middle two for an even count)\", "
+          "\"p95\": \"nearest rank: the ceil(95 n / 100)-th smallest sample\", "
+          "\"ci95\": \"exp(mean +- t(0.975, n-1) * sd / sqrt(n)) of the per-pair log(B/A) ratios\"},\n",
+          f);
+    fputs("  \"load\": ", f);
+    json_load(f, &b->var[0]);
+    fputs(",\n", f);
+
+    /* bandwidth and roofline */
+    fputs("  \"bandwidth\": {\"source\": ", f);
+    if (o->ab) fputs("null", f);
+    else fputs(o->bandwidth > 0 ? "\"given\"" : b->bw_measured ? "\"measured\"" : "null", f);
+    fputs(", \"gbps\": ", f);
+    json_num(f, b->bw_gbps > 0 ? b->bw_gbps : NAN);
+    fputs(", \"samples_gbps\": ", f);
+    json_samples(f, &b->bw_samples);
+    fprintf(f, ", \"buffer_bytes\": %lld, \"method\": \"best of the samples; each times 4 copy ops of the buffer "
+            "between two 4-byte downloads, 2 x bytes / time\", \"reason\": ", (long long)b->bw_bytes);
+    if (b->bw_reason[0]) json_str(f, b->bw_reason);
+    else fputs("null", f);
+    fputs("},\n", f);
+    fputs("  \"roofline\": {\"weights_bytes_per_token\": ", f);
+    json_num(f, b->weights_bytes);
+    fputs(", \"dense_bytes\": ", f);
+    json_num(f, b->dense_bytes);
+    fputs(", \"routed_expert_bytes_total\": ", f);
+    json_num(f, b->expert_bytes_all);
+    fputs(", \"routed_expert_bytes_per_token\": ", f);
+    json_num(f, b->expert_bytes_tok);
+    fputs(", \"row_bytes_per_token\": ", f);
+    json_num(f, b->embd_row_bytes);
+    fputs(", \"kv\": \"float32 window rows + compressed rows (ratio 128: all; ratio 4: the indexer's top-k) + "
+          "indexer keys of ratio-4 layers, at the middle position of each decode run\"},\n",
+          f);
+
+    /* prefill */
+    fputs("  \"prefill\": [", f);
+    int k = 0;
+    for (int i = 0; i < o->n_prefill && !o->ab; i++) {
+        const prefill_row *r = &b->prefill[i];
+        if (r->skipped) continue;
+        stats s = stats_of(&r->s);
+        fprintf(f, "%s\n    {\"tokens\": %lld, \"samples_s\": ", k++ ? "," : "", (long long)r->tokens);
+        json_samples(f, &r->s);
+        fputs(", ", f);
+        json_stats_s(f, &s);
+        fputs(", \"tokens_per_s\": ", f);
+        json_num(f, (double)r->tokens / s.median);
+        fputs(", \"tokens_per_s_min\": ", f);
+        json_num(f, (double)r->tokens / s.max);
+        fputs(", \"tokens_per_s_max\": ", f);
+        json_num(f, (double)r->tokens / s.min);
+        fprintf(f, ", \"last_sample\": {\"launches\": %llu, \"copies\": %llu, \"h2d_bytes\": %llu, "
+                "\"d2h_bytes\": %llu, \"syncs\": %llu}}",
+                (unsigned long long)r->c.launches, (unsigned long long)r->c.copies,
+                (unsigned long long)r->c.h2d_bytes, (unsigned long long)r->c.d2h_bytes,
+                (unsigned long long)r->c.syncs);
+    }
+    fputs(k ? "\n  ],\n" : "],\n", f);
+    fputs("  \"prefill_skipped\": [", f);
+    k = 0;
+    for (int i = 0; i < o->n_prefill && !o->ab; i++) {
+        const prefill_row *r = &b->prefill[i];
+        if (!r->skipped) continue;
+        fprintf(f, "%s{\"tokens\": %lld, \"reason\": ", k++ ? ", " : "", (long long)r->tokens);
+        json_str(f, r->reason);
+        fputc('}', f);
+    }
+    fputs("],\n  \"ttft\": ", f);
+    if (b->ttft_run) {
+        stats s = stats_of(&b->ttft);
+        fprintf(f, "{\"tokens\": %lld, \"samples_s\": ", (long long)o->ttft);
+        json_samples(f, &b->ttft);
+        fputs(", ", f);
+        json_stats_s(f, &s);
+        fputs("}", f);
+    } else {
+        fputs("null", f);
+    }
+    fputs(",\n  \"ttft_reason\": ", f);
+    if (!b->ttft_run && !o->ab) json_str(f, b->ttft_reason);
+    else fputs("null", f);
+    fputs(",\n", f);
+
+    /* decode */
+    fputs("  \"decode\": [", f);
+    k = 0;
+    for (int i = 0; i < o->n_ctx && !o->ab; i++) {
+        const decode_row *r = &b->decode[i];
+        if (r->skipped) continue;
+        stats s = stats_of(&r->s);
+        fprintf(f, "%s\n    {\"ctx\": %lld, \"pos_start\": %lld, \"gen\": %lld, \"interval_tokens\": %lld, "
+                "\"interval_s\": ",
+                k++ ? "," : "", (long long)r->ctx, (long long)r->pos_start, (long long)o->gen,
+                (long long)r->interval_tokens);
+        json_num(f, r->interval_s);
+        fputs(", \"interval_tokens_per_s\": ", f);
+        json_num(f, r->interval_tokens ? (double)r->interval_tokens / r->interval_s : NAN);
+        fputs(", \"samples_s\": ", f);
+        json_samples(f, &r->s);
+        fputs(", ", f);
+        json_stats_s(f, &s);
+        fputs(", \"p50_s\": ", f);
+        json_num(f, s.median);
+        fputs(", \"tokens_per_s\": ", f);
+        json_num(f, (double)s.n / s.sum);
+        fputs(", \"per_token\": {\"launches\": ", f);
+        json_num(f, r->launches);
+        fputs(", \"copies\": ", f);
+        json_num(f, r->copies);
+        fputs(", \"h2d_bytes\": ", f);
+        json_num(f, r->h2d);
+        fputs(", \"d2h_bytes\": ", f);
+        json_num(f, r->d2h);
+        fputs(", \"syncs\": ", f);
+        json_num(f, r->syncs);
+        fprintf(f, "}, \"peak_device_bytes\": %llu, \"roofline\": {\"weights_bytes\": ", (unsigned long long)r->peak);
+        json_num(f, b->weights_bytes);
+        fputs(", \"kv_bytes\": ", f);
+        json_num(f, r->kv_bytes);
+        const double bw = b->bw_gbps * 1e9;
+        const double fw = bw > 0 ? b->weights_bytes / bw : NAN, fk = bw > 0 ? (b->weights_bytes + r->kv_bytes) / bw : NAN;
+        fputs(", \"floor_s_weights\": ", f);
+        json_num(f, fw);
+        fputs(", \"floor_s_weights_kv\": ", f);
+        json_num(f, fk);
+        fputs(", \"measured_s\": ", f);
+        json_num(f, s.median);
+        fputs(", \"measured_over_floor_weights\": ", f);
+        json_num(f, s.median / fw);
+        fputs(", \"measured_over_floor_weights_kv\": ", f);
+        json_num(f, s.median / fk);
+        fputs("}}", f);
+    }
+    fputs(k ? "\n  ],\n" : "],\n", f);
+    fputs("  \"decode_skipped\": [", f);
+    k = 0;
+    for (int i = 0; i < o->n_ctx && !o->ab; i++) {
+        const decode_row *r = &b->decode[i];
+        if (!r->skipped) continue;
+        fprintf(f, "%s{\"ctx\": %lld, \"reason\": ", k++ ? ", " : "", (long long)r->ctx);
+        json_str(f, r->reason);
+        fputc('}', f);
+    }
+    fprintf(f, "],\n  \"peak_device_bytes\": %llu,\n", (unsigned long long)b->peak);
+
+    /* A/B */
+    fputs("  \"ab\": ", f);
+    if (o->ab) {
+        const char *keys[] = { "", "backend", "numerics", "threads" };
+        fprintf(f, "{\"key\": \"%s\", \"value\": ", keys[o->ab]);
+        json_str(f, o->ab_value);
+        fputs(",\n    \"variants\": {\"A\": ", f);
+        json_load(f, &b->var[0]);
+        fputs(", \"B\": ", f);
+        json_load(f, &b->var[1]);
+        fputs("},\n    \"decode\": ", f);
+        json_ab(f, &b->ab_dec, "ctx");
+        fputs(",\n    \"prefill\": ", f);
+        json_ab(f, &b->ab_pre, "tokens");
+        fputs("}\n", f);
+    } else {
+        fputs("null\n", f);
+    }
+    fputs("}\n", f);
+    if (ferror(f) | (fclose(f) != 0)) return tool_fail(CMD, "%s: write failed", o->json);
+    return 0;
+}
+
+/* ------------------------------------------------------------ Markdown */
+
+static void md_ab_row(FILE *f, const char *name, const ab_result *r, const char *unit) {
+    if (r->skipped) {
+        fprintf(f, "| %s | - | - | - | - | 0 | skipped: %s |\n", name, r->reason);
+        return;
+    }
+    dvec a = { 0 }, bb = { 0 };
+    for (int64_t i = 0; i < r->tps.n; i++) dvec_push(r->order[i] == 'A' ? &a : &bb, r->tps.v[i]);
+    stats sa = stats_of(&a), sb = stats_of(&bb);
+    fprintf(f, "| %s %lld %s | %.2f | %.2f | %.4f | ", name, (long long)r->size, unit, sa.median, sb.median,
+            r->ratio);
+    if (isfinite(r->lo)) fprintf(f, "%.4f .. %.4f", r->lo, r->hi);
+    else fputs("- (one pair)", f);
+    fprintf(f, " | %lld | %.*s%s |\n", (long long)r->log_ratio.n, 16, r->order, strlen(r->order) > 16 ? "..." : "");
+    free(a.v);
+    free(bb.v);
+}
+
+static void write_md(FILE *f, bench *b, const prov *p) {
+    const opts *o = &b->o;
+    const variant *v = &b->var[0];
+    fprintf(f, "## ds4server bench\n\n");
+    fprintf(f, "- model: `%s` (%.3f GB, fingerprint %016llx, %d layers, vocab %lld, %d of %d experts)\n", o->model,
+            (double)p->file_bytes / 1e9, (unsigned long long)p->fingerprint, b->cfg->n_layer,
+            (long long)b->cfg->n_vocab, b->cfg->n_expert_used, b->cfg->n_expert);
+    fprintf(f, "- backend %s, numerics %s, threads %lld; commit %s%s; %s\n", v->backend, numerics_name(v->num),
+            (long long)v->threads, p->commit, p->dirty == 1 ? " (modified)" : "", p->date);
+    fprintf(f, "- device: %s; host: %s, %ld cores; compiler: %s\n", p->device, p->host_cpu, p->host_cores,
+            p->compiler);
+    for (int k = 0; k < b->n_var; k++) {
+        const variant *w = &b->var[k];
+        fprintf(f, "- load%s: %.3f s (open %.3f s, weights %.3f s, %.3f GB bound", b->n_var > 1 ? (k ? " B" : " A") : "",
+                w->load.open_s + w->load.weights_s, w->load.open_s, w->load.weights_s, (double)w->load.bytes_bound / 1e9);
+        if (w->load.device_weights > 0 && w->load.weights_s > 0)
+            fprintf(f, "; upload %.2f GB/s", (double)w->load.device_weights / w->load.weights_s / 1e9);
+        fprintf(f, ")\n");
+    }
+    if (o->ab) {
+        const char *keys[] = { "", "backend", "numerics", "threads" };
+        fprintf(f, "\nA/B: B = A with %s=%s; %lld rounds in the order A B B A ...; ratio = B/A tokens/s "
+                "(geometric mean of the pairs) with a paired 95%% CI\n\n",
+                keys[o->ab], o->ab_value, (long long)o->repeat);
+        fprintf(f, "| measurement | A tokens/s | B tokens/s | B/A | 95%% CI | pairs | order |\n");
+        fprintf(f, "|---|---:|---:|---:|---|---:|---|\n");
+        md_ab_row(f, "decode at", &b->ab_dec, "");
+        md_ab_row(f, "prefill", &b->ab_pre, "tokens");
+        return;
+    }
+    fprintf(f, "- bytes per decoded token: %.4f GB of weights (dense %.4f, routed experts %.4f, rows %.6f)\n",
+            b->weights_bytes / 1e9, b->dense_bytes / 1e9, b->expert_bytes_tok / 1e9, b->embd_row_bytes / 1e9);
+    if (b->bw_gbps > 0)
+        fprintf(f, "- bandwidth: %.1f GB/s (%s)\n", b->bw_gbps,
+                o->bandwidth > 0 ? "given" : "measured: backend copy op, best of 5");
+    else
+        fprintf(f, "- bandwidth: not measured (%s)\n", b->bw_reason);
+    if (b->peak) fprintf(f, "- peak device memory: %.2f GiB\n", (double)b->peak / 1073741824.0);
+    fprintf(f, "\n| prefill tokens | tokens/s (median) | median s | p95 s | min s | max s | samples |\n");
+    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < o->n_prefill; i++) {
+        const prefill_row *r = &b->prefill[i];
+        if (r->skipped) {
+            fprintf(f, "| %lld | skipped: %s | | | | | 0 |\n", (long long)r->tokens, r->reason);
+            continue;
+        }
+        stats s = stats_of(&r->s);
+        fprintf(f, "| %lld | %.2f | %.6f | %.6f | %.6f | %.6f | %lld |\n", (long long)r->tokens,
+                (double)r->tokens / s.median, s.median, s.p95, s.min, s.max, (long long)s.n);
+    }
+    if (b->ttft_run) {
+        stats s = stats_of(&b->ttft);
+        fprintf(f, "\ntime to first token (%lld-token prompt): median %.6f s, p95 %.6f s, min %.6f s, max %.6f s "
+                "(%lld samples)\n", (long long)o->ttft, s.median, s.p95, s.min, s.max, (long long)s.n);
+    } else {
+        fprintf(f, "\ntime to first token: skipped (%s)\n", b->ttft_reason);
+    }
+    fprintf(f, "\n| context | interval prefill tok/s | decode tok/s | p50 ms | p95 ms | launches/tok | H2D B/tok | "
+            "D2H B/tok | syncs/tok | peak GiB | GB/tok w | GB/tok w+KV | floor ms w+KV | measured/floor w | "
+            "measured/floor w+KV |\n");
+    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < o->n_ctx; i++) {
+        const decode_row *r = &b->decode[i];
+        if (r->skipped) {
+            fprintf(f, "| %lld | skipped: %s | | | | | | | | | | | | | |\n", (long long)r->ctx, r->reason);
+            continue;
+        }
+        stats s = stats_of(&r->s);
+        const double bw = b->bw_gbps * 1e9;
+        const double wk = b->weights_bytes + r->kv_bytes;
+        fprintf(f, "| %lld | ", (long long)r->ctx);
+        if (r->interval_tokens) fprintf(f, "%.1f | ", (double)r->interval_tokens / r->interval_s);
+        else fputs("- | ", f);
+        fprintf(f, "%.2f | %.3f | %.3f | %.1f | %.0f | %.0f | %.2f | %.2f | %.4f | %.4f | ", (double)s.n / s.sum,
+                s.median * 1e3, s.p95 * 1e3, r->launches, r->h2d, r->d2h, r->syncs, (double)r->peak / 1073741824.0,
+                b->weights_bytes / 1e9, wk / 1e9);
+        if (bw > 0)
+            fprintf(f, "%.4f | %.2f | %.2f |\n", wk / bw * 1e3, s.median / (b->weights_bytes / bw), s.median / (wk / bw));
+        else
+            fputs("- | - | - |\n", f);
+    }
+}
+
+/* ------------------------------------------------------------ main */
+
+static void bench_free(bench *b) {
+    for (int k = b->n_var - 1; k >= 0; k--) {
+        variant *v = &b->var[k];
+        if (!v->owns) continue;
+        ds4_model_free(v->m);
+        ds4_backend_destroy(v->be);
+    }
+    for (int i = 0; i < MAX_LIST; i++) {
+        free(b->prefill[i].s.v);
+        free(b->decode[i].s.v);
+    }
+    ab_result *ab[2] = { &b->ab_dec, &b->ab_pre };
+    for (int i = 0; i < 2; i++) {
+        free(ab[i]->order);
+        free(ab[i]->seconds.v);
+        free(ab[i]->tps.v);
+        free(ab[i]->log_ratio.v);
+    }
+    free(b->ttft.v);
+    free(b->bw_samples.v);
+    free(b->tokens);
+    free(b->logits);
+    gguf_close(b->f);
+}
+
+int tool_bench(int argc, char **argv) {
+    bench *b = calloc(1, sizeof *b);
+    if (!b) return tool_fail(CMD, "out of memory");
+    int rc = parse_opts(argc, argv, &b->o);
+    if (rc) {
+        free(b);
+        if (rc < 0) {
+            print_help();
+            return 0;
+        }
+        return rc;
+    }
+    opts *o = &b->o;
+    ds4_error err = { 0 };
+    double t0 = now_s();
+    if (gguf_open(o->model, &b->f, &err)) {
+        rc = tool_fail(CMD, "%s", err.message);
+        goto done;
+    }
+    const double open_s = now_s() - t0;
+    /* fail now, not after a long run, when an output cannot be written */
+    const char *outs[2] = { o->json, o->md };
+    for (int i = 0; i < 2; i++) {
+        FILE *probe = outs[i] ? fopen(outs[i], "a") : NULL;
+        if (outs[i] && !probe) {
+            rc = tool_fail(CMD, "%s: %s", outs[i], strerror(errno));
+            goto done;
+        }
+        if (probe) fclose(probe);
+    }
+    variant *A = &b->var[0];
+    snprintf(A->backend, sizeof A->backend, "%s", o->backend);
+    A->num = o->num;
+    A->threads = o->threads;
+    b->n_var = 1; /* from here bench_free releases what the variants own */
+    fprintf(stderr, "ds4server bench: loading %s on %s\n", o->model, A->backend);
+    if ((rc = load_variant(b, A))) goto done;
+    A->load.open_s = open_s;
+    b->cfg = ds4_model_config(A->m);
+    if (o->ab) {
+        variant *B = &b->var[1];
+        *B = *A;
+        B->owns = false;
+        B->load.open_s = 0;
+        if (o->ab == AB_NUMERICS) {
+            B->num = !strcmp(o->ab_value, "ds4") ? DS4_NUMERICS_DS4 : DS4_NUMERICS_REFERENCE;
+        } else {
+            if (o->ab == AB_BACKEND) snprintf(B->backend, sizeof B->backend, "%s", o->ab_value);
+            else B->threads = atoll(o->ab_value);
+            memset(&B->load, 0, sizeof B->load);
+            B->be = NULL;
+            B->m = NULL;
+            b->n_var = 2;
+            fprintf(stderr, "ds4server bench: loading %s on %s (variant B)\n", o->model, B->backend);
+            if ((rc = load_variant(b, B))) goto done;
+        }
+        b->n_var = 2;
+    }
+    /* tokens for the largest need */
+    int64_t need = o->ttft;
+    for (int i = 0; i < o->n_prefill; i++) need = o->prefill[i] > need ? o->prefill[i] : need;
+    for (int i = 0; i < o->n_ctx; i++) need = o->ctx[i] > need ? o->ctx[i] : need;
+    if ((uint64_t)need > b->cfg->context_length) need = (int64_t)b->cfg->context_length;
+    b->n_tokens = need > 1 ? need : 1;
+    b->tokens = malloc((size_t)b->n_tokens * sizeof *b->tokens);
+    b->logits = malloc((size_t)b->cfg->n_vocab * sizeof *b->logits);
+    if (!b->tokens || !b->logits) {
+        rc = tool_fail(CMD, "out of memory");
+        goto done;
+    }
+    fill_tokens(b->tokens, b->n_tokens, o->seed, b->cfg->n_vocab);
+    weight_bytes_per_token(b);
+
+    if (o->ab) {
+        if ((rc = run_ab(b))) goto done;
+    } else {
+        if ((rc = run_prefill(b)) || (rc = run_decode(b))) goto done;
+    }
+    ds4_backend_counters c;
+    ds4_backend_counters_get(A->be, &c);
+    b->peak = c.peak_bytes;
+    if (b->n_var > 1 && b->var[1].owns) {
+        ds4_backend_counters_get(b->var[1].be, &c);
+        if (c.peak_bytes > b->peak) b->peak = c.peak_bytes;
+    }
+    if (!o->ab) run_bandwidth(b);
+
+    prov p;
+    get_provenance(b, &p);
+    write_md(stdout, b, &p);
+    fflush(stdout);
+    if (o->md) {
+        FILE *mf = fopen(o->md, "w");
+        if (!mf) {
+            rc = tool_fail(CMD, "%s: %s", o->md, strerror(errno));
+            goto done;
+        }
+        write_md(mf, b, &p);
+        if (ferror(mf) | (fclose(mf) != 0)) {
+            rc = tool_fail(CMD, "%s: write failed", o->md);
+            goto done;
+        }
+    }
+    if (o->json) rc = write_json(b, &p, argc, argv);
+done:
+    bench_free(b);
+    free(b);
+    return rc;
+}

@@ -1,0 +1,328 @@
+"""`ds4server bench` on the CPU with the tiny model: the harness, never the timings.
+
+The figures themselves are machine-dependent, so nothing here asserts a speed:
+these check that the JSON has every field with sane values (positive rates,
+one sample per --repeat, frontiers beyond the context reported as skipped),
+that the reported statistics are the ones the raw samples give, that A/B
+rounds alternate A B B A ... and their ratio and paired confidence interval
+follow from the samples, that bad options exit with status 2 and a message,
+and that scripts/bench_report.py turns the JSON into Markdown and a
+well-formed SVG.
+"""
+import json
+import math
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import ROOT, ds4
+
+REPORT = ROOT / "scripts" / "bench_report.py"
+REPEAT = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, ds4server):
+    path = tmp_path_factory.mktemp("bench") / "tiny-q2.gguf"
+    r = ds4("synth", "--scale", "tiny", "--quant", "q2", "--seed", "5", "--out", path)
+    assert r.returncode == 0, r.stderr.decode()
+    return path
+
+
+@pytest.fixture(scope="module")
+def sweep(model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("sweep")
+    js, md = d / "bench.json", d / "bench.md"
+    # the tiny model's context is 4096: the 8192 frontier and prefill must be skipped
+    r = ds4("bench", "-m", model, "--ctx", "16,40,8192", "--prefill", "1,8,24,8192", "--gen", "4",
+            "--repeat", str(REPEAT), "--warmup", "1", "--ttft", "16", "--threads", "2", "--bandwidth-mib", "16",
+            "--chunk", "12", "--json", js, "--md", md)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    return r, json.loads(js.read_text()), js, md
+
+
+@pytest.fixture(scope="module")
+def ab(model, tmp_path_factory):
+    js = tmp_path_factory.mktemp("ab") / "ab.json"
+    r = ds4("bench", "-m", model, "--ctx", "12", "--prefill", "4,10", "--gen", "3", "--repeat", "4",
+            "--warmup", "1", "--threads", "2", "--ab", "threads=1", "--json", js)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    return r, json.loads(js.read_text()), js
+
+
+def median(v):
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def p95(v):
+    s = sorted(v)
+    return s[-(-95 * len(s) // 100) - 1]
+
+
+def close(a, b, rel=1e-7):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def check_stats(row):
+    s = row["samples_s"]
+    assert row["n"] == len(s)
+    assert all(x > 0 for x in s)
+    assert close(row["median_s"], median(s)), row
+    assert close(row["p95_s"], p95(s)), row
+    assert close(row["min_s"], min(s)) and close(row["max_s"], max(s))
+    assert close(row["mean_s"], sum(s) / len(s))
+    assert row["min_s"] <= row["median_s"] <= row["p95_s"] <= row["max_s"]
+
+
+def test_sweep_fields(sweep, model):
+    _, d, _, _ = sweep
+    assert d["schema"] == "ds4server-bench/1" and d["mode"] == "sweep" and d["ab"] is None
+    p = d["provenance"]
+    assert p["commit"] and p["compiler"] and p["build"] in ("cpu", "cuda") and p["device"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["date_utc"])
+    assert "bench" in p["command_line"] and "--ctx 16,40,8192" in p["command_line"]
+    m = p["model"]
+    assert m["path"] == str(model) and m["file_bytes"] == model.stat().st_size
+    assert re.fullmatch(r"[0-9a-f]{16}", m["fingerprint"])
+    assert m["n_layer"] == 5 and m["n_vocab"] == 1024 and m["context_length"] == 4096
+    assert p["tokens"]["seed"] == 1 and p["tokens"]["ttft_tokens"] == 16 and p["tokens"]["gen"] == 4
+    o = d["options"]
+    assert o["backend"] == "cpu" and o["numerics"] == "ds4" and o["threads"] == 2 and o["repeat"] == REPEAT
+    assert o["ctx"] == [16, 40, 8192] and o["prefill"] == [1, 8, 24, 8192] and o["chunk"] == 12
+    ld = d["load"]
+    assert ld["total_s"] > 0 and ld["weights_s"] > 0 and ld["bytes_bound"] > 0
+    assert ld["upload_gbps"] is None  # the CPU backend reads the mapping in place
+
+
+def test_sweep_prefill_and_ttft(sweep):
+    _, d, _, _ = sweep
+    assert [r["tokens"] for r in d["prefill"]] == [1, 8, 24]
+    for r in d["prefill"]:
+        check_stats(r)
+        assert r["n"] == REPEAT
+        assert r["tokens_per_s"] > 0 and close(r["tokens_per_s"], r["tokens"] / r["median_s"], 1e-6)
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+    assert [r["tokens"] for r in d["prefill_skipped"]] == [8192]
+    assert "context" in d["prefill_skipped"][0]["reason"]
+    t = d["ttft"]
+    assert t["tokens"] == 16 and t["n"] == REPEAT
+    check_stats(t)
+
+
+def test_sweep_decode(sweep):
+    _, d, _, _ = sweep
+    rows = d["decode"]
+    assert [r["ctx"] for r in rows] == [16, 40]
+    assert [r["ctx"] for r in d["decode_skipped"]] == [8192]
+    assert "context" in d["decode_skipped"][0]["reason"]
+    # one state: each frontier prefills only the gap since the previous decode
+    assert rows[0]["interval_tokens"] == 16 and rows[0]["pos_start"] == 16
+    assert rows[1]["interval_tokens"] == 40 - (16 + 4) and rows[1]["pos_start"] == 40
+    for r in rows:
+        assert r["gen"] == 4 and len(r["samples_s"]) == 4
+        check_stats(r)
+        assert r["p50_s"] == r["median_s"]
+        assert r["tokens_per_s"] > 0 and close(r["tokens_per_s"], 4 / sum(r["samples_s"]), 1e-6)
+        assert r["interval_tokens_per_s"] > 0
+        pt = r["per_token"]
+        for k in ("launches", "copies", "h2d_bytes", "d2h_bytes", "syncs"):
+            assert pt[k] >= 0  # zero on the CPU backend
+        rf = r["roofline"]
+        assert rf["weights_bytes"] == d["roofline"]["weights_bytes_per_token"] and rf["kv_bytes"] > 0
+        bw = d["bandwidth"]["gbps"] * 1e9
+        assert close(rf["floor_s_weights"], rf["weights_bytes"] / bw, 1e-6)
+        assert close(rf["floor_s_weights_kv"], (rf["weights_bytes"] + rf["kv_bytes"]) / bw, 1e-6)
+        assert close(rf["measured_over_floor_weights"], r["median_s"] / rf["floor_s_weights"], 1e-6)
+        assert rf["measured_over_floor_weights"] > rf["measured_over_floor_weights_kv"] > 0
+    assert rows[1]["roofline"]["kv_bytes"] > rows[0]["roofline"]["kv_bytes"]
+
+
+def test_sweep_roofline_and_bandwidth(sweep, model):
+    _, d, _, _ = sweep
+    rl = d["roofline"]
+    size = model.stat().st_size
+    assert 0 < rl["routed_expert_bytes_per_token"] < rl["routed_expert_bytes_total"]
+    assert close(rl["weights_bytes_per_token"],
+                 rl["dense_bytes"] + rl["routed_expert_bytes_per_token"] + rl["row_bytes_per_token"], 1e-6)
+    assert 0 < rl["weights_bytes_per_token"] < size
+    bw = d["bandwidth"]
+    assert bw["source"] == "measured" and bw["buffer_bytes"] == 16 << 20
+    assert len(bw["samples_gbps"]) == 5 and all(x > 0 for x in bw["samples_gbps"])
+    assert close(bw["gbps"], max(bw["samples_gbps"]))
+
+
+def test_sweep_markdown(sweep):
+    r, _, _, md = sweep
+    out = r.stdout.decode()
+    assert out == md.read_text()
+    assert "| prefill tokens | tokens/s (median) |" in out and "| context |" in out
+    assert "| 8192 | skipped:" in out and "time to first token (16-token prompt)" in out
+
+
+def test_given_bandwidth(model, tmp_path):
+    js = tmp_path / "b.json"
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "1", "--warmup", "0",
+            "--ttft", "0", "--threads", "1", "--bandwidth", "100", "--numerics", "reference", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(js.read_text())
+    assert d["bandwidth"]["source"] == "given" and d["bandwidth"]["gbps"] == 100
+    assert d["options"]["numerics"] == "reference" and d["ttft"] is None and "--ttft 0" in d["ttft_reason"]
+    row = d["decode"][0]
+    assert close(row["roofline"]["floor_s_weights"], d["roofline"]["weights_bytes_per_token"] / 100e9, 1e-6)
+    assert len(d["prefill"][0]["samples_s"]) == 1
+
+
+def check_ab(exp, rounds):
+    order = exp["order"]
+    assert len(order) == 2 * rounds
+    assert "".join(order) == ("ABBA" * rounds)[: 2 * rounds]
+    assert [s["variant"] for s in exp["samples"]] == order
+    assert [s["round"] for s in exp["samples"]] == [i // 2 for i in range(2 * rounds)]
+    tps = {"A": [], "B": []}
+    for s in exp["samples"]:
+        assert s["tokens_per_s"] > 0 and s["seconds"] > 0
+        tps[s["variant"]].append(s["tokens_per_s"])
+    logs = [math.log(b / a) for a, b in zip(tps["A"], tps["B"])]
+    assert len(logs) == exp["n_pairs"] == rounds
+    for got, want in zip(exp["log_ratios"], logs):
+        assert math.isclose(got, want, abs_tol=1e-6)
+    mean = sum(logs) / len(logs)
+    assert close(exp["ratio"], math.exp(mean), 1e-6)
+    lo, hi = exp["ci95"]
+    assert lo <= exp["ratio"] <= hi
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = exp["t_crit"] * sd / math.sqrt(len(logs))
+    assert close(lo, math.exp(mean - half), 1e-5) and close(hi, math.exp(mean + half), 1e-5)
+    assert close(exp["a_tokens_per_s_median"], median(tps["A"]), 1e-6)
+    assert close(exp["b_tokens_per_s_median"], median(tps["B"]), 1e-6)
+
+
+def test_ab_threads(ab):
+    r, d, _ = ab
+    assert d["mode"] == "ab" and d["prefill"] == [] and d["decode"] == []
+    a = d["ab"]
+    assert a["key"] == "threads" and a["value"] == "1"
+    assert a["variants"]["A"]["threads"] == 2 and a["variants"]["B"]["threads"] == 1
+    assert a["decode"]["ctx"] == 12 and not a["decode"]["skipped"]
+    assert a["prefill"]["tokens"] == 10 and not a["prefill"]["skipped"]  # the largest size
+    for exp in (a["decode"], a["prefill"]):
+        check_ab(exp, 4)
+        assert math.isclose(exp["t_crit"], 3.182446305, rel_tol=1e-5)  # Student t, 3 degrees of freedom
+    out = r.stdout.decode()
+    assert "| decode at 12" in out and "ABBAABBA" in out
+
+
+def test_ab_numerics_two_rounds(model, tmp_path):
+    js = tmp_path / "ab.json"
+    r = ds4("bench", "-m", model, "--ctx", "6", "--prefill", "5", "--gen", "2", "--repeat", "2", "--warmup", "0",
+            "--threads", "1", "--ab", "numerics=reference", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    a = json.loads(js.read_text())["ab"]
+    assert a["variants"]["A"]["numerics"] == "ds4" and a["variants"]["B"]["numerics"] == "reference"
+    for exp in (a["decode"], a["prefill"]):
+        check_ab(exp, 2)
+        assert math.isclose(exp["t_crit"], 12.70620474, rel_tol=1e-5)
+
+
+def test_ab_frontier_beyond_context(model, tmp_path):
+    js = tmp_path / "ab.json"
+    r = ds4("bench", "-m", model, "--ctx", "5000", "--prefill", "6", "--gen", "2", "--repeat", "1", "--warmup", "0",
+            "--threads", "1", "--ab", "threads=2", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    a = json.loads(js.read_text())["ab"]
+    assert a["decode"]["skipped"] and "context" in a["decode"]["reason"] and a["decode"]["order"] == []
+    assert a["prefill"]["order"] == ["A", "B"] and a["prefill"]["ci95"] is None  # one pair: no interval
+
+
+@pytest.mark.parametrize("args", [
+    [],                                  # no model
+    ["--gen", "0"],
+    ["--gen"],                           # missing value
+    ["--ctx", "1,,2"],
+    ["--ctx", "abc"],
+    ["--prefill", "-1"],
+    ["--prefill", "8,"],
+    ["--repeat", "0"],
+    ["--warmup", "x"],
+    ["--numerics", "fp8"],
+    ["--backend", "tpu"],
+    ["--ab", "colour=red"],
+    ["--ab", "threads=0"],
+    ["--ab", "threads"],
+    ["--ab", "backend=tpu"],
+    ["--bandwidth", "-5"],
+    ["--bandwidth", "fast"],
+    ["--threads", "0"],
+    ["--seed", "-3"],
+    ["--frobnicate", "1"],
+    ["stray"],
+])
+def test_bad_options(model, args):
+    full = args if args == [] else ["-m", model, *args]
+    r = ds4("bench", *full)
+    assert r.returncode == 2, (args, r.stderr.decode())
+    err = r.stderr.decode()
+    assert err.startswith("ds4server bench: ") and "--help" in err, err
+    assert r.stdout == b""
+
+
+def test_cuda_missing_is_usage_error(model, ds4server):
+    if b"cuda" in ds4("version").stdout.split(b"backends:")[-1]:
+        pytest.skip("this binary has the CUDA backend")
+    r = ds4("bench", "-m", model, "--backend", "cuda")
+    assert r.returncode == 2 and b"not built into this binary" in r.stderr
+
+
+def test_runtime_failure_exits_1(tmp_path):
+    r = ds4("bench", "-m", tmp_path / "missing.gguf", "--ctx", "8")
+    assert r.returncode == 1 and r.stderr.startswith(b"ds4server bench: ")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    r = ds4("bench", "-m", bad)
+    assert r.returncode == 1
+
+
+def test_unwritable_output_fails_first(model, tmp_path):
+    # an output that cannot be written fails before the measurements start
+    r = ds4("bench", "-m", model, "--md", tmp_path / "no-such-dir" / "b.md", timeout=20)
+    assert r.returncode == 1 and b"no-such-dir" in r.stderr and r.stdout == b""
+
+
+def test_help():
+    r = ds4("bench", "--help")
+    assert r.returncode == 0 and b"usage: ds4server bench" in r.stdout
+
+
+def test_report(sweep, ab, tmp_path):
+    _, d, js, _ = sweep
+    _, _, ab_js = ab
+    md, svg = tmp_path / "out" / "report.md", tmp_path / "out" / "plot.svg"
+    md.parent.mkdir()
+    r = subprocess.run([sys.executable, REPORT, js, ab_js, "--md", md, "--svg", svg, "--title", "tiny CPU"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    text = md.read_text()
+    assert text.startswith("# tiny CPU") and "![decode and prefill tokens/s](plot.svg)" in text
+    assert "| prefill tokens |" in text and "| context |" in text and "| decode at 12 |" in text
+    assert "skipped:" in text
+    root = ET.parse(svg).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    # one marker per plotted point: decode rows plus prefill rows of the sweep (the A/B file has none)
+    assert len(root.findall(".//s:circle", ns)) == len(d["decode"]) + len(d["prefill"])
+    assert len(root.findall(".//s:polyline", ns)) == 2
+    texts = "".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert "decode tokens/s vs context" in texts and "prefill tokens/s vs batch size" in texts
+
+
+def test_report_rejects_other_json(tmp_path):
+    other = tmp_path / "x.json"
+    other.write_text('{"schema": "something-else"}')
+    r = subprocess.run([sys.executable, REPORT, other, "--md", tmp_path / "r.md", "--svg", tmp_path / "r.svg"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 1 and b"not a ds4server-bench/1 file" in r.stderr
