@@ -569,6 +569,9 @@ static int load_variant(bench *b, variant *v) {
     ds4_backend_counters c;
     ds4_backend_counters_get(v->be, &c);
     v->load.device_weights = c.weight_bytes;
+    /* results go to stderr as they come, so a run cut short still says something */
+    fprintf(stderr, "ds4server bench:   weights bound in %.3f s (%.2f GiB on the device)\n", v->load.weights_s,
+            (double)c.weight_bytes / 1073741824.0);
     return 0;
 }
 
@@ -643,6 +646,8 @@ static int run_prefill(bench *b) {
             s = time_prefill(b, v, r->tokens, false, &secs, &err);
             ds4_backend_counters_get(v->be, &c1);
             if (!s && !dvec_push(&r->s, secs)) return tool_fail(CMD, "out of memory");
+            if (!s)
+                fprintf(stderr, "ds4server bench:   %.4f s, %.1f tokens/s\n", secs, (double)r->tokens / secs);
             counters_delta(&c0, &c1, &r->c);
         }
         if (s) {
@@ -667,6 +672,7 @@ static int run_prefill(bench *b) {
         for (int64_t k = 0; k < b->o.repeat && !s; k++) {
             s = time_prefill(b, v, b->o.ttft, true, &secs, &err);
             if (!s && !dvec_push(&b->ttft, secs)) return tool_fail(CMD, "out of memory");
+            if (!s) fprintf(stderr, "ds4server bench:   %.4f s\n", secs);
         }
         if (s) {
             if (skip_or_fail(&err, "time to first token", b->ttft_reason)) return 1;
@@ -781,6 +787,10 @@ static int run_decode(bench *b) {
         next = argmax_f(b->logits, b->cfg->n_vocab);
         pos += gen;
         const double g = (double)gen;
+        double dsum = 0;
+        for (int64_t k = 0; k < r->s.n; k++) dsum += r->s.v[k];
+        fprintf(stderr, "ds4server bench:   %lld new tokens prefilled in %.3f s; decode %.2f tokens/s\n",
+                (long long)r->interval_tokens, r->interval_s, dsum > 0 ? g / dsum : 0.0);
         r->launches = (double)(c1.launches - c0.launches) / g;
         r->copies = (double)(c1.copies - c0.copies) / g;
         r->h2d = (double)(c1.h2d_bytes - c0.h2d_bytes) / g;
