@@ -23,7 +23,7 @@ WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-param
 CFLAGS_ALL := -std=c11 -D_DEFAULT_SOURCE -D_FILE_OFFSET_BITS=64 $(OPT) -g -fPIC -pthread \
               -ffp-contract=off $(WARN) -Iinclude -Isrc $(SAN) $(CFLAGS)
 LDFLAGS_ALL := -pthread $(SAN) $(LDFLAGS)
-LDLIBS_ALL  := -ledit -lz -lcjson -lpcre2-8 -lm $(LDLIBS)
+LDLIBS_ALL  := -ledit -lz -lcjson -lpcre2-8 -lcivetweb -lm $(LDLIBS)
 
 # Library sources: everything under src/ except the tools (the binary's main)
 # and the CUDA units (built only by `make cuda`).
@@ -158,11 +158,16 @@ $(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_SRCS)
 	$(FUZZ_CC) -std=c11 -D_DEFAULT_SOURCE -O1 -g -Iinclude -Isrc -fsanitize=fuzzer,address,undefined \
 	  -fno-sanitize-recover=all -o $@ $< $(FUZZ_LIB_SRCS) -lcjson -lpcre2-8 -lm
 
+# fuzz_request includes the request parser's source (the fuzz build links only core and text).
+$(BUILD)/fuzz/fuzz_request: src/server/request.c src/server/request.h
+
 # A bounded run of each target from the seed corpus; FUZZ_SECONDS sets the time.
+# A crashing input is saved under $(BUILD)/fuzz/ (never in the tree).
 fuzz-run test-fuzz: $(FUZZ_BINS)
 	@set -e; for f in $(FUZZ_BINS); do \
 	  name=$$(basename $$f); mkdir -p $(BUILD)/fuzz/corpus-$$name; \
-	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 $(BUILD)/fuzz/corpus-$$name tests/fuzz/seeds 2>&1 \
+	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -artifact_prefix=$(BUILD)/fuzz/$$name- \
+	    $(BUILD)/fuzz/corpus-$$name tests/fuzz/seeds 2>&1 \
 	    | grep -E "^(stat::number_of_executed_units|stat::average_exec_per_sec|Done|==.*ERROR|SUMMARY)" ; \
 	  test $${PIPESTATUS[0]} -eq 0; \
 	done

@@ -185,7 +185,7 @@ main() {
     # Libraries the GPU machine lacks arrive as .debs (scripts/gpu-debs.sh, carried
     # as .gpu-debs) and are unpacked beside the system, never over it.
     if [ -d .gpu-debs ] && { [ ! -e /usr/include/cjson/cJSON.h ] || [ ! -e /usr/include/zlib.h ] ||
-        [ ! -e /usr/include/pcre2.h ] || [ ! -e /usr/include/editline/readline.h ]; }; then
+        [ ! -e /usr/include/pcre2.h ] || [ ! -e /usr/include/editline/readline.h ] || [ ! -e /usr/include/civetweb.h ]; }; then
         section "unpacking .gpu-debs into /opt/gpu-debs"
         for f in .gpu-debs/*.deb; do dpkg -x "$f" /opt/gpu-debs; done
         local libdir=/opt/gpu-debs/usr/lib/x86_64-linux-gnu

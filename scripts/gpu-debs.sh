@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu-debs
 cd .gpu-debs
-apt-get download libcjson1 libcjson-dev zlib1g zlib1g-dev libedit2 libedit-dev libbsd0 libmd0 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3
+apt-get download libcjson1 libcjson-dev zlib1g zlib1g-dev libedit2 libedit-dev libbsd0 libmd0 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libcivetweb1 libcivetweb-dev
 ls -l

@@ -6,6 +6,8 @@
 
 #include "tools/tools.h"
 
+int tool_serve(int argc, char **argv);
+
 typedef struct command {
     const char *name;
     int (*run)(int argc, char **argv);
@@ -21,6 +23,7 @@ static const command COMMANDS[] = {
     { "tokenize", tool_tokenize, "text to token ids and back (--decode); both pre-tokenizers" },
     { "run", tool_run, "answer one prompt, streaming the reply (with load, prefill and decode speed)" },
     { "chat", tool_chat, "interactive multi-turn chat (/help inside for commands)" },
+    { "serve", tool_serve, "OpenAI- and Anthropic-compatible HTTP server with a chat page at /" },
     { "parity", tool_parity, "compare two backends op by op, layer by layer and end to end" },
     { "bench", tool_bench, "measure load, prefill, time to first token, decode and the roofline (A/B mode)" },
     { NULL, NULL, NULL },
