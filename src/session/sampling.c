@@ -109,7 +109,7 @@ typedef struct filter_result {
 
 /* sample_argmax: first index of the maximum, starting from -inf with a strict
  * `>` (NaN and -inf never win, +inf does; nothing above -inf gives 0). */
-static int32_t argmax_all(const float *logits, int64_t n) {
+int32_t ds4_sample_argmax(const float *logits, int64_t n) {
     int32_t best = 0;
     float best_v = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
@@ -230,7 +230,7 @@ static void filter_top_k(filter_result *fr, const float *logits, int64_t n_vocab
         c[j].logit = v;
     }
     if (n == 0) {
-        fixed_token(fr, argmax_all(logits, n_vocab));
+        fixed_token(fr, ds4_sample_argmax(logits, n_vocab));
         return;
     }
     const float max_logit = c[0].logit;
@@ -261,7 +261,7 @@ static void filter_full_vocab(filter_result *fr, const float *logits, int64_t n_
         }
     }
     if (finite == 0) {
-        fixed_token(fr, argmax_all(logits, n_vocab));
+        fixed_token(fr, ds4_sample_argmax(logits, n_vocab));
         return;
     }
     ds4_sample_cand *c = s->cand;
@@ -375,7 +375,7 @@ static int filter(filter_result *fr, const float *logits, int64_t n_vocab, const
     if (!logits || !p || n_vocab < 1 || n_vocab > INT32_MAX) return -1;
     const float t = p->temperature;
     if (t <= 0.0f) {
-        fixed_token(fr, argmax_all(logits, n_vocab));
+        fixed_token(fr, ds4_sample_argmax(logits, n_vocab));
         return 0;
     }
     if (!s || !s->cand || !s->tmp || s->capacity < n_vocab) return -1;

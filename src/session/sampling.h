@@ -119,6 +119,10 @@ void ds4_sample_scratch_free(ds4_sample_scratch *s);
 
 /* ------------------------------------------------------------- sampling */
 
+/* Greedy choice, as DS4 makes it: the first index of the largest logit (NaN
+ * and -inf never win; when nothing is above -inf, 0). */
+int32_t ds4_sample_argmax(const float *logits, int64_t n);
+
 /*
  * Sample one token id in [0, n_vocab) from logits[0 .. n_vocab). Draws from
  * `rng` at most once (see above). `rng` and `scratch` may be NULL only when

@@ -65,6 +65,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "models/deepseek4/ds4_model.h"
+#include "session/sampling.h"
 #include "tools/tools.h"
 #ifdef DS4_WITH_CUDA
 #include "backends/cuda/cuda_backend.h"
@@ -76,12 +77,6 @@
 #define REASON_MAX 640
 
 /* ------------------------------------------------------------ small helpers */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 typedef struct dvec {
     double *v;
@@ -166,13 +161,6 @@ static void fill_tokens(int32_t *t, int64_t n, uint64_t seed, int64_t V) {
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
         t[i] = (int32_t)(x % (uint64_t)V);
     }
-}
-
-static int32_t argmax_f(const float *v, int64_t n) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < n; i++)
-        if (v[i] > v[best]) best = i;
-    return (int32_t)best;
 }
 
 /* Strict number parsing: the whole string, in range. */
@@ -562,10 +550,10 @@ static int load_variant(bench *b, variant *v) {
     if (ds4_backend_create(v->backend, (int)v->threads, &v->be, &err))
         return tool_fail(CMD, "backend %s: %s", v->backend, err.message);
     v->owns = true;
-    double t0 = now_s();
+    double t0 = tool_now();
     if (ds4_model_load_progress(b->f, v->be, load_progress, &v->load, &v->m, &err))
         return tool_fail(CMD, "loading %s on %s: %s", b->o.model, v->backend, err.message);
-    v->load.weights_s = now_s() - t0;
+    v->load.weights_s = tool_now() - t0;
     ds4_backend_counters c;
     ds4_backend_counters_get(v->be, &c);
     v->load.device_weights = c.weight_bytes;
@@ -603,13 +591,13 @@ static ds4_status time_prefill(bench *b, variant *v, int64_t n, bool pick, doubl
     ds4_state *st = NULL;
     ds4_status s = ds4_state_create(v->m, n + 1, &st, err);
     if (s) return s;
-    double t0 = now_s();
+    double t0 = tool_now();
     s = ds4_model_eval(v->m, st, b->tokens, n, v->num, b->logits, false, err);
     if (!s && pick) {
-        volatile int32_t tok = argmax_f(b->logits, b->cfg->n_vocab);
+        volatile int32_t tok = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
         (void)tok;
     }
-    *secs = now_s() - t0;
+    *secs = tool_now() - t0;
     ds4_state_free(st);
     return s;
 }
@@ -693,11 +681,11 @@ static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t next
     const int64_t V = b->cfg->n_vocab;
     double sum = 0;
     for (int64_t g = 0; g < n; g++) {
-        double t0 = now_s();
+        double t0 = tool_now();
         ds4_status s = ds4_model_eval(v->m, st, &next, 1, v->num, b->logits, false, err);
         if (s) return s;
-        next = argmax_f(b->logits, V);
-        double dt = now_s() - t0;
+        next = ds4_sample_argmax(b->logits, V);
+        double dt = tool_now() - t0;
         sum += dt;
         if (d && !dvec_push(d, dt)) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for samples");
     }
@@ -727,7 +715,7 @@ static int run_decode(bench *b) {
         int64_t steps = b->o.warmup * (gen < 16 ? gen : 16);
         ds4_status s = ds4_state_create(v->m, steps + 2, &w, &err);
         if (!s) s = ds4_model_eval(v->m, w, b->tokens, 1, v->num, b->logits, false, &err);
-        if (!s) s = decode_steps(b, v, w, argmax_f(b->logits, b->cfg->n_vocab), steps, NULL, NULL, &err);
+        if (!s) s = decode_steps(b, v, w, ds4_sample_argmax(b->logits, b->cfg->n_vocab), steps, NULL, NULL, &err);
         ds4_state_free(w);
         if (s) {
             if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode warm-up: %s", err.message);
@@ -760,12 +748,12 @@ static int run_decode(bench *b) {
         fprintf(stderr, "ds4server bench: decode at %lld\n", (long long)r->ctx);
         ds4_status s = DS4_OK;
         r->interval_tokens = r->ctx > pos ? r->ctx - pos : 0;
-        double t0 = now_s();
+        double t0 = tool_now();
         if (r->interval_tokens) {
             s = eval_range(b, v, st, pos, r->ctx, &err);
-            if (!s) next = argmax_f(b->logits, b->cfg->n_vocab);
+            if (!s) next = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
         }
-        r->interval_s = now_s() - t0;
+        r->interval_s = tool_now() - t0;
         pos += r->interval_tokens;
         r->pos_start = pos;
         ds4_backend_counters c0, c1;
@@ -784,7 +772,7 @@ static int run_decode(bench *b) {
             dead = true;
             continue;
         }
-        next = argmax_f(b->logits, b->cfg->n_vocab);
+        next = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
         pos += gen;
         const double g = (double)gen;
         double dsum = 0;
@@ -828,10 +816,10 @@ static void run_bandwidth(bench *b) {
     const int inner = 4;
     for (int r = 0; r < 5; r++) {
         be->ops->download(be, &probe, dst, 1);
-        double t0 = now_s();
+        double t0 = tool_now();
         for (int k = 0; k < inner; k++) be->ops->copy(be, dst, src, n);
         be->ops->download(be, &probe, dst + n - 1, 1);
-        double dt = now_s() - t0;
+        double dt = tool_now() - t0;
         if (dt > 0) dvec_push(&b->bw_samples, 2.0 * (double)b->bw_bytes * inner / dt / 1e9);
     }
     be->ops->free(be, dst);
@@ -860,7 +848,7 @@ static ds4_status ab_sample(bench *b, variant *v, bool decode, int64_t size, dou
     ds4_state *st = NULL;
     ds4_status s = ds4_state_create(v->m, size + b->o.gen, &st, err);
     if (!s) s = eval_range(b, v, st, 0, size, err);
-    if (!s) s = decode_steps(b, v, st, argmax_f(b->logits, b->cfg->n_vocab), b->o.gen, NULL, secs, err);
+    if (!s) s = decode_steps(b, v, st, ds4_sample_argmax(b->logits, b->cfg->n_vocab), b->o.gen, NULL, secs, err);
     if (!s) *tps = (double)b->o.gen / *secs;
     ds4_state_free(st);
     return s;
@@ -1458,12 +1446,12 @@ int tool_bench(int argc, char **argv) {
     }
     opts *o = &b->o;
     ds4_error err = { 0 };
-    double t0 = now_s();
+    double t0 = tool_now();
     if (gguf_open(o->model, &b->f, &err)) {
         rc = tool_fail(CMD, "%s", err.message);
         goto done;
     }
-    const double open_s = now_s() - t0;
+    const double open_s = tool_now() - t0;
     /* fail now, not after a long run, when an output cannot be written */
     const char *outs[2] = { o->json, o->md };
     for (int i = 0; i < 2; i++) {

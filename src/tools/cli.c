@@ -30,12 +30,6 @@ void cli_install_sigint(void) {
     sigaction(SIGINT, &sa, NULL);
 }
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void cli_opts_defaults(cli_opts *o) {
     memset(o, 0, sizeof *o);
     o->backend = "cpu";
@@ -167,7 +161,7 @@ int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
     memset(m, 0, sizeof *m);
     if (!o->model) return tool_fail(cmd, "no model given (-m FILE)");
     ds4_error err = { 0 };
-    double t0 = now();
+    double t0 = tool_now();
     const bool on_cpu = !o->backend || !strcmp(o->backend, "cpu");
     ds4_engine_params p = { o->model, o->backend, o->threads, o->numerics, NULL, NULL };
     if (!on_cpu && isatty(STDERR_FILENO)) p.load_progress = upload_bar, p.load_progress_ctx = (void *)"uploading";
@@ -181,7 +175,7 @@ int cli_open(const char *cmd, const cli_opts *o, cli_model *m) {
      * stalling the first tokens on page faults (large files only). */
     if (on_cpu && isatty(STDERR_FILENO) && ds4_engine_gguf(m->engine)->size > ((uint64_t)1 << 30))
         ds4_engine_prefetch(m->engine, load_bar, (void *)"loading");
-    m->load_seconds = now() - t0;
+    m->load_seconds = tool_now() - t0;
     ds4_rng_seed(&m->rng, ds4_sampler_resolve_seed(o->sampling.seed));
     return 0;
 }
@@ -249,12 +243,12 @@ int cli_generate(const char *cmd, cli_model *m, const cli_opts *o, const int32_t
     st->prompt_tokens = n_prompt;
     bool bar = isatty(STDERR_FILENO) && n_prompt >= 512;
     ds4_session_set_progress(m->session, bar ? progress_bar : NULL, NULL);
-    double t0 = now();
+    double t0 = tool_now();
     int64_t evaluated = 0;
     ds4_status status = ds4_session_sync(m->session, prompt, n_prompt, &evaluated, &err);
     ds4_session_set_progress(m->session, NULL, NULL);
     st->prefilled = evaluated;
-    st->prefill_seconds = now() - t0;
+    st->prefill_seconds = tool_now() - t0;
     if (status) {
         if (cli_interrupted) {
             st->interrupted = true;
@@ -279,7 +273,7 @@ int cli_generate(const char *cmd, cli_model *m, const cli_opts *o, const int32_t
     }
     ds4_detok detok;
     ds4_detok_init(&detok, m->tok);
-    double t1 = now();
+    double t1 = tool_now();
     int rc = 0;
     for (int64_t i = 0; i < limit; i++) {
         if (cli_interrupted) {
@@ -325,7 +319,7 @@ int cli_generate(const char *cmd, cli_model *m, const cli_opts *o, const int32_t
     }
     text[len] = '\0';
     fflush(stdout);
-    st->decode_seconds = now() - t1;
+    st->decode_seconds = tool_now() - t1;
     free(piece);
     if (reply) *reply = text;
     else free(text);

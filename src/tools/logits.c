@@ -30,6 +30,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "models/deepseek4/ds4_model.h"
+#include "session/sampling.h"
 #include "tools/tools.h"
 #ifdef DS4_WITH_CUDA
 #include "backends/cuda/cuda_backend.h"
@@ -50,18 +51,12 @@ typedef struct profiler {
     int n_ops;
 } profiler;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void profile_tap(void *ctx, const char *name, int layer, int64_t token, float *buf, int64_t n, bool host) {
     profiler *p = ctx;
     if (!p->on) return;
     float one;
     if (!host && n > 0) p->be->ops->download(p->be, &one, buf, 1); /* waits for the op */
-    const double t = now_s();
+    const double t = tool_now();
     int i = 0;
     while (i < p->n_ops && strcmp(p->ops[i].name, name)) i++;
     if (i == p->n_ops && p->n_ops < 128) snprintf(p->ops[p->n_ops++].name, sizeof p->ops[0].name, "%s", name);
@@ -157,14 +152,11 @@ int tool_logits(int argc, char **argv) {
         prof.on = true;
         ds4_model_set_tap(m, profile_tap, &prof);
     }
-    const double t_gen = now_s();
+    const double t_gen = tool_now();
     prof.last = t_gen;
     if (n_greedy > 0) printf("generated:");
     for (int64_t g = 0; g < n_greedy && !rc; g++) {
-        const float *last = logits + (n + g - 1) * V;
-        int32_t next = 0;
-        for (int64_t i = 1; i < V; i++)
-            if (last[i] > last[next]) next = (int32_t)i;
+        int32_t next = ds4_sample_argmax(logits + (n + g - 1) * V, V);
         printf("%s%d", g ? "," : " ", next);
         if (ds4_model_eval(m, st, &next, 1, num, logits + (n + g) * V, true, &err))
             rc = tool_fail("logits", "%s", err.message);
@@ -172,8 +164,8 @@ int tool_logits(int argc, char **argv) {
     if (n_greedy > 0) printf("\n");
     if (rc) goto done;
     if (n_greedy > 0)
-        printf("decode: %lld tokens in %.3f s, %.2f tokens/s%s\n", n_greedy, now_s() - t_gen,
-               (double)n_greedy / (now_s() - t_gen), profile ? " (synchronised after every op: --profile)" : "");
+        printf("decode: %lld tokens in %.3f s, %.2f tokens/s%s\n", n_greedy, tool_now() - t_gen,
+               (double)n_greedy / (tool_now() - t_gen), profile ? " (synchronised after every op: --profile)" : "");
     if (profile && n_greedy > 0) {
         ds4_model_set_tap(m, NULL, NULL);
         qsort(prof.ops, (size_t)prof.n_ops, sizeof prof.ops[0], by_time);

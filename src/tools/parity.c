@@ -43,6 +43,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "models/deepseek4/ds4_model.h"
+#include "session/sampling.h"
 #include "tools/tools.h"
 
 #define CMD "parity"
@@ -272,13 +273,6 @@ static double normwise(const float *a, const float *b, int64_t n, double *max_ab
     return max_abs == 0 ? 0 : max_ref > 0 ? max_abs / max_ref : INFINITY;
 }
 
-static int32_t argmax(const float *v, int64_t n) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < n; i++)
-        if (v[i] > v[best]) best = i;
-    return (int32_t)best;
-}
-
 /* Greedy continuation of n_gen tokens after the prompt. */
 static ds4_status greedy(side *s, const int32_t *prompt, int64_t n, int64_t n_gen, ds4_numerics num, int64_t V,
                          int32_t *out, ds4_error *err) {
@@ -288,7 +282,7 @@ static ds4_status greedy(side *s, const int32_t *prompt, int64_t n, int64_t n_ge
                            : ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
     if (!rc) rc = ds4_model_eval(s->m, st, prompt, n, num, logits, false, err);
     for (int64_t i = 0; !rc && i < n_gen; i++) {
-        out[i] = argmax(logits, V);
+        out[i] = ds4_sample_argmax(logits, V);
         if (i + 1 < n_gen) rc = ds4_model_eval(s->m, st, &out[i], 1, num, logits, false, err);
     }
     ds4_state_free(st);
@@ -311,17 +305,15 @@ static void print_rows(const report *rep, bool all_rows) {
     for (int64_t i = 0; i < rep->n; i++) {
         const op_row *r = &rep->v[i];
         if (!all_rows) {
-            bool first = true, worst = true;
+            bool worst = true;
             for (int64_t j = 0; j < rep->n; j++) {
                 if (strcmp(rep->v[j].name, r->name)) continue;
-                if (j < i) first = false;
                 const op_row *o = &rep->v[j];
                 bool o_fail = strcmp(row_verdict(o), "PASS") != 0, r_fail = strcmp(row_verdict(r), "PASS") != 0;
                 if (j != i && (o_fail > r_fail || (o_fail == r_fail && o->worst_rel > r->worst_rel) ||
                                (o_fail == r_fail && o->worst_rel == r->worst_rel && j < i)))
                     worst = false;
             }
-            (void)first;
             if (!worst) continue;
         }
         char layer[16];
@@ -555,7 +547,8 @@ int tool_parity(int argc, char **argv) {
     bool logits_ok = true, dec_ok = true, greedy_ok = true;
     if (with_head) {
         lg_rel = normwise(lg[0], lg[1], n_tokens * V, &lg_abs);
-        for (int64_t t = 0; t < n_tokens; t++) agree += argmax(lg[0] + t * V, V) == argmax(lg[1] + t * V, V);
+        for (int64_t t = 0; t < n_tokens; t++)
+            agree += ds4_sample_argmax(lg[0] + t * V, V) == ds4_sample_argmax(lg[1] + t * V, V);
         logits_ok = lg_rel <= logit_tol || flipped;
         printf("logits: max abs %.4g, rel err %.4g (tol %.3g), argmax agrees at %lld of %lld positions: %s\n",
                lg_abs, lg_rel, logit_tol, (long long)agree, (long long)n_tokens,

@@ -188,12 +188,6 @@ static int run_decode_batch(const ds4_tokenizer *t, const char *path, bool raw) 
     return rc;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int run_bench(const ds4_tokenizer *t, const opts *o, const char *text, size_t len, int reps) {
     int64_t tokens = 0;
     double best = 1e30;
@@ -201,9 +195,9 @@ static int run_bench(const ds4_tokenizer *t, const opts *o, const char *text, si
         ds4_error err = { 0 };
         int32_t *ids;
         int64_t n;
-        double t0 = now_s();
+        double t0 = tool_now();
         if (ds4_tokenize(t, text, len, o->mode, o->specials, &ids, &n, &err)) return tool_fail("tokenize", "%s", err.message);
-        double dt = now_s() - t0;
+        double dt = tool_now() - t0;
         if (dt < best) best = dt;
         tokens = n;
         free(ids);

@@ -31,6 +31,9 @@ void tool_json_escape(FILE *out, const char *s, uint64_t n);
 /* Write bytes for a human: printable ASCII and valid UTF-8 as is, others \xNN. */
 void tool_text_escape(FILE *out, const char *s, uint64_t n, uint64_t max_bytes);
 
+/* Seconds on the monotonic clock (for measuring intervals). */
+double tool_now(void);
+
 /* Parse "1,2,3" (non-negative int32 ids) into a malloc'd array; NULL when
  * empty or malformed. */
 int32_t *tool_parse_tokens(const char *s, int64_t *n_out);

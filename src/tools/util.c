@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "tools/tools.h"
 
@@ -98,4 +99,10 @@ int32_t *tool_parse_tokens(const char *s, int64_t *n_out) {
     if (v && n == 0) { free(v); return NULL; }
     *n_out = n;
     return v;
+}
+
+double tool_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
