@@ -4,6 +4,8 @@
 
 #include "core/error.h"
 #include "ds4.h"
+#include "backends/backend.h"
+#include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_synth.h"
 #include "session/engine.h"
 #include "test.h"
@@ -276,6 +278,25 @@ static void test_prefetch_reads_the_whole_file(void) {
     CHECK_EQ_INT(log.total, (int64_t)ds4_engine_gguf(engine)->size);
 }
 
+/* A backend whose table lacks an op the model needs is refused at load,
+ * and the error names the op (never a crash later, never a fallback). */
+static void test_load_refuses_incomplete_backend(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    ds4_backend *cpu = NULL;
+    CHECK(ds4_backend_create("cpu", 1, &cpu, &err) == DS4_OK);
+    if (!cpu) return;
+    ds4_backend_ops partial = *cpu->ops;
+    partial.moe = NULL;
+    ds4_backend lacking = *cpu;
+    lacking.ops = &partial;
+    ds4_model *m = NULL;
+    CHECK(ds4_model_load((gguf_file *)ds4_engine_gguf(engine), &lacking, &m, &err) == DS4_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    CHECK_MSG(strstr(err.message, "moe") != NULL, "%s", err.message);
+    ds4_backend_destroy(cpu);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(engine);
     engine = NULL;
@@ -291,6 +312,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_checkpoint_damage),
     TEST_ENTRY(test_checkpoint_disk_full),
     TEST_ENTRY(test_prefetch_reads_the_whole_file),
+    TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_teardown),
     { 0, 0 },
 };

@@ -76,3 +76,21 @@ def test_bad_requests(tiny, tmp_path):
     r = ds4("logits", "-m", tiny, "--tokens", "1", "--out", tmp_path / "x", "--backend", "metal")
     assert r.returncode == 1 and b"metal" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_greedy_and_profile(tiny, tmp_path):
+    """--greedy N appends N argmax tokens (their logits rows too); --profile adds the per-op table."""
+    out = tmp_path / "g.bin"
+    r = ds4("logits", "-m", tiny, "--tokens", "1,2,3", "--greedy", "4", "--profile", "--out", out)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.decode()
+    gen = [int(x) for x in text.split("generated: ")[1].splitlines()[0].split(",")]
+    assert len(gen) == 4 and all(0 <= g < 1024 for g in gen)
+    assert "logits: 7 positions, 0 non-finite values" in text
+    assert "op (ends at)" in text and "\nmoe " in text
+    lg = np.fromfile(out, dtype="<f4").reshape(7, -1)
+    # each generated token is the argmax of the row before it
+    assert [int(lg[2 + i].argmax()) for i in range(4)] == gen
+    r = ds4("logits", "-m", tiny, "--tokens", "1", "--greedy", "-1", "--out", tmp_path / "x")
+    assert r.returncode == 1 and b"--greedy" in r.stderr
+    assert not (tmp_path / "x").exists()
