@@ -26,6 +26,9 @@
 #                     full      full-size q2 model in /dev/shm: synth (timed), parity of the first
 #                               2 layers cpu vs cuda, 128 greedy tokens on CUDA (finite logits,
 #                               peak device memory), layer parity on the generated tokens
+#                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
+#                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT), PERF_AB=1 adds decode with the
+#                               streaming matvec kernels off, and an nsys per-kernel table
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
@@ -120,21 +123,29 @@ parity_stage() {
     parity_step "oracle-aligned-ds4" -m "$SHM/oracle-aligned/m.gguf" --numerics ds4 --n-tokens 64 --greedy 32
 }
 
-full_stage() {
+# The full-size q2 file in $SHM (generated once per machine); false if it cannot be made.
+full_model() {
     mkdir -p "$SHM"
     local m="$SHM/full-q2.gguf" t0 t1
+    [ -s "$m" ] && return 0
     section "synth --scale full --quant q2 -> $m"
     df -h /dev/shm
     t0=$(date +%s.%N)
-    if [ -s "$m" ] || build/cuda/ds4server synth --arch deepseek4 --scale full --quant q2 --seed 1 --out "$m"; then
+    if build/cuda/ds4server synth --arch deepseek4 --scale full --quant q2 --seed 1 --out "$m"; then
         t1=$(date +%s.%N)
         ls -l "$m"
         echo "synth seconds: $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')"
         record "synth full q2" PASS
     else
+        rm -f "$m"
         record "synth full q2" FAIL
-        return
+        return 1
     fi
+}
+
+full_stage() {
+    local m="$SHM/full-q2.gguf" t0 t1
+    full_model || return
     parity_step "full-q2-2layers-ds4" -m "$m" --layers 2 --numerics ds4 --n-tokens 6 --decode 2
     parity_step "full-q2-2layers-reference" -m "$m" --layers 2 --numerics reference --n-tokens 4 --decode 1
     section "full q2 on CUDA: 16 prompt tokens + 128 greedy"
@@ -153,6 +164,46 @@ full_stage() {
         parity_step "full-q2-2layers-generated" -m "$m" --layers 2 --numerics ds4 --tokens "$prompt,$gen" --decode 8
     else
         record "full q2 cuda greedy 128" "FAIL (exit $rc or non-finite logits)"
+    fi
+}
+
+# Speed of the full-size q2 model: `bench` (JSON + Markdown to $OUT), the
+# same decode with the streaming matvec kernels off (DS4_CUDA_MATVEC=0), and
+# a per-kernel GPU time table from Nsight Systems when it is installed.
+perf_stage() {
+    local m="$SHM/full-q2.gguf" out="${OUT:-$TMP}"
+    full_model || return
+    section "bench full q2 (ctx ${BENCH_CTX:-2048}, prefill ${BENCH_PREFILL:-1,128})"
+    if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx "${BENCH_CTX:-2048}" \
+        --prefill "${BENCH_PREFILL:-1,128}" --gen "${BENCH_GEN:-64}" --repeat "${BENCH_REPEAT:-3}" --warmup 1 \
+        --ttft "${BENCH_TTFT:-512}" --json "$out/bench.json" --md "$out/bench.md"; then
+        record "bench full q2" PASS
+    else
+        record "bench full q2" "FAIL (exit $?)"
+    fi
+    if [ -n "${PERF_AB:-}" ]; then
+        section "decode with the streaming matvec kernels off"
+        if DS4_CUDA_MATVEC=0 timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx 256 \
+            --prefill 1 --gen 32 --repeat 2 --warmup 1 --ttft 0 --json "$out/bench-nomatvec.json"; then
+            record "bench full q2 (matvec off)" PASS
+        else
+            record "bench full q2 (matvec off)" "FAIL (exit $?)"
+        fi
+    fi
+    local nsys
+    nsys=$(command -v nsys 2>/dev/null || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n1)
+    if [ -n "$nsys" ]; then
+        section "nsys: 4 prompt tokens + 32 greedy"
+        if timeout "$STEP_TIMEOUT" "$nsys" profile -t cuda -o "$TMP/decode" --force-overwrite true \
+            build/cuda/ds4server logits -m "$m" --backend cuda --tokens 1,2,3,4 --greedy 32 >/dev/null &&
+            "$nsys" stats --report cuda_gpu_kern_sum --format csv --output "$out/kernels" "$TMP/decode.nsys-rep"; then
+            head -n 40 "$out"/kernels*.csv
+            record "nsys kernel table" PASS
+        else
+            record "nsys kernel table" "FAIL"
+        fi
+    else
+        record "nsys kernel table" "SKIP (nsys not installed)"
     fi
 }
 
@@ -241,6 +292,7 @@ main() {
 
     if has_stage parity && [ -x build/cuda/ds4server ]; then parity_stage; fi
     if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
+    if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
 
     if ! has_stage sanitize; then
         :

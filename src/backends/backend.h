@@ -6,8 +6,16 @@
  * are explicit in its arguments. Activations are float32 row-major buffers
  * that live in the backend's memory (host memory for the CPU backend, device
  * memory for CUDA); the model allocates them through the table and never
- * dereferences them itself. Small control data (token ids, positions,
- * selected row indices) is passed in host memory.
+ * dereferences them itself. Small control data that the model knows before
+ * the ops run (token ids, positions, hash-routed expert ids) is passed in
+ * host memory.
+ *
+ * Choices that ops make and other ops consume (the router's experts and
+ * weights, the indexer's top-k rows) stay in backend memory, so a decode
+ * step never waits for them. An int32 array in backend memory is stored in
+ * a float buffer from alloc with the same element count (the buffer holds
+ * the int32 bit patterns; the op casts the pointer); upload and download of
+ * n floats move such an array to and from the host bit for bit.
  *
  * Weight matrices use GGUF/ggml order: a weight of shape [in, out] has `out`
  * rows of `in` elements, and y[o] = sum_i W[o][i] * x[i]. A 3-D expert tensor
@@ -139,12 +147,15 @@ typedef struct ds4_backend_ops {
 
     /* ---- attention --------------------------------------------------- */
     /* One query token: q [n_heads, dim]; the key/value rows are rows_a
-     * [n_a, dim] followed by the rows of rows_b [*, dim] listed in idx_b
-     * (n_b of them; idx_b NULL = the first n_b rows in order). Per head h:
-     * softmax over {q_h . row / sqrt(dim)} and the sink logit sinks[h]
-     * (which has no value); out_h = sum of weights * rows. */
+     * [n_a, dim] followed by the rows of rows_b [n_rows_b, dim] listed in
+     * idx_b (n_b int32 indices in backend memory; idx_b NULL = the first n_b
+     * rows in order, n_b <= n_rows_b). Per head h: softmax over
+     * {q_h . row / sqrt(dim)} and the sink logit sinks[h] (which has no
+     * value); out_h = sum of weights * rows. An index outside [0, n_rows_b)
+     * is an error (a device backend finds it while the op runs, leaves the
+     * row out and reports it at the next take_error). */
     void (*attention)(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a,
-                      int64_t n_a, const float *rows_b, const int32_t *idx_b, int64_t n_b,
+                      int64_t n_a, const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
                       const ds4_weight *sinks, float *out);
 
     /* ---- compressor (spec 3.5) ---------------------------------------- */
@@ -157,12 +168,15 @@ typedef struct ds4_backend_ops {
                             int64_t dim, float *out);
 
     /* ---- indexer (spec 3.6) ------------------------------------------- */
-    /* score[c] = sum_h relu(q_h . keys[c]) * weights[h], for c < n_keys;
-     * q [n_heads, dim], keys [n_keys, dim], weights [n_heads]. */
-    void (*indexer_scores)(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
-                           const float *keys, int64_t n_keys, float *scores);
-    /* The k highest of scores[0..n) into idx (host), in descending score
-     * order, lowest index first among ties. */
+    /* score[c] = sum_h relu(q_h . keys[c]) * w_h, for c < n_keys, heads in
+     * order, with the head weight w_h = weights[h] * weight_scale rounded to
+     * float once (the model's 1/sqrt(dim * n_heads), spec 3.6.3); q
+     * [n_heads, dim], keys [n_keys, dim], weights [n_heads]. */
+    void (*indexer_scores)(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                           int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores);
+    /* The k highest of scores[0..n) into idx (k int32 in backend memory), in
+     * descending score order, lowest index first among ties; idx[n..k) = -1
+     * when k > n. */
     void (*top_k)(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
 
     /* ---- feed-forward (spec 3.7) -------------------------------------- */
@@ -170,7 +184,8 @@ typedef struct ds4_backend_ops {
      * hash_ids (n_used ids, host) when non-NULL, else the top n_used of
      * prob + bias (bias may be NULL; lowest index wins ties); weights =
      * prob_sel / max(sum prob_sel, 6.103515625e-5) * scale (normalised when
-     * `normalise`, else prob_sel * scale). Results to host arrays. */
+     * `normalise`, else prob_sel * scale). sel_out (n_used int32) and
+     * weight_out (n_used floats) are in backend memory. */
     void (*router)(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
                    const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
                    float *weight_out);
@@ -178,8 +193,12 @@ typedef struct ds4_backend_ops {
     void (*swiglu)(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out,
                    int64_t n);
     /* Routed experts for one token: out = sum_k down_e(swiglu(gate_e x, up_e x) * w_k),
-     * e = sel[k]; gate/up [dim, n_ff, n_expert], down [n_ff, dim, n_expert].
-     * Under ds4 numerics x and each mid are Q8_K-quantised (K-quant/IQ2 weights). */
+     * e = sel[k], w_k = weights[k] (sel: n_used int32, weights: n_used
+     * floats, both in backend memory, e.g. the router's outputs); gate/up
+     * [dim, n_ff, n_expert], down [n_ff, dim, n_expert]. Under ds4 numerics
+     * x and each mid are Q8_K-quantised (K-quant/IQ2 weights). An id outside
+     * [0, n_expert) is an error (a device backend finds it while the op
+     * runs, leaves that expert out and reports it at the next take_error). */
     void (*moe)(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                 const float *x, const int32_t *sel, const float *weights, int n_used, float limit, float *out,
                 ds4_numerics num);
@@ -187,9 +206,11 @@ typedef struct ds4_backend_ops {
     /* ---- errors ------------------------------------------------------ */
     /* The ops above return nothing; an op that cannot run (bad shapes or
      * arguments, a weight type it cannot compute with, scratch memory that
-     * could not be allocated, a device fault) records an error and leaves
-     * its outputs unspecified. take_error returns the FIRST error recorded
-     * since the previous call (filling err) and clears it; DS4_OK if none. */
+     * could not be allocated, a device fault, a bad index read from backend
+     * memory) records an error and leaves its outputs unspecified.
+     * take_error returns the FIRST error recorded since the previous call
+     * (filling err) and clears it; DS4_OK if none. Errors that a device
+     * finds while an op runs surface here (take_error waits for the device). */
     ds4_status (*take_error)(ds4_backend *be, ds4_error *err);
 } ds4_backend_ops;
 

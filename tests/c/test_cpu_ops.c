@@ -1006,8 +1006,8 @@ static void test_attention(void) {
         int64_t n = 0;
         for (int64_t r = 0; r < n_a; r++) rows[n++] = a + r * dim;
         for (int64_t r = 0; r < nb; r++) rows[n++] = b + (ib ? ib[r] : r) * dim;
-        be1->ops->attention(be1, q, heads, dim, a, n_a, b, ib, nb, &ws.w, out);
-        be2->ops->attention(be2, q, heads, dim, a, n_a, b, ib, nb, &ws.w, out2);
+        be1->ops->attention(be1, q, heads, dim, a, n_a, b, n_rows_b, ib, nb, &ws.w, out);
+        be2->ops->attention(be2, q, heads, dim, a, n_a, b, n_rows_b, ib, nb, &ws.w, out2);
         CHECK(memcmp(out, out2, (size_t)(heads * dim) * sizeof *out) == 0);
         naive_attention(q, heads, dim, rows, n, sinks, want, mag);
         /* Scores: float dots of 64 terms (error ~ 12 * 2^-24 * |q||k| ~ 1e-5
@@ -1017,6 +1017,29 @@ static void test_attention(void) {
     }
     expect_no_error(be1);
     expect_no_error(be2);
+    /* Selected rows in backend memory (an int32 array in a float buffer);
+     * an index outside rows_b, negative or too large, is an error that
+     * names the op, the entry, the index and the range. */
+    int32_t *dev_idx = (int32_t *)be1->ops->alloc(be1, 4);
+    const int32_t bad_idx[2][4] = { { 8, 0, 9, 3 }, { 8, -2, 3, 3 } };
+    for (int i = 0; i < 2; i++) {
+        char msg[DS4_ERROR_MSG_MAX];
+        be1->ops->upload(be1, (float *)dev_idx, (const float *)bad_idx[i], 4);
+        be1->ops->attention(be1, q, heads, dim, a, n_a, b, n_rows_b, dev_idx, 4, &ws.w, out);
+        CHECK(take_error(be1, msg, sizeof msg) == DS4_ERR_INVALID);
+        CHECK_MSG(strstr(msg, "attention") && strstr(msg, i ? "index -2" : "index 9") && strstr(msg, "[0, 9)") &&
+                  strstr(msg, i ? "row 1 " : "row 2 "), "%s", msg);
+    }
+    /* without indices: more rows than rows_b has */
+    be1->ops->attention(be1, q, heads, dim, a, n_a, b, n_rows_b, NULL, n_rows_b + 1, &ws.w, out);
+    CHECK(take_error(be1, NULL, 0) == DS4_ERR_INVALID);
+    /* and a valid call after the errors, from backend memory */
+    be1->ops->upload(be1, (float *)dev_idx, (const float *)idx, 4);
+    be1->ops->attention(be1, q, heads, dim, a, n_a, b, n_rows_b, dev_idx, 4, &ws.w, out);
+    be2->ops->attention(be2, q, heads, dim, a, n_a, b, n_rows_b, idx, 4, &ws.w, out2);
+    expect_no_error(be1);
+    CHECK(memcmp(out, out2, (size_t)(heads * dim) * sizeof *out) == 0);
+    be1->ops->free(be1, (float *)dev_idx);
     weight_free(&ws);
     free(q);
     free(a);
@@ -1078,13 +1101,21 @@ static void test_indexer_scores(void) {
     ds4_backend *be1 = new_backend(1), *be2 = new_backend(2);
     const int64_t heads = 8, dim = 128, n_keys = 300;
     float *q = fvec(heads * dim), *w = fvec(heads), *keys = fvec(n_keys * dim);
-    float *s1 = fvec(n_keys), *s2 = fvec(n_keys);
+    float *s1 = fvec(n_keys), *s2 = fvec(n_keys), *ws = fvec(heads);
     fill_normal(q, heads * dim, 1.0);
     fill_normal(w, heads, 1.0);
     fill_normal(keys, n_keys * dim, 1.0);
-    be1->ops->indexer_scores(be1, q, w, heads, dim, keys, n_keys, s1);
-    be2->ops->indexer_scores(be2, q, w, heads, dim, keys, n_keys, s2);
+    be1->ops->indexer_scores(be1, q, w, 1.0f, heads, dim, keys, n_keys, s1);
+    be2->ops->indexer_scores(be2, q, w, 1.0f, heads, dim, keys, n_keys, s2);
     CHECK(memcmp(s1, s2, (size_t)n_keys * sizeof *s1) == 0);
+    /* weight_scale is the float product w[h] * scale, rounded once: the same
+     * bits as pre-scaled weights with scale 1 (the model's 1/sqrt(dim * heads)) */
+    const float scale = (float)(1.0 / sqrt((double)dim * (double)heads));
+    for (int64_t h = 0; h < heads; h++) ws[h] = w[h] * scale;
+    be1->ops->indexer_scores(be1, q, w, scale, heads, dim, keys, n_keys, s1);
+    be2->ops->indexer_scores(be2, q, ws, 1.0f, heads, dim, keys, n_keys, s2);
+    CHECK(memcmp(s1, s2, (size_t)n_keys * sizeof *s1) == 0);
+    be1->ops->indexer_scores(be1, q, w, 1.0f, heads, dim, keys, n_keys, s1);
     for (int64_t c = 0; c < n_keys; c++) {
         double want = 0, mag = 0;
         for (int64_t h = 0; h < heads; h++) {
@@ -1101,8 +1132,10 @@ static void test_indexer_scores(void) {
         CHECK_NEAR(s1[c], want, 30 * EPS32 * mag);
     }
     expect_no_error(be1);
+    expect_no_error(be2);
     free(q);
     free(w);
+    free(ws);
     free(keys);
     free(s1);
     free(s2);
@@ -1329,11 +1362,25 @@ static void test_moe(void) {
         weight_free(&up);
         weight_free(&down);
     }
-    const int32_t bad[3] = { 4, 5, 0 };
+    /* An expert id out of range, in backend memory (the router's output
+     * form: an int32 array in a float buffer): an error naming the op, the
+     * id, the range and the weight. */
+    const int32_t bad[2][3] = { { 4, 5, 0 }, { -1, 1, 0 } };
     ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL };
     ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL };
-    be1->ops->moe(be1, &fake, &fake, &fake_down, x, bad, wts, n_used, limit, out, DS4_NUMERICS_DS4);
-    CHECK(take_error(be1, NULL, 0) == DS4_ERR_INVALID);
+    int32_t *dev_sel = (int32_t *)be1->ops->alloc(be1, n_used);
+    float *dev_w = be1->ops->alloc(be1, n_used);
+    be1->ops->upload(be1, dev_w, wts, n_used);
+    for (int i = 0; i < 2; i++) {
+        char msg[DS4_ERROR_MSG_MAX];
+        be1->ops->upload(be1, (float *)dev_sel, (const float *)bad[i], n_used);
+        be1->ops->moe(be1, &fake, &fake, &fake_down, x, dev_sel, dev_w, n_used, limit, out, DS4_NUMERICS_DS4);
+        CHECK(take_error(be1, msg, sizeof msg) == DS4_ERR_INVALID);
+        CHECK_MSG(strstr(msg, "moe") && strstr(msg, i ? "expert -1 " : "expert 5 ") && strstr(msg, "[0, 5)") &&
+                  strstr(msg, " w"), "%s", msg);
+    }
+    be1->ops->free(be1, (float *)dev_sel);
+    be1->ops->free(be1, dev_w);
     free(gsrc);
     free(usrc);
     free(dsrc);

@@ -13,6 +13,10 @@
  *   op_compare("rmsnorm", &p, y, m, atol, rtol);    every element, NaN never passes
  *   op_buf_free(&p, &x); ... op_pair_close(&p);
  *
+ * Integer arrays in backend memory (expert ids, selected rows):
+ * op_ints_from / op_ints_get. Errors: op_expect_ok, op_expect_error,
+ * op_expect_error_with (status and message parts).
+ *
  * Weights: op_weight_make(&p, name, type, ne0, ne1, ne2, bytes) binds the
  * same raw bytes on both backends (the CPU reads them in place, CUDA uploads).
  * Without a usable CUDA device op_pair_open returns false with the reason.
@@ -21,6 +25,7 @@
 #define DS4_TESTS_CUDA_OP_TEST_H
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +105,60 @@ static op_buf op_buf_poisoned(op_pair *p, int64_t n) {
         p->gpu->ops->fill(p->gpu, b.g, NAN, n);
     }
     return b;
+}
+
+/* (The helpers below are inline: not every test file uses them.) */
+
+/* n int32 values in backend memory on both sides (the ops' convention: a
+ * float buffer of n elements holding the int32 bits), e.g. expert ids or
+ * selected rows. The int32 views are (int32_t *)b.c and (int32_t *)b.g. */
+static inline op_buf op_ints_from(op_pair *p, const int32_t *host, int64_t n) {
+    op_buf b = { p->cpu->ops->alloc(p->cpu, n > 0 ? n : 1), p->gpu->ops->alloc(p->gpu, n > 0 ? n : 1) };
+    CHECK(b.c && b.g);
+    if (b.c && b.g && n > 0) {
+        p->cpu->ops->upload(p->cpu, b.c, (const float *)host, n);
+        p->gpu->ops->upload(p->gpu, b.g, (const float *)host, n);
+    }
+    return b;
+}
+
+/* The int32 arrays of b (n values) to the host: cpu[] and gpu[]. */
+static inline void op_ints_get(op_pair *p, op_buf b, int64_t n, int32_t *cpu, int32_t *gpu) {
+    if (n <= 0) return;
+    p->cpu->ops->download(p->cpu, (float *)cpu, b.c, n);
+    p->gpu->ops->download(p->gpu, (float *)gpu, b.g, n);
+}
+
+/* The CUDA side recorded DS4_ERR_INVALID whose message contains every one
+ * of the NULL-terminated strings (and the error was cleared). */
+static inline void op_expect_error_with(op_pair *p, const char *what, ...) {
+    ds4_error e = { 0 };
+    ds4_status s = p->gpu->ops->take_error(p->gpu, &e);
+    CHECK_MSG(s == DS4_ERR_INVALID, "%s: cuda status %d: %s", what, (int)s, e.message);
+    va_list ap;
+    va_start(ap, what);
+    for (const char *part = va_arg(ap, const char *); part; part = va_arg(ap, const char *))
+        CHECK_MSG(strstr(e.message, part) != NULL, "%s: \"%s\" not in \"%s\"", what, part, e.message);
+    va_end(ap);
+    CHECK(p->gpu->ops->take_error(p->gpu, &e) == DS4_OK);
+}
+
+/* The CUDA backend's counters now. */
+static inline ds4_backend_counters op_gpu_counters(op_pair *p) {
+    ds4_backend_counters c;
+    ds4_backend_counters_get(p->gpu, &c);
+    return c;
+}
+
+/* Since c0 the CUDA side neither waited for the device nor copied between
+ * host and device: an op whose inputs and outputs are all in device memory
+ * (run once before, so that its scratch has grown already). */
+static inline void op_expect_no_host_traffic(op_pair *p, const char *what, const ds4_backend_counters *c0) {
+    const ds4_backend_counters c1 = op_gpu_counters(p);
+    CHECK_MSG(c1.syncs == c0->syncs && c1.copies == c0->copies,
+              "%s: %llu host waits and %llu host<->device copies (%llu bytes to the host)", what,
+              (unsigned long long)(c1.syncs - c0->syncs), (unsigned long long)(c1.copies - c0->copies),
+              (unsigned long long)(c1.d2h_bytes - c0->d2h_bytes));
 }
 
 static void op_buf_free(op_pair *p, op_buf *b) {

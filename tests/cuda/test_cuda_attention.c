@@ -267,8 +267,12 @@ static void attention_case(op_pair *p, const att_case *ac) {
     op_buf ra = op_buf_from(p, ha, ac->n_a * dim > 0 ? ac->n_a * dim : 1);
     op_buf rb = op_buf_from(p, hb, n_rows_b * dim > 0 ? n_rows_b * dim : 1);
     op_buf out = op_buf_poisoned(p, n_heads * dim + GUARD);
-    p->cpu->ops->attention(p->cpu, q.c, n_heads, dim, ra.c, ac->n_a, rb.c, idx, n_b, &sinks->c, out.c);
-    p->gpu->ops->attention(p->gpu, q.g, n_heads, dim, ra.g, ac->n_a, rb.g, idx, n_b, &sinks->g, out.g);
+    /* the selected rows in backend memory, as top_k leaves them */
+    op_buf ib = op_ints_from(p, idx, idx ? n_b : 0);
+    p->cpu->ops->attention(p->cpu, q.c, n_heads, dim, ra.c, ac->n_a, rb.c, n_rows_b, idx ? (const int32_t *)ib.c : NULL,
+                           n_b, &sinks->c, out.c);
+    p->gpu->ops->attention(p->gpu, q.g, n_heads, dim, ra.g, ac->n_a, rb.g, n_rows_b, idx ? (const int32_t *)ib.g : NULL,
+                           n_b, &sinks->g, out.g);
     op_expect_ok(p);
 
     double *tol = malloc((size_t)(n_heads * dim) * sizeof *tol);
@@ -278,12 +282,19 @@ static void attention_case(op_pair *p, const att_case *ac) {
              (long long)dim, (long long)ac->n_a, (long long)n_b);
     compare_each(what, p, out, n_heads * dim, tol);
     expect_untouched(what, p, out, n_heads * dim, GUARD);
+    /* again: the selected rows are read on the GPU, nothing waits */
+    const ds4_backend_counters c0 = op_gpu_counters(p);
+    p->gpu->ops->attention(p->gpu, q.g, n_heads, dim, ra.g, ac->n_a, rb.g, n_rows_b, idx ? (const int32_t *)ib.g : NULL,
+                           n_b, &sinks->g, out.g);
+    op_expect_no_host_traffic(p, what, &c0);
+    op_expect_ok(p);
 
     free(tol);
     op_buf_free(p, &q);
     op_buf_free(p, &ra);
     op_buf_free(p, &rb);
     op_buf_free(p, &out);
+    op_buf_free(p, &ib);
     op_weight_free(p, sinks);
     free(sink_vals);
     free(idx);
@@ -436,12 +447,15 @@ static void test_compressor_pool(void) {
  * the GPU (relu does not enlarge a difference), times |w_h|; the sequential
  * weighted sums over heads add (n_heads + 2) u sum_h |relu(d_h) w_h| each.
  */
-static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_keys) {
+static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_keys, float scale) {
     /* at least one float each: a buffer of 1 is uploaded for empty inputs */
     float *hq = op_rand(n_heads * dim > 0 ? n_heads * dim : 1, 1.0);
     float *hk = op_rand(n_keys * dim > 0 ? n_keys * dim : 1, 1.0);
+    /* the head weights as the op applies them: hw[h] * scale in float */
     float *hw = op_rand(n_heads > 0 ? n_heads : 1,
-                        1.0 / sqrt((double)(n_heads > 0 ? n_heads : 1) * (double)(dim > 0 ? dim : 1)));
+                        1.0 / sqrt((double)(n_heads > 0 ? n_heads : 1) * (double)(dim > 0 ? dim : 1)) / scale);
+    float *weff = malloc((size_t)(n_heads > 0 ? n_heads : 1) * sizeof *weff);
+    for (int64_t h = 0; h < n_heads; h++) weff[h] = hw[h] * scale;
     double *tol = malloc((size_t)(n_keys > 0 ? n_keys : 1) * sizeof *tol);
     const double chain = ((double)dim / 8 + 4) + ((double)dim / 32 + 6);
     for (int64_t c = 0; c < n_keys; c++) {
@@ -452,8 +466,8 @@ static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_key
                 d += (double)hq[h * dim + i] * hk[c * dim + i];
                 a += fabs((double)hq[h * dim + i] * hk[c * dim + i]);
             }
-            dots += fabs((double)hw[h]) * chain * U * a;
-            terms += fabs((d > 0 ? d : 0) * hw[h]);
+            dots += fabs((double)weff[h]) * chain * U * a;
+            terms += fabs((d > 0 ? d : 0) * weff[h]);
         }
         tol[c] = dots + 2 * ((double)n_heads + 2) * U * terms;
     }
@@ -461,12 +475,12 @@ static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_key
     op_buf k = op_buf_from(p, hk, n_keys * dim > 0 ? n_keys * dim : 1);
     op_buf w = op_buf_from(p, hw, n_heads > 0 ? n_heads : 1);
     op_buf out = op_buf_poisoned(p, n_keys + GUARD);
-    p->cpu->ops->indexer_scores(p->cpu, q.c, w.c, n_heads, dim, k.c, n_keys, out.c);
-    p->gpu->ops->indexer_scores(p->gpu, q.g, w.g, n_heads, dim, k.g, n_keys, out.g);
+    p->cpu->ops->indexer_scores(p->cpu, q.c, w.c, scale, n_heads, dim, k.c, n_keys, out.c);
+    p->gpu->ops->indexer_scores(p->gpu, q.g, w.g, scale, n_heads, dim, k.g, n_keys, out.g);
     op_expect_ok(p);
-    char what[96];
-    snprintf(what, sizeof what, "indexer_scores %lld heads of %lld, %lld keys", (long long)n_heads, (long long)dim,
-             (long long)n_keys);
+    char what[128];
+    snprintf(what, sizeof what, "indexer_scores %lld heads of %lld, %lld keys, weight scale %g", (long long)n_heads,
+             (long long)dim, (long long)n_keys, (double)scale);
     compare_each(what, p, out, n_keys, tol);
     expect_untouched(what, p, out, n_keys, GUARD);
     op_buf_free(p, &q);
@@ -477,24 +491,26 @@ static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_key
     free(hq);
     free(hk);
     free(hw);
+    free(weff);
 }
 
 static void test_indexer_scores(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
-    indexer_case(&p, 64, 128, 1);
-    indexer_case(&p, 64, 128, 2);
-    indexer_case(&p, 64, 128, 31);
-    indexer_case(&p, 64, 128, 1000);
-    indexer_case(&p, 64, 128, 5000);
-    indexer_case(&p, 64, 128, 0);   /* nothing to do */
-    indexer_case(&p, 3, 40, 77);    /* partial register lanes */
-    indexer_case(&p, 8, 512, 300);  /* key in 16 registers per lane */
-    indexer_case(&p, 4, 600, 100);  /* key read from memory */
-    indexer_case(&p, 128, 128, 500); /* queries too large for shared memory */
-    indexer_case(&p, 1, 1, 10);
-    indexer_case(&p, 0, 128, 10);   /* no heads: scores 0 */
-    indexer_case(&p, 64, 128, 9000); /* more keys than the capped grid's warps: the blocks stride */
+    const float model_scale = (float)(1.0 / sqrt(128.0 * 64.0)); /* the model's 1/sqrt(dim * heads) */
+    indexer_case(&p, 64, 128, 1, 1.0f);
+    indexer_case(&p, 64, 128, 2, 1.0f);
+    indexer_case(&p, 64, 128, 31, model_scale);
+    indexer_case(&p, 64, 128, 1000, model_scale);
+    indexer_case(&p, 64, 128, 5000, 1.0f);
+    indexer_case(&p, 64, 128, 0, 1.0f);   /* nothing to do */
+    indexer_case(&p, 3, 40, 77, 0.3f);    /* partial register lanes */
+    indexer_case(&p, 8, 512, 300, 1.0f);  /* key in 16 registers per lane */
+    indexer_case(&p, 4, 600, 100, 2.5f);  /* key read from memory */
+    indexer_case(&p, 128, 128, 500, model_scale); /* queries too large for shared memory */
+    indexer_case(&p, 1, 1, 10, 1.0f);
+    indexer_case(&p, 0, 128, 10, 1.0f);   /* no heads: scores 0 */
+    indexer_case(&p, 64, 128, 9000, model_scale); /* more keys than the capped grid's warps: the blocks stride */
     op_pair_close(&p);
 }
 
@@ -504,15 +520,19 @@ static void test_indexer_scores(void) {
 
 #define IDX_SENTINEL 0x5a5a5a5a
 
-/* Run top_k on both sides (idx prefilled with a sentinel) and compare the
- * index lists exactly; k + 4 entries are checked so writes past k show. */
+/* Run top_k on both sides (idx, in backend memory, prefilled with a
+ * sentinel) and compare the index lists exactly; k + 4 entries are checked
+ * so writes past k show. */
 static void top_k_case(op_pair *p, const char *name, const float *scores, int64_t n, int64_t k) {
     op_buf s = op_buf_from(p, scores, n > 0 ? n : 1);
     int32_t *ic = malloc((size_t)(k + 4) * sizeof *ic), *ig = malloc((size_t)(k + 4) * sizeof *ig);
     for (int64_t i = 0; i < k + 4; i++) ic[i] = ig[i] = IDX_SENTINEL;
-    p->cpu->ops->top_k(p->cpu, s.c, n, k, ic);
-    p->gpu->ops->top_k(p->gpu, s.g, n, k, ig);
+    op_buf idx = op_ints_from(p, ic, k + 4);
+    p->cpu->ops->top_k(p->cpu, s.c, n, k, (int32_t *)idx.c);
+    p->gpu->ops->top_k(p->gpu, s.g, n, k, (int32_t *)idx.g);
     op_expect_ok(p);
+    op_ints_get(p, idx, k + 4, ic, ig);
+    op_buf_free(p, &idx);
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < k + 4; i++)
         if (ic[i] != ig[i]) {
@@ -525,6 +545,13 @@ static void top_k_case(op_pair *p, const char *name, const float *scores, int64_
     /* the oracle itself: -1 padding past n, sentinels past k */
     for (int64_t i = n; i < k; i++) CHECK_EQ_INT(ic[i], -1);
     for (int64_t i = k; i < k + 4; i++) CHECK_EQ_INT(ic[i], IDX_SENTINEL);
+    /* again: the indices stay on the GPU, nothing waits */
+    op_buf again = op_ints_from(p, ic, k + 4);
+    const ds4_backend_counters c0 = op_gpu_counters(p);
+    p->gpu->ops->top_k(p->gpu, s.g, n, k, (int32_t *)again.g);
+    op_expect_no_host_traffic(p, name, &c0);
+    op_expect_ok(p);
+    op_buf_free(p, &again);
     op_buf_free(p, &s);
     free(ic);
     free(ig);
@@ -615,16 +642,21 @@ static void test_attention_ops_errors(void) {
     for (size_t i = 0; i < sizeof bad_att / sizeof bad_att[0]; i++) {
         const ds4_weight *sc = bad_att[i].sinks == 0 ? NULL : bad_att[i].sinks == 1 ? &sinks->c : &bogus;
         const ds4_weight *sg = bad_att[i].sinks == 0 ? NULL : bad_att[i].sinks == 1 ? &sinks->g : &bogus;
-        p.cpu->ops->attention(p.cpu, x.c, bad_att[i].heads, bad_att[i].dim, y.c, bad_att[i].n_a, y.c, NULL,
+        p.cpu->ops->attention(p.cpu, x.c, bad_att[i].heads, bad_att[i].dim, y.c, bad_att[i].n_a, y.c, 16, NULL,
                               bad_att[i].n_b, sc, out.c);
-        p.gpu->ops->attention(p.gpu, x.g, bad_att[i].heads, bad_att[i].dim, y.g, bad_att[i].n_a, y.g, NULL,
+        p.gpu->ops->attention(p.gpu, x.g, bad_att[i].heads, bad_att[i].dim, y.g, bad_att[i].n_a, y.g, 16, NULL,
                               bad_att[i].n_b, sg, out.g);
         expect_same_error(&p, "attention arguments");
     }
-    /* a negative selected index (the CPU would read out of bounds) */
-    const int32_t bad_idx[3] = { 0, -5, 1 };
-    p.gpu->ops->attention(p.gpu, x.g, 4, 8, y.g, 2, y.g, bad_idx, 3, &sinks->g, out.g);
-    op_expect_error(&p, DS4_ERR_INVALID);
+    /* rows_b: a negative row count, more rows than it has */
+    const int64_t bad_rows_b[2][2] = { { -1, 0 }, { 3, 4 } }; /* n_rows_b, n_b */
+    for (int i = 0; i < 2; i++) {
+        p.cpu->ops->attention(p.cpu, x.c, 4, 8, y.c, 2, y.c, bad_rows_b[i][0], NULL, bad_rows_b[i][1], &sinks->c,
+                              out.c);
+        p.gpu->ops->attention(p.gpu, x.g, 4, 8, y.g, 2, y.g, bad_rows_b[i][0], NULL, bad_rows_b[i][1], &sinks->g,
+                              out.g);
+        expect_same_error(&p, "attention rows_b");
+    }
     expect_untouched("attention after errors", &p, out, 0, 4096);
 
     /* compressor_pool */
@@ -637,21 +669,23 @@ static void test_attention_ops_errors(void) {
     }
 
     /* indexer_scores: negative sizes (the CPU does nothing with them) */
-    p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, 4, 8, y.g, -1, out.g);
+    p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, 1.0f, 4, 8, y.g, -1, out.g);
     op_expect_error(&p, DS4_ERR_INVALID);
-    p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, -4, 8, y.g, 10, out.g);
+    p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, 1.0f, -4, 8, y.g, 10, out.g);
     op_expect_error(&p, DS4_ERR_INVALID);
     expect_untouched("indexer_scores after errors", &p, out, 0, 4096);
 
     /* top_k: negative sizes, more rows than int32 indices */
-    int32_t ic[8], ig[8];
+    const int32_t none[8] = { 0 };
+    op_buf tk = op_ints_from(&p, none, 8);
     const int64_t bad_n[] = { -1, 10, (int64_t)INT32_MAX + 1 };
     const int64_t bad_k[] = { 4, -1, 4 };
     for (int i = 0; i < 3; i++) {
-        p.cpu->ops->top_k(p.cpu, x.c, bad_n[i], bad_k[i], ic);
-        p.gpu->ops->top_k(p.gpu, x.g, bad_n[i], bad_k[i], ig);
+        p.cpu->ops->top_k(p.cpu, x.c, bad_n[i], bad_k[i], (int32_t *)tk.c);
+        p.gpu->ops->top_k(p.gpu, x.g, bad_n[i], bad_k[i], (int32_t *)tk.g);
         expect_same_error(&p, "top_k arguments");
     }
+    op_buf_free(&p, &tk);
 
     /* after all that the backend still works */
     op_expect_ok(&p);
@@ -666,6 +700,71 @@ static void test_attention_ops_errors(void) {
     op_pair_close(&p);
 }
 
+/* Selected-row indices in device memory outside rows_b: the kernel finds
+ * them; take_error reports the first (the CPU's message for the same index,
+ * naming the op, the entry, the index, the range and the sinks), and the
+ * backend computes correctly afterwards. */
+static void test_attention_bad_index(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t heads = 8, dim = 64, n_a = 5, n_rows_b = 7, n_b = 4;
+    float *hq = op_rand(heads * dim, 1.0), *ha = op_rand(n_a * dim, 1.0), *hb = op_rand(n_rows_b * dim, 1.0);
+    float *hs = op_rand(heads, 1.0);
+    op_weight *sinks = op_weight_floats(&p, "blk.2.attn_sinks.weight", DS4_TYPE_F32, heads, 1, 1, hs);
+    op_buf q = op_buf_from(&p, hq, heads * dim), ra = op_buf_from(&p, ha, n_a * dim);
+    op_buf rb = op_buf_from(&p, hb, n_rows_b * dim), out = op_buf_poisoned(&p, heads * dim);
+    const struct {
+        int32_t idx[4];
+        const char *index, *row;
+    } bad[] = {
+        { { 0, 6, 7, 1 }, "index 7,", "row 2 " },             /* one past the end */
+        { { -3, 2, 2, 5 }, "index -3,", "row 0 " },           /* negative */
+        { { 3, 1, 0, INT32_MAX }, "index 2147483647,", "row 3 " }, /* far out */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        op_buf ib = op_ints_from(&p, bad[i].idx, n_b);
+        p.cpu->ops->attention(p.cpu, q.c, heads, dim, ra.c, n_a, rb.c, n_rows_b, (const int32_t *)ib.c, n_b,
+                              &sinks->c, out.c);
+        p.gpu->ops->attention(p.gpu, q.g, heads, dim, ra.g, n_a, rb.g, n_rows_b, (const int32_t *)ib.g, n_b,
+                              &sinks->g, out.g);
+        ds4_error ec = { 0 }, eg = { 0 };
+        CHECK(p.cpu->ops->take_error(p.cpu, &ec) == DS4_ERR_INVALID);
+        CHECK_MSG(p.gpu->ops->take_error(p.gpu, &eg) == DS4_ERR_INVALID, "attention bad index %zu: %s", i,
+                  eg.message);
+        CHECK_MSG(strcmp(ec.message, eg.message) == 0, "messages differ: cpu \"%s\" cuda \"%s\"", ec.message,
+                  eg.message);
+        CHECK_MSG(strstr(eg.message, "attention") && strstr(eg.message, bad[i].index) &&
+                  strstr(eg.message, bad[i].row) && strstr(eg.message, "[0, 7)") &&
+                  strstr(eg.message, "blk.2.attn_sinks.weight"), "%s", eg.message);
+        op_expect_ok(&p); /* taken and cleared */
+        op_buf_free(&p, &ib);
+    }
+    /* two bad calls before take_error: the first one is reported */
+    {
+        op_buf b1 = op_ints_from(&p, bad[0].idx, n_b), b2 = op_ints_from(&p, bad[1].idx, n_b);
+        p.gpu->ops->attention(p.gpu, q.g, heads, dim, ra.g, n_a, rb.g, n_rows_b, (const int32_t *)b1.g, n_b,
+                              &sinks->g, out.g);
+        p.gpu->ops->attention(p.gpu, q.g, heads, dim, ra.g, n_a, rb.g, n_rows_b, (const int32_t *)b2.g, n_b,
+                              &sinks->g, out.g);
+        op_expect_error_with(&p, "first of two bad indices", "attention", "index 7,", "row 2 ", NULL);
+        op_buf_free(&p, &b1);
+        op_buf_free(&p, &b2);
+    }
+    /* the backend still computes, from device indices, as the CPU does */
+    const att_case after = { "after bad indices", 16, 512, 40, 64, 90, SEL_REPEATS, 1.0, 0.0, 1.0, DS4_TYPE_F32, 0 };
+    attention_case(&p, &after);
+    op_weight_free(&p, sinks);
+    op_buf_free(&p, &q);
+    op_buf_free(&p, &ra);
+    op_buf_free(&p, &rb);
+    op_buf_free(&p, &out);
+    free(hq);
+    free(ha);
+    free(hb);
+    free(hs);
+    op_pair_close(&p);
+}
+
 static const test_case TESTS[] = {
     TEST_ENTRY(test_rope_tail),
     TEST_ENTRY(test_attention),
@@ -673,6 +772,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_top_k),
     TEST_ENTRY(test_attention_ops_errors),
+    TEST_ENTRY(test_attention_bad_index),
     { 0 },
 };
 

@@ -357,12 +357,28 @@ static void check_router(op_pair *p, const router_case *rc, int trials) {
         for (int k = 0; k < K; k++) hash[k] = (int32_t)(test_rand_u64() % (uint64_t)E);
         op_buf logits = op_buf_from(p, hl, E);
         for (int k = 0; k < K; k++) sel_c[k] = sel_g[k] = -7, w_c[k] = w_g[k] = NAN;
+        /* the results stay in backend memory (poisoned first) */
+        op_buf sel = op_ints_from(p, sel_c, K), wts = op_buf_poisoned(p, K > 0 ? K : 1);
 
         p->cpu->ops->router(p->cpu, logits.c, E, bias ? &bias->c : NULL, rc->hash ? hash : NULL, K, rc->normalise,
-                            rc->scale, sel_c, w_c);
+                            rc->scale, (int32_t *)sel.c, wts.c);
         p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, rc->hash ? hash : NULL, K, rc->normalise,
-                            rc->scale, sel_g, w_g);
+                            rc->scale, (int32_t *)sel.g, wts.g);
         op_expect_ok(p);
+        if (!rc->hash) { /* again: the choices stay on the GPU, nothing waits (hash ids are a host upload) */
+            const ds4_backend_counters c0 = op_gpu_counters(p);
+            p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, NULL, K, rc->normalise, rc->scale,
+                                (int32_t *)sel.g, wts.g);
+            op_expect_no_host_traffic(p, rc->name, &c0);
+            op_expect_ok(p);
+        }
+        op_ints_get(p, sel, K, sel_c, sel_g);
+        if (K > 0) {
+            p->cpu->ops->download(p->cpu, w_c, wts.c, K);
+            p->gpu->ops->download(p->gpu, w_g, wts.g, K);
+        }
+        op_buf_free(p, &sel);
+        op_buf_free(p, &wts);
         int bad_sel = 0, bad_w = 0, worst = -1;
         for (int k = 0; k < K; k++) {
             bad_sel += sel_c[k] != sel_g[k];
@@ -535,8 +551,10 @@ static void test_errors(void) {
     op_buf logits = op_buf_from(&p, hX, 256);
     op_weight *bias_short = op_weight_floats(&p, "bias_short", DS4_TYPE_F32, 100, 1, 1, hX);
     op_weight *bias_q8 = op_weight_floats(&p, "bias_q8", DS4_TYPE_Q8_0, 256, 1, 1, hX);
-    int32_t sel[8], hash[6] = { 0, 5, 255, 3, 2, 1 };
-    float w[8];
+    int32_t hsel[8], hash[6] = { 0, 5, 255, 3, 2, 1 };
+    op_buf rsel = op_ints_from(&p, hash, 6), rw = op_buf_poisoned(&p, 8);
+    int32_t *sel = (int32_t *)rsel.g; /* device results */
+    float *w = rw.g;
     g->ops->router(g, logits.g, 256, NULL, NULL, 257, true, 1.5f, sel, w);
     op_expect_error(&p, DS4_ERR_INVALID);
     g->ops->router(g, logits.g, 0, NULL, NULL, 0, true, 1.5f, sel, w);
@@ -561,13 +579,17 @@ static void test_errors(void) {
     /* the backend still computes after all that */
     check_hc_pre(&p, 64, 2, DS4_TYPE_F16);
     hash[2] = 9;
-    for (int k = 0; k < 6; k++) sel[k] = -7;
+    for (int k = 0; k < 6; k++) hsel[k] = -7;
+    g->ops->upload(g, rsel.g, (const float *)hsel, 6);
     g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
     op_expect_ok(&p);
-    for (int k = 0; k < 6; k++) CHECK_EQ_INT(sel[k], hash[k]);
+    g->ops->download(g, (float *)hsel, rsel.g, 6);
+    for (int k = 0; k < 6; k++) CHECK_EQ_INT(hsel[k], hash[k]);
     check_swiglu(&p, 1000, 3.0, 10.0f, 1.0f, false);
 
     op_buf_free(&p, &logits);
+    op_buf_free(&p, &rsel);
+    op_buf_free(&p, &rw);
     op_buf_free(&p, &X);
     op_buf_free(&p, &out);
     op_buf_free(&p, &post);

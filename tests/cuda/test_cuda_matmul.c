@@ -300,6 +300,15 @@ static void check_matmul_type(uint32_t type) {
     }
     matmul_case(&p, type, 4096, 300, false, 0, 300, 1, 4096, 300, false);
     matmul_case(&p, type, 4096, 300, false, 0, 300, 37, 4096, 300, false);
+    /* decode shapes (the streaming matvec kernels: every row count up to 8,
+     * rows split over warps, offsets and wide strides, many outputs) and a
+     * batch with partial tiles (the tensor-core GEMM for Q8_0) */
+    static const int64_t MV_ROWS[] = { 2, 4, 5, 8 };
+    for (size_t ri = 0; ri < sizeof MV_ROWS / sizeof MV_ROWS[0]; ri++)
+        matmul_case(&p, type, 4096, 300, false, 0, 300, MV_ROWS[ri], 4096, 300, false);
+    matmul_case(&p, type, 4096, 300, false, 7, 200, 5, 4100, 256, false);
+    matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
+    matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
     op_pair_close(&p);
 }
 
@@ -551,11 +560,15 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
             for (int64_t j = 0; j < n_ff; j++) S[o] += fabs((double)dr[j] * mid[k * n_ff + j]);
         }
     }
+    /* the routing in backend memory, as the router leaves it */
+    op_buf dsel = op_ints_from(p, sel, n_used), dw = op_buf_from(p, wts, n_used);
     for (int ni = 0; ni < 2; ni++) {
         const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
         op_buf y = op_buf_poisoned(p, dim);
-        p->cpu->ops->moe(p->cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, sel, wts, n_used, limit, y.c, num);
-        p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, n_used, limit, y.g, num);
+        p->cpu->ops->moe(p->cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, (const int32_t *)dsel.c, dw.c, n_used, limit,
+                         y.c, num);
+        p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, limit,
+                         y.g, num);
         op_expect_ok(p);
         double *tol = malloc((size_t)dim * sizeof *tol);
         for (int64_t o = 0; o < dim; o++) tol[o] = (num == DS4_NUMERICS_REFERENCE ? 1e-5 : 1e-4) * S[o];
@@ -564,11 +577,19 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
                  ds4_type_name(tg), ds4_type_name(td), num_name(num), (long long)dim, (long long)n_ff, n_used,
                  (long long)n_expert, (double)limit);
         compare_out(what, p, y, 1, dim, dim, tol, 2.5e-7, false);
+        /* again: the routing is read on the GPU, nothing waits */
+        const ds4_backend_counters c0 = op_gpu_counters(p);
+        p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, limit,
+                         y.g, num);
+        op_expect_no_host_traffic(p, what, &c0);
+        op_expect_ok(p);
         free(tol);
         op_buf_free(p, &y);
     }
     free(mid);
     free(S);
+    op_buf_free(p, &dsel);
+    op_buf_free(p, &dw);
     op_buf_free(p, &x);
     free(hx);
     moe_free(p, &m);
@@ -581,6 +602,9 @@ static void check_moe(uint32_t tg, uint32_t td) {
     moe_case(&p, tg, td, 512, 256, 8, 6, 0.0f);
     moe_case(&p, tg, td, 512, 256, 8, 6, 0.7f);
     moe_case(&p, tg, td, 256, 512, 16, 6, 0.7f);
+    /* rows of whole 16-byte units (the streaming kernels), up to 8 experts */
+    moe_case(&p, tg, td, 2048, 1024, 8, 6, 0.7f);
+    moe_case(&p, tg, td, 2048, 1024, 12, 8, 0.0f);
     op_pair_close(&p);
 }
 
@@ -595,6 +619,29 @@ static void test_moe_mixed(void) {
     check_moe(DS4_TYPE_Q8_0, DS4_TYPE_Q4_K);
 }
 
+/* One moe call on each side with the routing in backend memory. */
+static void moe_both(op_pair *p, const moe_weights *m, op_buf x, op_buf sel, op_buf w, int n_used, op_buf y,
+                     ds4_numerics num) {
+    p->cpu->ops->moe(p->cpu, &m->gate->c, &m->up->c, &m->down->c, x.c, (const int32_t *)sel.c, w.c, n_used, 0.0f, y.c,
+                     num);
+    p->gpu->ops->moe(p->gpu, &m->gate->g, &m->up->g, &m->down->g, x.g, (const int32_t *)sel.g, w.g, n_used, 0.0f, y.g,
+                     num);
+}
+
+/* loose scale-free check: |g - c| <= 1e-3 * sum|c| / dim + 1e-4 |c| */
+static void moe_expect_close(const char *what, op_pair *p, op_buf y, int64_t dim) {
+    float *hc = malloc((size_t)dim * sizeof *hc), *hg = malloc((size_t)dim * sizeof *hg);
+    p->cpu->ops->download(p->cpu, hc, y.c, dim);
+    p->gpu->ops->download(p->gpu, hg, y.g, dim);
+    double mean = 0;
+    for (int64_t i = 0; i < dim; i++) mean += fabs(hc[i]) / (double)dim;
+    int bad = 0;
+    for (int64_t i = 0; i < dim; i++) bad += !(fabs((double)hg[i] - hc[i]) <= 1e-3 * mean + 1e-4 * fabs(hc[i]));
+    CHECK_MSG(bad == 0, "%s: %d of %lld outputs differ", what, bad, (long long)dim);
+    free(hc);
+    free(hg);
+}
+
 static void test_moe_errors(void) {
     OPEN_PAIR(p);
     const int64_t dim = 512, n_ff = 256, n_expert = 4;
@@ -603,17 +650,13 @@ static void test_moe_errors(void) {
     op_buf x = op_buf_from(&p, hx, dim);
     op_buf y = op_buf_poisoned(&p, dim);
     const ds4_backend_ops *g = p.gpu->ops;
-    int32_t sel[6] = { 0, 1, 2, 3, 1, 0 };
-    float wts[6] = { 0.5f, 0.25f, 0.125f, 0.5f, 0.25f, 0.125f };
+    const int32_t hsel[6] = { 0, 1, 2, 3, 1, 0 };
+    const float hw[6] = { 0.5f, 0.25f, 0.125f, 0.5f, 0.25f, 0.125f };
+    op_buf dsel = op_ints_from(&p, hsel, 6), dw = op_buf_from(&p, hw, 6);
+    const int32_t *sel = (const int32_t *)dsel.g;
+    const float *wts = dw.g;
     for (int ni = 0; ni < 2; ni++) {
         const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
-        sel[2] = (int32_t)n_expert; /* out of range */
-        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
-        op_expect_error(&p, DS4_ERR_INVALID);
-        sel[2] = -1;
-        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
-        op_expect_error(&p, DS4_ERR_INVALID);
-        sel[2] = 2;
         /* shapes that do not fit together: up used as down */
         g->moe(p.gpu, &m.gate->g, &m.up->g, &m.up->g, x.g, sel, wts, 6, 0.0f, y.g, num);
         op_expect_error(&p, DS4_ERR_INVALID);
@@ -627,6 +670,9 @@ static void test_moe_errors(void) {
         bad.type = DS4_TYPE_Q3_K;
         g->moe(p.gpu, &m.gate->g, &bad, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
         op_expect_error(&p, DS4_ERR_UNSUPPORTED);
+        /* no routing arrays */
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, NULL, wts, 6, 0.0f, y.g, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
     }
     {
         float hy[512];
@@ -636,27 +682,84 @@ static void test_moe_errors(void) {
         CHECK_EQ_INT(written, 0);
     }
     /* n_used == 0: zeros on both sides */
-    p.cpu->ops->moe(p.cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, sel, wts, 0, 0.0f, y.c, DS4_NUMERICS_DS4);
-    g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 0, 0.0f, y.g, DS4_NUMERICS_DS4);
+    moe_both(&p, &m, x, dsel, dw, 0, y, DS4_NUMERICS_DS4);
     op_expect_ok(&p);
     CHECK_EQ_INT(op_compare("moe n_used 0", &p, y, dim, 0.0, 0.0), 0);
     /* and a valid call after the errors; repeated experts are allowed */
     op_buf_free(&p, &y);
     y = op_buf_poisoned(&p, dim);
-    p.cpu->ops->moe(p.cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, sel, wts, 6, 0.0f, y.c, DS4_NUMERICS_DS4);
-    g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, DS4_NUMERICS_DS4);
+    moe_both(&p, &m, x, dsel, dw, 6, y, DS4_NUMERICS_DS4);
     op_expect_ok(&p);
-    {
-        /* loose scale-free check: |g - c| <= 1e-3 * sum|c| / dim + 1e-4 |c| */
-        float hc[512], hg[512];
-        p.cpu->ops->download(p.cpu, hc, y.c, dim);
-        g->download(p.gpu, hg, y.g, dim);
-        double mean = 0;
-        for (int i = 0; i < dim; i++) mean += fabs(hc[i]) / (double)dim;
-        int bad = 0;
-        for (int i = 0; i < dim; i++) bad += !(fabs((double)hg[i] - hc[i]) <= 1e-3 * mean + 1e-4 * fabs(hc[i]));
-        CHECK_EQ_INT(bad, 0);
+    moe_expect_close("moe after errors", &p, y, dim);
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &dsel);
+    op_buf_free(&p, &dw);
+    op_buf_free(&p, &x);
+    free(hx);
+    moe_free(&p, &m);
+    op_pair_close(&p);
+}
+
+/* Expert ids out of range in device memory (as a faulty router would leave
+ * them): the kernel finds them, leaves those experts out and take_error
+ * reports the first, naming the op, the id, the range and the gate weight
+ * (the CPU's message for the same id); no kernel reads past the weights
+ * (compute-sanitizer in scripts/gpu-check.sh), and the backend computes
+ * correctly afterwards. */
+static void test_moe_bad_expert(void) {
+    OPEN_PAIR(p);
+    const int64_t dim = 512, n_ff = 256, n_expert = 4;
+    moe_weights m = moe_make(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, dim, n_ff, n_expert);
+    float *hx = op_rand(dim, 1.0);
+    op_buf x = op_buf_from(&p, hx, dim);
+    op_buf y = op_buf_poisoned(&p, dim);
+    const float hw[6] = { 0.5f, 0.25f, 0.125f, 0.5f, 0.25f, 0.125f };
+    op_buf dw = op_buf_from(&p, hw, 6);
+    const struct {
+        int32_t sel[6];
+        const char *expert;
+    } bad[] = {
+        { { 0, 1, 4, 3, 1, 0 }, "expert 4 " },                   /* one past the last */
+        { { 0, 1, 2, 3, -1, 0 }, "expert -1 " },                 /* negative */
+        { { INT32_MIN, 1, 2, 3, 1, 0 }, "expert -2147483648 " }, /* far out */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        for (int ni = 0; ni < 2; ni++) {
+            const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+            op_buf dsel = op_ints_from(&p, bad[i].sel, 6);
+            moe_both(&p, &m, x, dsel, dw, 6, y, num);
+            ds4_error ec = { 0 }, eg = { 0 };
+            CHECK(p.cpu->ops->take_error(p.cpu, &ec) == DS4_ERR_INVALID);
+            CHECK_MSG(p.gpu->ops->take_error(p.gpu, &eg) == DS4_ERR_INVALID, "moe bad expert %zu: %s", i, eg.message);
+            CHECK_MSG(strcmp(ec.message, eg.message) == 0, "messages differ: cpu \"%s\" cuda \"%s\"", ec.message,
+                      eg.message);
+            CHECK_MSG(strstr(eg.message, "moe") && strstr(eg.message, bad[i].expert) && strstr(eg.message, "[0, 4)") &&
+                      strstr(eg.message, "blk.3.ffn_gate_exps.weight"), "%s", eg.message);
+            op_expect_ok(&p); /* taken and cleared */
+            op_buf_free(&p, &dsel);
+        }
     }
+    /* two bad calls before take_error: the first is reported */
+    {
+        op_buf s1 = op_ints_from(&p, bad[0].sel, 6), s2 = op_ints_from(&p, bad[1].sel, 6);
+        p.gpu->ops->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)s1.g, dw.g, 6, 0.0f, y.g,
+                        DS4_NUMERICS_DS4);
+        p.gpu->ops->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)s2.g, dw.g, 6, 0.0f, y.g,
+                        DS4_NUMERICS_DS4);
+        op_expect_error_with(&p, "first of two bad ids", "moe", "expert 4 ", "[0, 4)", NULL);
+        op_buf_free(&p, &s1);
+        op_buf_free(&p, &s2);
+    }
+    /* a valid call afterwards gives the CPU's result */
+    const int32_t good[6] = { 3, 1, 2, 0, 1, 3 };
+    op_buf dsel = op_ints_from(&p, good, 6);
+    op_buf_free(&p, &y);
+    y = op_buf_poisoned(&p, dim);
+    moe_both(&p, &m, x, dsel, dw, 6, y, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    moe_expect_close("moe after bad expert ids", &p, y, dim);
+    op_buf_free(&p, &dsel);
+    op_buf_free(&p, &dw);
     op_buf_free(&p, &y);
     op_buf_free(&p, &x);
     free(hx);
@@ -685,6 +788,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_f16),
     TEST_ENTRY(test_moe_mixed),
     TEST_ENTRY(test_moe_errors),
+    TEST_ENTRY(test_moe_bad_expert),
     { 0 },
 };
 

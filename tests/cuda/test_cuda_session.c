@@ -1,7 +1,8 @@
 /* test_cuda_session.c - whole-model runs on the CUDA backend through the
  * public API: prefill vs token-by-token decode on the GPU, GPU logits against
  * the CPU's, and checkpoints that cross backends (saved on CUDA, restored on
- * the CPU, and the reverse) and continue with the same tokens.
+ * the CPU, and the reverse) and continue with the same tokens; and, through
+ * the model API, how often one decoded token makes the host wait for the GPU.
  *
  * Tolerances: the tiny model under reference numerics computes in float32
  * on both backends; sums in another order drift by ~1e-6 relative per layer,
@@ -11,9 +12,12 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "backends/backend.h"
 #include "backends/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "core/gguf.h"
 #include "ds4.h"
+#include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_synth.h"
 #include "test.h"
 
@@ -160,6 +164,60 @@ static void test_checkpoint_cpu_to_cuda(void) {
     cross(cpu_engine, gpu_engine, "cpu-to-cuda");
 }
 
+/*
+ * One decoded token (ds4_model_eval, n = 1) keeps the routing and the
+ * indexer's choices on the GPU: the router, top_k, moe and attention ops
+ * neither wait for the stream nor copy to the host. The host waits in a step
+ * are the logits download and take_error (every wait counts: stream syncs
+ * and the control-upload ring's event waits alike), and the only
+ * device-to-host bytes are the logits and take_error's error record. The
+ * context is long enough that the ratio-4 layers select rows (top_k), and
+ * the tiny model has hash-routed and top-k-routed layers.
+ */
+static void test_decode_step_waits(void) {
+    SETUP_OR_SKIP();
+    ds4_error err = { 0 };
+    gguf_file *f = NULL;
+    ds4_backend *be = NULL;
+    ds4_model *m = NULL;
+    ds4_state *st = NULL;
+    CHECK_MSG(gguf_open(model_path, &f, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(f && ds4_backend_create("cuda", 0, &be, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(be && ds4_model_load(f, be, &m, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(m && ds4_state_create(m, 256, &st, &err) == DS4_OK, "%s", err.message);
+    if (st) {
+        const ds4_config *c = ds4_model_config(m);
+        const int64_t n = 100;
+        CHECK(n / 4 > c->idx_top_k); /* the indexer selects */
+        int32_t *t = random_tokens(n + 2);
+        float *logits = malloc((size_t)vocab * sizeof *logits);
+        CHECK(ds4_model_eval(m, st, t, n, DS4_NUMERICS_DS4, logits, false, &err) == DS4_OK);
+        /* a first step grows whatever scratch a step needs; the second is measured */
+        CHECK(ds4_model_eval(m, st, t + n, 1, DS4_NUMERICS_DS4, logits, false, &err) == DS4_OK);
+        ds4_backend_counters c0, c1;
+        ds4_backend_counters_get(be, &c0);
+        CHECK_MSG(ds4_model_eval(m, st, t + n + 1, 1, DS4_NUMERICS_DS4, logits, false, &err) == DS4_OK, "%s",
+                  err.message);
+        ds4_backend_counters_get(be, &c1);
+        const uint64_t syncs = c1.syncs - c0.syncs, d2h = c1.d2h_bytes - c0.d2h_bytes;
+        fprintf(stderr, "  one decode step: %llu syncs, %llu copies (%llu bytes to the host, %llu to the device), "
+                "%llu launches\n", (unsigned long long)syncs, (unsigned long long)(c1.copies - c0.copies),
+                (unsigned long long)d2h, (unsigned long long)(c1.h2d_bytes - c0.h2d_bytes),
+                (unsigned long long)(c1.launches - c0.launches));
+        CHECK_MSG(syncs <= 2, "one decode step waited for the GPU %llu times (at most 2: logits and take_error)",
+                  (unsigned long long)syncs);
+        CHECK_MSG(d2h <= (uint64_t)vocab * sizeof(float) + 256,
+                  "one decode step copied %llu bytes to the host (logits: %llu)", (unsigned long long)d2h,
+                  (unsigned long long)vocab * sizeof(float));
+        free(logits);
+        free(t);
+    }
+    ds4_state_free(st);
+    ds4_model_free(m);
+    ds4_backend_destroy(be);
+    gguf_close(f);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(gpu_engine);
     ds4_engine_close(cpu_engine);
@@ -172,6 +230,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_gpu_matches_cpu_and_itself),
     TEST_ENTRY(test_checkpoint_cuda_to_cpu),
     TEST_ENTRY(test_checkpoint_cpu_to_cuda),
+    TEST_ENTRY(test_decode_step_waits),
     TEST_ENTRY(test_teardown),
     { 0 },
 };

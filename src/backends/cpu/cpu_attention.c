@@ -125,11 +125,25 @@ static void attention_range(void *vctx, int64_t begin, int64_t end, int thread) 
 }
 
 void cpu_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
-                   const float *rows_b, const int32_t *idx_b, int64_t n_b, const ds4_weight *sinks, float *out) {
+                   const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
+                   const ds4_weight *sinks, float *out) {
     if (!sinks || !cpu_has_dequant(sinks) || sinks->ne[0] < n_heads || n_heads < 0 || dim <= 0 || n_a < 0 || n_b < 0) {
         cpu_fail(be, DS4_ERR_INVALID, "attention: %lld heads of %lld, %lld + %lld rows, sinks %s", (long long)n_heads,
                  (long long)dim, (long long)n_a, (long long)n_b, cpu_wname(sinks));
         return;
+    }
+    if (n_rows_b < 0 || (!idx_b && n_b > n_rows_b)) {
+        cpu_fail(be, DS4_ERR_INVALID, "attention: the first %lld of %lld rows of rows_b (sinks %s)", (long long)n_b,
+                 (long long)n_rows_b, cpu_wname(sinks));
+        return;
+    }
+    /* The message is the one the CUDA backend gives for the same index. */
+    for (int64_t r = 0; idx_b && r < n_b; r++) {
+        if (idx_b[r] < 0 || idx_b[r] >= n_rows_b) {
+            cpu_fail(be, DS4_ERR_INVALID, "attention: selected row %lld has index %d, outside [0, %lld) of rows_b "
+                     "(sinks %s)", (long long)r, idx_b[r], (long long)n_rows_b, cpu_wname(sinks));
+            return;
+        }
     }
     const int64_t n = n_a + n_b;
     float *sink_buf = malloc((size_t)sinks->ne[0] * sizeof *sink_buf);
@@ -201,11 +215,14 @@ void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *st
 
 typedef struct indexer_job {
     const float *q, *weights, *keys;
+    float weight_scale;
     int64_t n_heads, dim;
     float *scores;
 } indexer_job;
 
-/* score[c] = sum over heads, in order, of relu(q_h . key_c) * w_h (float). */
+/* score[c] = sum over heads, in order, of relu(q_h . key_c) * w_h (float),
+ * w_h = weights[h] * weight_scale rounded to float on its own (the file
+ * builds with -ffp-contract=off, so it is never fused into the sum). */
 static void indexer_range(void *vctx, int64_t begin, int64_t end, int thread) {
     const indexer_job *job = vctx;
     for (int64_t c = begin; c < end; c++) {
@@ -214,15 +231,16 @@ static void indexer_range(void *vctx, int64_t begin, int64_t end, int thread) {
         for (int64_t h = 0; h < job->n_heads; h++) {
             float d = cpu_dot_f32(job->q + h * job->dim, key, job->dim);
             if (d < 0.0f) d = 0.0f;
-            s += d * job->weights[h];
+            const float w = job->weights[h] * job->weight_scale;
+            s += d * w;
         }
         job->scores[c] = s;
     }
 }
 
-void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
-                        const float *keys, int64_t n_keys, float *scores) {
-    indexer_job job = { q, weights, keys, n_heads, dim, scores };
+void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale, int64_t n_heads,
+                        int64_t dim, const float *keys, int64_t n_keys, float *scores) {
+    indexer_job job = { q, weights, keys, weight_scale, n_heads, dim, scores };
     cpu_parallel_for(be, n_keys, n_heads * dim, indexer_range, &job);
 }
 

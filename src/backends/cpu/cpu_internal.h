@@ -157,11 +157,12 @@ void cpu_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float 
 void cpu_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
                  const ds4_weight *base, float *out, int64_t n_rows);
 void cpu_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
-                   const float *rows_b, const int32_t *idx_b, int64_t n_b, const ds4_weight *sinks, float *out);
+                   const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
+                   const ds4_weight *sinks, float *out);
 void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
                          float *out);
-void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
-                        const float *keys, int64_t n_keys, float *scores);
+void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale, int64_t n_heads,
+                        int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
 void cpu_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
                 const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,

@@ -20,18 +20,23 @@
  *   compressor_pool: the CPU's loop and operation order per output dim
  *     (__fadd_rn / __fmul_rn), so only expf's last ulp differs.
  *   indexer_scores: float dots reduced as a warp tree (the CPU: 8 sequential
- *     lanes), relu, then the CPU's sequential weighted sum over heads.
+ *     lanes), relu, then the CPU's sequential weighted sum over heads, each
+ *     head weight times weight_scale rounded once (__fmul_rn) as the CPU does.
  *   top_k: exact. Scores become 64-bit keys (order-preserving float bits,
  *     NaN as -inf, -0 as +0, then the complemented index so ties put the
  *     lowest index first); a device radix sort of the keys, descending, gives
- *     the CPU's order; the first k go to the host.
+ *     the CPU's order; a kernel turns the first k keys into the device index
+ *     array (nothing comes back to the host).
  *
  * Layout.
  *   rope_tail: block (row, group of heads); the block's cos/sin table is
  *     computed once into shared memory, then every (head, pair) is rotated.
  *   attention: grid (head, split); 256 threads; tiles of 32 rows: each warp
  *     dots its rows with the head's query (in shared memory), then every
- *     thread updates its own dims of the accumulator (shared memory).
+ *     thread updates its own dims of the accumulator (shared memory). The
+ *     selected-row indices are device memory (top_k's output); the warp that
+ *     reads one checks it against n_rows_b, and a bad one is reported into
+ *     the device error record and left out (score -inf).
  *   compressor_pool: one thread per output dim.
  *   indexer_scores: one warp per key (key in registers for dims <= 512),
  *     the queries and head weights in shared memory when they fit.
@@ -213,15 +218,27 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
 struct att_rows {
     const float *a; /* rows_a [n_a, dim] */
     int64_t n_a;
-    const float *b; /* rows_b */
-    const int32_t *idx; /* device copy of idx_b, or NULL */
+    const float *b; /* rows_b [n_rows_b, dim] */
+    int64_t n_rows_b;
+    const int32_t *idx; /* idx_b (device), or NULL */
     int64_t dim;
+    cuda_dev_error *err; /* where a bad index is reported */
+    int tag;             /* the sinks' name, for the message */
 };
 
+/* Row r of the key/value sequence; NULL when it is a selected row whose
+ * index is outside rows_b (reported once per row: by head 0's lane 0). */
 static __device__ __forceinline__ const float *att_row(const att_rows &rows, int64_t r) {
     if (r < rows.n_a) return rows.a + r * rows.dim;
     r -= rows.n_a;
-    return rows.b + (rows.idx ? (int64_t)rows.idx[r] : r) * rows.dim;
+    if (!rows.idx) return rows.b + r * rows.dim;
+    const int32_t i = rows.idx[r];
+    if (!cuda_index_ok(i, rows.n_rows_b)) {
+        if (blockIdx.x == 0 && (threadIdx.x & 31) == 0)
+            cuda_report_bad_index(rows.err, CUDA_CHECK_ATTENTION_ROW, rows.tag, i, rows.n_rows_b, r);
+        return NULL;
+    }
+    return rows.b + (int64_t)i * rows.dim;
 }
 
 static __global__ void __launch_bounds__(ATT_THREADS)
@@ -247,13 +264,17 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
         const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
         for (int j = warp; j < nt; j += ATT_WARPS) {
-            const float *row = att_row(rows, t0 + j);
+            const float *row = att_row(rows, t0 + j); /* the same for the whole warp */
             float d = 0.0f;
-            for (int64_t i = lane; i < dim; i += 32) d = fmaf(qs[i], row[i], d);
-            d = warp_sum(d);
+            if (row) {
+                for (int64_t i = lane; i < dim; i += 32) d = fmaf(qs[i], row[i], d);
+                d = warp_sum(d);
+            }
             if (lane == 0) {
-                s_tile[j] = d * kq_scale;
-                row_tile[j] = row;
+                /* a bad row weighs 0; it points at the query (in bounds) so
+                 * the accumulation below needs no branch */
+                s_tile[j] = row ? d * kq_scale : -INFINITY;
+                row_tile[j] = row ? row : qs;
             }
         }
         __syncthreads();
@@ -322,11 +343,17 @@ static bool weight_has_dequant(const ds4_weight *w) {
 }
 
 void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
-                    const float *rows_b, const int32_t *idx_b, int64_t n_b, const ds4_weight *sinks, float *out) {
+                    const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
+                    const ds4_weight *sinks, float *out) {
     if (!sinks || !weight_has_dequant(sinks) || sinks->ne[0] < n_heads || n_heads < 0 || dim <= 0 || n_a < 0 ||
         n_b < 0) {
         cuda_fail(be, DS4_ERR_INVALID, "attention: %lld heads of %lld, %lld + %lld rows, sinks %s", (long long)n_heads,
                   (long long)dim, (long long)n_a, (long long)n_b, cuda_wname(sinks));
+        return;
+    }
+    if (n_rows_b < 0 || (!idx_b && n_b > n_rows_b)) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention: the first %lld of %lld rows of rows_b (sinks %s)", (long long)n_b,
+                  (long long)n_rows_b, cuda_wname(sinks));
         return;
     }
     if (n_heads == 0) return;
@@ -346,14 +373,6 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
     if (n_heads > INT32_MAX) {
         cuda_fail(be, DS4_ERR_INVALID, "attention: %lld heads", (long long)n_heads);
         return;
-    }
-    if (idx_b) {
-        for (int64_t r = 0; r < n_b; r++) {
-            if (idx_b[r] < 0) {
-                cuda_fail(be, DS4_ERR_INVALID, "attention: selected row %lld has index %d", (long long)r, idx_b[r]);
-                return;
-            }
-        }
     }
     if (cuda_failed(be)) return;
 
@@ -395,12 +414,8 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
     if (n > 0) {
         const size_t smem = 2 * (size_t)dim * sizeof(float);
         if (!allow_dynamic_smem(be, (const void *)attention_partial_kernel, smem, "attention", dim)) return;
-        const int32_t *d_idx = NULL;
-        if (idx_b && n_b > 0) {
-            d_idx = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, idx_b, (size_t)n_b * sizeof(int32_t));
-            if (!d_idx) return;
-        }
-        att_rows rows = { rows_a, n_a, rows_b, d_idx, dim };
+        att_rows rows = { rows_a, n_a, rows_b, n_rows_b, n_b > 0 ? idx_b : NULL, dim, cuda_dev_error_of(be),
+                          idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1 };
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
         const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
         attention_partial_kernel<<<grid, ATT_THREADS, smem, stream>>>(q, rows, n, rows_per_split, kq_scale, scratch);
@@ -478,15 +493,17 @@ void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *s
 /* ------------------------------------------------------------------------ */
 
 /*
- * score[c] = sum over heads, in order, of relu(q_h . key_c) * w_h. One warp
+ * score[c] = sum over heads, in order, of relu(q_h . key_c) * w_h, w_h =
+ * weights[h] * weight_scale (one float rounding, as the CPU). One warp
  * per key: KPL > 0 keeps the key in registers (lane holds dims lane + 32 j,
  * j < KPL; dim <= 32 * KPL), KPL == 0 reads it from memory (L1) per head.
- * QSHARED stages q [n_heads, dim] and the weights in shared memory.
+ * QSHARED stages q [n_heads, dim] and the head weights in shared memory.
  */
 template <int KPL, bool QSHARED>
 static __global__ void __launch_bounds__(IDX_THREADS)
-    indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, int64_t n_heads,
-                          int64_t dim, const float *__restrict__ keys, int64_t n_keys, float *__restrict__ scores) {
+    indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale,
+                          int64_t n_heads, int64_t dim, const float *__restrict__ keys, int64_t n_keys,
+                          float *__restrict__ scores) {
     extern __shared__ float idx_smem[];
     const float *qv = q, *wv = weights;
     if constexpr (QSHARED) {
@@ -523,30 +540,30 @@ static __global__ void __launch_bounds__(IDX_THREADS)
             }
             d = warp_sum(d);
             if (d < 0.0f) d = 0.0f;
-            s = __fadd_rn(s, __fmul_rn(d, wv[h]));
+            s = __fadd_rn(s, __fmul_rn(d, __fmul_rn(wv[h], weight_scale)));
         }
         if (lane == 0) scores[c] = s;
     }
 }
 
 template <int KPL>
-static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const float *weights, int64_t n_heads,
-                           int64_t dim, const float *keys, int64_t n_keys, float *scores) {
+static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const float *weights, float weight_scale,
+                           int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores) {
     const unsigned blocks = blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS);
     cudaStream_t stream = cuda_stream(be);
     if (qshared) {
         const size_t smem = (size_t)(n_heads * dim + n_heads) * sizeof(float);
-        indexer_scores_kernel<KPL, true><<<blocks, IDX_THREADS, smem, stream>>>(q, weights, n_heads, dim, keys, n_keys,
-                                                                                scores);
+        indexer_scores_kernel<KPL, true><<<blocks, IDX_THREADS, smem, stream>>>(q, weights, weight_scale, n_heads, dim,
+                                                                                keys, n_keys, scores);
     } else {
-        indexer_scores_kernel<KPL, false><<<blocks, IDX_THREADS, 0, stream>>>(q, weights, n_heads, dim, keys, n_keys,
-                                                                             scores);
+        indexer_scores_kernel<KPL, false><<<blocks, IDX_THREADS, 0, stream>>>(q, weights, weight_scale, n_heads, dim,
+                                                                             keys, n_keys, scores);
     }
     (void)CUDA_LAUNCHED(be, "indexer_scores_kernel");
 }
 
-void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
-                         const float *keys, int64_t n_keys, float *scores) {
+void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                         int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores) {
     if (n_heads < 0 || dim < 0 || n_keys < 0) {
         cuda_fail(be, DS4_ERR_INVALID, "indexer_scores: %lld heads of %lld, %lld keys", (long long)n_heads,
                   (long long)dim, (long long)n_keys);
@@ -560,9 +577,9 @@ void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, 
     }
     if (cuda_failed(be)) return;
     const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + SMEM_STATIC_RESERVE <= SMEM_DEFAULT;
-    if (dim <= 128) indexer_launch<4>(be, qshared, q, weights, n_heads, dim, keys, n_keys, scores);
-    else if (dim <= 512) indexer_launch<16>(be, qshared, q, weights, n_heads, dim, keys, n_keys, scores);
-    else indexer_launch<0>(be, qshared, q, weights, n_heads, dim, keys, n_keys, scores);
+    if (dim <= 128) indexer_launch<4>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
+    else if (dim <= 512) indexer_launch<16>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
+    else indexer_launch<0>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -587,6 +604,15 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
     }
 }
 
+/* idx[i] = the index in sorted key i for i < size, -1 for size <= i < k
+ * (sorted may be NULL when size is 0). */
+static __global__ void __launch_bounds__(TOPK_THREADS)
+    topk_idx_kernel(const unsigned long long *__restrict__ sorted, int64_t n, int64_t size, int64_t k,
+                    unsigned long long mask, int32_t *__restrict__ idx) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x)
+        idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sorted[i] & mask)) : -1;
+}
+
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx) {
     if (n < 0 || k < 0 || n > INT32_MAX) {
         cuda_fail(be, DS4_ERR_INVALID, "top_k: %lld of %lld", (long long)k, (long long)n);
@@ -599,13 +625,16 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     }
     if (cuda_failed(be)) return;
     const int64_t size = k < n ? k : n;
-    for (int64_t i = size; i < k; i++) idx[i] = -1;
-    if (size == 0) return;
+    cudaStream_t stream = cuda_stream(be);
+    if (size == 0) { /* nothing to sort: k entries of -1 */
+        topk_idx_kernel<<<blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(NULL, n, 0, k, 0, idx);
+        (void)CUDA_LAUNCHED(be, "topk_idx_kernel");
+        return;
+    }
 
     int shift = 0;
     while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
     const unsigned long long mask = (1ull << shift) - 1ull;
-    cudaStream_t stream = cuda_stream(be);
     unsigned long long *keys =
         (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_A, (size_t)n * sizeof(unsigned long long));
     unsigned long long *sorted =
@@ -625,12 +654,6 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(temp, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
                                                               stream)))
         return;
-    unsigned long long *host = (unsigned long long *)cuda_host_stage(be, (size_t)size * sizeof(unsigned long long));
-    if (!host) return;
-    cuda_count_copy(be, false, (size_t)size * sizeof(unsigned long long));
-    if (!CUDA_OK(be, cudaMemcpyAsync(host, sorted, (size_t)size * sizeof(unsigned long long), cudaMemcpyDeviceToHost,
-                                     stream)))
-        return;
-    if (!cuda_sync(be)) return;
-    for (int64_t i = 0; i < size; i++) idx[i] = (int32_t)(n - 1 - (int64_t)(host[i] & mask));
+    topk_idx_kernel<<<blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(sorted, n, size, k, mask, idx);
+    (void)CUDA_LAUNCHED(be, "topk_idx_kernel");
 }

@@ -55,10 +55,56 @@ bool cuda_sync(ds4_backend *be) {
     return CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
 }
 
+int cuda_check_tag(ds4_backend *be, const char *name) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!name) name = "(unnamed)";
+    for (int i = 0; i < cb->n_check_names; i++)
+        if (!strncmp(cb->check_names[i], name, CUDA_CHECK_NAME_MAX - 1)) return i;
+    if (cb->n_check_names == CUDA_CHECK_NAMES) return -1;
+    snprintf(cb->check_names[cb->n_check_names], CUDA_CHECK_NAME_MAX, "%s", name);
+    return cb->n_check_names++;
+}
+
+/* The message of a bad index that a kernel reported (the host-side checks
+ * of the CPU backend give the same ones). */
+static void record_device_error(ds4_backend *be, const cuda_dev_error *e) {
+    cuda_backend *cb = cuda_impl(be);
+    const char *name = e->tag >= 0 && e->tag < cb->n_check_names ? cb->check_names[e->tag] : "(name not kept)";
+    switch (e->code) {
+    case CUDA_CHECK_MOE_EXPERT:
+        cuda_fail(be, DS4_ERR_INVALID, "moe: selected expert %lld is outside [0, %lld) of %s", e->value, e->limit,
+                  name);
+        break;
+    case CUDA_CHECK_ATTENTION_ROW:
+        cuda_fail(be, DS4_ERR_INVALID, "attention: selected row %lld has index %lld, outside [0, %lld) of rows_b "
+                  "(sinks %s)", e->pos, e->value, e->limit, name);
+        break;
+    default:
+        cuda_fail(be, DS4_ERR_INVALID, "cuda: a kernel reported bad index %lld (check %d, limit %lld, %s)", e->value,
+                  e->code, e->limit, name);
+        break;
+    }
+}
+
 static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
     cuda_backend *cb = cuda_impl(be);
+    /* The device error record comes back with the same wait: one small copy
+     * per call (take_error runs once per evaluation). */
+    cudaStream_t s = cuda_stream(be);
+    const bool copied = cudaMemcpyAsync(cb->dev_error_host, cb->dev_error, sizeof *cb->dev_error,
+                                        cudaMemcpyDeviceToHost, s) == cudaSuccess;
+    if (copied) cuda_count_copy(be, false, sizeof *cb->dev_error);
+    else (void)cudaGetLastError();
     /* asynchronous faults surface here at the latest */
-    (void)cuda_sync(be);
+    const bool drained = cuda_sync(be);
+    if (copied && drained && cb->dev_error_host->claim != 0) {
+        /* an error recorded on the host by an earlier op, if any, stays the
+         * one reported; the device record is cleared either way */
+        record_device_error(be, cb->dev_error_host);
+        memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
+        cb->counters.launches++;
+        (void)CUDA_OK(be, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, s));
+    }
     ds4_status status = cb->error.status;
     if (status != DS4_OK && err) *err = cb->error;
     ds4_error_clear(&cb->error);
@@ -119,8 +165,35 @@ void *cuda_host_stage(ds4_backend *be, size_t bytes) {
     return cb->host_stage;
 }
 
+/* Bytes of the control ring: a decode step uploads about 2 KB (token id,
+ * positions for every RoPE), so a lap lasts hundreds of tokens. */
+#define CUDA_CTRL_RING ((size_t)1 << 20)
+
 void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host, size_t bytes) {
     cuda_backend *cb = cuda_impl(be);
+    const size_t need = (bytes + 15) & ~(size_t)15;
+    if (bytes > 0 && need <= CUDA_CTRL_RING / 4 && cb->ring_host) {
+        /* The control ring: each upload takes the next piece of a pinned
+         * ring and of its device twin, so nothing waits for the device
+         * until the ring wraps; then the copies of the lap that ends must
+         * have left the pinned memory before it is refilled (one wait per
+         * lap). The device piece is only read by kernels enqueued before
+         * the next lap's copy into it, so stream order protects it. */
+        if (cb->ring_off + need > CUDA_CTRL_RING) {
+            if (!CUDA_OK(be, cudaEventRecord(cb->ring_lap, cb->stream))) return NULL;
+            cb->counters.syncs++;
+            if (!CUDA_OK(be, cudaEventSynchronize(cb->ring_lap))) return NULL;
+            cb->ring_off = 0;
+        }
+        const size_t off = cb->ring_off;
+        cb->ring_off += need;
+        memcpy(cb->ring_host + off, host, bytes);
+        cuda_count_copy(be, true, bytes);
+        if (!CUDA_OK(be, cudaMemcpyAsync(cb->ring_dev + off, cb->ring_host + off, bytes, cudaMemcpyHostToDevice,
+                                         cb->stream)))
+            return NULL;
+        return cb->ring_dev + off;
+    }
     void *d = cuda_scratch(be, slot, bytes);
     if (!d) return NULL;
     if (bytes == 0) return d;
@@ -136,8 +209,11 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
         size_t cap = bytes < 4096 ? 4096 : bytes;
         if (!CUDA_OK(be, cudaMallocHost(&cb->ctrl_host[slot], cap))) return NULL;
         cb->ctrl_cap[slot] = cap;
-    } else if (!CUDA_OK(be, cudaEventSynchronize(cb->ctrl_done[slot]))) {
-        return NULL;
+    } else {
+        /* a host wait for the device like any other: counted, whether or
+         * not the copy had finished already */
+        cb->counters.syncs++;
+        if (!CUDA_OK(be, cudaEventSynchronize(cb->ctrl_done[slot]))) return NULL;
     }
     memcpy(cb->ctrl_host[slot], host, bytes);
     cuda_count_copy(be, true, bytes);
@@ -668,6 +744,13 @@ extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4
         DS4_CUDA_TRY(st, cudaEventCreateWithFlags(&cb->wstage_done[i], cudaEventDisableTiming), err, fail);
     for (int i = 0; i < CUDA_SCRATCH_SLOTS; i++)
         DS4_CUDA_TRY(st, cudaEventCreateWithFlags(&cb->ctrl_done[i], cudaEventDisableTiming), err, fail);
+    DS4_CUDA_TRY(st, cudaEventCreateWithFlags(&cb->ring_lap, cudaEventDisableTiming), err, fail);
+    DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->ring_host, CUDA_CTRL_RING), err, fail);
+    DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->ring_dev, CUDA_CTRL_RING), err, fail);
+    DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->dev_error, sizeof *cb->dev_error), err, fail);
+    DS4_CUDA_TRY(st, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, cb->stream), err, fail);
+    DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->dev_error_host, sizeof *cb->dev_error_host), err, fail);
+    memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
     {
         /* keep freed pool blocks for reuse instead of returning them at every sync */
         cudaMemPool_t pool;
@@ -697,6 +780,11 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
         if (cb->wstage_done[i]) cudaEventDestroy(cb->wstage_done[i]);
     }
     cudaFreeHost(cb->host_stage);
+    cudaFreeHost(cb->ring_host);
+    cudaFree(cb->ring_dev);
+    if (cb->ring_lap) cudaEventDestroy(cb->ring_lap);
+    cudaFree(cb->dev_error);
+    cudaFreeHost(cb->dev_error_host);
     if (cb->upload) cudaStreamDestroy(cb->upload);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     (void)cudaGetLastError();

@@ -20,7 +20,8 @@
  * row combines them, one thread does the small sigmoid/Sinkhorn math, and the
  * block writes the weighted sum of the streams. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
- * logit vector for its top-k and its results go to the host.
+ * logit vector for its top-k; it writes the selection and the weights
+ * straight into the caller's device buffers (nothing waits for them).
  */
 #include <stdint.h>
 #include <string.h>
@@ -138,6 +139,51 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
     }
 }
 
+/* hc_split_one spread over one warp (n * n <= 32): lane L holds C[L] (row
+ * L / n, column L % n); every row or column sum gathers its n values by
+ * shuffles and adds them in the CPU's order, so each lane computes exactly
+ * the CPU's sums and quotients (bit-identical to hc_split_one), while the
+ * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
+static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *pre, float *post, float *C) {
+    const int n = a.n_hc, lane = threadIdx.x & 31;
+    const float eps = a.eps;
+    const bool mine = lane < n * n;
+    const int r = mine ? lane / n : 0, c = mine ? lane % n : 0;
+    if (lane < n) {
+        const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
+        const float sc1 = cuda_load_float(a.scale, a.scale_type, 1);
+        const float b0 = cuda_load_float(a.base, a.base_type, lane);
+        const float b1 = cuda_load_float(a.base, a.base_type, n + lane);
+        pre[lane] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[lane], sc0), b0)), eps);
+        post[lane] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[n + lane], sc1), b1)));
+    }
+    float v = 0.0f;
+    if (mine) {
+        const float sc2 = cuda_load_float(a.scale, a.scale_type, 2);
+        v = __fadd_rn(__fmul_rn(mix[2 * n + lane], sc2), cuda_load_float(a.base, a.base_type, 2 * n + lane));
+    }
+    float m = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        const float o = __shfl_sync(0xffffffffu, v, r * n + j);
+        if (o > m) m = o;
+    }
+    v = cuda_expf(__fsub_rn(v, m));
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
+    v = __fadd_rn(__fmul_rn(v, __fdiv_rn(1.0f, sum)), eps);
+    for (int iter = 0; iter < a.iters; iter++) {
+        if (iter > 0) {
+            sum = 0.0f;
+            for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
+            v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
+        }
+        sum = 0.0f;
+        for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * n + c));
+        v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
+    }
+    if (mine) C[lane] = v;
+}
+
 /*
  * Two kernels per call, so that one token's 16384-wide state is spread over
  * many blocks (a single block per row left the GPU idle in decode):
@@ -220,7 +266,9 @@ static __global__ void __launch_bounds__(HC_THREADS)
         mix[threadIdx.x] = __fmul_rn(s, rms_scale_s);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (!HEAD && n * n <= 32) {
+        if (threadIdx.x < 32) hc_split_warp(a, mix, w, post_s, C);
+    } else if (threadIdx.x == 0) {
         if (HEAD) {
             const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
             for (int s = 0; s < n; s++)
@@ -419,8 +467,8 @@ struct router_args {
     float scale;
     unsigned long long *keys; /* scratch [n_expert] */
     float *prob;    /* scratch [n_expert] */
-    int32_t *sel;   /* out [n_used] */
-    float *weight;  /* out [n_used] */
+    int32_t *sel;   /* out [n_used] (device, the caller's) */
+    float *weight;  /* out [n_used] (device, the caller's) */
 };
 
 /* One block: probabilities, then n_used rounds of a block-wide arg-max over
@@ -480,12 +528,13 @@ static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_ar
     }
 }
 
-/* Zero results on a failed call, so a caller that reads them anyway indexes
- * expert 0 rather than garbage. */
-static void router_clear(int32_t *sel_out, float *weight_out, int n_used) {
+/* Zero results on a failed call (device memset on the stream), so a
+ * caller that reads them anyway indexes expert 0 rather than garbage. */
+static void router_clear(ds4_backend *be, int32_t *sel_out, float *weight_out, int n_used) {
     if (n_used <= 0) return;
-    if (sel_out) memset(sel_out, 0, (size_t)n_used * sizeof *sel_out);
-    if (weight_out) memset(weight_out, 0, (size_t)n_used * sizeof *weight_out);
+    cudaStream_t st = cuda_stream(be);
+    if (sel_out) (void)CUDA_OK(be, cudaMemsetAsync(sel_out, 0, (size_t)n_used * sizeof *sel_out, st));
+    if (weight_out) (void)CUDA_OK(be, cudaMemsetAsync(weight_out, 0, (size_t)n_used * sizeof *weight_out, st));
 }
 
 void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
@@ -503,7 +552,7 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
         return;
     }
     if (cuda_failed(be)) {
-        router_clear(sel_out, weight_out, n_used);
+        router_clear(be, sel_out, weight_out, n_used);
         return;
     }
     if (bias && !hc_float_weight(bias)) {
@@ -511,31 +560,29 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
                   "router: bias %s (%s%s) cannot be used by the CUDA backend: it needs an F32, F16 or BF16 vector "
                   "bound to the device",
                   cuda_wname(bias), ds4_type_name(bias->type), bias->device ? "" : ", not bound");
-        router_clear(sel_out, weight_out, n_used);
+        router_clear(be, sel_out, weight_out, n_used);
         return;
     }
-    if (hash_ids) {
+    if (hash_ids) { /* host memory: checked here, before the upload */
         for (int k = 0; k < n_used; k++) {
             if (hash_ids[k] < 0 || hash_ids[k] >= n_expert) {
                 cuda_fail(be, DS4_ERR_INVALID, "router: hash-selected expert %d is outside [0, %lld)", hash_ids[k],
                           (long long)n_expert);
-                router_clear(sel_out, weight_out, n_used);
+                router_clear(be, sel_out, weight_out, n_used);
                 return;
             }
         }
     }
     if (n_used == 0) return; /* nothing to select or weigh */
 
-    /* ROUTER slot: keys [n_expert] u64 | prob [n_expert] f32 | sel [n_used] i32 | weight [n_used] f32. */
+    /* ROUTER slot: keys [n_expert] u64 | prob [n_expert] f32. */
     const size_t keys_bytes = (size_t)n_expert * sizeof(unsigned long long), prob_bytes = (size_t)n_expert * sizeof(float);
-    const size_t out_bytes = (size_t)n_used * (sizeof(int32_t) + sizeof(float));
-    uint8_t *scratch = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_ROUTER, keys_bytes + prob_bytes + out_bytes);
+    uint8_t *scratch = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_ROUTER, keys_bytes + prob_bytes);
     const int32_t *d_hash = NULL;
     if (scratch && hash_ids)
         d_hash = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_HC, hash_ids, (size_t)n_used * sizeof(int32_t));
-    uint8_t *stage = scratch && (!hash_ids || d_hash) ? (uint8_t *)cuda_host_stage(be, out_bytes) : NULL;
-    if (!stage) { /* the error is recorded */
-        router_clear(sel_out, weight_out, n_used);
+    if (!scratch || (hash_ids && !d_hash)) { /* the error is recorded */
+        router_clear(be, sel_out, weight_out, n_used);
         return;
     }
 
@@ -550,18 +597,10 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     a.scale = scale;
     a.keys = (unsigned long long *)scratch;
     a.prob = (float *)(scratch + keys_bytes);
-    a.sel = (int32_t *)(scratch + keys_bytes + prob_bytes);
-    a.weight = (float *)(scratch + keys_bytes + prob_bytes + (size_t)n_used * sizeof(int32_t));
+    a.sel = sel_out;
+    a.weight = weight_out;
     router_kernel<<<1, ROUTER_THREADS, 0, cuda_stream(be)>>>(a);
-    cuda_count_copy(be, false, out_bytes);
-    if (!CUDA_LAUNCHED(be, "router kernel") ||
-        !CUDA_OK(be, cudaMemcpyAsync(stage, a.sel, out_bytes, cudaMemcpyDeviceToHost, cuda_stream(be))) ||
-        !cuda_sync(be)) {
-        router_clear(sel_out, weight_out, n_used);
-        return;
-    }
-    memcpy(sel_out, stage, (size_t)n_used * sizeof(int32_t));
-    memcpy(weight_out, stage + (size_t)n_used * sizeof(int32_t), (size_t)n_used * sizeof(float));
+    (void)CUDA_LAUNCHED(be, "router kernel");
 }
 
 /* ------------------------------------------------------------------------ */

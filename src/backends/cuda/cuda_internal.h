@@ -9,19 +9,23 @@
  * cuda_device.cu (devices, error mapping).
  *
  * Execution model: every op enqueues its kernels on the backend's one stream
- * (`cuda_stream(be)`) and returns without waiting, except the ops whose
- * results go to host memory (top_k, router, download), which wait for the
- * stream. Buffers handed to ops are device pointers from the alloc op (or
- * offsets into them); control arrays (tokens, positions, indices, expert ids)
- * are host memory and are copied to the device by the op when a kernel needs
- * them (through cuda_scratch + cudaMemcpyAsync, never a pageable-memory
- * synchronous copy in the middle of a stream).
+ * (`cuda_stream(be)`) and returns without waiting; only download (its result
+ * is host memory) and take_error wait for the stream. Buffers handed to ops
+ * are device pointers from the alloc op (or offsets into them), including
+ * the int32 arrays that ops pass to each other (router -> moe expert ids,
+ * top_k -> attention rows). Host control arrays (tokens, positions,
+ * hash-routed expert ids) are copied to the device by the op when a kernel
+ * needs them (cuda_upload_ctrl: pinned staging + cudaMemcpyAsync, never a
+ * pageable-memory synchronous copy in the middle of a stream).
  *
  * Errors: an op that cannot run records the first error with cuda_fail (a
  * bad argument, an unsupported weight type) or CUDA_OK / CUDA_LAUNCHED (a
  * failed CUDA call or launch) and returns; take_error hands it to the model.
  * Once an error is recorded, later ops may skip their work (cuda_failed).
- * Nothing prints, aborts or exits.
+ * Indices that live in device memory are checked by the kernels that read
+ * them: a bad one is reported into the device error record
+ * (cuda_report_bad_index), its work is skipped, and take_error turns the
+ * record into the error message. Nothing prints, aborts or exits.
  */
 #ifndef DS4_BACKENDS_CUDA_INTERNAL_H
 #define DS4_BACKENDS_CUDA_INTERNAL_H
@@ -46,7 +50,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_MOE_UP,       /* cuda_matmul.cu */
     CUDA_SCRATCH_MOE_ACT,      /* cuda_matmul.cu */
     CUDA_SCRATCH_ATTN,         /* cuda_attention.cu */
-    CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions, row indices */
+    CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions */
     CUDA_SCRATCH_TOPK_A,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_B,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_C,       /* cuda_attention.cu */
@@ -56,6 +60,27 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_HOST_STAGE,   /* not a device slot: see cuda_host_stage */
     CUDA_SCRATCH_SLOTS
 } cuda_scratch_slot;
+
+/* Bad indices found by kernels (device memory, one per backend). The first
+ * kernel thread to claim it (atomicCAS on `claim`, 0 -> 1) fills in the rest;
+ * take_error reads it after the stream has drained and clears it. */
+typedef struct cuda_dev_error {
+    unsigned long long claim; /* 0: nothing reported */
+    long long value;          /* the bad index */
+    long long limit;          /* valid indices are [0, limit) */
+    long long pos;            /* where it was read (entry of the index array) */
+    int code;                 /* cuda_check_code */
+    int tag;                  /* cuda_check_tag: the name to report, or -1 */
+} cuda_dev_error;
+
+/* What a kernel was checking when it found a bad index. */
+typedef enum cuda_check_code {
+    CUDA_CHECK_MOE_EXPERT = 1,    /* moe: an expert id; tag = the gate weight */
+    CUDA_CHECK_ATTENTION_ROW = 2, /* attention: a row of rows_b; tag = the sinks */
+} cuda_check_code;
+
+#define CUDA_CHECK_NAMES 256 /* distinct weight names a backend keeps for these messages */
+#define CUDA_CHECK_NAME_MAX 96
 
 typedef struct cuda_backend {
     int device;
@@ -68,12 +93,20 @@ typedef struct cuda_backend {
     void *ctrl_host[CUDA_SCRATCH_SLOTS]; /* pinned sources of cuda_upload_ctrl, per slot */
     size_t ctrl_cap[CUDA_SCRATCH_SLOTS];
     cudaEvent_t ctrl_done[CUDA_SCRATCH_SLOTS]; /* the last copy out of ctrl_host[slot] */
+    uint8_t *ring_host;   /* pinned control ring (cuda_upload_ctrl), CUDA_CTRL_RING bytes */
+    uint8_t *ring_dev;    /* its device twin */
+    size_t ring_off;      /* next free byte of the current lap */
+    cudaEvent_t ring_lap; /* recorded when a lap ends */
     cudaStream_t upload;                       /* weight uploads */
     void *wstage[2];                           /* pinned weight staging buffers */
     cudaEvent_t wstage_done[2];
     size_t weight_bytes; /* device memory held by bound weights */
     size_t peak_bytes;   /* highest device memory in use seen (cudaMemGetInfo) */
     ds4_backend_counters counters; /* launches, copies, syncs (cuda_count_*) */
+    cuda_dev_error *dev_error;      /* device: bad indices found by kernels */
+    cuda_dev_error *dev_error_host; /* pinned: where take_error reads it */
+    char check_names[CUDA_CHECK_NAMES][CUDA_CHECK_NAME_MAX]; /* cuda_check_tag's names */
+    int n_check_names;
 } cuda_backend;
 
 static inline cuda_backend *cuda_impl(ds4_backend *be) { return (cuda_backend *)be->impl; }
@@ -112,6 +145,12 @@ void *cuda_host_stage(ds4_backend *be, size_t bytes);
 void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host, size_t bytes);
 /* Wait for the stream; records and returns false on a device fault. */
 bool cuda_sync(ds4_backend *be);
+/* A small number standing for `name` (a weight's name) in the device error
+ * record, so take_error can name it; the same name gives the same tag. -1
+ * when the table is full (the message then says the name was not kept). */
+int cuda_check_tag(ds4_backend *be, const char *name);
+/* The device error record kernels report bad indices into. */
+static inline cuda_dev_error *cuda_dev_error_of(ds4_backend *be) { return ((cuda_backend *)be->impl)->dev_error; }
 
 /* A weight's name for messages (NULL-safe). */
 static inline const char *cuda_wname(const ds4_weight *w) { return w && w->name ? w->name : "(unnamed)"; }
@@ -126,6 +165,24 @@ static inline bool cuda_is_float_type(uint32_t t) {
 }
 
 /* ---- device helpers ------------------------------------------------------ */
+
+/* Index `value` read at entry `pos` is outside [0, limit): record it unless
+ * an earlier report holds the record (the first one wins). The caller skips
+ * the work the index stood for. */
+static __device__ __forceinline__ void cuda_report_bad_index(cuda_dev_error *e, int code, int tag, long long value,
+                                                             long long limit, long long pos) {
+    if (atomicCAS(&e->claim, 0ull, 1ull) != 0ull) return;
+    e->value = value;
+    e->limit = limit;
+    e->pos = pos;
+    e->code = code;
+    e->tag = tag;
+}
+
+/* One compare for [0, limit): a negative int32 becomes a huge unsigned value. */
+static __device__ __forceinline__ bool cuda_index_ok(int32_t v, long long limit) {
+    return (unsigned long long)(long long)v < (unsigned long long)limit;
+}
 
 /* Exact binary16 / bfloat16 -> float (same values as the CPU's converters;
  * NaN payloads may differ). */
@@ -190,11 +247,12 @@ bool cuda_matmul_supported(uint32_t type, ds4_numerics num);
 void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t *pos,
                     const ds4_rope *rope, bool inverse);
 void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
-                    const float *rows_b, const int32_t *idx_b, int64_t n_b, const ds4_weight *sinks, float *out);
+                    const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
+                    const ds4_weight *sinks, float *out);
 void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
                           float *out);
-void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, int64_t n_heads, int64_t dim,
-                         const float *keys, int64_t n_keys, float *scores);
+void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                         int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
 
 /* cuda_hc_ffn.cu */

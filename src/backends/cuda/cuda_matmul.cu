@@ -43,9 +43,12 @@
  * partial outputs are added in the order k = 0, 1, ... as the CPU does.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "backends/cuda/cuda_gemm.h"
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_matvec.h"
 #include "backends/cuda/cuda_quant.cuh"
 
 #define MM_WARPS 4
@@ -654,6 +657,37 @@ static bool launch_product(ds4_backend *be, uint32_t type, mm_mode mode, const m
     return launch_mm<8>(be, type, mode, a);
 }
 
+static cuda_mv_act mv_kind(mm_mode mode) {
+    return mode == MM_Q8_0 ? CUDA_MV_Q8_0 : mode == MM_Q8_K ? CUDA_MV_Q8_K : CUDA_MV_FLOAT;
+}
+
+/* The streaming matvec kernels take DS4-numerics products of up to
+ * CUDA_MV_MAX_ROWS rows whose weight rows are whole 16-byte units; float
+ * activations must also be 16-byte aligned rows. $DS4_CUDA_MATVEC=0 turns
+ * them off (for A/B measurements). */
+static bool mv_suits(const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows) {
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *e = getenv("DS4_CUDA_MATVEC");
+        enabled = !(e && e[0] == '0');
+    }
+    if (!enabled || mode == MM_REF || n_rows < 1 || n_rows > CUDA_MV_MAX_ROWS) return false;
+    if (!cuda_mv_fits(w->type, mv_kind(mode), w->row_bytes, w->ne[0])) return false;
+    if (mode == MM_F32 && (((uintptr_t)x & 15) != 0 || (n_rows > 1 && x_stride % 4 != 0))) return false;
+    return true;
+}
+
+/* The int8 tensor-core GEMM for batched Q8_0 products; $DS4_CUDA_GEMM=0
+ * turns it off (for A/B measurements). */
+static bool gemm_enabled(void) {
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *e = getenv("DS4_CUDA_GEMM");
+        enabled = !(e && e[0] == '0');
+    }
+    return enabled != 0;
+}
+
 void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
                  int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
     if (!w || !w->device) {
@@ -680,6 +714,29 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
         if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q)) return;
         act = q;
     }
+    if (mv_suits(w, mode, x, x_stride, n_rows)) { /* decode shapes: the streaming kernels */
+        cuda_mv_job j;
+        j.type = w->type;
+        j.act_kind = mv_kind(mode);
+        j.w = w->device;
+        j.row_bytes = w->row_bytes;
+        j.n = n_in;
+        j.row0 = row0;
+        j.n_out = n_out;
+        j.act = act;
+        j.act_stride = act_stride_of(mode, n_in, x_stride);
+        j.out = out;
+        j.out_stride = out_stride;
+        j.n_rows = (int)n_rows;
+        cuda_mv_run(be, &j);
+        return;
+    }
+    const int64_t xq_row_bytes = (n_in / DS4_QK8_0) * (int64_t)sizeof(act_q8_0);
+    if (mode == MM_Q8_0 && gemm_enabled() && cuda_gemm_q8_0_fits(n_in, w->row_bytes, xq_row_bytes, n_rows)) {
+        cuda_gemm_q8_0(be, cuda_weight_row(w, row0), w->row_bytes, n_in, n_out, act, xq_row_bytes, n_rows, out,
+                       out_stride);
+        return;
+    }
     mm_args a;
     memset(&a, 0, sizeof a);
     a.w = (const uint8_t *)w->device;
@@ -695,6 +752,38 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
     a.out_stride = out_stride;
     a.n_rows = n_rows;
     launch_product(be, w->type, mode, a);
+}
+
+/* The routing of one token, checked: sel_out[k] = sel[k] and w_out[k] =
+ * weights[k] when sel[k] is in [0, n_expert); else the bad id is reported
+ * and expert 0 with weight 0 stands in for it. */
+__global__ void __launch_bounds__(MOE_MAX_USED) moe_route_kernel(const int32_t *__restrict__ sel,
+                                                                 const float *__restrict__ weights, int n_used,
+                                                                 int64_t n_expert, int32_t *__restrict__ sel_out,
+                                                                 float *__restrict__ w_out, cuda_dev_error *err,
+                                                                 int tag) {
+    const int k = threadIdx.x;
+    if (k >= n_used) return;
+    const int32_t e = sel[k];
+    if (cuda_index_ok(e, n_expert)) {
+        sel_out[k] = e;
+        w_out[k] = weights[k];
+    } else {
+        cuda_report_bad_index(err, CUDA_CHECK_MOE_EXPERT, tag, e, n_expert, k);
+        sel_out[k] = 0;
+        w_out[k] = 0.0f;
+    }
+}
+
+/* The streaming kernels run the MoE of one token under DS4 numerics when all
+ * three weights suit them (float activations: 16-byte aligned x, n_ff a
+ * multiple of 4) and at most CUDA_MV_MAX_PARTS experts are used. */
+static bool mv_moe_suits(const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, mm_mode mg, mm_mode mu,
+                         mm_mode md, const float *x, int64_t n_ff, int n_used) {
+    if (n_used > CUDA_MV_MAX_PARTS || mg == MM_REF) return false;
+    if (!mv_suits(gate, mg, x, gate->ne[0], 1) || !mv_suits(up, mu, x, up->ne[0], 1)) return false;
+    if (md == MM_REF || !cuda_mv_fits(down->type, mv_kind(md), down->row_bytes, down->ne[0])) return false;
+    return md != MM_F32 || n_ff % 4 == 0;
 }
 
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
@@ -718,13 +807,6 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
                   cuda_wname(gate));
         return;
     }
-    for (int k = 0; k < n_used; k++) {
-        if (sel[k] < 0 || sel[k] >= n_expert) {
-            cuda_fail(be, DS4_ERR_INVALID, "moe: selected expert %d is outside [0, %lld) of %s", sel[k],
-                      (long long)n_expert, cuda_wname(gate));
-            return;
-        }
-    }
     if (!check_weight(be, "moe", gate, num) || !check_weight(be, "moe", up, num) ||
         !check_weight(be, "moe", down, num))
         return;
@@ -734,16 +816,23 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
         CUDA_OK(be, cudaMemsetAsync(out, 0, (size_t)dim * sizeof(float), st));
         return;
     }
+    if (!sel || !weights) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: NULL %s for %s", !sel ? "expert ids" : "routing weights",
+                  cuda_wname(gate));
+        return;
+    }
 
-    /* sel and weights to the device in one upload: [n_used int32][n_used float] */
-    int32_t ctrl[2 * MOE_MAX_USED];
-    memcpy(ctrl, sel, (size_t)n_used * sizeof(int32_t));
-    memcpy(ctrl + n_used, weights, (size_t)n_used * sizeof(float));
-    const int32_t *d_ctrl =
-        (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_MATMUL_CTRL, ctrl, 2 * (size_t)n_used * sizeof(int32_t));
-    if (!d_ctrl) return;
-    const int32_t *d_sel = d_ctrl;
-    const float *d_w = (const float *)(d_ctrl + n_used);
+    /* sel and weights are device memory (the router's outputs): checked on
+     * the device into MATMUL_CTRL [n_used int32][n_used float], which the
+     * product kernels read; an id outside [0, n_expert) is reported and
+     * becomes expert 0 with weight 0, so its work adds nothing and no kernel
+     * reads past the weights. */
+    int32_t *d_sel = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)n_used * sizeof(int32_t));
+    if (!d_sel) return;
+    float *d_w = (float *)(d_sel + n_used);
+    moe_route_kernel<<<1, n_used, 0, st>>>(sel, weights, n_used, n_expert, d_sel, d_w, cuda_dev_error_of(be),
+                                           cuda_check_tag(be, gate->name));
+    if (!CUDA_LAUNCHED(be, "moe_route_kernel")) return;
 
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
     /* quantised x: gate's, and up's when its kind differs (shared otherwise) */
@@ -766,6 +855,23 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
     float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)(n_mid > n_part ? n_mid : n_part) * sizeof(float));
     if (!g || !u) return;
+
+    if (mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used)) {
+        /* gate and up in one launch, SwiGLU, the mids quantised, down summed
+         * over the experts in one launch */
+        if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, d_sel, n_used, g, u)) return;
+        moe_swiglu_kernel<<<(unsigned)cdiv(n_mid, 256), 256, 0, st>>>(g, u, d_w, n_ff, n_mid, limit);
+        if (!CUDA_LAUNCHED(be, "moe_swiglu_kernel")) return;
+        const void *mids = g;
+        const size_t qm = act_bytes(md, n_ff, n_used);
+        if (qm) {
+            void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
+            if (!q || !quantize_acts(be, md, g, n_ff, n_ff, n_used, q)) return;
+            mids = q;
+        }
+        cuda_mv_moe_down(be, down, mv_kind(md), mids, act_stride_of(md, n_ff, n_ff), d_sel, n_used, out);
+        return;
+    }
 
     mm_args a;
     memset(&a, 0, sizeof a);

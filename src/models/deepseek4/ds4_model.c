@@ -36,14 +36,24 @@
         if (m->tap) m->tap(m->tap_ctx, (name), (layer), (token), (buf), (n), false);    \
     } while (0)
 
-/* Integer host results (expert ids, selected rows) pass through the hook as
- * floats (exact below 2^24) and come back rounded. */
-static void tap_ints(const ds4_model *m, const char *name, int layer, int64_t token, int32_t *v, int64_t n) {
-    if (!m->tap || n <= 0 || n > 4096) return;
-    float f[4096];
-    for (int64_t i = 0; i < n; i++) f[i] = (float)v[i];
-    m->tap(m->tap_ctx, name, layer, token, f, n, true);
-    for (int64_t i = 0; i < n; i++) v[i] = (int32_t)lrintf(f[i]);
+/* Integer results (expert ids, selected rows: n int32 in the backend buffer
+ * `buf`) pass through the hook as host floats (exact below 2^24) and go
+ * back rounded. Only with a hook set: the bit patterns come down through the
+ * download op and go back through upload; without one nothing moves. */
+static void tap_ints(const ds4_model *m, const char *name, int layer, int64_t token, float *buf, int64_t n) {
+    if (!m->tap || n <= 0) return;
+    ds4_backend *be = m->be;
+    int32_t *v = malloc((size_t)n * sizeof *v);
+    float *f = malloc((size_t)n * sizeof *f);
+    if (v && f) {
+        be->ops->download(be, (float *)v, buf, n);
+        for (int64_t i = 0; i < n; i++) f[i] = (float)v[i];
+        m->tap(m->tap_ctx, name, layer, token, f, n, true);
+        for (int64_t i = 0; i < n; i++) v[i] = (int32_t)lrintf(f[i]);
+        be->ops->upload(be, buf, (const float *)v, n);
+    }
+    free(v);
+    free(f);
 }
 
 void ds4_model_set_tap(ds4_model *m, ds4_model_tap_fn fn, void *ctx) {
@@ -361,7 +371,7 @@ typedef struct eval_scratch {
     float *ikv, *isc;   /* indexer compressor projections [n, 2*id] */
     float *iq, *iw;     /* indexer query [ih*id] and weights [n, ih] */
     float *iscores;     /* [n_ctx/4 + 2] */
-    float *crow;        /* one pooled row [max(D, id)]; also the scaled indexer weights */
+    float *crow;        /* one pooled row [max(D, id)] */
     float *attn;        /* attention output [n, nh*D] */
     float *low;         /* [n, G*ro] */
     float *y;           /* sublayer output [n, H] */
@@ -370,45 +380,40 @@ typedef struct eval_scratch {
     float *g, *u;       /* shared expert [n, I] */
     float *h;           /* [n, H] */
     float *logits;      /* [n, V] */
-    int32_t *sel;       /* host [k] */
-    float *sel_w;       /* host [k] */
-    int32_t *topk;      /* host [top_k] */
+    /* the choices ops hand to later ops, in backend memory (int32 arrays
+     * stored in float buffers, see backend.h) */
+    float *sel;         /* expert ids, int32 [k] */
+    float *sel_w;       /* routing weights [k] */
+    float *topk;        /* selected compressed rows, int32 [top_k] */
 } scratch;
 
 static void scratch_free(ds4_backend *be, scratch *s) {
     float *bufs[] = { s->X, s->X2, s->x, s->a, s->post, s->comb, s->qr, s->q, s->kv, s->ckv, s->csc, s->ikv,
                       s->isc, s->iq, s->iw, s->iscores, s->crow, s->attn, s->low, s->y, s->logits_e, s->moe,
-                      s->g, s->u, s->h, s->logits };
+                      s->g, s->u, s->h, s->logits, s->sel, s->sel_w, s->topk };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be, bufs[i]);
-    free(s->sel);
-    free(s->sel_w);
-    free(s->topk);
 }
 
 static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64_t n_ctx, bool all_logits,
                           scratch *s) {
     memset(s, 0, sizeof *s);
     const int64_t H = c->n_embd, hcH = c->n_hc * H, D = c->head_dim;
-    int64_t crow = D > c->idx_head_dim ? D : c->idx_head_dim;
-    if (crow < c->idx_n_head) crow = c->idx_n_head;
+    const int64_t crow = D > c->idx_head_dim ? D : c->idx_head_dim;
     float **slots[] = { &s->X, &s->X2, &s->x, &s->a, &s->post, &s->comb, &s->qr, &s->q, &s->kv, &s->ckv, &s->csc,
                         &s->ikv, &s->isc, &s->iq, &s->iw, &s->iscores, &s->crow, &s->attn, &s->low, &s->y,
-                        &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits };
+                        &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits, &s->sel, &s->sel_w, &s->topk };
     const int64_t sizes[] = { n * hcH, n * hcH, n * H, n * H, n * c->n_hc, n * c->n_hc * c->n_hc, n * c->q_lora,
                               n * c->n_head * D, n * D, n * 2 * D, n * 2 * D, n * 2 * c->idx_head_dim,
                               n * 2 * c->idx_head_dim, (int64_t)c->idx_n_head * c->idx_head_dim,
                               n * c->idx_n_head, n_ctx / 4 + 2, crow,
                               n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, H,
-                              n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab };
+                              n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab,
+                              c->n_expert_used, c->n_expert_used, c->idx_top_k };
     bool ok = true;
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
         *slots[i] = be->ops->alloc(be, sizes[i] > 0 ? sizes[i] : 1);
         ok &= *slots[i] != NULL;
     }
-    s->sel = malloc((size_t)c->n_expert_used * sizeof *s->sel);
-    s->sel_w = malloc((size_t)c->n_expert_used * sizeof *s->sel_w);
-    s->topk = malloc((size_t)(c->idx_top_k > 0 ? c->idx_top_k : 1) * sizeof *s->topk);
-    ok &= s->sel && s->sel_w && s->topk;
     if (!ok) scratch_free(be, s);
     return ok;
 }
@@ -531,8 +536,9 @@ static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, c
         if (ratio == 4)
             compressor_step(m, l, t, &L->index, &W->idx_ape, &W->idx_norm, true, s->ikv + t * iw, s->isc + t * iw, p,
                             s->crow, num);
-        const int32_t *sel = NULL;
-        int64_t n_b = ratio ? L->attn.n_rows : 0;
+        const int32_t *sel = NULL; /* backend memory */
+        const int64_t n_rows_b = ratio ? L->attn.n_rows : 0;
+        int64_t n_b = n_rows_b;
         if (ratio == 4 && n_b > c->idx_top_k) {
             const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
             be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, s->iq, ih * id, 1, num);
@@ -543,21 +549,20 @@ static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, c
                 be->ops->indexer_qat(be, s->iq, ih, id);
                 TAP("idx_q_qat", l, t, s->iq, ih * id);
             }
-            /* head weights times 1/sqrt(id * ih) (spec 3.6.3): a few floats, scaled on the host */
-            float wt[4096];
-            be->ops->download(be, wt, s->iw + t * ih, ih);
+            /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
             const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
-            for (int64_t h = 0; h < ih; h++) wt[h] *= wscale;
-            be->ops->upload(be, s->crow, wt, ih);
-            be->ops->indexer_scores(be, s->iq, s->crow, ih, id, L->index.rows, L->index.n_rows, s->iscores);
+            be->ops->indexer_scores(be, s->iq, s->iw + t * ih, wscale, ih, id, L->index.rows, L->index.n_rows,
+                                    s->iscores);
             TAP("idx_scores", l, t, s->iscores, L->index.n_rows);
-            be->ops->top_k(be, s->iscores, L->index.n_rows, c->idx_top_k, s->topk);
+            /* both compressors emit a row every 4 tokens: the indexer's rows
+             * number the attention compressor's rows */
+            be->ops->top_k(be, s->iscores, L->index.n_rows, c->idx_top_k, (int32_t *)s->topk);
             tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
-            sel = s->topk;
+            sel = (const int32_t *)s->topk;
             n_b = c->idx_top_k;
         }
-        be->ops->attention(be, s->q + t * nh * D, nh, D, L->window, L->n_window, ratio ? L->attn.rows : NULL, sel,
-                           n_b, &W->sinks, s->attn + t * nh * D);
+        be->ops->attention(be, s->q + t * nh * D, nh, D, L->window, L->n_window, ratio ? L->attn.rows : NULL,
+                           n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
         TAP("attention", l, t, s->attn + t * nh * D, nh * D);
     }
     be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
@@ -610,11 +615,11 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
             hash = hash_ids;
         }
         be->ops->router(be, s->logits_e + t * E, E, W->has_bias ? &W->probs_bias : NULL, hash, k,
-                        c->expert_weights_norm, c->expert_weights_scale, s->sel, s->sel_w);
+                        c->expert_weights_norm, c->expert_weights_scale, (int32_t *)s->sel, s->sel_w);
         tap_ints(m, "router_experts", l, t, s->sel, k);
-        if (m->tap) m->tap(m->tap_ctx, "router_weights", l, t, s->sel_w, k, true);
-        be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a + t * H, s->sel, s->sel_w, k, limit, s->moe,
-                     num);
+        TAP("router_weights", l, t, s->sel_w, k);
+        be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a + t * H, (const int32_t *)s->sel, s->sel_w,
+                     k, limit, s->moe, num);
         TAP("moe", l, t, s->moe, H);
         be->ops->add(be, s->y + t * H, s->moe, s->y + t * H, H);
         TAP("ffn_sum", l, t, s->y + t * H, H);

@@ -49,11 +49,13 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int
  * (e.g. "attn_norm", "q", "kv", "attn", "moe", "X"), the layer (-1 for the
  * embedding and the head), the token index within the batch (-1 when the
  * buffer holds the whole batch), the buffer and its length in floats. The
- * buffer is in backend memory unless `host` is true (router results). The
- * callback may overwrite the buffer (through the backend's upload op, or
- * directly when `host`): the forward pass continues from what it holds then,
- * which lets the harness feed one backend's values to the next op of another.
- * Integer host results (expert ids, top-k rows) are passed as floats. */
+ * buffer is in backend memory unless `host` is true. The callback may
+ * overwrite the buffer (through the backend's upload op, or directly when
+ * `host`): the forward pass continues from what it holds then, which lets the
+ * harness feed one backend's values to the next op of another. Integer
+ * results (expert ids "router_experts", top-k rows "idx_top_k") live in
+ * backend memory as int32; the hook gets a host copy converted to floats
+ * (host true), and what it leaves there is rounded and written back. */
 typedef void (*ds4_model_tap_fn)(void *ctx, const char *name, int layer, int64_t token, float *buf, int64_t n,
                                  bool host);
 void ds4_model_set_tap(ds4_model *m, ds4_model_tap_fn fn, void *ctx);

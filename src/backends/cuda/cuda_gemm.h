@@ -1,0 +1,24 @@
+/*
+ * cuda_gemm.h - batched (prefill) products on the tensor cores (cuda_gemm.cu).
+ */
+#ifndef DS4_BACKENDS_CUDA_GEMM_H
+#define DS4_BACKENDS_CUDA_GEMM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backends/backend.h"
+
+#define CUDA_GEMM_MIN_TOKENS 16 /* below this the matvec / tile kernels are used */
+
+/* true when a Q8_0 weight of n_in-element rows (row_bytes apart) times n_tok
+ * DS4 Q8_0 activation rows (x_row_bytes apart) can use the int8 GEMM. */
+bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, int64_t n_tok);
+
+/* out[m][o] (m * out_stride) = W[o] . x[m] for o < n_out, m < n_tok under DS4
+ * numerics (w: the first weight row; xq: DS4 Q8_0 activation rows). false
+ * with the error recorded when it could not be launched. */
+bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
+                    int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride);
+
+#endif

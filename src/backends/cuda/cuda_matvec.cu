@@ -1,0 +1,627 @@
+/*
+ * cuda_matvec.cu - decode-shaped weight products (1 to 8 activation rows)
+ * under DS4 numerics, built to stream the weights at memory bandwidth.
+ *
+ * Why a separate family: in decode every weight byte is read once per token
+ * and the products are bandwidth-bound. The general kernels of
+ * cuda_matmul.cu read each quantised block with byte-sized loads straight
+ * into the lanes that decode it; here each warp instead streams its part of
+ * a weight row through shared memory with 16-byte loads (32 lanes x 16 B =
+ * 512 contiguous bytes per instruction, up to 2 KB in flight per warp while
+ * the previous stage is being decoded), then decodes from shared memory,
+ * where the odd block sizes (34, 66, 84 bytes) cost nothing.
+ *
+ * Arithmetic is that of cuda_matmul.cu's DS4 kinds, block for block:
+ *   float weights (F32/F16/BF16): float products and float sums (per-lane
+ *     fmaf chains, then a fixed butterfly and the parts in order);
+ *   Q8_0 weights: DS4's Q8_0 activation blocks; per 32-block the exact int8
+ *     dot (four lanes of eight codes, summed exactly), then the CPU's block
+ *     term (f16(w.d) * x.d) * isum;
+ *   Q2_K, Q4_K, IQ2_XXS, Q8_K weights: Q8_K activations; per 256-block the
+ *     exact integer sums over the warp (sum_j sc_j isub_j, sum_j m_j bsub_j)
+ *     and the CPU's float block term.
+ * So each block term is the CPU's bit for bit and only the order of the
+ * float sum over blocks differs (the same freedom the general kernels take).
+ *
+ * Layout: a weight row is cut into P parts (P warps per output; for small
+ * outputs P > 1 splits the row so enough warps are in flight), a part into
+ * stages of whole "units" (the fewest blocks whose bytes are a multiple of
+ * 16, so every stage starts 16-byte aligned). A thread block holds 8 / P
+ * outputs (or one for the expert-summing MoE down product, where the parts
+ * are the experts). Partial sums meet in shared memory in part order, so
+ * results are deterministic.
+ *
+ * IQ2_XXS decodes through two tables in shared memory: the 256 grid entries
+ * expanded to eight magnitude bytes, and the 128 sign patterns (with their
+ * parity bit) expanded to eight 0x00/0xff bytes; a signed code is then
+ * (mag ^ mask) - mask per byte, four at a time.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_matvec.h"
+#include "backends/cuda/cuda_quant.cuh"
+
+#define MV_STAGE 2048                /* bytes staged per warp */
+#define MV_VEC (MV_STAGE / (16 * 32)) /* 16-byte loads per lane per stage */
+#define MV_WARPS 8
+#define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
+#define FULL_MASK 0xffffffffu
+
+/* DS4's Q8_0 activation block (as in cuda_matmul.cu). */
+struct mv_q8_0 {
+    float d;
+    int8_t q[32];
+};
+static_assert(sizeof(mv_q8_0) == 36, "q8_0 activation block size");
+
+/* ------------------------------------------------------------------------ */
+/* Per-type geometry                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* BLOCK_BYTES / BLOCK_ELEMS of a decode block (for float types: a chunk of
+ * 8 elements), UNIT = blocks per 16-byte-aligned unit, STAGE_UNITS = units
+ * per stage. */
+template <uint32_t T> struct mvt;
+#define MVT(T, BB, BE, NU)                                                      \
+    template <> struct mvt<T> {                                                 \
+        static constexpr int BLOCK_BYTES = BB, BLOCK_ELEMS = BE, UNIT = NU;     \
+        static constexpr int UNIT_BYTES = BB * NU;                              \
+        static constexpr int STAGE_UNITS = MV_STAGE / UNIT_BYTES;               \
+        static_assert(UNIT_BYTES % 16 == 0 && STAGE_UNITS >= 1, "unit layout"); \
+    };
+MVT(DS4_TYPE_F32, 32, 8, 1)
+MVT(DS4_TYPE_F16, 16, 8, 1)
+MVT(DS4_TYPE_BF16, 16, 8, 1)
+MVT(DS4_TYPE_Q8_0, 34, 32, 8)
+MVT(DS4_TYPE_Q2_K, 84, 256, 4)
+MVT(DS4_TYPE_Q4_K, 144, 256, 1)
+MVT(DS4_TYPE_IQ2_XXS, 66, 256, 8)
+MVT(DS4_TYPE_Q8_K, 292, 256, 4)
+#undef MVT
+
+static int unit_bytes_of(uint32_t type) {
+    switch (type) {
+    case DS4_TYPE_F32: return mvt<DS4_TYPE_F32>::UNIT_BYTES;
+    case DS4_TYPE_F16: return mvt<DS4_TYPE_F16>::UNIT_BYTES;
+    case DS4_TYPE_BF16: return mvt<DS4_TYPE_BF16>::UNIT_BYTES;
+    case DS4_TYPE_Q8_0: return mvt<DS4_TYPE_Q8_0>::UNIT_BYTES;
+    case DS4_TYPE_Q2_K: return mvt<DS4_TYPE_Q2_K>::UNIT_BYTES;
+    case DS4_TYPE_Q4_K: return mvt<DS4_TYPE_Q4_K>::UNIT_BYTES;
+    case DS4_TYPE_IQ2_XXS: return mvt<DS4_TYPE_IQ2_XXS>::UNIT_BYTES;
+    case DS4_TYPE_Q8_K: return mvt<DS4_TYPE_Q8_K>::UNIT_BYTES;
+    default: return 0;
+    }
+}
+
+static constexpr __host__ __device__ bool mv_float(uint32_t t) {
+    return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16;
+}
+
+static cuda_mv_act act_kind_for(uint32_t type) {
+    if (cuda_is_float_type(type)) return CUDA_MV_FLOAT;
+    return type == DS4_TYPE_Q8_0 ? CUDA_MV_Q8_0 : CUDA_MV_Q8_K;
+}
+
+bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_t n) {
+    const int ub = unit_bytes_of(type);
+    if (!ub || act_kind != act_kind_for(type) || n <= 0 || row_bytes <= 0) return false;
+    return row_bytes % ub == 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* IQ2_XXS tables                                                            */
+/* ------------------------------------------------------------------------ */
+
+struct iq2_tables {
+    uint32_t mag[256][2];  /* grid entry -> 8 magnitude bytes (8, 25, 43) */
+    uint32_t sign[128][2]; /* 7 sign bits -> 8 bytes of 0x00 / 0xff (bit 7: parity) */
+};
+
+static constexpr iq2_tables make_iq2_tables() {
+    iq2_tables t{};
+    for (int g = 0; g < 256; g++) {
+        const uint32_t packed = ds4_iq2xxs_host::ds4_iq2xxs_grid_packed[g];
+        for (int i = 0; i < 8; i++) {
+            const uint32_t code = (packed >> (2 * i)) & 3u;
+            const uint32_t mag = code == 0 ? 8u : code == 1 ? 25u : code == 2 ? 43u : 0u;
+            t.mag[g][i / 4] |= mag << (8 * (i % 4));
+        }
+    }
+    for (int v = 0; v < 128; v++) {
+        int par = 0;
+        for (int i = 0; i < 7; i++) par ^= (v >> i) & 1;
+        const uint32_t bits = (uint32_t)v | ((uint32_t)par << 7);
+        for (int i = 0; i < 8; i++)
+            if ((bits >> i) & 1u) t.sign[v][i / 4] |= 0xffu << (8 * (i % 4));
+    }
+    return t;
+}
+
+static __device__ const iq2_tables g_iq2_tables = make_iq2_tables();
+static_assert(sizeof(iq2_tables) % 16 == 0, "tables copied in 16-byte pieces");
+
+/* ------------------------------------------------------------------------ */
+/* Kernel arguments                                                          */
+/* ------------------------------------------------------------------------ */
+
+struct mv_args {
+    const uint8_t *w[2]; /* blockIdx.z picks the matrix (MoE gate/up share a launch) */
+    const void *act[2];
+    float *out[2];
+    int64_t row_bytes;
+    int64_t units;       /* staging units per row */
+    int64_t row0;
+    int64_t n_out;
+    int64_t act_stride;  /* per activation row (floats or blocks) */
+    int64_t out_stride;  /* per activation row */
+    const int32_t *sel;  /* device expert ids (NULL: plain rows) */
+    int64_t rows_per_expert, n_expert;
+    int64_t out_sel_stride; /* gate/up: output rows of slot blockIdx.y */
+    int n_rows;
+    int parts;           /* warps per output */
+    int rpb;             /* outputs per thread block */
+    int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
+};
+
+static __device__ __forceinline__ uint4 mv_ld(const uint8_t *p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
+
+/* ------------------------------------------------------------------------ */
+/* Stage decoders: add one stage's contribution to acc[ROWS]                  */
+/* ------------------------------------------------------------------------ */
+
+/* Float weights: lane per 8-element chunk. x rows are 16-byte aligned. */
+template <uint32_t T, int ROWS>
+static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_blocks, int64_t gb0, const float *x,
+                                                   int64_t x_stride, int n_rows, float (&acc)[ROWS]) {
+    const int lane = threadIdx.x & 31;
+    for (int c = lane; c < n_blocks; c += 32) {
+        float wv[8];
+        if constexpr (T == DS4_TYPE_F32) {
+            const float4 a = *(const float4 *)(sw + 32 * c), b = *(const float4 *)(sw + 32 * c + 16);
+            wv[0] = a.x, wv[1] = a.y, wv[2] = a.z, wv[3] = a.w, wv[4] = b.x, wv[5] = b.y, wv[6] = b.z, wv[7] = b.w;
+        } else {
+            const uint4 h = *(const uint4 *)(sw + 16 * c);
+            const uint32_t hw[4] = { h.x, h.y, h.z, h.w };
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if constexpr (T == DS4_TYPE_F16) {
+                    wv[2 * i] = cuda_f16_to_f32((uint16_t)(hw[i] & 0xffffu));
+                    wv[2 * i + 1] = cuda_f16_to_f32((uint16_t)(hw[i] >> 16));
+                } else {
+                    wv[2 * i] = __uint_as_float(hw[i] << 16);
+                    wv[2 * i + 1] = __uint_as_float(hw[i] & 0xffff0000u);
+                }
+            }
+        }
+        const int64_t e0 = (gb0 + c) * 8;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r < n_rows) {
+                const float4 xa = *(const float4 *)(x + r * x_stride + e0);
+                const float4 xb = *(const float4 *)(x + r * x_stride + e0 + 4);
+                float s = acc[r];
+                s = fmaf(wv[0], xa.x, s);
+                s = fmaf(wv[1], xa.y, s);
+                s = fmaf(wv[2], xa.z, s);
+                s = fmaf(wv[3], xa.w, s);
+                s = fmaf(wv[4], xb.x, s);
+                s = fmaf(wv[5], xb.y, s);
+                s = fmaf(wv[6], xb.z, s);
+                s = fmaf(wv[7], xb.w, s);
+                acc[r] = s;
+            }
+        }
+    }
+}
+
+/* Q8_0 weights, Q8_0 activations: lanes 4m..4m+3 hold the quarters of one
+ * block (n_blocks is a multiple of 8, so every lane runs every step). */
+template <int ROWS>
+static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_blocks, int64_t gb0, const mv_q8_0 *x,
+                                                  int64_t x_stride, int n_rows, float (&acc)[ROWS]) {
+    const int lane = threadIdx.x & 31, k = lane & 3;
+    for (int qi = lane; qi < 4 * n_blocks; qi += 32) {
+        const int b = qi >> 2;
+        const uint8_t *blk = sw + 34 * b;
+        const uint16_t *q16 = (const uint16_t *)(blk + 2 + 8 * k);
+        const int w0 = (int)((uint32_t)q16[0] | ((uint32_t)q16[1] << 16));
+        const int w1 = (int)((uint32_t)q16[2] | ((uint32_t)q16[3] << 16));
+        const float wd = cuda_f16_to_f32(*(const uint16_t *)blk);
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r < n_rows) {
+                const mv_q8_0 *xa = x + r * x_stride + gb0 + b;
+                const int *q8 = (const int *)(xa->q + 8 * k);
+                int isub = __dp4a(w1, q8[1], __dp4a(w0, q8[0], 0));
+                isub += __shfl_xor_sync(FULL_MASK, isub, 1);
+                isub += __shfl_xor_sync(FULL_MASK, isub, 2);
+                if (k == 0) acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xa->d), __int2float_rn(isub)));
+            }
+        }
+    }
+}
+
+/* Q8_K-activation types: the codes of elements 8 lane .. 8 lane + 7 of a
+ * block as two words of int8, their sub-block multipliers (scale, min). */
+template <uint32_t T> struct mvq;
+
+template <> struct mvq<DS4_TYPE_Q2_K> {
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *, int &w0, int &w1,
+                                                 int &mul, int &mmul) {
+        const int h = lane >> 4, s = (lane & 15) >> 2, l0 = (lane & 3) * 8;
+        const uint8_t *qs = blk + 16 + 32 * h + l0; /* 4-byte aligned */
+        w0 = (ld_s32(qs) >> (2 * s)) & 0x03030303;
+        w1 = (ld_s32(qs + 4) >> (2 * s)) & 0x03030303;
+        const int sc = blk[lane >> 1];
+        mul = sc & 15;
+        mmul = sc >> 4;
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
+        const float dall = __fmul_rn(yd, cuda_f16_to_f32(*(const uint16_t *)(blk + 80)));
+        const float dmin = __fmul_rn(yd, cuda_f16_to_f32(*(const uint16_t *)(blk + 82)));
+        return __fsub_rn(__fmul_rn(dall, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+template <> struct mvq<DS4_TYPE_Q4_K> {
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *, int &w0, int &w1,
+                                                 int &mul, int &mmul) {
+        const int j = lane >> 2, l0 = (lane & 3) * 8;
+        const uint2 v = *(const uint2 *)(blk + 16 + 32 * (j >> 1) + l0); /* 8-byte aligned */
+        const int shift = 4 * (j & 1);
+        w0 = (int)((v.x >> shift) & 0x0f0f0f0fu);
+        w1 = (int)((v.y >> shift) & 0x0f0f0f0fu);
+        unpack_scale_min_k4(blk + 4, j, &mul, &mmul);
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
+        const float d = __fmul_rn(cuda_f16_to_f32(*(const uint16_t *)blk), yd);
+        const float dmin = __fmul_rn(cuda_f16_to_f32(*(const uint16_t *)(blk + 2)), yd);
+        return __fsub_rn(__fmul_rn(d, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+template <> struct mvq<DS4_TYPE_IQ2_XXS> {
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *tab, int &w0,
+                                                 int &w1, int &mul, int &mmul) {
+        const int ib = lane >> 2, l = lane & 3;
+        const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * ib; /* 2-byte aligned */
+        const uint32_t aux0 = (uint32_t)qs[0] | ((uint32_t)qs[1] << 16);
+        const uint32_t aux1 = (uint32_t)qs[2] | ((uint32_t)qs[3] << 16);
+        const uint32_t *mag = tab->mag[(aux0 >> (8 * l)) & 255u];
+        const uint32_t *sg = tab->sign[(aux1 >> (7 * l)) & 127u];
+        w0 = (int)__vsub4(mag[0] ^ sg[0], sg[0]);
+        w1 = (int)__vsub4(mag[1] ^ sg[1], sg[1]);
+        mul = 2 * (int)(aux1 >> 28) + 1;
+        mmul = 0;
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int) {
+        return __fmul_rn(__fmul_rn(cuda_f16_to_f32(*(const uint16_t *)blk), yd), __int2float_rn(isum));
+    }
+    static __device__ __forceinline__ float finish(float s) { return __fmul_rn(0.125f, s); }
+};
+
+template <> struct mvq<DS4_TYPE_Q8_K> {
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *, int &w0, int &w1,
+                                                 int &mul, int &mmul) {
+        const uint8_t *qs = blk + 4 + 8 * lane; /* 4-byte aligned */
+        w0 = ld_s32(qs);
+        w1 = ld_s32(qs + 4);
+        mul = 1;
+        mmul = 0;
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int) {
+        return __fmul_rn(__int2float_rn(isum), __fmul_rn(*(const float *)blk, yd));
+    }
+    static __device__ __forceinline__ float finish(float s) { return s; }
+};
+
+/* One 256-block per warp step; the integer sums over the warp are exact,
+ * lane 0 adds the CPU's block term. */
+template <uint32_t T, int ROWS>
+static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t gb0,
+                                                 const ds4_block_q8_K *x, int64_t x_stride, int n_rows,
+                                                 const iq2_tables *tab, float (&acc)[ROWS]) {
+    typedef mvq<T> K;
+    const int lane = threadIdx.x & 31;
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * b;
+        int w0, w1, mul, mmul;
+        K::codes(blk, lane, tab, w0, w1, mul, mmul);
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r < n_rows) {
+                const ds4_block_q8_K *y = x + r * x_stride + gb0 + b;
+                const int *q8 = (const int *)(y->qs + 8 * lane);
+                const int x0 = q8[0], x1 = q8[1];
+                const int isum = __reduce_add_sync(FULL_MASK, mul * __dp4a(w1, x1, __dp4a(w0, x0, 0)));
+                int summs = 0;
+                if (K::HAS_MIN)
+                    summs = __reduce_add_sync(FULL_MASK, mmul * __dp4a(x1, 0x01010101, __dp4a(x0, 0x01010101, 0)));
+                if (lane == 0) acc[r] = __fadd_rn(acc[r], K::term(blk, y->d, isum, summs));
+            }
+        }
+    }
+}
+
+template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s) {
+    if constexpr (T == DS4_TYPE_IQ2_XXS) return mvq<T>::finish(s);
+    else return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The kernel                                                                */
+/* ------------------------------------------------------------------------ */
+
+template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
+    typedef mvt<T> G;
+    extern __shared__ uint4 smem[];
+    __shared__ float red[MV_WARPS][ROWS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n_warps = blockDim.x >> 5;
+    const iq2_tables *tab = NULL;
+    if constexpr (T == DS4_TYPE_IQ2_XXS) {
+        uint4 *dst = smem + n_warps * (MV_STAGE / 16);
+        const uint4 *src = (const uint4 *)&g_iq2_tables;
+        for (int i = threadIdx.x; i < (int)(sizeof(iq2_tables) / 16); i += blockDim.x) dst[i] = src[i];
+        tab = (const iq2_tables *)dst;
+        __syncthreads();
+    }
+    const int part = warp % a.parts, lr = warp / a.parts;
+    const int64_t o = (int64_t)blockIdx.x * a.rpb + lr;
+    const int z = blockIdx.z;
+
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+
+    /* this warp's weight row, unit range and activation rows */
+    bool active = o < a.n_out;
+    int64_t wrow = a.row0 + o, u0 = 0, u1 = a.units;
+    const uint8_t *act = (const uint8_t *)a.act[z];
+    if (a.experts_as_parts) {
+        const int32_t e = a.sel[part];
+        active &= e >= 0 && e < a.n_expert;
+        wrow = (int64_t)e * a.rows_per_expert + o;
+        int64_t act_bytes_stride;
+        if constexpr (mv_float(T)) act_bytes_stride = a.act_stride * 4;
+        else if constexpr (T == DS4_TYPE_Q8_0) act_bytes_stride = a.act_stride * (int64_t)sizeof(mv_q8_0);
+        else act_bytes_stride = a.act_stride * (int64_t)sizeof(ds4_block_q8_K);
+        act += part * act_bytes_stride;
+    } else {
+        if (a.sel) {
+            const int32_t e = a.sel[blockIdx.y];
+            active &= e >= 0 && e < a.n_expert;
+            wrow = (int64_t)e * a.rows_per_expert + o;
+        }
+        u0 = a.units * part / a.parts;
+        u1 = a.units * (part + 1) / a.parts;
+    }
+    const int n_rows = a.experts_as_parts ? 1 : a.n_rows;
+
+    if (active && u1 > u0) {
+        uint8_t *sw = (uint8_t *)(smem + warp * (MV_STAGE / 16));
+        const uint8_t *wp = a.w[z] + wrow * a.row_bytes + u0 * G::UNIT_BYTES;
+        const int64_t n_units = u1 - u0;
+        uint4 reg[MV_VEC];
+        int cur = (int)(n_units < G::STAGE_UNITS ? n_units : G::STAGE_UNITS);
+#pragma unroll
+        for (int i = 0; i < MV_VEC; i++) {
+            const int idx = lane + 32 * i;
+            if (idx < cur * G::UNIT_BYTES / 16) reg[i] = mv_ld(wp + 16 * idx);
+        }
+        for (int64_t done = 0; done < n_units;) {
+            const int n16 = cur * G::UNIT_BYTES / 16;
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < MV_VEC; i++) {
+                const int idx = lane + 32 * i;
+                if (idx < n16) ((uint4 *)sw)[idx] = reg[i];
+            }
+            __syncwarp();
+            const int64_t next = done + cur;
+            const int nxt = (int)(n_units - next < G::STAGE_UNITS ? n_units - next : G::STAGE_UNITS);
+            if (nxt > 0) {
+                const uint8_t *np = wp + next * G::UNIT_BYTES;
+#pragma unroll
+                for (int i = 0; i < MV_VEC; i++) {
+                    const int idx = lane + 32 * i;
+                    if (idx < nxt * G::UNIT_BYTES / 16) reg[i] = mv_ld(np + 16 * idx);
+                }
+            }
+            const int n_blocks = cur * G::UNIT;
+            const int64_t gb0 = (u0 + done) * G::UNIT; /* first block of the stage within the row */
+            if constexpr (mv_float(T))
+                stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act, a.act_stride, n_rows, acc);
+            else if constexpr (T == DS4_TYPE_Q8_0)
+                stage_q8_0<ROWS>(sw, n_blocks, gb0, (const mv_q8_0 *)act, a.act_stride, n_rows, acc);
+            else
+                stage_q8k<T, ROWS>(sw, n_blocks, gb0, (const ds4_block_q8_K *)act, a.act_stride, n_rows, tab, acc);
+            done = next;
+            cur = nxt;
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float v = acc[r];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, off));
+        if (lane == 0) red[warp][r] = v;
+    }
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < a.rpb * ROWS) {
+        const int olr = t / ROWS, r = t % ROWS;
+        const int64_t oo = (int64_t)blockIdx.x * a.rpb + olr;
+        if (oo < a.n_out && r < n_rows) {
+            float s = 0.0f;
+            if (a.experts_as_parts) {
+                for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, mv_finish<T>(red[olr * a.parts + p][r]));
+            } else {
+                for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, red[olr * a.parts + p][r]);
+                s = mv_finish<T>(s);
+            }
+            float *out = a.out[z] + (a.sel && !a.experts_as_parts ? (int64_t)blockIdx.y * a.out_sel_stride : 0);
+            out[r * a.out_stride + oo] = s;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Host side                                                                 */
+/* ------------------------------------------------------------------------ */
+
+template <int ROWS> static void mv_launch_rows(uint32_t type, dim3 grid, int threads, size_t shm, cudaStream_t st,
+                                               const mv_args &a, bool *known) {
+    switch (type) {
+    case DS4_TYPE_F32: mv_kernel<DS4_TYPE_F32, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_F16: mv_kernel<DS4_TYPE_F16, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_BF16: mv_kernel<DS4_TYPE_BF16, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_Q8_0: mv_kernel<DS4_TYPE_Q8_0, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_Q2_K: mv_kernel<DS4_TYPE_Q2_K, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_Q4_K: mv_kernel<DS4_TYPE_Q4_K, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_IQ2_XXS: mv_kernel<DS4_TYPE_IQ2_XXS, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_Q8_K: mv_kernel<DS4_TYPE_Q8_K, ROWS><<<grid, threads, shm, st>>>(a); break;
+    default: *known = false;
+    }
+}
+
+/* Launch with blocks of parts * rpb warps over n_out outputs (gridDim.y
+ * expert slots, gridDim.z matrices). */
+static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_slots, int n_mats) {
+    const int warps = a.parts * a.rpb;
+    const int threads = 32 * warps;
+    const size_t shm = (size_t)warps * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
+    const int64_t nb = (a.n_out + a.rpb - 1) / a.rpb;
+    if (nb > INT32_MAX || n_slots > 65535) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: %lld outputs x %d slots is too large a grid", (long long)a.n_out,
+                  n_slots);
+        return false;
+    }
+    const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
+    cudaStream_t st = cuda_stream(be);
+    bool known = true;
+    const int rows = a.experts_as_parts ? 1 : a.n_rows;
+    if (rows <= 1) mv_launch_rows<1>(type, grid, threads, shm, st, a, &known);
+    else if (rows <= 2) mv_launch_rows<2>(type, grid, threads, shm, st, a, &known);
+    else if (rows <= 4) mv_launch_rows<4>(type, grid, threads, shm, st, a, &known);
+    else mv_launch_rows<8>(type, grid, threads, shm, st, a, &known);
+    if (!known) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
+        return false;
+    }
+    return CUDA_LAUNCHED(be, "matvec kernel");
+}
+
+/* Parts per output for n_outputs warps' worth of rows of `units` units. */
+static int split_for(int64_t n_outputs, int64_t units) {
+    int p = 1;
+    while (p < MV_WARPS && n_outputs * p < MV_TARGET_WARPS && 2 * p <= units) p *= 2;
+    return p;
+}
+
+bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) {
+    if (j->n_rows < 1 || j->n_rows > CUDA_MV_MAX_ROWS || !cuda_mv_fits(j->type, j->act_kind, j->row_bytes, j->n)) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of type %s (row of %lld bytes) do not suit the kernels",
+                  j->n_rows, ds4_type_name(j->type), (long long)j->row_bytes);
+        return false;
+    }
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    a.w[0] = a.w[1] = (const uint8_t *)j->w;
+    a.act[0] = a.act[1] = j->act;
+    a.out[0] = a.out[1] = j->out;
+    a.row_bytes = j->row_bytes;
+    a.units = j->row_bytes / unit_bytes_of(j->type);
+    a.row0 = j->row0;
+    a.n_out = j->n_out;
+    a.act_stride = j->act_stride;
+    a.out_stride = j->out_stride;
+    a.n_rows = j->n_rows;
+    a.parts = split_for(j->n_out, a.units);
+    a.rpb = MV_WARPS / a.parts;
+    return mv_launch(be, j->type, a, 1, 1);
+}
+
+bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
+                         cuda_mv_act kind_u, const void *act_gate, const void *act_up, const int32_t *sel, int n_used,
+                         float *g, float *u) {
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1];
+    const bool shared = gate->type == up->type && gate->row_bytes == up->row_bytes;
+    const ds4_weight *ws[2] = { gate, up };
+    const void *acts[2] = { act_gate, act_up };
+    float *outs[2] = { g, u };
+    const cuda_mv_act kinds[2] = { kind_g, kind_u };
+    for (int m = 0; m < 2; m += shared ? 2 : 1) {
+        mv_args a;
+        memset(&a, 0, sizeof a);
+        for (int z = 0; z < 2; z++) {
+            const int src = shared ? z : m;
+            a.w[z] = (const uint8_t *)ws[src]->device;
+            a.act[z] = acts[src];
+            a.out[z] = outs[src];
+        }
+        const ds4_weight *w = ws[m];
+        if (!cuda_mv_fits(w->type, kinds[m], w->row_bytes, dim)) {
+            cuda_fail(be, DS4_ERR_INVALID, "matvec: weight %s does not suit the kernels", cuda_wname(w));
+            return false;
+        }
+        a.row_bytes = w->row_bytes;
+        a.units = w->row_bytes / unit_bytes_of(w->type);
+        a.n_out = n_ff;
+        a.act_stride = 0;
+        a.out_stride = 0;
+        a.sel = sel;
+        a.rows_per_expert = n_ff;
+        a.n_expert = w->ne[2];
+        a.out_sel_stride = n_ff;
+        a.n_rows = 1;
+        a.parts = split_for(n_ff * n_used * (shared ? 2 : 1), a.units);
+        a.rpb = MV_WARPS / a.parts;
+        if (!mv_launch(be, w->type, a, n_used, shared ? 2 : 1)) return false;
+    }
+    return true;
+}
+
+bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
+                      const int32_t *sel, int n_used, float *out) {
+    const int64_t n_ff = down->ne[0], dim = down->ne[1];
+    if (n_used < 1 || n_used > CUDA_MV_MAX_PARTS || !cuda_mv_fits(down->type, kind, down->row_bytes, n_ff)) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d experts of %s do not suit the kernels", n_used, cuda_wname(down));
+        return false;
+    }
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    a.w[0] = a.w[1] = (const uint8_t *)down->device;
+    a.act[0] = a.act[1] = mids;
+    a.out[0] = a.out[1] = out;
+    a.row_bytes = down->row_bytes;
+    a.units = down->row_bytes / unit_bytes_of(down->type);
+    a.n_out = dim;
+    a.act_stride = act_stride;
+    a.out_stride = 0;
+    a.sel = sel;
+    a.rows_per_expert = dim;
+    a.n_expert = down->ne[2];
+    a.n_rows = 1;
+    a.parts = n_used;
+    a.rpb = MV_WARPS / n_used > 0 ? MV_WARPS / n_used : 1;
+    a.experts_as_parts = 1;
+    return mv_launch(be, down->type, a, 1, 1);
+}

@@ -1,0 +1,62 @@
+/*
+ * cuda_matvec.h - decode-shaped products (one to eight activation rows):
+ * weights streamed through shared memory in wide, coalesced loads. Used by
+ * cuda_matmul.cu for the matmul and moe ops under DS4 numerics; the
+ * REFERENCE numerics and the batched (prefill) shapes keep their kernels.
+ */
+#ifndef DS4_BACKENDS_CUDA_MATVEC_H
+#define DS4_BACKENDS_CUDA_MATVEC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backends/backend.h"
+
+/* How the activations are given: float rows, DS4's Q8_0 activation blocks
+ * (float scale + 32 codes, 36 bytes) or Q8_K blocks. */
+typedef enum cuda_mv_act { CUDA_MV_FLOAT, CUDA_MV_Q8_0, CUDA_MV_Q8_K } cuda_mv_act;
+
+#define CUDA_MV_MAX_ROWS 8  /* activation rows per launch */
+#define CUDA_MV_MAX_PARTS 8 /* warps per output (K split, or experts summed) */
+
+/* One product: out[r][o] (+ r * out_stride) = W[row(o)] . act[r] for
+ * o < n_out, r < n_rows. Weight rows are row_bytes apart from w. */
+typedef struct cuda_mv_job {
+    uint32_t type;        /* weight type */
+    cuda_mv_act act_kind; /* must suit the type (see cuda_mv_fits) */
+    const void *w;
+    int64_t row_bytes;
+    int64_t n; /* elements per weight row */
+    int64_t row0;
+    int64_t n_out;
+    const void *act;
+    int64_t act_stride; /* floats (CUDA_MV_FLOAT) or blocks between activation rows */
+    float *out;
+    int64_t out_stride;
+    int n_rows;
+} cuda_mv_job;
+
+/* true when the matvec kernels can run this weight type / row shape with
+ * these activations (rows 16-byte aligned, whole staging units). */
+bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_t n);
+
+/* Enqueue a product (cuda_mv_fits must hold, 1 <= n_rows <= 8). false with
+ * the error recorded when the launch failed. */
+bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *job);
+
+/* The routed experts of one token, on the device choices `sel` (n_used ids,
+ * validated by the caller's kernels) and one activation row shared by gate
+ * and up (act_gate, act_up: quantised or float as the kinds say):
+ *   gate/up: g[k][j] = gate[sel[k]][j] . x, u[k][j] = up[sel[k]][j] . x
+ *            (one launch for both when they share a type)
+ *   down:    out[o] = sum over k = 0, 1, ... (from 0.0f) of down[sel[k]][o] . mid[k]
+ *            (one launch; mid rows act_stride blocks/floats apart)
+ * Experts whose id is outside [0, n_expert) are skipped (their products
+ * read as 0); the caller reports them. */
+bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
+                         cuda_mv_act kind_u, const void *act_gate, const void *act_up, const int32_t *sel, int n_used,
+                         float *g, float *u);
+bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
+                      const int32_t *sel, int n_used, float *out);
+
+#endif
