@@ -94,19 +94,19 @@ def md_one(data, label, out):
 
     if data.get("decode") or data.get("decode_skipped"):
         out.append("| context | interval prefill tok/s | decode tok/s | p50 ms | p95 ms | launches/tok | "
-                   "H2D B/tok | D2H B/tok | syncs/tok | peak GiB | measured/floor (weights) | "
+                   "H2D B/tok | D2H B/tok | syncs/tok | wait ms/tok | peak GiB | measured/floor (weights) | "
                    "measured/floor (weights+KV) |")
-        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in data.get("decode", []):
             pt, rf = r.get("per_token", {}), r.get("roofline", {})
             out.append(f"| {r['ctx']} | {fmt(r.get('interval_tokens_per_s'), '.1f')} | {fmt(r['tokens_per_s'], '.2f')} | "
                        f"{fmt(r['p50_s'] * 1e3, '.3f')} | {fmt(r['p95_s'] * 1e3, '.3f')} | "
                        f"{fmt(pt.get('launches'), '.1f')} | {fmt(pt.get('h2d_bytes'), '.0f')} | "
-                       f"{fmt(pt.get('d2h_bytes'), '.0f')} | {fmt(pt.get('syncs'), '.2f')} | "
+                       f"{fmt(pt.get('d2h_bytes'), '.0f')} | {fmt(pt.get('syncs'), '.2f')} | {fmt(pt.get('wait_ms'), '.3f')} | "
                        f"{gib(r.get('peak_device_bytes', 0)):.2f} | {fmt(rf.get('measured_over_floor_weights'), '.2f')} | "
                        f"{fmt(rf.get('measured_over_floor_weights_kv'), '.2f')} |")
         for r in data.get("decode_skipped", []):
-            out.append(f"| {r['ctx']} | skipped: {md_cell(r['reason'])} | | | | | | | | | | |")
+            out.append(f"| {r['ctx']} | skipped: {md_cell(r['reason'])} | | | | | | | | | | | |")
         out.append("")
 
     ab = data.get("ab")

@@ -27,8 +27,9 @@
 #                               2 layers cpu vs cuda, 128 greedy tokens on CUDA (finite logits,
 #                               peak device memory), layer parity on the generated tokens
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
-#                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT), PERF_AB=1 adds decode with the
-#                               streaming matvec kernels off, and an nsys per-kernel table
+#                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT), PERF_AB="VAR=0 ..." adds a short
+#                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
+#                               DS4_CUDA_GEMM=0), and an nsys per-kernel table
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
@@ -181,15 +182,17 @@ perf_stage() {
     else
         record "bench full q2" "FAIL (exit $?)"
     fi
-    if [ -n "${PERF_AB:-}" ]; then
-        section "decode with the streaming matvec kernels off"
-        if DS4_CUDA_MATVEC=0 timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx 256 \
-            --prefill 1 --gen 32 --repeat 2 --warmup 1 --ttft 0 --json "$out/bench-nomatvec.json"; then
-            record "bench full q2 (matvec off)" PASS
+    local v
+    for v in ${PERF_AB:-}; do
+        section "decode with $v"
+        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx 256 \
+            --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 --json "$out/bench-${v%%=*}.json" \
+            --md "$out/bench-${v%%=*}.md"; then
+            record "bench full q2 ($v)" PASS
         else
-            record "bench full q2 (matvec off)" "FAIL (exit $?)"
+            record "bench full q2 ($v)" "FAIL (exit $?)"
         fi
-    fi
+    done
     local nsys
     nsys=$(command -v nsys 2>/dev/null || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n1)
     if [ -n "$nsys" ]; then

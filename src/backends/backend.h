@@ -203,6 +203,16 @@ typedef struct ds4_backend_ops {
                 const float *x, const int32_t *sel, const float *weights, int n_used, float limit, float *out,
                 ds4_numerics num);
 
+    /* ---- recording (optional: NULL when the backend has none) -------- */
+    /* The ops called between step_begin and step_end form one step (a
+     * decoded token) that the backend may record and submit as a whole
+     * (the CUDA backend: a CUDA graph, updated in place from step to step);
+     * step_end submits it. Semantics are unchanged: an op in between that
+     * must return data to the host (download) still does, the backend then
+     * submits what it recorded so far first. */
+    void (*step_begin)(ds4_backend *be);
+    void (*step_end)(ds4_backend *be);
+
     /* ---- errors ------------------------------------------------------ */
     /* The ops above return nothing; an op that cannot run (bad shapes or
      * arguments, a weight type it cannot compute with, scratch memory that
@@ -230,6 +240,7 @@ typedef struct ds4_backend_counters {
     uint64_t h2d_bytes; /* bytes copied to the device (weights excluded) */
     uint64_t d2h_bytes; /* bytes copied to the host */
     uint64_t syncs;     /* host waits for the device */
+    uint64_t wait_ns;   /* host time spent in those waits */
     uint64_t weight_bytes; /* device memory held by weights now */
     uint64_t peak_bytes;   /* peak device memory in use */
 } ds4_backend_counters;

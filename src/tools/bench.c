@@ -446,7 +446,7 @@ typedef struct decode_row {
     dvec s;
     bool skipped;
     char reason[REASON_MAX];
-    double launches, copies, h2d, d2h, syncs; /* per token */
+    double launches, copies, h2d, d2h, syncs, wait_ms; /* per token */
     uint64_t peak;
     double kv_bytes; /* estimate at the middle of the decode run */
 } decode_row;
@@ -784,6 +784,7 @@ static int run_decode(bench *b) {
         r->h2d = (double)(c1.h2d_bytes - c0.h2d_bytes) / g;
         r->d2h = (double)(c1.d2h_bytes - c0.d2h_bytes) / g;
         r->syncs = (double)(c1.syncs - c0.syncs) / g;
+        r->wait_ms = (double)(c1.wait_ns - c0.wait_ns) / 1e6 / g;
         r->peak = c1.peak_bytes;
         r->kv_bytes = kv_bytes_at(b->cfg, r->pos_start + gen / 2);
     }
@@ -1250,6 +1251,8 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         json_num(f, r->d2h);
         fputs(", \"syncs\": ", f);
         json_num(f, r->syncs);
+        fputs(", \"wait_ms\": ", f);
+        json_num(f, r->wait_ms);
         fprintf(f, "}, \"peak_device_bytes\": %llu, \"roofline\": {\"weights_bytes\": ", (unsigned long long)r->peak);
         json_num(f, b->weights_bytes);
         fputs(", \"kv_bytes\": ", f);
@@ -1380,13 +1383,13 @@ static void write_md(FILE *f, bench *b, const prov *p) {
         fprintf(f, "\ntime to first token: skipped (%s)\n", b->ttft_reason);
     }
     fprintf(f, "\n| context | interval prefill tok/s | decode tok/s | p50 ms | p95 ms | launches/tok | H2D B/tok | "
-            "D2H B/tok | syncs/tok | peak GiB | GB/tok w | GB/tok w+KV | floor ms w+KV | measured/floor w | "
-            "measured/floor w+KV |\n");
-    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+            "D2H B/tok | syncs/tok | wait ms/tok | peak GiB | GB/tok w | GB/tok w+KV | floor ms w+KV | "
+            "measured/floor w | measured/floor w+KV |\n");
+    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < o->n_ctx; i++) {
         const decode_row *r = &b->decode[i];
         if (r->skipped) {
-            fprintf(f, "| %lld | skipped: %s | | | | | | | | | | | | | |\n", (long long)r->ctx, r->reason);
+            fprintf(f, "| %lld | skipped: %s | | | | | | | | | | | | | | |\n", (long long)r->ctx, r->reason);
             continue;
         }
         stats s = stats_of(&r->s);
@@ -1395,8 +1398,9 @@ static void write_md(FILE *f, bench *b, const prov *p) {
         fprintf(f, "| %lld | ", (long long)r->ctx);
         if (r->interval_tokens) fprintf(f, "%.1f | ", (double)r->interval_tokens / r->interval_s);
         else fputs("- | ", f);
-        fprintf(f, "%.2f | %.3f | %.3f | %.1f | %.0f | %.0f | %.2f | %.2f | %.4f | %.4f | ", (double)s.n / s.sum,
-                s.median * 1e3, s.p95 * 1e3, r->launches, r->h2d, r->d2h, r->syncs, (double)r->peak / 1073741824.0,
+        fprintf(f, "%.2f | %.3f | %.3f | %.1f | %.0f | %.0f | %.2f | %.3f | %.2f | %.4f | %.4f | ", (double)s.n / s.sum,
+                s.median * 1e3, s.p95 * 1e3, r->launches, r->h2d, r->d2h, r->syncs, r->wait_ms,
+                (double)r->peak / 1073741824.0,
                 b->weights_bytes / 1e9, wk / 1e9);
         if (bw > 0)
             fprintf(f, "%.4f | %.2f | %.2f |\n", wk / bw * 1e3, s.median / (b->weights_bytes / bw), s.median / (wk / bw));

@@ -130,7 +130,7 @@ def test_sweep_decode(sweep):
         assert r["tokens_per_s"] > 0 and close(r["tokens_per_s"], 4 / sum(r["samples_s"]), 1e-6)
         assert r["interval_tokens_per_s"] > 0
         pt = r["per_token"]
-        for k in ("launches", "copies", "h2d_bytes", "d2h_bytes", "syncs"):
+        for k in ("launches", "copies", "h2d_bytes", "d2h_bytes", "syncs", "wait_ms"):
             assert pt[k] >= 0  # zero on the CPU backend
         rf = r["roofline"]
         assert rf["weights_bytes"] == d["roofline"]["weights_bytes_per_token"] and rf["kv_bytes"] > 0

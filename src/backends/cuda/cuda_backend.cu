@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_fp16.h>
 
@@ -50,9 +51,102 @@ bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file,
     return false;
 }
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 bool cuda_sync(ds4_backend *be) {
-    cuda_impl(be)->counters.syncs++;
-    return CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
+    ds4_backend_counters *c = &cuda_impl(be)->counters;
+    const bool resume = cuda_capture_pause(be);
+    c->syncs++;
+    const uint64_t t0 = now_ns();
+    const bool ok = CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
+    c->wait_ns += now_ns() - t0;
+    if (resume) cuda_capture_resume(be);
+    return ok;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Recorded steps (CUDA graphs)                                              */
+/* ------------------------------------------------------------------------ */
+
+/* $DS4_CUDA_GRAPH=0 submits every op directly (for A/B measurements). */
+static bool graphs_enabled(void) {
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *e = getenv("DS4_CUDA_GRAPH");
+        enabled = !(e && e[0] == '0');
+    }
+    return enabled != 0;
+}
+
+void cuda_capture_resume(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->in_step || cb->capturing || cuda_failed(be)) return;
+    if (CUDA_OK(be, cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeRelaxed))) cb->capturing = true;
+}
+
+/* The recorded graph: successive decode steps differ in kernel arguments
+ * (positions, row counts) and, every few tokens, in shape (a compressor
+ * emits a row). cudaGraphExecUpdate rewrites a cached executable graph of
+ * the same shape in place, much cheaper than instantiating; a new shape is
+ * instantiated into the cache. */
+static void graph_submit(ds4_backend *be, cudaGraph_t g) {
+    cuda_backend *cb = cuda_impl(be);
+    cudaGraphExec_t x = NULL;
+    for (int i = 0; i < cb->n_graph_exec && !x; i++) {
+        const int k = (cb->next_graph_exec + CUDA_GRAPH_CACHE - 1 - i) % CUDA_GRAPH_CACHE; /* newest first */
+        if (!cb->graph_exec[k]) continue;
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(cb->graph_exec[k], g, &info) == cudaSuccess) x = cb->graph_exec[k];
+        else (void)cudaGetLastError();
+    }
+    if (!x) {
+        if (!CUDA_OK(be, cudaGraphInstantiate(&x, g, 0))) return;
+        const int k = cb->next_graph_exec;
+        if (cb->graph_exec[k]) {
+            /* a launch of the graph being replaced may still run */
+            if (!CUDA_OK(be, cudaStreamSynchronize(cb->stream))) {
+                cudaGraphExecDestroy(x);
+                return;
+            }
+            cudaGraphExecDestroy(cb->graph_exec[k]);
+        }
+        cb->graph_exec[k] = x;
+        cb->next_graph_exec = (k + 1) % CUDA_GRAPH_CACHE;
+        if (cb->n_graph_exec < CUDA_GRAPH_CACHE) cb->n_graph_exec++;
+    }
+    (void)CUDA_OK(be, cudaGraphLaunch(x, cb->stream));
+}
+
+bool cuda_capture_pause(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->capturing) return false;
+    cb->capturing = false;
+    cudaGraph_t g = NULL;
+    const cudaError_t e = cudaStreamEndCapture(cb->stream, &g);
+    if (e != cudaSuccess) {
+        (void)cuda_ok(be, e, "cudaStreamEndCapture", __FILE__, __LINE__);
+    } else if (g && !cuda_failed(be)) { /* after a failed op the step is not run: the error is reported */
+        graph_submit(be, g);
+    }
+    if (g) cudaGraphDestroy(g);
+    return true;
+}
+
+static void cuda_step_begin(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->in_step || !graphs_enabled() || cuda_failed(be)) return;
+    cb->in_step = true;
+    cuda_capture_resume(be);
+}
+
+static void cuda_step_end(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    (void)cuda_capture_pause(be);
+    cb->in_step = false;
 }
 
 int cuda_check_tag(ds4_backend *be, const char *name) {
@@ -133,6 +227,7 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     if (cb->scratch_cap[slot] >= bytes) return cb->scratch[slot];
     size_t cap = cb->scratch_cap[slot] ? cb->scratch_cap[slot] : 4096;
     while (cap < bytes) cap = cap > SIZE_MAX / 2 ? bytes : cap * 2;
+    const bool resume = cuda_capture_pause(be); /* no allocation inside a recorded step */
     if (!cuda_sync(be)) return NULL; /* the old buffer may still be in use */
     cudaFree(cb->scratch[slot]);
     cb->scratch[slot] = NULL;
@@ -147,6 +242,7 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     cb->scratch[slot] = p;
     cb->scratch_cap[slot] = cap;
     note_peak(cb);
+    if (resume) cuda_capture_resume(be);
     return p;
 }
 
@@ -180,10 +276,15 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
          * lap). The device piece is only read by kernels enqueued before
          * the next lap's copy into it, so stream order protects it. */
         if (cb->ring_off + need > CUDA_CTRL_RING) {
+            const bool resume = cuda_capture_pause(be);
             if (!CUDA_OK(be, cudaEventRecord(cb->ring_lap, cb->stream))) return NULL;
             cb->counters.syncs++;
-            if (!CUDA_OK(be, cudaEventSynchronize(cb->ring_lap))) return NULL;
+            const uint64_t t0 = now_ns();
+            const bool ok = CUDA_OK(be, cudaEventSynchronize(cb->ring_lap));
+            cb->counters.wait_ns += now_ns() - t0;
+            if (!ok) return NULL;
             cb->ring_off = 0;
+            if (resume) cuda_capture_resume(be);
         }
         const size_t off = cb->ring_off;
         cb->ring_off += need;
@@ -711,6 +812,8 @@ static const ds4_backend_ops CUDA_OPS = {
     .router = cuda_router,
     .swiglu = cuda_swiglu,
     .moe = cuda_moe,
+    .step_begin = cuda_step_begin,
+    .step_end = cuda_step_end,
     .take_error = cuda_take_error,
 };
 
@@ -769,6 +872,10 @@ fail:
 extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
     if (!be) return;
     cuda_backend *cb = cuda_impl(be);
+    if (cb->capturing) {
+        cudaGraph_t g = NULL;
+        if (cudaStreamEndCapture(cb->stream, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+    }
     if (cb->stream) cudaStreamSynchronize(cb->stream);
     for (int i = 0; i < CUDA_SCRATCH_SLOTS; i++) {
         cudaFree(cb->scratch[i]);
@@ -780,6 +887,8 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
         if (cb->wstage_done[i]) cudaEventDestroy(cb->wstage_done[i]);
     }
     cudaFreeHost(cb->host_stage);
+    for (int i = 0; i < CUDA_GRAPH_CACHE; i++)
+        if (cb->graph_exec[i]) cudaGraphExecDestroy(cb->graph_exec[i]);
     cudaFreeHost(cb->ring_host);
     cudaFree(cb->ring_dev);
     if (cb->ring_lap) cudaEventDestroy(cb->ring_lap);

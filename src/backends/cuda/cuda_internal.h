@@ -82,6 +82,8 @@ typedef enum cuda_check_code {
 #define CUDA_CHECK_NAMES 256 /* distinct weight names a backend keeps for these messages */
 #define CUDA_CHECK_NAME_MAX 96
 
+#define CUDA_GRAPH_CACHE 8 /* executable graphs kept (one per step shape: which compressors emit a row) */
+
 typedef struct cuda_backend {
     int device;
     cudaStream_t stream;
@@ -97,6 +99,12 @@ typedef struct cuda_backend {
     uint8_t *ring_dev;    /* its device twin */
     size_t ring_off;      /* next free byte of the current lap */
     cudaEvent_t ring_lap; /* recorded when a lap ends */
+    /* step recording (step_begin / step_end): the stream is captured into a
+     * graph, which updates one of the cached executable graphs in place (or
+     * is instantiated into the cache) and is launched */
+    bool in_step, capturing;
+    cudaGraphExec_t graph_exec[CUDA_GRAPH_CACHE];
+    int n_graph_exec, next_graph_exec;
     cudaStream_t upload;                       /* weight uploads */
     void *wstage[2];                           /* pinned weight staging buffers */
     cudaEvent_t wstage_done[2];
@@ -143,8 +151,15 @@ void *cuda_host_stage(ds4_backend *be, size_t bytes);
  * pinned staging, so the host array may be reused when this returns). NULL
  * with the error recorded on failure. */
 void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host, size_t bytes);
-/* Wait for the stream; records and returns false on a device fault. */
+/* Wait for the stream; records and returns false on a device fault. Inside
+ * a recorded step, what was recorded so far is submitted first and the
+ * recording goes on after the wait. */
 bool cuda_sync(ds4_backend *be);
+/* Inside a recorded step: submit what was recorded so far and stop
+ * recording (returns true when it was recording); cuda_capture_resume goes
+ * on recording. Host-side waits and allocations sit between the two. */
+bool cuda_capture_pause(ds4_backend *be);
+void cuda_capture_resume(ds4_backend *be);
 /* A small number standing for `name` (a weight's name) in the device error
  * record, so take_error can name it; the same name gives the same tag. -1
  * when the table is full (the message then says the name was not kept). */

@@ -642,6 +642,10 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens,
     if (!pos) return DS4_ERR_NOMEM;
     for (int64_t t = 0; t < n; t++) pos[t] = (int32_t)(st->pos + t);
 
+    /* a decoded token is one recorded step (without an inspection hook,
+     * which reads buffers between ops) */
+    const bool step = n == 1 && !m->tap && be->ops->step_begin && be->ops->step_end;
+    if (step) be->ops->step_begin(be);
     /* embedding, copied into every HC stream */
     be->ops->embed(be, &m->token_embd, tokens, (int)n, s->x);
     TAP("embed", -1, -1, s->x, n * H);
@@ -657,6 +661,7 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens,
     /* head: only the rows whose logits are wanted */
     int64_t first = all_logits ? 0 : n - 1, rows = n - first;
     if (logits && m->layer_limit) {
+        if (step) be->ops->step_end(be);
         memset(logits, 0, (size_t)(rows * V) * sizeof *logits); /* layers only: no head */
     } else if (logits) {
         be->ops->hc_head(be, &m->hc, s->X + first * c->n_hc * H, &m->out_hc_fn, &m->out_hc_scale, &m->out_hc_base,
@@ -666,7 +671,10 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens,
         TAP("out_norm", -1, -1, s->h, rows * H);
         be->ops->matmul(be, &m->output, 0, V, s->h, H, s->logits, V, rows, num);
         TAP("logits", -1, -1, s->logits, rows * V);
+        if (step) be->ops->step_end(be);
         be->ops->download(be, logits, s->logits, rows * V);
+    } else if (step) {
+        be->ops->step_end(be);
     }
     st->pos += n;
     free(pos);
