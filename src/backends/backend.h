@@ -122,6 +122,21 @@ typedef struct ds4_backend_ops {
      * weight type with a dequantiser; numerics as described at the top. */
     void (*matmul)(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
                    int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
+    /* Grouped product over the first n_groups * n_out rows of W (rows of
+     * n_in = W->ne[0] elements); for g < n_groups, o < n_out, r < n_rows:
+     *   out[r][g*n_out + o] = sum_i W[g*n_out + o][i] * x[r][g*n_in + i],
+     * i.e. group g multiplies its own slice of each x row by its own block
+     * of W rows (the attention output's low-rank projection, one call for
+     * all groups). x rows are x_stride floats apart (>= n_groups * n_in), out
+     * rows out_stride apart (>= n_groups * n_out). Same numerics as matmul,
+     * applied per group: under DS4 each group's slice of x is quantised on
+     * its own, exactly as n_groups separate matmul calls with row0 = g*n_out
+     * and x + g*n_in would do (on the CPU the results are bit-identical to
+     * those calls). Requires n_groups >= 1, n_out >= 0, n_rows >= 0 and
+     * n_groups * n_out <= the rows of W; the strides matter only when
+     * n_rows > 1 (as for matmul). n_out 0 or n_rows 0 does nothing. */
+    void (*matmul_grouped)(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
+                           int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 
     /* ---- rotary ------------------------------------------------------ */
     /* Rotate the last rope->n_rot dims of each of n_heads heads of width
@@ -180,28 +195,39 @@ typedef struct ds4_backend_ops {
     void (*top_k)(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
 
     /* ---- feed-forward (spec 3.7) -------------------------------------- */
-    /* Router for one token: prob_e = sqrt(softplus(logits[e])); selection =
-     * hash_ids (n_used ids, host) when non-NULL, else the top n_used of
-     * prob + bias (bias may be NULL; lowest index wins ties); weights =
-     * prob_sel / max(sum prob_sel, 6.103515625e-5) * scale (normalised when
-     * `normalise`, else prob_sel * scale). sel_out (n_used int32) and
-     * weight_out (n_used floats) are in backend memory. */
+    /* Router for n_rows tokens, each on its own. Row r: prob_e =
+     * sqrt(softplus(logits[r][e])); selection = hash_ids[r] (n_used ids)
+     * when hash_ids is non-NULL, else the top n_used of prob + bias (bias
+     * may be NULL; lowest index wins ties); weights = prob_sel /
+     * max(sum prob_sel, 6.103515625e-5) * scale (normalised when
+     * `normalise`, else prob_sel * scale). logits is [n_rows, n_expert]
+     * (rows n_expert apart, backend memory); hash_ids [n_rows, n_used] is in
+     * host memory; sel_out (int32) and weight_out, both [n_rows, n_used], are
+     * in backend memory. Row r is exactly the single-token router (n_rows 1)
+     * applied to row r; n_rows 0 does nothing, a negative count is an
+     * error, and so is a hash id outside [0, n_expert) in any row. */
     void (*router)(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
                    const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
-                   float *weight_out);
+                   float *weight_out, int64_t n_rows);
     /* out = silu(min(g, limit)) * clamp(u, -limit, limit) * scale (limit <= 0: no clamp). */
     void (*swiglu)(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out,
                    int64_t n);
-    /* Routed experts for one token: out = sum_k down_e(swiglu(gate_e x, up_e x) * w_k),
-     * e = sel[k], w_k = weights[k] (sel: n_used int32, weights: n_used
-     * floats, both in backend memory, e.g. the router's outputs); gate/up
-     * [dim, n_ff, n_expert], down [n_ff, dim, n_expert]. Under ds4 numerics
-     * x and each mid are Q8_K-quantised (K-quant/IQ2 weights). An id outside
-     * [0, n_expert) is an error (a device backend finds it while the op
-     * runs, leaves that expert out and reports it at the next take_error). */
+    /* Routed experts for n_rows tokens, each with its own routing. Row r:
+     * out[r] = sum_k down_e(swiglu(gate_e x[r], up_e x[r]) * w_k), summed in
+     * the order k = 0, 1, ..., with e = sel[r][k], w_k = weights[r][k]. x and
+     * out are [n_rows, dim] (rows dim apart); sel (int32) and weights are
+     * [n_rows, n_used], all in backend memory (e.g. the router's outputs);
+     * gate/up [dim, n_ff, n_expert], down [n_ff, dim, n_expert]. Under ds4
+     * numerics each x row and each mid are quantised on their own (Q8_K for
+     * K-quant/IQ2 weights, Q8_0 for Q8_0), so row r is exactly the
+     * single-token op (n_rows 1) on x row r with sel / weights row r;
+     * n_rows 0 does nothing, a negative count is an error. An id outside
+     * [0, n_expert) in any row is an error (a device backend finds it while
+     * the op runs, leaves that expert out and reports it at the next
+     * take_error). */
     void (*moe)(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                 const float *x, const int32_t *sel, const float *weights, int n_used, float limit, float *out,
-                ds4_numerics num);
+                int64_t n_rows, ds4_numerics num);
 
     /* ---- recording (optional: NULL when the backend has none) -------- */
     /* The ops called between step_begin and step_end form one step (a

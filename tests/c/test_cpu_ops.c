@@ -315,6 +315,21 @@ static void test_backend_create(void) {
     ds4_backend_destroy(NULL);
 }
 
+/* Every op the model needs is in the CPU table; the optional step
+ * recording ops are not (the CPU runs each op as it is called, so there is
+ * nothing to record). */
+static void test_op_table(void) {
+    ds4_backend *be = new_backend(1);
+    const ds4_backend_ops *o = be->ops;
+    CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->bind_weight &&
+          o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->round_f16 &&
+          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->rope_tail && o->hc_pre &&
+          o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
+          o->router && o->swiglu && o->moe && o->take_error);
+    CHECK(!o->step_begin && !o->step_end);
+    ds4_backend_destroy(be);
+}
+
 static void test_memory_ops(void) {
     ds4_backend *be = new_backend(2);
     const int64_t n = 1000;
@@ -679,6 +694,113 @@ static void test_matmul_f16_all_values(void) {
     CHECK(isinf(y[0]) && y[0] > 0 && isnan(y[1]));
     expect_no_error(be);
     free(h);
+    free(x);
+    free(out);
+    ds4_backend_destroy(be);
+}
+
+/* matmul_grouped equals n_groups matmul calls (W rows g*n_out.., x columns
+ * g*n_in..) bit for bit, for every type and both numerics, with strides wider
+ * than the data (the gaps untouched) and with more rows than one x tile (16);
+ * W may have rows past the groups. Any thread count gives the same bits. */
+static void test_matmul_grouped(void) {
+    const int64_t n_in = 256, n_groups = 3, n_out = 7, total_rows = n_groups * n_out + 2;
+    const int64_t ROWS[] = { 1, 3, 20 };
+    const int64_t x_stride = n_groups * n_in + 9, out_stride = n_groups * n_out + 3, max_rows = 20;
+    ds4_backend *be1 = new_backend(1), *be2 = new_backend(2);
+    float *src = fvec(n_in * total_rows), *x = fvec(max_rows * x_stride);
+    float *out = fvec(max_rows * out_stride), *out2 = fvec(max_rows * out_stride), *want = fvec(max_rows * out_stride);
+    fill_normal(src, n_in * total_rows, 0.05);
+    fill_normal(x, max_rows * x_stride, 1.0);
+    for (size_t c = 0; c < sizeof MATMUL_CASES / sizeof MATMUL_CASES[0]; c++) {
+        test_weight tw;
+        weight_make(&tw, ds4_type_name(MATMUL_CASES[c].type), MATMUL_CASES[c].type, n_in, total_rows, src);
+        for (int num = 0; num < 2; num++) {
+            const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+            for (size_t ri = 0; ri < sizeof ROWS / sizeof ROWS[0]; ri++) {
+                const int64_t n_rows = ROWS[ri], n = n_rows * out_stride;
+                for (int64_t i = 0; i < n; i++) out[i] = out2[i] = want[i] = -7.0f;
+                be1->ops->matmul_grouped(be1, &tw.w, n_groups, n_out, x, x_stride, out, out_stride, n_rows, nm);
+                be2->ops->matmul_grouped(be2, &tw.w, n_groups, n_out, x, x_stride, out2, out_stride, n_rows, nm);
+                for (int64_t g = 0; g < n_groups; g++)
+                    be1->ops->matmul(be1, &tw.w, g * n_out, n_out, x + g * n_in, x_stride, want + g * n_out,
+                                     out_stride, n_rows, nm);
+                expect_no_error(be1);
+                expect_no_error(be2);
+                CHECK_MSG(memcmp(out, want, (size_t)n * sizeof *out) == 0, "%s %s, %lld rows", tw.w.name,
+                          num ? "reference" : "ds4", (long long)n_rows);
+                CHECK_MSG(memcmp(out2, want, (size_t)n * sizeof *out) == 0, "%s %s, %lld rows (2 threads)",
+                          tw.w.name, num ? "reference" : "ds4", (long long)n_rows);
+                for (int64_t r = 0; r < n_rows; r++)
+                    for (int64_t o = n_groups * n_out; o < out_stride; o++) CHECK(out[r * out_stride + o] == -7.0f);
+            }
+        }
+        weight_free(&tw);
+    }
+    free(src);
+    free(x);
+    free(out);
+    free(out2);
+    free(want);
+    ds4_backend_destroy(be1);
+    ds4_backend_destroy(be2);
+}
+
+/* Bad arguments record an error naming the op and the weight, and write
+ * nothing; empty products (n_out 0, n_rows 0) do nothing. */
+static void test_matmul_grouped_errors(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t n_in = 64, rows = 12;
+    float *src = fvec(n_in * rows), *x = fvec(4 * 4 * n_in), *out = fvec(4 * 16);
+    fill_normal(src, n_in * rows, 0.05);
+    fill_normal(x, 4 * 4 * n_in, 1.0);
+    test_weight tw;
+    weight_make(&tw, "blk.0.attn_output_a.weight", DS4_TYPE_Q8_0, n_in, rows, src);
+    const ds4_numerics nm = DS4_NUMERICS_DS4;
+    const struct {
+        int64_t n_groups, n_out, x_stride, out_stride, n_rows;
+    } bad[] = {
+        { 0, 4, 4 * 64, 12, 1 },         /* no groups */
+        { -1, 4, 4 * 64, 12, 1 },        /* negative groups */
+        { 3, -1, 4 * 64, 12, 1 },        /* negative n_out */
+        { 3, 5, 4 * 64, 15, 1 },         /* 15 rows of a 12-row weight */
+        { 13, 1, 13 * 64, 13, 1 },       /* 13 groups of 1 row */
+        { 3, 4, 3 * 64 - 1, 12, 2 },     /* x rows overlap */
+        { 3, 4, 3 * 64, 11, 2 },         /* out rows overlap */
+        { 3, 4, 3 * 64, 12, -1 },        /* negative rows */
+        { INT64_MAX, 1, 64, 1, 1 },      /* counts that would overflow */
+        { 2, INT64_MAX / 2 + 1, 128, 1, 1 },
+    };
+    char msg[DS4_ERROR_MSG_MAX];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        for (int64_t j = 0; j < 4 * 16; j++) out[j] = -7.0f;
+        be->ops->matmul_grouped(be, &tw.w, bad[i].n_groups, bad[i].n_out, x, bad[i].x_stride, out, bad[i].out_stride,
+                                bad[i].n_rows, nm);
+        CHECK_MSG(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID, "case %zu", i);
+        CHECK_MSG(strstr(msg, "matmul_grouped") && strstr(msg, "blk.0.attn_output_a.weight"), "case %zu: %s", i, msg);
+        int written = 0;
+        for (int64_t j = 0; j < 4 * 16; j++) written += out[j] != -7.0f;
+        CHECK_EQ_INT(written, 0);
+    }
+    /* a type without a dequantiser; an unbound weight */
+    ds4_weight q40 = { "blk.1.q40.weight", DS4_TYPE_Q4_0, { 64, 4, 1, 1 }, 36, tw.data, NULL };
+    be->ops->matmul_grouped(be, &q40, 2, 2, x, 128, out, 4, 1, nm);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_UNSUPPORTED && strstr(msg, "blk.1.q40.weight"));
+    ds4_weight unbound = tw.w;
+    unbound.host = NULL;
+    be->ops->matmul_grouped(be, &unbound, 2, 2, x, 128, out, 4, 1, nm);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "blk.0.attn_output_a.weight"));
+    /* empty products; one row ignores the strides (as matmul does) */
+    for (int64_t j = 0; j < 4 * 16; j++) out[j] = -7.0f;
+    be->ops->matmul_grouped(be, &tw.w, 3, 0, x, 3 * 64, out, 0, 4, nm);
+    be->ops->matmul_grouped(be, &tw.w, 3, 4, x, 3 * 64, out, 12, 0, nm);
+    expect_no_error(be);
+    CHECK(out[0] == -7.0f);
+    be->ops->matmul_grouped(be, &tw.w, 3, 4, x, 0, out, 0, 1, nm);
+    expect_no_error(be);
+    CHECK(out[0] != -7.0f && out[11] != -7.0f && out[12] == -7.0f);
+    weight_free(&tw);
+    free(src);
     free(x);
     free(out);
     ds4_backend_destroy(be);
@@ -1215,7 +1337,7 @@ static void test_router(void) {
         const bool use_bias = mode == 0 || mode == 3, normalise = mode != 2, hashed = mode == 3;
         const int32_t hash[6] = { 5, 63, 0, 5, 12, 40 };
         be->ops->router(be, logits, n_exp, use_bias ? &bias.w : NULL, hashed ? hash : NULL, n_used, normalise, 1.5f,
-                        sel, wts);
+                        sel, wts, 1);
         int32_t want_sel[6];
         if (hashed) {
             memcpy(want_sel, hash, sizeof want_sel);
@@ -1237,16 +1359,71 @@ static void test_router(void) {
     /* Tiny probabilities: the sum is floored at 6.103515625e-5. */
     float low[64];
     for (int e = 0; e < n_exp; e++) low[e] = -30.0f - (float)e * 0.01f;
-    be->ops->router(be, low, n_exp, NULL, NULL, n_used, true, 1.0f, sel, wts);
+    be->ops->router(be, low, n_exp, NULL, NULL, n_used, true, 1.0f, sel, wts, 1);
     for (int k = 0; k < n_used; k++) {
         CHECK(sel[k] == k);
         CHECK_NEAR(wts[k], sqrt(exp(low[k])) / 6.103515625e-5, 8 * EPS32 * wts[k]);
     }
     const int32_t bad_hash[6] = { 0, 1, 2, 3, 4, 64 };
-    be->ops->router(be, logits, n_exp, NULL, bad_hash, n_used, true, 1.5f, sel, wts);
+    be->ops->router(be, logits, n_exp, NULL, bad_hash, n_used, true, 1.5f, sel, wts, 1);
     CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
     expect_no_error(be);
     weight_free(&bias);
+    ds4_backend_destroy(be);
+}
+
+/* Several rows in one call: row r is exactly the single-row router on row
+ * r (bit for bit), with and without bias, hashed and top-k; zero rows do
+ * nothing; a bad hash id in a later row and a negative row count are errors. */
+static void test_router_rows(void) {
+    ds4_backend *be = new_backend(2);
+    const int64_t n_exp = 40, n_rows = 5;
+    const int n_used = 4;
+    float *logits = fvec(n_rows * n_exp), *bias_v = fvec(n_exp), *w_all = fvec(n_rows * n_used), *w_one = fvec(n_used);
+    int32_t sel_all[5 * 4], sel_one[4], hash[5 * 4];
+    fill_normal(logits, n_rows * n_exp, 2.0);
+    fill_normal(bias_v, n_exp, 0.2);
+    logits[2 * n_exp + 7] = logits[2 * n_exp + 8] = 30.0f; /* a tie in row 2 (bias too): 7 first */
+    bias_v[7] = bias_v[8] = 0.125f;
+    for (int64_t i = 0; i < n_rows * n_used; i++) hash[i] = (int32_t)(test_rand_u64() % (uint64_t)n_exp);
+    test_weight bias;
+    weight_make(&bias, "exp_probs_b", DS4_TYPE_F16, n_exp, 1, bias_v);
+    for (int mode = 0; mode < 4; mode++) {
+        const bool use_bias = mode & 1, hashed = mode & 2;
+        const ds4_weight *b = use_bias ? &bias.w : NULL;
+        for (int64_t i = 0; i < n_rows * n_used; i++) sel_all[i] = -7, w_all[i] = NAN;
+        be->ops->router(be, logits, n_exp, b, hashed ? hash : NULL, n_used, mode != 1, 1.5f, sel_all, w_all, n_rows);
+        expect_no_error(be);
+        for (int64_t r = 0; r < n_rows; r++) {
+            be->ops->router(be, logits + r * n_exp, n_exp, b, hashed ? hash + r * n_used : NULL, n_used, mode != 1,
+                            1.5f, sel_one, w_one, 1);
+            expect_no_error(be);
+            CHECK_MSG(memcmp(sel_all + r * n_used, sel_one, sizeof sel_one) == 0, "mode %d row %lld", mode,
+                      (long long)r);
+            CHECK_MSG(memcmp(w_all + r * n_used, w_one, (size_t)n_used * sizeof *w_one) == 0, "mode %d row %lld",
+                      mode, (long long)r);
+            if (hashed) CHECK(memcmp(sel_one, hash + r * n_used, sizeof sel_one) == 0);
+        }
+        if (!hashed) CHECK(sel_all[2 * n_used] == 7 && sel_all[2 * n_used + 1] == 8);
+    }
+    /* zero rows: nothing written, no error */
+    sel_all[0] = -7;
+    be->ops->router(be, logits, n_exp, NULL, NULL, n_used, true, 1.5f, sel_all, w_all, 0);
+    expect_no_error(be);
+    CHECK(sel_all[0] == -7);
+    char msg[DS4_ERROR_MSG_MAX];
+    hash[3 * n_used + 1] = (int32_t)n_exp;
+    be->ops->router(be, logits, n_exp, NULL, hash, n_used, true, 1.5f, sel_all, w_all, n_rows);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "router") && strstr(msg, "expert 40 ") && strstr(msg, "[0, 40)"), "%s", msg);
+    be->ops->router(be, logits, n_exp, NULL, NULL, n_used, true, 1.5f, sel_all, w_all, -1);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "router"), "%s", msg);
+    weight_free(&bias);
+    free(logits);
+    free(bias_v);
+    free(w_all);
+    free(w_one);
     ds4_backend_destroy(be);
 }
 
@@ -1310,8 +1487,8 @@ static void test_moe(void) {
         down.w.ne[1] = dim, down.w.ne[2] = n_expert;
         for (int num = 0; num < 2; num++) {
             const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
-            be1->ops->moe(be1, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out, nm);
-            be2->ops->moe(be2, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out2, nm);
+            be1->ops->moe(be1, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out, 1, nm);
+            be2->ops->moe(be2, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out2, 1, nm);
             expect_no_error(be1);
             expect_no_error(be2);
             CHECK(memcmp(out, out2, (size_t)dim * sizeof *out) == 0);
@@ -1374,7 +1551,7 @@ static void test_moe(void) {
     for (int i = 0; i < 2; i++) {
         char msg[DS4_ERROR_MSG_MAX];
         be1->ops->upload(be1, (float *)dev_sel, (const float *)bad[i], n_used);
-        be1->ops->moe(be1, &fake, &fake, &fake_down, x, dev_sel, dev_w, n_used, limit, out, DS4_NUMERICS_DS4);
+        be1->ops->moe(be1, &fake, &fake, &fake_down, x, dev_sel, dev_w, n_used, limit, out, 1, DS4_NUMERICS_DS4);
         CHECK(take_error(be1, msg, sizeof msg) == DS4_ERR_INVALID);
         CHECK_MSG(strstr(msg, "moe") && strstr(msg, i ? "expert -1 " : "expert 5 ") && strstr(msg, "[0, 5)") &&
                   strstr(msg, " w"), "%s", msg);
@@ -1396,6 +1573,97 @@ static void test_moe(void) {
     free(mid_d);
     ds4_backend_destroy(be1);
     ds4_backend_destroy(be2);
+}
+
+/* Several token rows in one call: row r equals the single-row op on x row r
+ * with sel / weights row r, bit for bit (each row's x and mids quantised on
+ * their own, k summed in order), for any thread count; rows beyond one
+ * internal block (32) too. Every row routes to different experts, some
+ * repeated within a row. A bad id in a later row is reported with the
+ * single-row message; n_used 0 zeroes every row; zero rows do nothing. */
+static void test_moe_rows(void) {
+    const int64_t dim = 256, n_ff = 256, n_expert = 6;
+    const int n_used = 3;
+    const float limit = 7.0f;
+    const moe_case cases[] = { { DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K }, { DS4_TYPE_Q8_0, DS4_TYPE_Q4_K },
+                               { DS4_TYPE_F16, DS4_TYPE_F32 } };
+    const int64_t ROWS[] = { 1, 3, 37 };
+    const int64_t max_rows = 37;
+    ds4_backend *be1 = new_backend(1), *be3 = new_backend(3);
+    float *gsrc = fvec(dim * n_ff * n_expert), *usrc = fvec(dim * n_ff * n_expert), *dsrc = fvec(n_ff * dim * n_expert);
+    float *x = fvec(max_rows * dim), *out = fvec(max_rows * dim), *out3 = fvec(max_rows * dim), *one = fvec(dim);
+    float *wts = fvec(max_rows * n_used);
+    int32_t *sel = malloc((size_t)(max_rows * n_used) * sizeof *sel);
+    fill_normal(gsrc, dim * n_ff * n_expert, 0.2);
+    fill_normal(usrc, dim * n_ff * n_expert, 0.2);
+    fill_normal(dsrc, n_ff * dim * n_expert, 0.05);
+    fill_normal(x, max_rows * dim, 1.0);
+    for (int64_t i = 0; i < max_rows * n_used; i++) {
+        sel[i] = (int32_t)((i * 5 + i / n_used) % n_expert); /* differs from row to row */
+        wts[i] = (float)(0.1 + test_rand_uniform());
+    }
+    sel[1] = sel[0]; /* a repeated expert in row 0 */
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        test_weight gate, up, down;
+        weight_make(&gate, "ffn_gate_exps", cases[c].gate_type, dim, n_ff * n_expert, gsrc);
+        weight_make(&up, "ffn_up_exps", cases[c].gate_type, dim, n_ff * n_expert, usrc);
+        weight_make(&down, "ffn_down_exps", cases[c].down_type, n_ff, dim * n_expert, dsrc);
+        gate.w.ne[1] = up.w.ne[1] = n_ff, gate.w.ne[2] = up.w.ne[2] = n_expert;
+        down.w.ne[1] = dim, down.w.ne[2] = n_expert;
+        for (int num = 0; num < 2; num++) {
+            const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+            for (size_t ri = 0; ri < sizeof ROWS / sizeof ROWS[0]; ri++) {
+                const int64_t n_rows = ROWS[ri];
+                be1->ops->moe(be1, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out, n_rows, nm);
+                be3->ops->moe(be3, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out3, n_rows, nm);
+                expect_no_error(be1);
+                expect_no_error(be3);
+                CHECK(memcmp(out, out3, (size_t)(n_rows * dim) * sizeof *out) == 0);
+                for (int64_t r = 0; r < n_rows; r++) {
+                    be1->ops->moe(be1, &gate.w, &up.w, &down.w, x + r * dim, sel + r * n_used, wts + r * n_used,
+                                  n_used, limit, one, 1, nm);
+                    CHECK_MSG(memcmp(out + r * dim, one, (size_t)dim * sizeof *one) == 0, "case %zu %s, %lld rows: "
+                              "row %lld", c, num ? "reference" : "ds4", (long long)n_rows, (long long)r);
+                }
+                expect_no_error(be1);
+            }
+        }
+        weight_free(&gate);
+        weight_free(&up);
+        weight_free(&down);
+    }
+    ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL };
+    ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL };
+    /* n_used 0: every row zero */
+    for (int64_t i = 0; i < 3 * dim; i++) out[i] = NAN;
+    be1->ops->moe(be1, &fake, &fake, &fake_down, x, sel, wts, 0, limit, out, 3, DS4_NUMERICS_DS4);
+    expect_no_error(be1);
+    for (int64_t i = 0; i < 3 * dim; i++) CHECK(out[i] == 0.0f);
+    /* zero rows: nothing written */
+    out[0] = -7.0f;
+    be1->ops->moe(be1, &fake, &fake, &fake_down, x, sel, wts, n_used, limit, out, 0, DS4_NUMERICS_DS4);
+    expect_no_error(be1);
+    CHECK(out[0] == -7.0f);
+    /* a bad id in row 2 of 3 (backend memory, as the router leaves it) */
+    char msg[DS4_ERROR_MSG_MAX];
+    sel[2 * n_used + 1] = (int32_t)n_expert;
+    be1->ops->moe(be1, &fake, &fake, &fake_down, x, sel, wts, n_used, limit, out, 3, DS4_NUMERICS_DS4);
+    CHECK(take_error(be1, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "moe: selected expert 6 is outside [0, 6) of w"), "%s", msg);
+    be1->ops->moe(be1, &fake, &fake, &fake_down, x, sel, wts, n_used, limit, out, -1, DS4_NUMERICS_DS4);
+    CHECK(take_error(be1, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "moe"), "%s", msg);
+    free(gsrc);
+    free(usrc);
+    free(dsrc);
+    free(x);
+    free(out);
+    free(out3);
+    free(one);
+    free(wts);
+    free(sel);
+    ds4_backend_destroy(be1);
+    ds4_backend_destroy(be3);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1467,6 +1735,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_hadamard),
     TEST_ENTRY(test_indexer_qat_row),
     TEST_ENTRY(test_backend_create),
+    TEST_ENTRY(test_op_table),
     TEST_ENTRY(test_memory_ops),
     TEST_ENTRY(test_bind_weight),
     TEST_ENTRY(test_embed),
@@ -1476,6 +1745,8 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_types),
     TEST_ENTRY(test_matmul_q8_0_ties),
     TEST_ENTRY(test_matmul_f16_all_values),
+    TEST_ENTRY(test_matmul_grouped),
+    TEST_ENTRY(test_matmul_grouped_errors),
     TEST_ENTRY(test_rope),
     TEST_ENTRY(test_hc_pre),
     TEST_ENTRY(test_hc_post),
@@ -1485,8 +1756,10 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_top_k),
     TEST_ENTRY(test_router),
+    TEST_ENTRY(test_router_rows),
     TEST_ENTRY(test_swiglu),
     TEST_ENTRY(test_moe),
+    TEST_ENTRY(test_moe_rows),
     TEST_ENTRY(test_bench_matmul),
     { 0 },
 };

@@ -294,6 +294,12 @@ static void test_load_refuses_incomplete_backend(void) {
     CHECK(ds4_model_load((gguf_file *)ds4_engine_gguf(engine), &lacking, &m, &err) == DS4_ERR_UNSUPPORTED);
     CHECK(m == NULL);
     CHECK_MSG(strstr(err.message, "moe") != NULL, "%s", err.message);
+    /* the grouped product (attention output) is required too */
+    partial = *cpu->ops;
+    partial.matmul_grouped = NULL;
+    CHECK(ds4_model_load((gguf_file *)ds4_engine_gguf(engine), &lacking, &m, &err) == DS4_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    CHECK_MSG(strstr(err.message, "matmul_grouped") != NULL, "%s", err.message);
     ds4_backend_destroy(cpu);
 }
 

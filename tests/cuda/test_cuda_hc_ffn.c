@@ -27,7 +27,8 @@
  *    exact ties are deliberate). Weights: prob = sqrt(softplus) differs by a
  *    few ulp (CUDA expf / log1pf vs the C library, ~3 ulp after the sqrt), the
  *    normalisation adds the sum's and the division's: ~7 ulp = 4e-7 relative;
- *    rtol 2e-6.
+ *    rtol 2e-6. Every case runs as one token and as 5 tokens in one call
+ *    (each row drawn well posed on its own).
  *  - swiglu: one expf (<= 2 ulp apart) and four correctly rounded operations:
  *    rtol 2e-6; atol 1e-30 for results in the subnormal range, where the
  *    2-ulp difference of expf is a large relative one.
@@ -339,68 +340,90 @@ static void router_inputs(const router_case *rc, float *logits, float *bias) {
     }
 }
 
-static void check_router(op_pair *p, const router_case *rc, int trials) {
-    const int64_t E = rc->n_expert;
+/* `trials` draws of n_rows token rows in one call: logits [n_rows, E] (each
+ * row well posed on its own), one bias, hash ids [n_rows, K]. */
+static void check_router(op_pair *p, const router_case *rc, int trials, int64_t n_rows) {
+    const int64_t E = rc->n_expert, R = n_rows;
     const int K = rc->n_used;
-    float *hl = malloc((size_t)E * sizeof *hl), *hb = rc->bias_type >= 0 ? malloc((size_t)E * sizeof *hb) : NULL;
-    int32_t *hash = malloc((size_t)(K > 0 ? K : 1) * sizeof *hash);
-    int32_t *sel_c = malloc((size_t)(K > 0 ? K : 1) * sizeof *sel_c), *sel_g = malloc((size_t)(K > 0 ? K : 1) * sizeof *sel_g);
-    float *w_c = malloc((size_t)(K > 0 ? K : 1) * sizeof *w_c), *w_g = malloc((size_t)(K > 0 ? K : 1) * sizeof *w_g);
+    const int64_t RK = R * K > 0 ? R * K : 1;
+    float *hl = malloc((size_t)(R * E) * sizeof *hl), *hb = rc->bias_type >= 0 ? malloc((size_t)E * sizeof *hb) : NULL;
+    float *spare = malloc((size_t)E * sizeof *spare); /* router_inputs' other output, unused */
+    int32_t *hash = malloc((size_t)RK * sizeof *hash);
+    int32_t *sel_c = malloc((size_t)RK * sizeof *sel_c), *sel_g = malloc((size_t)RK * sizeof *sel_g);
+    float *w_c = malloc((size_t)RK * sizeof *w_c), *w_g = malloc((size_t)RK * sizeof *w_g);
     for (int t = 0; t < trials; t++) {
-        int attempts = 0;
-        do {
-            router_inputs(rc, hl, hb);
-            if (hb) round_to_type((uint32_t)rc->bias_type, hb, E); /* the values the bias weight will hold */
-        } while (!rc->hash && !router_well_posed(hl, hb, E, K) && ++attempts < 100);
-        CHECK_MSG(attempts < 100, "%s: could not draw well-posed router inputs", rc->name);
+        /* the bias first (shared by the rows), then each row's logits */
+        if (hb) {
+            router_inputs(rc, spare, hb);
+            round_to_type((uint32_t)rc->bias_type, hb, E); /* the values the bias weight will hold */
+        }
+        for (int64_t r = 0; r < R; r++) {
+            int attempts = 0;
+            do {
+                router_inputs(rc, hl + r * E, hb ? spare : NULL);
+            } while (!rc->hash && !router_well_posed(hl + r * E, hb, E, K) && ++attempts < 100);
+            CHECK_MSG(attempts < 100, "%s: could not draw well-posed router inputs", rc->name);
+        }
         op_weight *bias = hb ? op_weight_floats(p, "exp_probs_b", (uint32_t)rc->bias_type, E, 1, 1, hb) : NULL;
-        for (int k = 0; k < K; k++) hash[k] = (int32_t)(test_rand_u64() % (uint64_t)E);
-        op_buf logits = op_buf_from(p, hl, E);
-        for (int k = 0; k < K; k++) sel_c[k] = sel_g[k] = -7, w_c[k] = w_g[k] = NAN;
+        for (int64_t k = 0; k < R * K; k++) hash[k] = (int32_t)(test_rand_u64() % (uint64_t)E);
+        op_buf logits = op_buf_from(p, hl, R * E > 0 ? R * E : 1);
+        for (int64_t k = 0; k < R * K; k++) sel_c[k] = sel_g[k] = -7, w_c[k] = w_g[k] = NAN;
         /* the results stay in backend memory (poisoned first) */
-        op_buf sel = op_ints_from(p, sel_c, K), wts = op_buf_poisoned(p, K > 0 ? K : 1);
+        op_buf sel = op_ints_from(p, sel_c, R * K), wts = op_buf_poisoned(p, RK);
 
         p->cpu->ops->router(p->cpu, logits.c, E, bias ? &bias->c : NULL, rc->hash ? hash : NULL, K, rc->normalise,
-                            rc->scale, (int32_t *)sel.c, wts.c);
+                            rc->scale, (int32_t *)sel.c, wts.c, R);
         p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, rc->hash ? hash : NULL, K, rc->normalise,
-                            rc->scale, (int32_t *)sel.g, wts.g);
+                            rc->scale, (int32_t *)sel.g, wts.g, R);
         op_expect_ok(p);
         if (!rc->hash) { /* again: the choices stay on the GPU, nothing waits (hash ids are a host upload) */
             const ds4_backend_counters c0 = op_gpu_counters(p);
             p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, NULL, K, rc->normalise, rc->scale,
-                                (int32_t *)sel.g, wts.g);
+                                (int32_t *)sel.g, wts.g, R);
             op_expect_no_host_traffic(p, rc->name, &c0);
             op_expect_ok(p);
         }
-        op_ints_get(p, sel, K, sel_c, sel_g);
-        if (K > 0) {
-            p->cpu->ops->download(p->cpu, w_c, wts.c, K);
-            p->gpu->ops->download(p->gpu, w_g, wts.g, K);
+        op_ints_get(p, sel, R * K, sel_c, sel_g);
+        if (R * K > 0) {
+            p->cpu->ops->download(p->cpu, w_c, wts.c, R * K);
+            p->gpu->ops->download(p->gpu, w_g, wts.g, R * K);
         }
         op_buf_free(p, &sel);
         op_buf_free(p, &wts);
-        int bad_sel = 0, bad_w = 0, worst = -1;
-        for (int k = 0; k < K; k++) {
+        int64_t bad_sel = 0, bad_w = 0, worst = -1, first_bad = -1;
+        for (int64_t k = 0; k < R * K; k++) {
+            if (sel_c[k] != sel_g[k] && first_bad < 0) first_bad = k;
             bad_sel += sel_c[k] != sel_g[k];
             const bool ok = fabs((double)w_g[k] - (double)w_c[k]) <= 2e-6 * fabs((double)w_c[k]); /* NaN fails */
             if (!ok) bad_w++, worst = k;
         }
-        CHECK_MSG(bad_sel == 0, "%s (trial %d): %d of %d selected experts differ (first cpu %d cuda %d)", rc->name,
-                  t, bad_sel, K, K ? sel_c[0] : -1, K ? sel_g[0] : -1);
+        CHECK_MSG(bad_sel == 0, "%s, %lld rows (trial %d): %lld of %lld selected experts differ (first [%lld] cpu %d "
+                  "cuda %d)", rc->name, (long long)R, t, (long long)bad_sel, (long long)(R * K), (long long)first_bad,
+                  first_bad >= 0 ? sel_c[first_bad] : -1, first_bad >= 0 ? sel_g[first_bad] : -1);
         if (bad_sel)
-            for (int k = 0; k < K && k < 16; k++) fprintf(stderr, "    [%d] cpu %d cuda %d\n", k, sel_c[k], sel_g[k]);
-        CHECK_MSG(bad_w == 0, "%s (trial %d): %d weights out of tolerance, worst [%d] cpu %.9g cuda %.9g", rc->name,
-                  t, bad_w, worst, worst >= 0 ? w_c[worst] : 0.0, worst >= 0 ? w_g[worst] : 0.0);
+            for (int64_t k = 0; k < R * K && k < 16; k++)
+                fprintf(stderr, "    [%lld] cpu %d cuda %d\n", (long long)k, sel_c[k], sel_g[k]);
+        CHECK_MSG(bad_w == 0, "%s, %lld rows (trial %d): %lld weights out of tolerance, worst [%lld] cpu %.9g cuda "
+                  "%.9g", rc->name, (long long)R, t, (long long)bad_w, (long long)worst, worst >= 0 ? w_c[worst] : 0.0,
+                  worst >= 0 ? w_g[worst] : 0.0);
         op_buf_free(p, &logits);
         op_weight_free(p, bias);
     }
     free(hl);
     free(hb);
+    free(spare);
     free(hash);
     free(sel_c);
     free(sel_g);
     free(w_c);
     free(w_g);
+}
+
+/* Each case as one token (the decode shape) and as 5 tokens in one call
+ * (prefill: every row routed on its own). */
+static void check_router_rows(op_pair *p, const router_case *rc, int trials) {
+    check_router(p, rc, trials, 1);
+    check_router(p, rc, trials / 2 > 0 ? trials / 2 : 1, 5);
 }
 
 static void test_router_topk(void) {
@@ -417,7 +440,7 @@ static void test_router_topk(void) {
         { "router 1/1",                1, 1, DS4_TYPE_F32, false, true,  1.5f, 0 },
         { "router 300/0",            300, 0, -1,           false, true,  1.5f, 0 },
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router(&p, &cases[i], 8);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router_rows(&p, &cases[i], 8);
     op_pair_close(&p);
 }
 
@@ -430,7 +453,7 @@ static void test_router_hash(void) {
         { "router hash, bias unused", 256, 6, DS4_TYPE_F32, true, true,  0.7f, 0 },
         { "router hash tiny probs",   256, 6, -1,           true, true,  1.5f, 2 },
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router(&p, &cases[i], 8);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router_rows(&p, &cases[i], 8);
     op_pair_close(&p);
 }
 
@@ -447,7 +470,7 @@ static void test_router_ties(void) {
         { "router tiny probs",       256, 6, -1,           false, true,  1.5f, 2 },
         { "router tiny probs raw",   256, 6, DS4_TYPE_F32, false, false, 3.0f, 2 },
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router(&p, &cases[i], 6);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_router_rows(&p, &cases[i], 6);
     op_pair_close(&p);
 }
 
@@ -555,22 +578,38 @@ static void test_errors(void) {
     op_buf rsel = op_ints_from(&p, hash, 6), rw = op_buf_poisoned(&p, 8);
     int32_t *sel = (int32_t *)rsel.g; /* device results */
     float *w = rw.g;
-    g->ops->router(g, logits.g, 256, NULL, NULL, 257, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, NULL, NULL, 257, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_INVALID);
-    g->ops->router(g, logits.g, 0, NULL, NULL, 0, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 0, NULL, NULL, 0, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_INVALID);
-    g->ops->router(g, logits.g, 256, NULL, NULL, -1, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, NULL, NULL, -1, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_INVALID);
-    g->ops->router(g, logits.g, 256, &bias_short->g, NULL, 6, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, &bias_short->g, NULL, 6, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_INVALID);
-    g->ops->router(g, logits.g, 256, &bias_q8->g, NULL, 6, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, &bias_q8->g, NULL, 6, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_UNSUPPORTED);
     hash[2] = 256;
-    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_INVALID);
     hash[2] = -1;
-    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w, 1);
     op_expect_error(&p, DS4_ERR_INVALID);
+    /* rows: a negative count; a bad hash id in the last of 3 rows */
+    g->ops->router(g, logits.g, 256, NULL, NULL, 6, true, 1.5f, sel, w, -1);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    {
+        float *hl3 = op_rand(3 * 256, 2.0);
+        int32_t hash3[18];
+        for (int k = 0; k < 18; k++) hash3[k] = k;
+        hash3[15] = 256;
+        op_buf logits3 = op_buf_from(&p, hl3, 3 * 256), sel3 = op_buf_poisoned(&p, 18), w3 = op_buf_poisoned(&p, 18);
+        g->ops->router(g, logits3.g, 256, NULL, hash3, 6, true, 1.5f, (int32_t *)sel3.g, w3.g, 3);
+        op_expect_error_with(&p, "router: bad hash id in row 2", "router", "expert 256 ", "[0, 256)", NULL);
+        op_buf_free(&p, &logits3);
+        op_buf_free(&p, &sel3);
+        op_buf_free(&p, &w3);
+        free(hl3);
+    }
 
     /* swiglu */
     g->ops->swiglu(g, X.g, X.g, 10.0f, 1.0f, out.g, -1);
@@ -581,7 +620,7 @@ static void test_errors(void) {
     hash[2] = 9;
     for (int k = 0; k < 6; k++) hsel[k] = -7;
     g->ops->upload(g, rsel.g, (const float *)hsel, 6);
-    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w);
+    g->ops->router(g, logits.g, 256, NULL, hash, 6, true, 1.5f, sel, w, 1);
     op_expect_ok(&p);
     g->ops->download(g, (float *)hsel, rsel.g, 6);
     for (int k = 0; k < 6; k++) CHECK_EQ_INT(hsel[k], hash[k]);

@@ -1,6 +1,7 @@
 /*
- * test_cuda_matmul.c - the matmul and moe ops, CPU backend (the oracle) vs
- * CUDA backend, through the op table; every output element is compared.
+ * test_cuda_matmul.c - the matmul, matmul_grouped and moe ops, CPU backend
+ * (the oracle) vs CUDA backend, through the op table; every output element
+ * is compared.
  *
  * Tolerances are per output element, from quantities computed on the host
  * (weights dequantised with the CPU's dequant_row, u = 2^-24 the float unit
@@ -20,6 +21,9 @@
  *               tol = (2 nb + 8) u T. Rows of one or two blocks must be equal
  *               (a sum of <= 2 terms does not depend on order), which checks
  *               the GPU's activation quantisation bit for bit.
+ *   matmul_grouped   each group is its own matmul (its x slice quantised on
+ *               its own), so each output takes the tolerance above of its
+ *               group's product; groups of one block must be equal.
  *   MoE         SwiGLU uses expf, whose CUDA version may differ from glibc's
  *               by an ulp or two, so mids agree only to a few ulps; under DS4
  *               a mid may then (rarely) land on the other side of a Q8 rounding
@@ -28,6 +32,7 @@
  *               sum_k sum_j |down_k[o][j] * mid_k[j]| (host mids in double):
  *               REFERENCE tol = 1e-5 S_o, DS4 tol = 1e-4 S_o (+ 2.5e-7 |c|);
  *               one wrong term (~S_o / (n_used n_ff) = 3e-4 S_o) still fails.
+ *               Several token rows per call: each row its own S_o.
  *
  * Without a usable CUDA device every test reports itself as skipped.
  */
@@ -483,6 +488,178 @@ static void test_matmul_errors(void) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* matmul_grouped                                                            */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * One grouped product: W of n_groups * n_out + extra rows of n_in, group g
+ * multiplies x columns g*n_in.. by W rows g*n_out..; n_rows rows x_stride /
+ * out_stride apart, both numerics (DS4 only when exact). On the CPU the op
+ * must equal n_groups separate matmul calls bit for bit; the CUDA result is
+ * held to the matmul tolerances of each group's own product (exact: rows of
+ * one block per group, where a per-group activation quantisation is checked
+ * bit for bit).
+ */
+static void grouped_case(op_pair *p, uint32_t type, int64_t n_groups, int64_t n_in, int64_t n_out, int64_t extra,
+                         int64_t n_rows, int64_t x_stride, int64_t out_stride, bool exact) {
+    const int64_t rows = n_groups * n_out + extra, width = n_groups * n_out;
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(type, n_in, rows, false, &deq);
+    op_weight *w = op_weight_make(p, "blk.0.attn_output_a.weight", type, n_in, rows, 1, bytes);
+    const int64_t nx = n_rows > 0 ? (n_rows - 1) * x_stride + n_groups * n_in : 1;
+    float *hx = op_rand(nx, 1.0);
+    op_buf x = op_buf_from(p, hx, nx);
+    const int64_t ny = n_rows * out_stride > 0 ? n_rows * out_stride : 1;
+    float *hy = malloc((size_t)ny * sizeof *hy), *hy_sep = malloc((size_t)ny * sizeof *hy_sep);
+    double *tol = malloc((size_t)(n_rows * width > 0 ? n_rows * width : 1) * sizeof *tol);
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        if (exact && num == DS4_NUMERICS_REFERENCE) continue;
+        char what[200];
+        snprintf(what, sizeof what, "matmul_grouped %s %s [%lld groups of %lld -> %lld rows (+%lld)] x %lld rows "
+                 "(strides %lld, %lld)%s", ds4_type_name(type), num_name(num), (long long)n_groups, (long long)n_in,
+                 (long long)n_out, (long long)extra, (long long)n_rows, (long long)x_stride, (long long)out_stride,
+                 exact ? " bit-exact" : "");
+        op_buf y = op_buf_poisoned(p, ny), ysep = op_buf_poisoned(p, ny);
+        p->cpu->ops->matmul_grouped(p->cpu, &w->c, n_groups, n_out, x.c, x_stride, y.c, out_stride, n_rows, num);
+        p->gpu->ops->matmul_grouped(p->gpu, &w->g, n_groups, n_out, x.g, x_stride, y.g, out_stride, n_rows, num);
+        for (int64_t g = 0; g < n_groups; g++)
+            p->cpu->ops->matmul(p->cpu, &w->c, g * n_out, n_out, x.c + g * n_in, x_stride, ysep.c + g * n_out,
+                                out_stride, n_rows, num);
+        op_expect_ok(p);
+        /* CPU: the grouped op is the separate calls, bit for bit (NaN gaps included) */
+        p->cpu->ops->download(p->cpu, hy, y.c, ny);
+        p->cpu->ops->download(p->cpu, hy_sep, ysep.c, ny);
+        CHECK_MSG(memcmp(hy, hy_sep, (size_t)ny * sizeof *hy) == 0, "%s: the CPU's grouped op differs from its "
+                  "per-group matmul calls", what);
+        /* CUDA vs CPU: each group's tolerances, placed at its columns */
+        for (int64_t g = 0; g < n_groups; g++) {
+            double *tg = matmul_tolerances(type, num, bytes, deq, n_in, g * n_out, n_out, hx + g * n_in, x_stride,
+                                           n_rows);
+            for (int64_t r = 0; r < n_rows; r++)
+                for (int64_t o = 0; o < n_out; o++) tol[r * width + g * n_out + o] = tg[r * n_out + o];
+            free(tg);
+        }
+        compare_out(what, p, y, n_rows, width, out_stride, tol, num == DS4_NUMERICS_REFERENCE ? 2.5e-7 : 0.0, exact);
+        op_buf_free(p, &y);
+        op_buf_free(p, &ysep);
+    }
+    free(tol);
+    free(hy);
+    free(hy_sep);
+    op_buf_free(p, &x);
+    op_weight_free(p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+}
+
+/* The attention output's shape (8 groups of 4096 inputs, outputs of 64..300
+ * per group) for 1, 3 and 37 rows; small groups with extra weight rows and
+ * strides wider than the data; one group (plain matmul); and, for the
+ * quantised kinds, groups of one block compared bit for bit. */
+static void check_matmul_grouped_type(uint32_t type) {
+    OPEN_PAIR(p);
+    const int64_t bl = ds4_type_traits_get(type)->block_elems;
+    const int64_t n_small = bl == 1 ? 96 : bl == 32 ? 96 : 512;
+    static const int64_t ROWS[] = { 1, 3, 37 };
+    for (size_t ri = 0; ri < 3; ri++) {
+        const int64_t nr = ROWS[ri];
+        grouped_case(&p, type, 8, 4096, 64, 0, nr, 8 * 4096, 8 * 64, false);
+        grouped_case(&p, type, 3, n_small, 5, 4, nr, 3 * n_small + 9, 3 * 5 + 2, false);
+    }
+    grouped_case(&p, type, 8, 4096, 300, 0, 1, 8 * 4096, 8 * 300, false);
+    grouped_case(&p, type, 8, 4096, 300, 0, 37, 8 * 4096, 8 * 300, false);
+    grouped_case(&p, type, 8, 4096, 100, 3, 5, 8 * 4096 + 64, 8 * 100 + 7, false);
+    grouped_case(&p, type, 1, 4096, 200, 0, 3, 4096, 200, false);
+    if (!is_float_type(type)) grouped_case(&p, type, 8, bl, 16, 0, 37, 8 * bl, 8 * 16, true);
+    op_pair_close(&p);
+}
+
+static void test_matmul_grouped_f32(void) { check_matmul_grouped_type(DS4_TYPE_F32); }
+static void test_matmul_grouped_f16(void) { check_matmul_grouped_type(DS4_TYPE_F16); }
+static void test_matmul_grouped_bf16(void) { check_matmul_grouped_type(DS4_TYPE_BF16); }
+static void test_matmul_grouped_q8_0(void) { check_matmul_grouped_type(DS4_TYPE_Q8_0); }
+static void test_matmul_grouped_q2_K(void) { check_matmul_grouped_type(DS4_TYPE_Q2_K); }
+static void test_matmul_grouped_q4_K(void) { check_matmul_grouped_type(DS4_TYPE_Q4_K); }
+static void test_matmul_grouped_iq2_xxs(void) { check_matmul_grouped_type(DS4_TYPE_IQ2_XXS); }
+
+/* Bad arguments record an error naming the weight and write nothing; empty
+ * products do nothing; a valid call afterwards is correct. */
+static void test_matmul_grouped_errors(void) {
+    OPEN_PAIR(p);
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, 64, 12, true, &deq);
+    op_weight *w = op_weight_make(&p, "blk.0.grouped_err.weight", DS4_TYPE_Q8_0, 64, 12, 1, bytes);
+    float *hx = op_rand(4 * 4 * 64, 1.0);
+    op_buf x = op_buf_from(&p, hx, 4 * 4 * 64);
+    op_buf y = op_buf_poisoned(&p, 4 * 16);
+    const ds4_backend_ops *g = p.gpu->ops;
+    const struct {
+        int64_t n_groups, n_out, x_stride, out_stride, n_rows;
+    } bad[] = {
+        { 0, 4, 4 * 64, 12, 1 },     /* no groups */
+        { -1, 4, 4 * 64, 12, 1 },    /* negative groups */
+        { 3, -1, 4 * 64, 12, 1 },    /* negative n_out */
+        { 3, 5, 4 * 64, 15, 1 },     /* 15 rows of a 12-row weight */
+        { 13, 1, 13 * 64, 13, 1 },   /* 13 groups of 1 row */
+        { 3, 4, 3 * 64 - 1, 12, 2 }, /* x rows overlap */
+        { 3, 4, 3 * 64, 11, 2 },     /* out rows overlap */
+        { 3, 4, 3 * 64, 12, -1 },    /* negative rows */
+    };
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            g->matmul_grouped(p.gpu, &w->g, bad[i].n_groups, bad[i].n_out, x.g, bad[i].x_stride, y.g,
+                              bad[i].out_stride, bad[i].n_rows, num);
+            ds4_error e = { 0 };
+            CHECK_MSG(g->take_error(p.gpu, &e) == DS4_ERR_INVALID, "case %zu: %s", i, e.message);
+            CHECK_MSG(strstr(e.message, "blk.0.grouped_err.weight") != NULL, "case %zu: %s", i, e.message);
+        }
+        /* unsupported type; not bound */
+        ds4_weight badw = w->g;
+        badw.type = DS4_TYPE_Q4_0;
+        g->matmul_grouped(p.gpu, &badw, 3, 4, x.g, 3 * 64, y.g, 12, 1, num);
+        op_expect_error(&p, DS4_ERR_UNSUPPORTED);
+        badw = w->g;
+        badw.device = NULL;
+        g->matmul_grouped(p.gpu, &badw, 3, 4, x.g, 3 * 64, y.g, 12, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        /* empty products */
+        g->matmul_grouped(p.gpu, &w->g, 3, 0, x.g, 3 * 64, y.g, 12, 4, num);
+        g->matmul_grouped(p.gpu, &w->g, 3, 4, x.g, 3 * 64, y.g, 12, 0, num);
+        op_expect_ok(&p);
+    }
+    {
+        float hy[4 * 16];
+        g->download(p.gpu, hy, y.g, 4 * 16);
+        int written = 0;
+        for (int i = 0; i < 4 * 16; i++) written += !isnan(hy[i]);
+        CHECK_EQ_INT(written, 0);
+    }
+    /* a valid call afterwards: 3 groups of 4 rows, 4 x rows of 4 * 64 */
+    p.cpu->ops->matmul_grouped(p.cpu, &w->c, 3, 4, x.c, 4 * 64, y.c, 16, 4, DS4_NUMERICS_DS4);
+    g->matmul_grouped(p.gpu, &w->g, 3, 4, x.g, 4 * 64, y.g, 16, 4, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    double tol[4 * 12];
+    for (int64_t gi = 0; gi < 3; gi++) {
+        double *tg = matmul_tolerances(DS4_TYPE_Q8_0, DS4_NUMERICS_DS4, bytes, deq, 64, gi * 4, 4, hx + gi * 64,
+                                       4 * 64, 4);
+        for (int64_t r = 0; r < 4; r++)
+            for (int64_t o = 0; o < 4; o++) tol[r * 12 + gi * 4 + o] = tg[r * 4 + o];
+        free(tg);
+    }
+    compare_out("matmul_grouped after errors", &p, y, 4, 12, 16, tol, 0.0, false);
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &x);
+    op_weight_free(&p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
 /* MoE                                                                       */
 /* ------------------------------------------------------------------------ */
 
@@ -537,50 +714,56 @@ static void moe_route(int64_t n_expert, int n_used, int32_t *sel, float *wts) {
     }
 }
 
+/* n_rows tokens in one call, each row with its own experts and weights. */
 static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert, int n_used,
-                     float limit) {
+                     float limit, int64_t n_rows) {
     moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
-    int32_t sel[16];
-    float wts[16];
-    moe_route(n_expert, n_used, sel, wts);
-    float *hx = op_rand(dim, 1.0);
-    op_buf x = op_buf_from(p, hx, dim);
+    const int64_t R = n_rows;
+    int32_t *sel = malloc((size_t)(R * n_used) * sizeof *sel);
+    float *wts = malloc((size_t)(R * n_used) * sizeof *wts);
+    for (int64_t r = 0; r < R; r++) moe_route(n_expert, n_used, sel + r * n_used, wts + r * n_used);
+    float *hx = op_rand(R * dim, 1.0);
+    op_buf x = op_buf_from(p, hx, R * dim);
 
-    /* S_o from host mids in double */
-    double *mid = malloc((size_t)(n_used * n_ff) * sizeof *mid), *S = calloc((size_t)dim, sizeof *S);
-    for (int k = 0; k < n_used; k++) {
-        for (int64_t j = 0; j < n_ff; j++) {
-            const float *gr = m.dg + ((int64_t)sel[k] * n_ff + j) * dim, *ur = m.du + ((int64_t)sel[k] * n_ff + j) * dim;
-            double gs = 0, us = 0;
-            for (int64_t i = 0; i < dim; i++) gs += (double)gr[i] * hx[i], us += (double)ur[i] * hx[i];
-            mid[k * n_ff + j] = host_swiglu(gs, us, limit, wts[k]);
-        }
-        for (int64_t o = 0; o < dim; o++) {
-            const float *dr = m.dd + ((int64_t)sel[k] * dim + o) * n_ff;
-            for (int64_t j = 0; j < n_ff; j++) S[o] += fabs((double)dr[j] * mid[k * n_ff + j]);
+    /* S_o of each row from host mids in double */
+    double *mid = malloc((size_t)(n_used * n_ff) * sizeof *mid), *S = calloc((size_t)(R * dim), sizeof *S);
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = hx + r * dim;
+        const int32_t *sr = sel + r * n_used;
+        for (int k = 0; k < n_used; k++) {
+            for (int64_t j = 0; j < n_ff; j++) {
+                const float *gr = m.dg + ((int64_t)sr[k] * n_ff + j) * dim, *ur = m.du + ((int64_t)sr[k] * n_ff + j) * dim;
+                double gs = 0, us = 0;
+                for (int64_t i = 0; i < dim; i++) gs += (double)gr[i] * xr[i], us += (double)ur[i] * xr[i];
+                mid[k * n_ff + j] = host_swiglu(gs, us, limit, wts[r * n_used + k]);
+            }
+            for (int64_t o = 0; o < dim; o++) {
+                const float *dr = m.dd + ((int64_t)sr[k] * dim + o) * n_ff;
+                for (int64_t j = 0; j < n_ff; j++) S[r * dim + o] += fabs((double)dr[j] * mid[k * n_ff + j]);
+            }
         }
     }
     /* the routing in backend memory, as the router leaves it */
-    op_buf dsel = op_ints_from(p, sel, n_used), dw = op_buf_from(p, wts, n_used);
+    op_buf dsel = op_ints_from(p, sel, R * n_used), dw = op_buf_from(p, wts, R * n_used);
     for (int ni = 0; ni < 2; ni++) {
         const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
-        op_buf y = op_buf_poisoned(p, dim);
+        op_buf y = op_buf_poisoned(p, R * dim);
         p->cpu->ops->moe(p->cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, (const int32_t *)dsel.c, dw.c, n_used, limit,
-                         y.c, num);
+                         y.c, R, num);
         p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, limit,
-                         y.g, num);
+                         y.g, R, num);
         op_expect_ok(p);
-        double *tol = malloc((size_t)dim * sizeof *tol);
-        for (int64_t o = 0; o < dim; o++) tol[o] = (num == DS4_NUMERICS_REFERENCE ? 1e-5 : 1e-4) * S[o];
+        double *tol = malloc((size_t)(R * dim) * sizeof *tol);
+        for (int64_t o = 0; o < R * dim; o++) tol[o] = (num == DS4_NUMERICS_REFERENCE ? 1e-5 : 1e-4) * S[o];
         char what[160];
-        snprintf(what, sizeof what, "moe %s/%s %s dim %lld n_ff %lld, %d of %lld experts, limit %g",
+        snprintf(what, sizeof what, "moe %s/%s %s dim %lld n_ff %lld, %d of %lld experts, limit %g, %lld rows",
                  ds4_type_name(tg), ds4_type_name(td), num_name(num), (long long)dim, (long long)n_ff, n_used,
-                 (long long)n_expert, (double)limit);
-        compare_out(what, p, y, 1, dim, dim, tol, 2.5e-7, false);
+                 (long long)n_expert, (double)limit, (long long)R);
+        compare_out(what, p, y, R, dim, dim, tol, 2.5e-7, false);
         /* again: the routing is read on the GPU, nothing waits */
         const ds4_backend_counters c0 = op_gpu_counters(p);
         p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, limit,
-                         y.g, num);
+                         y.g, R, num);
         op_expect_no_host_traffic(p, what, &c0);
         op_expect_ok(p);
         free(tol);
@@ -588,6 +771,8 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
     }
     free(mid);
     free(S);
+    free(sel);
+    free(wts);
     op_buf_free(p, &dsel);
     op_buf_free(p, &dw);
     op_buf_free(p, &x);
@@ -596,15 +781,18 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
 }
 
 /* gate/up of type tg, down of td; limit off and on (0.7 clamps often: the
- * gate/up dots are ~N(0, 1)). */
+ * gate/up dots are ~N(0, 1)); one token (decode) and 3 tokens with
+ * different experts each (prefill). */
 static void check_moe(uint32_t tg, uint32_t td) {
     OPEN_PAIR(p);
-    moe_case(&p, tg, td, 512, 256, 8, 6, 0.0f);
-    moe_case(&p, tg, td, 512, 256, 8, 6, 0.7f);
-    moe_case(&p, tg, td, 256, 512, 16, 6, 0.7f);
-    /* rows of whole 16-byte units (the streaming kernels), up to 8 experts */
-    moe_case(&p, tg, td, 2048, 1024, 8, 6, 0.7f);
-    moe_case(&p, tg, td, 2048, 1024, 12, 8, 0.0f);
+    for (int64_t nr = 1; nr <= 3; nr += 2) {
+        moe_case(&p, tg, td, 512, 256, 8, 6, 0.0f, nr);
+        moe_case(&p, tg, td, 512, 256, 8, 6, 0.7f, nr);
+        moe_case(&p, tg, td, 256, 512, 16, 6, 0.7f, nr);
+        /* rows of whole 16-byte units (the streaming kernels), up to 8 experts */
+        moe_case(&p, tg, td, 2048, 1024, 8, 6, 0.7f, nr);
+        moe_case(&p, tg, td, 2048, 1024, 12, 8, 0.0f, nr);
+    }
     op_pair_close(&p);
 }
 
@@ -621,11 +809,11 @@ static void test_moe_mixed(void) {
 
 /* One moe call on each side with the routing in backend memory. */
 static void moe_both(op_pair *p, const moe_weights *m, op_buf x, op_buf sel, op_buf w, int n_used, op_buf y,
-                     ds4_numerics num) {
+                     int64_t n_rows, ds4_numerics num) {
     p->cpu->ops->moe(p->cpu, &m->gate->c, &m->up->c, &m->down->c, x.c, (const int32_t *)sel.c, w.c, n_used, 0.0f, y.c,
-                     num);
+                     n_rows, num);
     p->gpu->ops->moe(p->gpu, &m->gate->g, &m->up->g, &m->down->g, x.g, (const int32_t *)sel.g, w.g, n_used, 0.0f, y.g,
-                     num);
+                     n_rows, num);
 }
 
 /* loose scale-free check: |g - c| <= 1e-3 * sum|c| / dim + 1e-4 |c| */
@@ -658,20 +846,23 @@ static void test_moe_errors(void) {
     for (int ni = 0; ni < 2; ni++) {
         const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
         /* shapes that do not fit together: up used as down */
-        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.up->g, x.g, sel, wts, 6, 0.0f, y.g, num);
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.up->g, x.g, sel, wts, 6, 0.0f, y.g, 1, num);
         op_expect_error(&p, DS4_ERR_INVALID);
         /* unbound */
         ds4_weight unbound = m.down->g;
         unbound.device = NULL;
-        g->moe(p.gpu, &m.gate->g, &m.up->g, &unbound, x.g, sel, wts, 6, 0.0f, y.g, num);
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &unbound, x.g, sel, wts, 6, 0.0f, y.g, 1, num);
         op_expect_error(&p, DS4_ERR_INVALID);
         /* unsupported type */
         ds4_weight bad = m.up->g;
         bad.type = DS4_TYPE_Q3_K;
-        g->moe(p.gpu, &m.gate->g, &bad, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, num);
+        g->moe(p.gpu, &m.gate->g, &bad, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, 1, num);
         op_expect_error(&p, DS4_ERR_UNSUPPORTED);
         /* no routing arrays */
-        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, NULL, wts, 6, 0.0f, y.g, num);
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, NULL, wts, 6, 0.0f, y.g, 1, num);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        /* a negative row count */
+        g->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, sel, wts, 6, 0.0f, y.g, -1, num);
         op_expect_error(&p, DS4_ERR_INVALID);
     }
     {
@@ -681,14 +872,24 @@ static void test_moe_errors(void) {
         for (int i = 0; i < dim; i++) written += !isnan(hy[i]);
         CHECK_EQ_INT(written, 0);
     }
+    /* zero rows: nothing written */
+    moe_both(&p, &m, x, dsel, dw, 6, y, 0, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    {
+        float hy[512];
+        g->download(p.gpu, hy, y.g, dim);
+        int written = 0;
+        for (int i = 0; i < dim; i++) written += !isnan(hy[i]);
+        CHECK_EQ_INT(written, 0);
+    }
     /* n_used == 0: zeros on both sides */
-    moe_both(&p, &m, x, dsel, dw, 0, y, DS4_NUMERICS_DS4);
+    moe_both(&p, &m, x, dsel, dw, 0, y, 1, DS4_NUMERICS_DS4);
     op_expect_ok(&p);
     CHECK_EQ_INT(op_compare("moe n_used 0", &p, y, dim, 0.0, 0.0), 0);
     /* and a valid call after the errors; repeated experts are allowed */
     op_buf_free(&p, &y);
     y = op_buf_poisoned(&p, dim);
-    moe_both(&p, &m, x, dsel, dw, 6, y, DS4_NUMERICS_DS4);
+    moe_both(&p, &m, x, dsel, dw, 6, y, 1, DS4_NUMERICS_DS4);
     op_expect_ok(&p);
     moe_expect_close("moe after errors", &p, y, dim);
     op_buf_free(&p, &y);
@@ -727,7 +928,7 @@ static void test_moe_bad_expert(void) {
         for (int ni = 0; ni < 2; ni++) {
             const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
             op_buf dsel = op_ints_from(&p, bad[i].sel, 6);
-            moe_both(&p, &m, x, dsel, dw, 6, y, num);
+            moe_both(&p, &m, x, dsel, dw, 6, y, 1, num);
             ds4_error ec = { 0 }, eg = { 0 };
             CHECK(p.cpu->ops->take_error(p.cpu, &ec) == DS4_ERR_INVALID);
             CHECK_MSG(p.gpu->ops->take_error(p.gpu, &eg) == DS4_ERR_INVALID, "moe bad expert %zu: %s", i, eg.message);
@@ -742,20 +943,44 @@ static void test_moe_bad_expert(void) {
     /* two bad calls before take_error: the first is reported */
     {
         op_buf s1 = op_ints_from(&p, bad[0].sel, 6), s2 = op_ints_from(&p, bad[1].sel, 6);
-        p.gpu->ops->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)s1.g, dw.g, 6, 0.0f, y.g,
+        p.gpu->ops->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)s1.g, dw.g, 6, 0.0f, y.g, 1,
                         DS4_NUMERICS_DS4);
-        p.gpu->ops->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)s2.g, dw.g, 6, 0.0f, y.g,
+        p.gpu->ops->moe(p.gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)s2.g, dw.g, 6, 0.0f, y.g, 1,
                         DS4_NUMERICS_DS4);
         op_expect_error_with(&p, "first of two bad ids", "moe", "expert 4 ", "[0, 4)", NULL);
         op_buf_free(&p, &s1);
         op_buf_free(&p, &s2);
+    }
+    /* a bad id in the last of 3 rows (the other rows valid): the same
+     * message on both sides */
+    {
+        float *hx3 = op_rand(3 * dim, 1.0);
+        float hw3[18];
+        int32_t sel3[18];
+        for (int k = 0; k < 18; k++) sel3[k] = k % 4, hw3[k] = 0.25f;
+        sel3[14] = 4;
+        op_buf x3 = op_buf_from(&p, hx3, 3 * dim), s3 = op_ints_from(&p, sel3, 18), w3 = op_buf_from(&p, hw3, 18);
+        op_buf y3 = op_buf_poisoned(&p, 3 * dim);
+        moe_both(&p, &m, x3, s3, w3, 6, y3, 3, DS4_NUMERICS_DS4);
+        ds4_error ec = { 0 }, eg = { 0 };
+        CHECK(p.cpu->ops->take_error(p.cpu, &ec) == DS4_ERR_INVALID);
+        CHECK_MSG(p.gpu->ops->take_error(p.gpu, &eg) == DS4_ERR_INVALID, "moe bad expert in row 2: %s", eg.message);
+        CHECK_MSG(strcmp(ec.message, eg.message) == 0, "messages differ: cpu \"%s\" cuda \"%s\"", ec.message,
+                  eg.message);
+        CHECK_MSG(strstr(eg.message, "expert 4 ") && strstr(eg.message, "[0, 4)"), "%s", eg.message);
+        op_expect_ok(&p);
+        op_buf_free(&p, &x3);
+        op_buf_free(&p, &s3);
+        op_buf_free(&p, &w3);
+        op_buf_free(&p, &y3);
+        free(hx3);
     }
     /* a valid call afterwards gives the CPU's result */
     const int32_t good[6] = { 3, 1, 2, 0, 1, 3 };
     op_buf dsel = op_ints_from(&p, good, 6);
     op_buf_free(&p, &y);
     y = op_buf_poisoned(&p, dim);
-    moe_both(&p, &m, x, dsel, dw, 6, y, DS4_NUMERICS_DS4);
+    moe_both(&p, &m, x, dsel, dw, 6, y, 1, DS4_NUMERICS_DS4);
     op_expect_ok(&p);
     moe_expect_close("moe after bad expert ids", &p, y, dim);
     op_buf_free(&p, &dsel);
@@ -781,6 +1006,14 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_act_quant_bitexact),
     TEST_ENTRY(test_matmul_empty),
     TEST_ENTRY(test_matmul_errors),
+    TEST_ENTRY(test_matmul_grouped_f32),
+    TEST_ENTRY(test_matmul_grouped_f16),
+    TEST_ENTRY(test_matmul_grouped_bf16),
+    TEST_ENTRY(test_matmul_grouped_q8_0),
+    TEST_ENTRY(test_matmul_grouped_q2_K),
+    TEST_ENTRY(test_matmul_grouped_q4_K),
+    TEST_ENTRY(test_matmul_grouped_iq2_xxs),
+    TEST_ENTRY(test_matmul_grouped_errors),
     TEST_ENTRY(test_moe_iq2_xxs),
     TEST_ENTRY(test_moe_q2_K),
     TEST_ENTRY(test_moe_q4_K),

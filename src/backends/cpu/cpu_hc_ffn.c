@@ -208,34 +208,23 @@ static float softplus(float x) {
     return log1pf(expf(x));
 }
 
-void cpu_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
-                const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
-                float *weight_out) {
-    if (n_expert <= 0 || n_expert > INT32_MAX || n_used < 0 || n_used > n_expert ||
-        (bias && (bias->ne[0] < n_expert || !cpu_has_dequant(bias)))) {
-        cpu_fail(be, DS4_ERR_INVALID, "router: %d of %lld experts (bias %s)", n_used, (long long)n_expert,
-                 cpu_wname(bias));
-        return;
-    }
-    float *prob = malloc((size_t)n_expert * 3 * sizeof *prob); /* prob, selection score, bias */
-    if (!prob) {
-        cpu_fail(be, DS4_ERR_NOMEM, "router: out of memory");
-        return;
-    }
+/* One token's routing: logits [n_expert] -> sel_out, weight_out [n_used].
+ * prob is scratch of 3 * n_expert floats; b the bias as floats (NULL: none).
+ * false (error recorded) on a hash id out of range. */
+static bool router_row(ds4_backend *be, const float *logits, int64_t n_expert, const float *b, const int32_t *hash_ids,
+                       int n_used, bool normalise, float scale, int32_t *sel_out, float *weight_out, float *prob) {
     for (int64_t e = 0; e < n_expert; e++) prob[e] = sqrtf(softplus(logits[e]));
     if (hash_ids) {
         for (int k = 0; k < n_used; k++) {
             if (hash_ids[k] < 0 || hash_ids[k] >= n_expert) {
                 cpu_fail(be, DS4_ERR_INVALID, "router: hash-selected expert %d is outside [0, %lld)", hash_ids[k],
                          (long long)n_expert);
-                free(prob);
-                return;
+                return false;
             }
             sel_out[k] = hash_ids[k];
         }
     } else {
         float *selection = prob + n_expert;
-        const float *b = bias ? cpu_weight_vector(bias, n_expert, prob + 2 * n_expert) : NULL;
         for (int64_t e = 0; e < n_expert; e++) selection[e] = b ? prob[e] + b[e] : prob[e];
         cpu_select_top_k(selection, n_expert, n_used, sel_out);
     }
@@ -245,6 +234,32 @@ void cpu_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds
     if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
     for (int k = 0; k < n_used; k++)
         weight_out[k] = normalise ? prob[sel_out[k]] / sum * scale : prob[sel_out[k]] * scale;
+    return true;
+}
+
+void cpu_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
+                const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
+                float *weight_out, int64_t n_rows) {
+    if (n_expert <= 0 || n_expert > INT32_MAX || n_used < 0 || n_used > n_expert || n_rows < 0 ||
+        (bias && (bias->ne[0] < n_expert || !cpu_has_dequant(bias)))) {
+        cpu_fail(be, DS4_ERR_INVALID, "router: %d of %lld experts for %lld rows (bias %s)", n_used,
+                 (long long)n_expert, (long long)n_rows, cpu_wname(bias));
+        return;
+    }
+    if (n_rows == 0) return;
+    float *prob = malloc((size_t)n_expert * 3 * sizeof *prob); /* prob, selection score, bias */
+    if (!prob) {
+        cpu_fail(be, DS4_ERR_NOMEM, "router: out of memory");
+        return;
+    }
+    /* the bias as floats once for all rows (it only ranks: hash rows ignore it) */
+    const float *b = bias && !hash_ids ? cpu_weight_vector(bias, n_expert, prob + 2 * n_expert) : NULL;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const int64_t k0 = r * n_used;
+        if (!router_row(be, logits + r * n_expert, n_expert, b, hash_ids ? hash_ids + k0 : NULL, n_used, normalise,
+                        scale, sel_out + k0, weight_out + k0, prob))
+            break;
+    }
     free(prob);
 }
 

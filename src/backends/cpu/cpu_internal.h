@@ -112,8 +112,12 @@ static inline int64_t cpu_weight_rows(const ds4_weight *w) { return w->ne[1] * w
 /* out[r][o] = W[row0 + o] . x[r] with DS4 or REFERENCE numerics (the matmul op). */
 void cpu_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x, int64_t x_stride,
                 float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
+/* The matmul_grouped op: n_groups cpu_matmul calls, one per group. */
+void cpu_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
+                        int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
-             const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num);
+             const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
+             ds4_numerics num);
 
 /* ---- small shared math -------------------------------------------------- */
 
@@ -166,7 +170,7 @@ void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, f
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
 void cpu_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
                 const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
-                float *weight_out);
+                float *weight_out, int64_t n_rows);
 void cpu_swiglu(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out, int64_t n);
 
 #endif

@@ -257,58 +257,102 @@ void cpu_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_ou
     cpu_acts_free(&acts);
 }
 
+/* Group g is exactly the matmul of W rows g*n_out.. with the x columns
+ * g*n_in..: calling the matmul per group makes the result bit-identical to
+ * separate calls by construction (each group's x slice quantised on its
+ * own). The arguments are checked here once, so the per-group calls cannot
+ * fail on them. */
+void cpu_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
+                        int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
+    cpu_dot_kind kind;
+    if (!w || !w->host) {
+        cpu_fail(be, DS4_ERR_INVALID, "matmul_grouped: weight %s is not bound", cpu_wname(w));
+        return;
+    }
+    if (!cpu_dot_kind_for(w, num, &kind)) {
+        cpu_fail(be, DS4_ERR_UNSUPPORTED,
+                 "matmul_grouped: weight %s has type %s, which the CPU backend cannot compute with", cpu_wname(w),
+                 ds4_type_name(w->type));
+        return;
+    }
+    const int64_t n_in = w->ne[0], rows = cpu_weight_rows(w);
+    /* n_groups * n_out and n_groups * n_in are formed only once they are
+     * known not to overflow (n_out <= rows / n_groups) */
+    const bool counts_ok = n_groups >= 1 && n_out >= 0 && n_rows >= 0 && n_out <= rows / n_groups &&
+                           n_groups <= INT64_MAX / n_in;
+    if (!counts_ok ||
+        (n_rows > 1 && (x_stride < n_groups * n_in || out_stride < n_groups * n_out))) {
+        cpu_fail(be, DS4_ERR_INVALID,
+                 "matmul_grouped: weight %s [%lld x %lld rows]: %lld groups of %lld rows, %lld x rows (stride "
+                 "%lld), out stride %lld",
+                 cpu_wname(w), (long long)n_in, (long long)rows, (long long)n_groups, (long long)n_out,
+                 (long long)n_rows, (long long)x_stride, (long long)out_stride);
+        return;
+    }
+    if (n_out == 0 || n_rows == 0) return;
+    for (int64_t g = 0; g < n_groups; g++)
+        cpu_matmul(be, w, g * n_out, n_out, x + g * n_in, x_stride, out + g * n_out, out_stride, n_rows, num);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Routed experts (spec 3.7)                                                 */
 /* ------------------------------------------------------------------------ */
 
+/* Token rows are processed in blocks, which bounds the mid buffer (block *
+ * n_used * n_ff floats) while a whole block shares one pass over the pool. */
+#define MOE_ROW_BLOCK 32
+
 typedef struct moe_job {
     const ds4_weight *gate, *up, *down;
-    const cpu_acts *x_gate, *x_up, *mids;
-    const int32_t *sel;
-    const float *weights;
+    const cpu_acts *x_gate, *x_up, *mids; /* x: one row per token; mids: n_used rows per token */
+    const int32_t *sel;                   /* [rows, n_used] of this block */
+    const float *weights;                 /* [rows, n_used] */
     int n_used;
     float limit;
     int64_t dim, n_ff;
-    float *mid; /* [n_used, n_ff] */
-    float *out;
+    float *mid; /* [rows, n_used, n_ff] */
+    float *out; /* [rows, dim] */
     float *scratch; /* per thread: 2 * dim floats (gate/up rows) or n_ff (down rows) */
     int64_t scratch_per_thread;
 } moe_job;
 
-/* Items are (k, j): mid[k][j] = swiglu(gate_e[j] . x, up_e[j] . x) * w_k, e = sel[k]. */
+/* Items are (r, k, j): mid[r][k][j] = swiglu(gate_e[j] . x[r], up_e[j] . x[r]) * w[r][k], e = sel[r][k]. */
 static void moe_mid_range(void *vctx, int64_t begin, int64_t end, int thread) {
     const moe_job *job = vctx;
     float *scratch = job->scratch ? job->scratch + (int64_t)thread * job->scratch_per_thread : NULL;
     for (int64_t i = begin; i < end; i++) {
-        const int64_t k = i / job->n_ff, j = i % job->n_ff;
-        const int64_t row = (int64_t)job->sel[k] * job->n_ff + j;
+        const int64_t rk = i / job->n_ff, j = i % job->n_ff, r = rk / job->n_used;
+        const int64_t row = (int64_t)job->sel[rk] * job->n_ff + j;
         const void *grow = cpu_weight_row(job->gate, row);
         const void *urow = cpu_weight_row(job->up, row);
         const float *gf = cpu_weight_row_floats(job->gate, grow, job->x_gate->kind, scratch);
-        const float g = cpu_dot(job->x_gate, job->gate, grow, gf, 0);
+        const float g = cpu_dot(job->x_gate, job->gate, grow, gf, r);
         const float *uf = cpu_weight_row_floats(job->up, urow, job->x_up->kind, scratch ? scratch + job->dim : NULL);
-        const float u = cpu_dot(job->x_up, job->up, urow, uf, 0);
-        job->mid[i] = cpu_swiglu1(g, u, job->limit, job->weights[k]);
+        const float u = cpu_dot(job->x_up, job->up, urow, uf, r);
+        job->mid[i] = cpu_swiglu1(g, u, job->limit, job->weights[rk]);
     }
 }
 
-/* Items are output dims o: out[o] = sum_k down_e[o] . mid[k], in order of k. */
+/* Items are (r, o): out[r][o] = sum_k down_e[o] . mid[r][k], in order of k. */
 static void moe_down_range(void *vctx, int64_t begin, int64_t end, int thread) {
     const moe_job *job = vctx;
     float *scratch = job->scratch ? job->scratch + (int64_t)thread * job->scratch_per_thread : NULL;
-    for (int64_t o = begin; o < end; o++) {
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t r = i / job->dim, o = i % job->dim;
         float acc = 0.0f;
         for (int k = 0; k < job->n_used; k++) {
-            const void *row = cpu_weight_row(job->down, (int64_t)job->sel[k] * job->dim + o);
+            const int64_t rk = r * job->n_used + k;
+            const void *row = cpu_weight_row(job->down, (int64_t)job->sel[rk] * job->dim + o);
             const float *wf = cpu_weight_row_floats(job->down, row, job->mids->kind, scratch);
-            acc += cpu_dot(job->mids, job->down, row, wf, k);
+            acc += cpu_dot(job->mids, job->down, row, wf, rk);
         }
-        job->out[o] = acc;
+        job->out[i] = acc;
     }
 }
 
 void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
-             const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num) {
+             const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
+             ds4_numerics num) {
     if (!gate || !up || !down || !gate->host || !up->host || !down->host) {
         cpu_fail(be, DS4_ERR_INVALID, "moe: expert weights are not bound");
         return;
@@ -323,9 +367,15 @@ void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cons
                  (long long)down->ne[0], (long long)down->ne[1], (long long)down->ne[2]);
         return;
     }
-    for (int k = 0; k < n_used; k++) {
-        if (sel[k] < 0 || sel[k] >= n_expert) {
-            cpu_fail(be, DS4_ERR_INVALID, "moe: selected expert %d is outside [0, %lld) of %s", sel[k],
+    if (n_rows < 0) {
+        cpu_fail(be, DS4_ERR_INVALID, "moe: %lld rows", (long long)n_rows);
+        return;
+    }
+    /* every id of every row, before any work: the first bad one (in row
+     * order) is the one reported */
+    for (int64_t i = 0; i < n_rows * n_used; i++) {
+        if (sel[i] < 0 || sel[i] >= n_expert) {
+            cpu_fail(be, DS4_ERR_INVALID, "moe: selected expert %d is outside [0, %lld) of %s", sel[i],
                      (long long)n_expert, cpu_wname(gate));
             return;
         }
@@ -340,37 +390,45 @@ void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cons
                  cpu_wname(bad), ds4_type_name(bad->type));
         return;
     }
+    if (n_rows == 0) return;
     if (n_used == 0) {
-        memset(out, 0, (size_t)dim * sizeof *out);
+        memset(out, 0, (size_t)(n_rows * dim) * sizeof *out);
         return;
     }
 
     const int n_threads = cpu_impl(be)->n_threads;
-    cpu_acts x_gate, x_up, mids;
-    memset(&x_gate, 0, sizeof x_gate);
-    memset(&x_up, 0, sizeof x_up);
-    memset(&mids, 0, sizeof mids);
+    const int64_t block = n_rows < MOE_ROW_BLOCK ? n_rows : MOE_ROW_BLOCK;
     const int64_t per_thread = 2 * dim > n_ff ? 2 * dim : n_ff;
-    float *mid = malloc((size_t)n_used * (size_t)n_ff * sizeof *mid);
+    float *mid = malloc((size_t)(block * n_used) * (size_t)n_ff * sizeof *mid);
     float *scratch = malloc((size_t)n_threads * (size_t)per_thread * sizeof *scratch);
-    bool ok = mid && scratch && cpu_acts_prepare(&x_gate, kg, x, dim, dim, 1);
-    if (ok && ku == kg) {
-        x_up = x_gate; /* gate and up share the quantised x (they always do in DS4) */
-    } else if (ok) {
-        ok = cpu_acts_prepare(&x_up, ku, x, dim, dim, 1);
-    }
-    if (ok) {
-        moe_job job = { gate, up, down, &x_gate, &x_up, &mids, sel, weights, n_used, limit, dim, n_ff,
-                        mid, out, scratch, per_thread };
-        cpu_parallel_for(be, (int64_t)n_used * n_ff, 2 * dim, moe_mid_range, &job);
-        /* each mid row is quantised on its own (Q8_K under DS4 numerics) */
-        ok = cpu_acts_prepare(&mids, kd, mid, n_ff, n_ff, n_used);
-        if (ok) cpu_parallel_for(be, dim, (int64_t)n_used * n_ff, moe_down_range, &job);
+    bool ok = mid && scratch;
+    for (int64_t r0 = 0; ok && r0 < n_rows; r0 += block) {
+        const int64_t rows = n_rows - r0 < block ? n_rows - r0 : block;
+        const float *xb = x + r0 * dim;
+        cpu_acts x_gate, x_up, mids;
+        memset(&x_gate, 0, sizeof x_gate);
+        memset(&x_up, 0, sizeof x_up);
+        memset(&mids, 0, sizeof mids);
+        /* each x row is quantised on its own, as a single-token call does */
+        ok = cpu_acts_prepare(&x_gate, kg, xb, dim, dim, rows);
+        if (ok && ku == kg) {
+            x_up = x_gate; /* gate and up share the quantised x (they always do in DS4) */
+        } else if (ok) {
+            ok = cpu_acts_prepare(&x_up, ku, xb, dim, dim, rows);
+        }
+        if (ok) {
+            moe_job job = { gate, up, down, &x_gate, &x_up, &mids, sel + r0 * n_used, weights + r0 * n_used, n_used,
+                            limit, dim, n_ff, mid, out + r0 * dim, scratch, per_thread };
+            cpu_parallel_for(be, rows * n_used * n_ff, 2 * dim, moe_mid_range, &job);
+            /* each mid row is quantised on its own (Q8_K under DS4 numerics) */
+            ok = cpu_acts_prepare(&mids, kd, mid, n_ff, n_ff, rows * n_used);
+            if (ok) cpu_parallel_for(be, rows * dim, (int64_t)n_used * n_ff, moe_down_range, &job);
+        }
+        if (ku != kg) cpu_acts_free(&x_up);
+        cpu_acts_free(&x_gate);
+        cpu_acts_free(&mids);
     }
     if (!ok) cpu_fail(be, DS4_ERR_NOMEM, "moe: out of memory for the activations of %s", cpu_wname(gate));
-    if (ku != kg) cpu_acts_free(&x_up);
-    cpu_acts_free(&x_gate);
-    cpu_acts_free(&mids);
     free(scratch);
     free(mid);
 }

@@ -72,12 +72,16 @@ bool cuda_sync(ds4_backend *be) {
 /* Recorded steps (CUDA graphs)                                              */
 /* ------------------------------------------------------------------------ */
 
-/* $DS4_CUDA_GRAPH=0 submits every op directly (for A/B measurements). */
+/* Recording is on with $DS4_CUDA_GRAPH=1. It is off by default: a step is
+ * captured anew every token (kernel arguments such as positions and row
+ * counts change), and capturing costs the host about what launching does,
+ * so it only pays once steps can be replayed unchanged (positions read on
+ * the device). */
 static bool graphs_enabled(void) {
     static int enabled = -1;
     if (enabled < 0) {
         const char *e = getenv("DS4_CUDA_GRAPH");
-        enabled = !(e && e[0] == '0');
+        enabled = e && e[0] == '1';
     }
     return enabled != 0;
 }
@@ -801,6 +805,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .round_fp8_kv = cuda_round_fp8_kv,
     .indexer_qat = cuda_indexer_qat,
     .matmul = cuda_matmul,
+    .matmul_grouped = cuda_matmul_grouped,
     .rope_tail = cuda_rope_tail,
     .hc_pre = cuda_hc_pre,
     .hc_post = cuda_hc_post,

@@ -478,6 +478,14 @@ struct router_args {
 static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_args a) {
     __shared__ unsigned long long red[ROUTER_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    /* block r: token row r */
+    const int64_t row = blockIdx.x;
+    a.logits += row * a.n_expert;
+    a.keys += row * a.n_expert;
+    a.prob += row * a.n_expert;
+    if (a.hash) a.hash += row * a.n_used;
+    a.sel += row * a.n_used;
+    a.weight += row * a.n_used;
 
     for (int64_t e = threadIdx.x; e < a.n_expert; e += ROUTER_THREADS) {
         const float p = sqrtf(router_softplus(a.logits[e]));
@@ -529,8 +537,9 @@ static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_ar
 }
 
 /* Zero results on a failed call (device memset on the stream), so a
- * caller that reads them anyway indexes expert 0 rather than garbage. */
-static void router_clear(ds4_backend *be, int32_t *sel_out, float *weight_out, int n_used) {
+ * caller that reads them anyway indexes expert 0 rather than garbage.
+ * n_used here counts every row's choices. */
+static void router_clear(ds4_backend *be, int32_t *sel_out, float *weight_out, int64_t n_used) {
     if (n_used <= 0) return;
     cudaStream_t st = cuda_stream(be);
     if (sel_out) (void)CUDA_OK(be, cudaMemsetAsync(sel_out, 0, (size_t)n_used * sizeof *sel_out, st));
@@ -538,15 +547,17 @@ static void router_clear(ds4_backend *be, int32_t *sel_out, float *weight_out, i
 }
 
 void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
-                 const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
-                 float *weight_out) {
+                 const int32_t *hash_ids, int n_used_row, bool normalise, float scale, int32_t *sel_out,
+                 float *weight_out, int64_t n_rows) {
     /* n_used is checked first: the results are cleared on later failures only. */
-    if (n_expert <= 0 || n_expert > INT32_MAX || n_used < 0 || n_used > n_expert ||
-        (bias && bias->ne[0] < n_expert)) {
-        cuda_fail(be, DS4_ERR_INVALID, "router: %d of %lld experts (bias %s)", n_used, (long long)n_expert,
-                  cuda_wname(bias));
+    if (n_expert <= 0 || n_expert > INT32_MAX || n_used_row < 0 || n_used_row > n_expert ||
+        (bias && bias->ne[0] < n_expert) || n_rows < 0 || n_rows > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "router: %d of %lld experts (bias %s), %lld rows", n_used_row,
+                  (long long)n_expert, cuda_wname(bias), (long long)n_rows);
         return;
     }
+    if (n_rows == 0) return;
+    const int64_t n_used = (int64_t)n_used_row * n_rows; /* every row's choices */
     if (n_used > 0 && (!logits || !sel_out || !weight_out)) {
         cuda_fail(be, DS4_ERR_INVALID, "router: NULL logits or result arrays");
         return;
@@ -564,7 +575,7 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
         return;
     }
     if (hash_ids) { /* host memory: checked here, before the upload */
-        for (int k = 0; k < n_used; k++) {
+        for (int64_t k = 0; k < n_used; k++) {
             if (hash_ids[k] < 0 || hash_ids[k] >= n_expert) {
                 cuda_fail(be, DS4_ERR_INVALID, "router: hash-selected expert %d is outside [0, %lld)", hash_ids[k],
                           (long long)n_expert);
@@ -575,8 +586,9 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     }
     if (n_used == 0) return; /* nothing to select or weigh */
 
-    /* ROUTER slot: keys [n_expert] u64 | prob [n_expert] f32. */
-    const size_t keys_bytes = (size_t)n_expert * sizeof(unsigned long long), prob_bytes = (size_t)n_expert * sizeof(float);
+    /* ROUTER slot: keys [n_rows, n_expert] u64 | prob [n_rows, n_expert] f32. */
+    const size_t keys_bytes = (size_t)(n_expert * n_rows) * sizeof(unsigned long long);
+    const size_t prob_bytes = (size_t)(n_expert * n_rows) * sizeof(float);
     uint8_t *scratch = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_ROUTER, keys_bytes + prob_bytes);
     const int32_t *d_hash = NULL;
     if (scratch && hash_ids)
@@ -592,14 +604,14 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     a.bias = bias ? bias->device : NULL;
     a.bias_type = bias ? bias->type : (uint32_t)DS4_TYPE_F32;
     a.hash = d_hash;
-    a.n_used = n_used;
+    a.n_used = n_used_row;
     a.normalise = normalise;
     a.scale = scale;
     a.keys = (unsigned long long *)scratch;
     a.prob = (float *)(scratch + keys_bytes);
     a.sel = sel_out;
     a.weight = weight_out;
-    router_kernel<<<1, ROUTER_THREADS, 0, cuda_stream(be)>>>(a);
+    router_kernel<<<(unsigned)n_rows, ROUTER_THREADS, 0, cuda_stream(be)>>>(a);
     (void)CUDA_LAUNCHED(be, "router kernel");
 }
 

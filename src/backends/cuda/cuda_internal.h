@@ -254,7 +254,10 @@ static __device__ __forceinline__ float cuda_swiglu1(float g, float u, float lim
 void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
                  int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
-              const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num);
+              const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
+              ds4_numerics num);
+void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
+                         int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 /* true when cuda_matmul can multiply this weight type under `num`. */
 bool cuda_matmul_supported(uint32_t type, ds4_numerics num);
 
@@ -279,7 +282,7 @@ void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_w
                   const ds4_weight *base, float *out, int64_t n_rows);
 void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
                  const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
-                 float *weight_out);
+                 float *weight_out, int64_t n_rows);
 void cuda_swiglu(ds4_backend *be, const float *g, const float *u, float limit, float scale, float *out, int64_t n);
 
 #endif

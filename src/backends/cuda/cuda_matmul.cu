@@ -757,13 +757,68 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
 /* The routing of one token, checked: sel_out[k] = sel[k] and w_out[k] =
  * weights[k] when sel[k] is in [0, n_expert); else the bad id is reported
  * and expert 0 with weight 0 stands in for it. */
-__global__ void __launch_bounds__(MOE_MAX_USED) moe_route_kernel(const int32_t *__restrict__ sel,
-                                                                 const float *__restrict__ weights, int n_used,
-                                                                 int64_t n_expert, int32_t *__restrict__ sel_out,
-                                                                 float *__restrict__ w_out, cuda_dev_error *err,
-                                                                 int tag) {
-    const int k = threadIdx.x;
-    if (k >= n_used) return;
+void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
+                         int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
+    if (!w || !w->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "matmul_grouped: weight %s is not bound", cuda_wname(w));
+        return;
+    }
+    if (!check_weight(be, "matmul_grouped", w, num)) return;
+    const int64_t n_in = w->ne[0];
+    if (n_groups < 1 || n_out < 0 || n_rows < 0 || n_groups * n_out > cuda_weight_rows(w) ||
+        (n_rows > 1 && (x_stride < n_groups * n_in || out_stride < n_groups * n_out))) {
+        cuda_fail(be, DS4_ERR_INVALID,
+                  "matmul_grouped: weight %s [%lld x %lld rows]: %lld groups of %lld rows, %lld x rows (stride %lld), "
+                  "out stride %lld",
+                  cuda_wname(w), (long long)n_in, (long long)cuda_weight_rows(w), (long long)n_groups, (long long)n_out,
+                  (long long)n_rows, (long long)x_stride, (long long)out_stride);
+        return;
+    }
+    if (n_out == 0 || n_rows == 0 || cuda_failed(be)) return;
+    const mm_mode mode = mode_for(w->type, num);
+    const int64_t blk = mode == MM_Q8_K ? DS4_QK_K : mode == MM_Q8_0 ? DS4_QK8_0 : 4;
+    if (mv_suits(w, mode, x, x_stride, n_rows) && n_in % blk == 0) {
+        /* one launch: the groups are whole activation blocks, so quantising
+         * each row once gives every group's blocks exactly as quantising the
+         * groups one by one would */
+        const int64_t len = n_groups * n_in;
+        const void *act = x;
+        const size_t qbytes = act_bytes(mode, len, n_rows);
+        if (qbytes) {
+            void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
+            if (!q || !quantize_acts(be, mode, x, x_stride, len, n_rows, q)) return;
+            act = q;
+        }
+        cuda_mv_job j;
+        j.type = w->type;
+        j.act_kind = mv_kind(mode);
+        j.w = w->device;
+        j.row_bytes = w->row_bytes;
+        j.n = n_in;
+        j.row0 = 0;
+        j.n_out = n_out;
+        j.act = act;
+        j.act_stride = act_stride_of(mode, len, x_stride);
+        j.out = out;
+        j.out_stride = out_stride;
+        j.n_rows = (int)n_rows;
+        cuda_mv_run_grouped(be, &j, n_groups, mode == MM_F32 ? n_in : n_in / blk);
+        return;
+    }
+    for (int64_t g = 0; g < n_groups && !cuda_failed(be); g++)
+        cuda_matmul(be, w, g * n_out, n_out, x + g * n_in, x_stride, out + g * n_out, out_stride, n_rows, num);
+}
+
+/* Expert ids and weights of n slots (tokens x experts per token) checked
+ * and copied: an id outside [0, n_expert) is reported and becomes expert 0
+ * with weight 0, so its work adds nothing and no kernel reads past the
+ * weights. */
+__global__ void __launch_bounds__(256) moe_route_kernel(const int32_t *__restrict__ sel,
+                                                        const float *__restrict__ weights, int64_t n,
+                                                        int64_t n_expert, int32_t *__restrict__ sel_out,
+                                                        float *__restrict__ w_out, cuda_dev_error *err, int tag) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n) return;
     const int32_t e = sel[k];
     if (cuda_index_ok(e, n_expert)) {
         sel_out[k] = e;
@@ -775,67 +830,27 @@ __global__ void __launch_bounds__(MOE_MAX_USED) moe_route_kernel(const int32_t *
     }
 }
 
-/* The streaming kernels run the MoE of one token under DS4 numerics when all
- * three weights suit them (float activations: 16-byte aligned x, n_ff a
- * multiple of 4) and at most CUDA_MV_MAX_PARTS experts are used. */
+/* The streaming kernels run the MoE under DS4 numerics when all three
+ * weights suit them (float activations: 16-byte aligned x rows, n_ff and dim
+ * multiples of 4) and at most CUDA_MV_MAX_PARTS experts are used. */
 static bool mv_moe_suits(const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, mm_mode mg, mm_mode mu,
                          mm_mode md, const float *x, int64_t n_ff, int n_used) {
     if (n_used > CUDA_MV_MAX_PARTS || mg == MM_REF) return false;
     if (!mv_suits(gate, mg, x, gate->ne[0], 1) || !mv_suits(up, mu, x, up->ne[0], 1)) return false;
+    if ((mg == MM_F32 || mu == MM_F32) && gate->ne[0] % 4 != 0) return false;
     if (md == MM_REF || !cuda_mv_fits(down->type, mv_kind(md), down->row_bytes, down->ne[0])) return false;
     return md != MM_F32 || n_ff % 4 == 0;
 }
 
-void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
-              const int32_t *sel, const float *weights, int n_used, float limit, float *out, ds4_numerics num) {
-    if (!gate || !up || !down || !gate->device || !up->device || !down->device) {
-        cuda_fail(be, DS4_ERR_INVALID, "moe: expert weights are not bound");
-        return;
-    }
-    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2];
-    if (up->ne[0] != dim || up->ne[1] != n_ff || up->ne[2] != n_expert || down->ne[0] != n_ff ||
-        down->ne[1] != dim || down->ne[2] != n_expert || n_used < 0) {
-        cuda_fail(be, DS4_ERR_INVALID,
-                  "moe: %s [%lld, %lld, %lld], %s [%lld, %lld, %lld] and %s [%lld, %lld, %lld] do not fit together",
-                  cuda_wname(gate), (long long)gate->ne[0], (long long)gate->ne[1], (long long)gate->ne[2],
-                  cuda_wname(up), (long long)up->ne[0], (long long)up->ne[1], (long long)up->ne[2], cuda_wname(down),
-                  (long long)down->ne[0], (long long)down->ne[1], (long long)down->ne[2]);
-        return;
-    }
-    if (n_used > MOE_MAX_USED) {
-        cuda_fail(be, DS4_ERR_INVALID, "moe: %d experts per token (at most %d) for %s", n_used, MOE_MAX_USED,
-                  cuda_wname(gate));
-        return;
-    }
-    if (!check_weight(be, "moe", gate, num) || !check_weight(be, "moe", up, num) ||
-        !check_weight(be, "moe", down, num))
-        return;
-    if (cuda_failed(be)) return;
+/* One token on the general kernels (REFERENCE numerics, or shapes the
+ * streaming kernels do not take): gate, up, SwiGLU, down, then the sum over
+ * the experts in order. */
+static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                          const float *x, const int32_t *d_sel, const float *d_w, int n_used, float limit, float *out,
+                          ds4_numerics num) {
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1];
     cudaStream_t st = cuda_stream(be);
-    if (n_used == 0) {
-        CUDA_OK(be, cudaMemsetAsync(out, 0, (size_t)dim * sizeof(float), st));
-        return;
-    }
-    if (!sel || !weights) {
-        cuda_fail(be, DS4_ERR_INVALID, "moe: NULL %s for %s", !sel ? "expert ids" : "routing weights",
-                  cuda_wname(gate));
-        return;
-    }
-
-    /* sel and weights are device memory (the router's outputs): checked on
-     * the device into MATMUL_CTRL [n_used int32][n_used float], which the
-     * product kernels read; an id outside [0, n_expert) is reported and
-     * becomes expert 0 with weight 0, so its work adds nothing and no kernel
-     * reads past the weights. */
-    int32_t *d_sel = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)n_used * sizeof(int32_t));
-    if (!d_sel) return;
-    float *d_w = (float *)(d_sel + n_used);
-    moe_route_kernel<<<1, n_used, 0, st>>>(sel, weights, n_used, n_expert, d_sel, d_w, cuda_dev_error_of(be),
-                                           cuda_check_tag(be, gate->name));
-    if (!CUDA_LAUNCHED(be, "moe_route_kernel")) return;
-
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
-    /* quantised x: gate's, and up's when its kind differs (shared otherwise) */
     const size_t qg = act_bytes(mg, dim, 1), qu = mu != mg ? act_bytes(mu, dim, 1) : 0;
     const void *xg = x, *xu = x;
     if (qg + qu) {
@@ -855,23 +870,6 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
     float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)(n_mid > n_part ? n_mid : n_part) * sizeof(float));
     if (!g || !u) return;
-
-    if (mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used)) {
-        /* gate and up in one launch, SwiGLU, the mids quantised, down summed
-         * over the experts in one launch */
-        if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, d_sel, n_used, g, u)) return;
-        moe_swiglu_kernel<<<(unsigned)cdiv(n_mid, 256), 256, 0, st>>>(g, u, d_w, n_ff, n_mid, limit);
-        if (!CUDA_LAUNCHED(be, "moe_swiglu_kernel")) return;
-        const void *mids = g;
-        const size_t qm = act_bytes(md, n_ff, n_used);
-        if (qm) {
-            void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
-            if (!q || !quantize_acts(be, md, g, n_ff, n_ff, n_used, q)) return;
-            mids = q;
-        }
-        cuda_mv_moe_down(be, down, mv_kind(md), mids, act_stride_of(md, n_ff, n_ff), d_sel, n_used, out);
-        return;
-    }
 
     mm_args a;
     memset(&a, 0, sizeof a);
@@ -919,4 +917,98 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     if (!launch_product(be, down->type, md, a)) return;
     moe_sum_kernel<<<(unsigned)cdiv(dim, 256), 256, 0, st>>>(u, n_used, dim, out);
     CUDA_LAUNCHED(be, "moe_sum_kernel");
+}
+
+void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
+              const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
+              ds4_numerics num) {
+    if (!gate || !up || !down || !gate->device || !up->device || !down->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: expert weights are not bound");
+        return;
+    }
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2];
+    if (up->ne[0] != dim || up->ne[1] != n_ff || up->ne[2] != n_expert || down->ne[0] != n_ff ||
+        down->ne[1] != dim || down->ne[2] != n_expert || n_used < 0) {
+        cuda_fail(be, DS4_ERR_INVALID,
+                  "moe: %s [%lld, %lld, %lld], %s [%lld, %lld, %lld] and %s [%lld, %lld, %lld] do not fit together",
+                  cuda_wname(gate), (long long)gate->ne[0], (long long)gate->ne[1], (long long)gate->ne[2],
+                  cuda_wname(up), (long long)up->ne[0], (long long)up->ne[1], (long long)up->ne[2], cuda_wname(down),
+                  (long long)down->ne[0], (long long)down->ne[1], (long long)down->ne[2]);
+        return;
+    }
+    if (n_used > MOE_MAX_USED || n_rows < 0 || n_rows * n_used > 65535) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: %d experts per token for %lld tokens (at most %d per token, 65535 in all) "
+                  "for %s", n_used, (long long)n_rows, MOE_MAX_USED, cuda_wname(gate));
+        return;
+    }
+    if (!check_weight(be, "moe", gate, num) || !check_weight(be, "moe", up, num) ||
+        !check_weight(be, "moe", down, num))
+        return;
+    if (cuda_failed(be) || n_rows == 0) return;
+    cudaStream_t st = cuda_stream(be);
+    if (n_used == 0) {
+        CUDA_OK(be, cudaMemsetAsync(out, 0, (size_t)(dim * n_rows) * sizeof(float), st));
+        return;
+    }
+    if (!sel || !weights) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: NULL %s for %s", !sel ? "expert ids" : "routing weights",
+                  cuda_wname(gate));
+        return;
+    }
+
+    /* sel and weights are device memory (the router's outputs): checked on
+     * the device into MATMUL_CTRL [slots int32][slots float], which the
+     * product kernels read */
+    const int64_t slots = (int64_t)n_used * n_rows;
+    int32_t *d_sel = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)slots * sizeof(int32_t));
+    if (!d_sel) return;
+    float *d_w = (float *)(d_sel + slots);
+    moe_route_kernel<<<(unsigned)cdiv(slots, 256), 256, 0, st>>>(sel, weights, slots, n_expert, d_sel, d_w,
+                                                                   cuda_dev_error_of(be), cuda_check_tag(be, gate->name));
+    if (!CUDA_LAUNCHED(be, "moe_route_kernel")) return;
+
+    const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
+    if (!mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used)) {
+        for (int64_t r = 0; r < n_rows && !cuda_failed(be); r++)
+            moe_one_token(be, gate, up, down, x + r * dim, d_sel + r * n_used, d_w + r * n_used, n_used, limit,
+                          out + r * dim, num);
+        return;
+    }
+
+    /* The streaming kernels, every token at once: x quantised (gate's kind,
+     * and up's when it differs), gate and up in one launch, SwiGLU with the
+     * routing weights, the mids quantised, down summed over each token's
+     * experts in one launch. */
+    const size_t qg = act_bytes(mg, dim, n_rows), qu = mu != mg ? act_bytes(mu, dim, n_rows) : 0;
+    const void *xg = x, *xu = x;
+    if (qg + qu) {
+        uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, align256(qg) + qu);
+        if (!q) return;
+        if (qg) {
+            if (!quantize_acts(be, mg, x, dim, dim, n_rows, q)) return;
+            xg = q;
+        }
+        if (mu == mg) xu = xg;
+        else if (qu) {
+            if (!quantize_acts(be, mu, x, dim, dim, n_rows, q + align256(qg))) return;
+            xu = q + align256(qg);
+        }
+    }
+    const int64_t n_mid = slots * n_ff;
+    float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
+    float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)n_mid * sizeof(float));
+    if (!g || !u) return;
+    if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
+                             act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u))
+        return;
+    moe_swiglu_kernel<<<(unsigned)cdiv(n_mid, 256), 256, 0, st>>>(g, u, d_w, n_ff, n_mid, limit);
+    if (!CUDA_LAUNCHED(be, "moe_swiglu_kernel")) return;
+    const void *mids = g;
+    const size_t qm = act_bytes(md, n_ff, slots);
+    if (qm) {
+        void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
+        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, slots, q)) return;
+        mids = q;
+    }
+    cuda_mv_moe_down(be, down, mv_kind(md), mids, act_stride_of(md, n_ff, n_ff), d_sel, n_used, n_rows, out, dim);
 }

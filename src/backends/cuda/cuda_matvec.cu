@@ -159,6 +159,11 @@ struct mv_args {
     const int32_t *sel;  /* device expert ids (NULL: plain rows) */
     int64_t rows_per_expert, n_expert;
     int64_t out_sel_stride; /* gate/up: output rows of slot blockIdx.y */
+    int slots_per_token;    /* gate/up: slot s reads activation row s / slots_per_token */
+    int64_t act_token_stride; /* gate/up: activation rows (floats or blocks) */
+    int64_t out_token_stride; /* down: output rows of token blockIdx.y */
+    int64_t group_rows;       /* grouped products: outputs per group (0: not grouped) */
+    int64_t act_group_stride; /* activation offset of the next group (floats or blocks) */
     int n_rows;
     int parts;           /* warps per output */
     int rpb;             /* outputs per thread block */
@@ -394,21 +399,25 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
     bool active = o < a.n_out;
     int64_t wrow = a.row0 + o, u0 = 0, u1 = a.units;
     const uint8_t *act = (const uint8_t *)a.act[z];
+    int64_t act_unit; /* bytes of one activation element (float) or block */
+    if constexpr (mv_float(T)) act_unit = 4;
+    else if constexpr (T == DS4_TYPE_Q8_0) act_unit = (int64_t)sizeof(mv_q8_0);
+    else act_unit = (int64_t)sizeof(ds4_block_q8_K);
     if (a.experts_as_parts) {
-        const int32_t e = a.sel[part];
+        const int64_t slot = (int64_t)blockIdx.y * a.parts + part;
+        const int32_t e = a.sel[slot];
         active &= e >= 0 && e < a.n_expert;
         wrow = (int64_t)e * a.rows_per_expert + o;
-        int64_t act_bytes_stride;
-        if constexpr (mv_float(T)) act_bytes_stride = a.act_stride * 4;
-        else if constexpr (T == DS4_TYPE_Q8_0) act_bytes_stride = a.act_stride * (int64_t)sizeof(mv_q8_0);
-        else act_bytes_stride = a.act_stride * (int64_t)sizeof(ds4_block_q8_K);
-        act += part * act_bytes_stride;
+        act += slot * a.act_stride * act_unit;
     } else {
         if (a.sel) {
-            const int32_t e = a.sel[blockIdx.y];
+            const int64_t slot = blockIdx.y;
+            const int32_t e = a.sel[slot];
             active &= e >= 0 && e < a.n_expert;
             wrow = (int64_t)e * a.rows_per_expert + o;
+            act += (slot / a.slots_per_token) * a.act_token_stride * act_unit;
         }
+        if (a.group_rows && active) act += (o / a.group_rows) * a.act_group_stride * act_unit;
         u0 = a.units * part / a.parts;
         u1 = a.units * (part + 1) / a.parts;
     }
@@ -477,7 +486,9 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
                 for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, red[olr * a.parts + p][r]);
                 s = mv_finish<T>(s);
             }
-            float *out = a.out[z] + (a.sel && !a.experts_as_parts ? (int64_t)blockIdx.y * a.out_sel_stride : 0);
+            float *out = a.out[z] + (a.experts_as_parts ? (int64_t)blockIdx.y * a.out_token_stride
+                                     : a.sel              ? (int64_t)blockIdx.y * a.out_sel_stride
+                                                          : 0);
             out[r * a.out_stride + oo] = s;
         }
     }
@@ -559,9 +570,42 @@ bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) {
     return mv_launch(be, j->type, a, 1, 1);
 }
 
+bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups, int64_t act_group_stride) {
+    if (j->n_rows < 1 || j->n_rows > CUDA_MV_MAX_ROWS || n_groups < 1 ||
+        !cuda_mv_fits(j->type, j->act_kind, j->row_bytes, j->n)) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of type %s in %lld groups do not suit the kernels", j->n_rows,
+                  ds4_type_name(j->type), (long long)n_groups);
+        return false;
+    }
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    a.w[0] = a.w[1] = (const uint8_t *)j->w;
+    a.act[0] = a.act[1] = j->act;
+    a.out[0] = a.out[1] = j->out;
+    a.row_bytes = j->row_bytes;
+    a.units = j->row_bytes / unit_bytes_of(j->type);
+    a.row0 = j->row0;
+    a.n_out = j->n_out * n_groups; /* outputs of all groups, in order */
+    a.act_stride = j->act_stride;
+    a.out_stride = j->out_stride;
+    a.n_rows = j->n_rows;
+    a.group_rows = j->n_out;
+    a.act_group_stride = act_group_stride;
+    a.parts = split_for(a.n_out, a.units);
+    a.rpb = MV_WARPS / a.parts;
+    return mv_launch(be, j->type, a, 1, 1);
+}
+
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
-                         cuda_mv_act kind_u, const void *act_gate, const void *act_up, const int32_t *sel, int n_used,
-                         float *g, float *u) {
+                         cuda_mv_act kind_u, const void *act_gate, const void *act_up, int64_t act_gate_stride,
+                         int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u) {
+    const int64_t slots = (int64_t)n_used * n_tokens;
+    if (n_used < 1 || slots > 65535) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %lld expert slots of %s (at most 65535)", (long long)slots,
+                  cuda_wname(gate));
+        return false;
+    }
+    const int64_t act_strides[2] = { act_gate_stride, act_up_stride };
     const int64_t dim = gate->ne[0], n_ff = gate->ne[1];
     const bool shared = gate->type == up->type && gate->row_bytes == up->row_bytes;
     const ds4_weight *ws[2] = { gate, up };
@@ -591,18 +635,21 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.rows_per_expert = n_ff;
         a.n_expert = w->ne[2];
         a.out_sel_stride = n_ff;
+        a.slots_per_token = n_used;
+        a.act_token_stride = act_strides[m]; /* gate and up share it when they share a launch */
         a.n_rows = 1;
-        a.parts = split_for(n_ff * n_used * (shared ? 2 : 1), a.units);
+        a.parts = split_for(n_ff * slots * (shared ? 2 : 1), a.units);
         a.rpb = MV_WARPS / a.parts;
-        if (!mv_launch(be, w->type, a, n_used, shared ? 2 : 1)) return false;
+        if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
 }
 
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
-                      const int32_t *sel, int n_used, float *out) {
+                      const int32_t *sel, int n_used, int64_t n_tokens, float *out, int64_t out_stride) {
     const int64_t n_ff = down->ne[0], dim = down->ne[1];
-    if (n_used < 1 || n_used > CUDA_MV_MAX_PARTS || !cuda_mv_fits(down->type, kind, down->row_bytes, n_ff)) {
+    if (n_used < 1 || n_used > CUDA_MV_MAX_PARTS || n_tokens < 1 || n_tokens > 65535 ||
+        !cuda_mv_fits(down->type, kind, down->row_bytes, n_ff)) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %d experts of %s do not suit the kernels", n_used, cuda_wname(down));
         return false;
     }
@@ -623,5 +670,6 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
     a.parts = n_used;
     a.rpb = MV_WARPS / n_used > 0 ? MV_WARPS / n_used : 1;
     a.experts_as_parts = 1;
-    return mv_launch(be, down->type, a, 1, 1);
+    a.out_token_stride = out_stride;
+    return mv_launch(be, down->type, a, (int)n_tokens, 1);
 }

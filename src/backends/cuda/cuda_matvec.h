@@ -44,19 +44,27 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
  * the error recorded when the launch failed. */
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *job);
 
-/* The routed experts of one token, on the device choices `sel` (n_used ids,
- * validated by the caller's kernels) and one activation row shared by gate
- * and up (act_gate, act_up: quantised or float as the kinds say):
- *   gate/up: g[k][j] = gate[sel[k]][j] . x, u[k][j] = up[sel[k]][j] . x
+/* The routed experts of n_tokens tokens, on the device choices `sel`
+ * ([n_tokens, n_used] ids, validated by the caller's kernels) and the
+ * activation rows of the tokens (act_gate, act_up: quantised or float as
+ * the kinds say, act_*_stride blocks or floats apart):
+ *   gate/up: g[t][k][j] = gate[sel[t][k]][j] . x[t], u likewise
  *            (one launch for both when they share a type)
- *   down:    out[o] = sum over k = 0, 1, ... (from 0.0f) of down[sel[k]][o] . mid[k]
- *            (one launch; mid rows act_stride blocks/floats apart)
+ *   down:    out[t][o] = sum over k = 0, 1, ... (from 0.0f) of
+ *            down[sel[t][k]][o] . mid[t][k] (one launch; mid rows
+ *            act_stride apart, out rows out_stride apart)
  * Experts whose id is outside [0, n_expert) are skipped (their products
  * read as 0); the caller reports them. */
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
-                         cuda_mv_act kind_u, const void *act_gate, const void *act_up, const int32_t *sel, int n_used,
-                         float *g, float *u);
+                         cuda_mv_act kind_u, const void *act_gate, const void *act_up, int64_t act_gate_stride,
+                         int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u);
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
-                      const int32_t *sel, int n_used, float *out);
+                      const int32_t *sel, int n_used, int64_t n_tokens, float *out, int64_t out_stride);
+
+/* A grouped product (the matmul_grouped op) of up to CUDA_MV_MAX_ROWS rows:
+ * out[r][g * n_out + o] = W[g * n_out + o] . act[r][group g], where group g
+ * of an activation row starts act_group_stride blocks (or floats) after
+ * group g - 1. */
+bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *job, int64_t n_groups, int64_t act_group_stride);
 
 #endif

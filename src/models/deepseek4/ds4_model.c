@@ -12,10 +12,11 @@
  *     HC post.
  * then the HC head merge, the output norm and the LM head.
  *
- * A batch is processed layer-major. The dense projections run over the whole
- * batch; the parts that read or write the per-layer state (KV window,
- * compressors, indexer, attention, routing) run token by token in order, so
- * a batch computes exactly what single-token decoding computes.
+ * A batch is processed layer-major. The dense projections, the router and
+ * the routed experts run over the whole batch (each token's row on its own);
+ * the parts that read or write the per-layer state (KV window, compressors,
+ * indexer, attention) run token by token in order, so a batch computes
+ * exactly what single-token decoding computes.
  */
 #include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_model_internal.h"
@@ -190,7 +191,8 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "copy", o->copy }, { "fill", o->fill }, { "bind_weight", o->bind_weight },
         { "release_weight", o->release_weight }, { "embed", o->embed }, { "rmsnorm", o->rmsnorm }, { "add", o->add },
         { "add_weight_row", o->add_weight_row }, { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
-        { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "rope_tail", o->rope_tail },
+        { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "matmul_grouped", o->matmul_grouped },
+        { "rope_tail", o->rope_tail },
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
         { "compressor_pool", o->compressor_pool }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
         { "router", o->router }, { "swiglu", o->swiglu }, { "moe", o->moe }, { "take_error", o->take_error },
@@ -376,15 +378,16 @@ typedef struct eval_scratch {
     float *low;         /* [n, G*ro] */
     float *y;           /* sublayer output [n, H] */
     float *logits_e;    /* router logits [n, E] */
-    float *moe;         /* [H] */
+    float *moe;         /* routed experts' output [n, H] */
     float *g, *u;       /* shared expert [n, I] */
     float *h;           /* [n, H] */
     float *logits;      /* [n, V] */
     /* the choices ops hand to later ops, in backend memory (int32 arrays
      * stored in float buffers, see backend.h) */
-    float *sel;         /* expert ids, int32 [k] */
-    float *sel_w;       /* routing weights [k] */
+    float *sel;         /* expert ids, int32 [n, k] */
+    float *sel_w;       /* routing weights [n, k] */
     float *topk;        /* selected compressed rows, int32 [top_k] */
+    int32_t *hash_ids;  /* host: hash layers' expert ids [n, k] */
 } scratch;
 
 static void scratch_free(ds4_backend *be, scratch *s) {
@@ -392,6 +395,7 @@ static void scratch_free(ds4_backend *be, scratch *s) {
                       s->isc, s->iq, s->iw, s->iscores, s->crow, s->attn, s->low, s->y, s->logits_e, s->moe,
                       s->g, s->u, s->h, s->logits, s->sel, s->sel_w, s->topk };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be, bufs[i]);
+    free(s->hash_ids);
 }
 
 static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64_t n_ctx, bool all_logits,
@@ -406,14 +410,16 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
                               n * c->n_head * D, n * D, n * 2 * D, n * 2 * D, n * 2 * c->idx_head_dim,
                               n * 2 * c->idx_head_dim, (int64_t)c->idx_n_head * c->idx_head_dim,
                               n * c->idx_n_head, n_ctx / 4 + 2, crow,
-                              n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, H,
+                              n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, n * H,
                               n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab,
-                              c->n_expert_used, c->n_expert_used, c->idx_top_k };
+                              n * c->n_expert_used, n * c->n_expert_used, c->idx_top_k };
     bool ok = true;
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
         *slots[i] = be->ops->alloc(be, sizes[i] > 0 ? sizes[i] : 1);
         ok &= *slots[i] != NULL;
     }
+    s->hash_ids = malloc((size_t)(n * c->n_expert_used > 0 ? n * c->n_expert_used : 1) * sizeof *s->hash_ids);
+    ok &= s->hash_ids != NULL;
     if (!ok) scratch_free(be, s);
     return ok;
 }
@@ -567,10 +573,10 @@ static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, c
     }
     be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
     TAP("attn_rope_inv", l, -1, s->attn, n * nh * D);
-    /* grouped low-rank output: group g reads heads g*nh/G .. (g+1)*nh/G - 1 */
-    const int64_t G = c->o_groups, ro = c->o_lora, gin = nh * D / G;
-    for (int64_t g = 0; g < G; g++)
-        be->ops->matmul(be, &W->out_a, g * ro, ro, s->attn + g * gin, nh * D, s->low + g * ro, G * ro, n, num);
+    /* grouped low-rank output: group g reads heads g*nh/G .. (g+1)*nh/G - 1
+     * (its nh*D/G columns of each row) through its ro rows of out_a */
+    const int64_t G = c->o_groups, ro = c->o_lora;
+    be->ops->matmul_grouped(be, &W->out_a, G, ro, s->attn, nh * D, s->low, G * ro, n, num);
     TAP("attn_out_a", l, -1, s->low, n * G * ro);
     be->ops->matmul(be, &W->out_b, 0, H, s->low, G * ro, s->y, H, n, num);
     TAP("attn_out_b", l, -1, s->y, n * H);
@@ -606,24 +612,27 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     TAP("shexp_swiglu", l, -1, s->g, n * I);
     be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
     TAP("shexp_down", l, -1, s->y, n * H);
-    /* routed experts, token by token */
-    for (int64_t t = 0; t < n; t++) {
-        int32_t hash_ids[16];
-        const int32_t *hash = NULL;
-        if (W->tid2eid.host) {
-            memcpy(hash_ids, (const int32_t *)W->tid2eid.host + (int64_t)tokens[t] * k, (size_t)k * sizeof(int32_t));
-            hash = hash_ids;
-        }
-        be->ops->router(be, s->logits_e + t * E, E, W->has_bias ? &W->probs_bias : NULL, hash, k,
-                        c->expert_weights_norm, c->expert_weights_scale, (int32_t *)s->sel, s->sel_w);
-        tap_ints(m, "router_experts", l, t, s->sel, k);
-        TAP("router_weights", l, t, s->sel_w, k);
-        be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a + t * H, (const int32_t *)s->sel, s->sel_w,
-                     k, limit, s->moe, num);
-        TAP("moe", l, t, s->moe, H);
-        be->ops->add(be, s->y + t * H, s->moe, s->y + t * H, H);
-        TAP("ffn_sum", l, t, s->y + t * H, H);
+    /* routed experts: each token routes on its own, but the whole batch is
+     * one router call and one moe call (hash layers: each token's row of
+     * tid2eid, gathered on the host) */
+    const int32_t *hash = NULL;
+    if (W->tid2eid.host) {
+        for (int64_t t = 0; t < n; t++)
+            memcpy(s->hash_ids + t * k, (const int32_t *)W->tid2eid.host + (int64_t)tokens[t] * k,
+                   (size_t)k * sizeof(int32_t));
+        hash = s->hash_ids;
     }
+    be->ops->router(be, s->logits_e, E, W->has_bias ? &W->probs_bias : NULL, hash, k, c->expert_weights_norm,
+                    c->expert_weights_scale, (int32_t *)s->sel, s->sel_w, n);
+    for (int64_t t = 0; t < n; t++) {
+        tap_ints(m, "router_experts", l, t, s->sel + t * k, k);
+        TAP("router_weights", l, t, s->sel_w + t * k, k);
+    }
+    be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a, (const int32_t *)s->sel, s->sel_w, k, limit,
+                 s->moe, n, num);
+    for (int64_t t = 0; t < n; t++) TAP("moe", l, t, s->moe + t * H, H);
+    be->ops->add(be, s->y, s->moe, s->y, n * H);
+    for (int64_t t = 0; t < n; t++) TAP("ffn_sum", l, t, s->y + t * H, H);
     be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
     TAP("ffn_X", l, -1, s->X2, n * c->n_hc * H);
     float *tmp = s->X;
