@@ -31,6 +31,8 @@
 #                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
 #                               DS4_CUDA_GEMM=0), and an nsys per-kernel table
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
+#   DS4_BENCH_COMMIT  the commit bench records (pass it: the GPU machine's copy of the tree
+#                   may carry older git metadata than the files it runs)
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
