@@ -217,13 +217,17 @@ static void attention_tolerance(const att_case *ac, const float *q, const float 
         const double E = ((double)dim / 8 + (double)dim / 32 + 16) * U * S;
         const double rel = 2 * E + (4 * (double)n + 48) * U;
         for (int64_t i = 0; i < dim; i++) {
-            double A = 0;
+            double A = 0, R = 0;
             for (int64_t r = 0; r < n; r++) {
                 const float *row = r < ac->n_a ? rows_a + r * dim
                                                : rows_b + (idx ? (int64_t)idx[r - ac->n_a] : r - ac->n_a) * dim;
                 A += exp(s[r] - m) / den * fabs((double)row[i]);
+                R += fabs((double)row[i]);
             }
-            tol[h * dim + i] = A * rel;
+            /* plus underflow: a weight or a product in the subnormal range is
+             * off by up to half its spacing, 2^-150, absolutely (the relative
+             * bound above does not hold there) */
+            tol[h * dim + i] = A * rel + 4 * 0x1p-150 * (R + (double)n);
         }
     }
     free(s);

@@ -677,6 +677,27 @@ static bool mv_suits(const ds4_weight *w, mm_mode mode, const float *x, int64_t 
     return true;
 }
 
+/* The streaming kernels on n_groups groups of n_out weight rows from row0
+ * (activation group g at g * group_stride blocks or floats; one group: plain). */
+static void run_mv(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t row0, int64_t n_out, int64_t n_groups,
+                   const void *act, int64_t act_stride, int64_t group_stride, float *out, int64_t out_stride,
+                   int64_t n_rows) {
+    cuda_mv_job j;
+    j.type = w->type;
+    j.act_kind = mv_kind(mode);
+    j.w = w->device;
+    j.row_bytes = w->row_bytes;
+    j.n = w->ne[0];
+    j.row0 = row0;
+    j.n_out = n_out;
+    j.act = act;
+    j.act_stride = act_stride;
+    j.out = out;
+    j.out_stride = out_stride;
+    j.n_rows = (int)n_rows;
+    cuda_mv_run_grouped(be, &j, n_groups, group_stride);
+}
+
 /* The int8 tensor-core GEMM for batched Q8_0 products; $DS4_CUDA_GEMM=0
  * turns it off (for A/B measurements). */
 static bool gemm_enabled(void) {
@@ -715,20 +736,7 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
         act = q;
     }
     if (mv_suits(w, mode, x, x_stride, n_rows)) { /* decode shapes: the streaming kernels */
-        cuda_mv_job j;
-        j.type = w->type;
-        j.act_kind = mv_kind(mode);
-        j.w = w->device;
-        j.row_bytes = w->row_bytes;
-        j.n = n_in;
-        j.row0 = row0;
-        j.n_out = n_out;
-        j.act = act;
-        j.act_stride = act_stride_of(mode, n_in, x_stride);
-        j.out = out;
-        j.out_stride = out_stride;
-        j.n_rows = (int)n_rows;
-        cuda_mv_run(be, &j);
+        run_mv(be, w, mode, row0, n_out, 1, act, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows);
         return;
     }
     const int64_t xq_row_bytes = (n_in / DS4_QK8_0) * (int64_t)sizeof(act_q8_0);
@@ -789,20 +797,8 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
             if (!q || !quantize_acts(be, mode, x, x_stride, len, n_rows, q)) return;
             act = q;
         }
-        cuda_mv_job j;
-        j.type = w->type;
-        j.act_kind = mv_kind(mode);
-        j.w = w->device;
-        j.row_bytes = w->row_bytes;
-        j.n = n_in;
-        j.row0 = 0;
-        j.n_out = n_out;
-        j.act = act;
-        j.act_stride = act_stride_of(mode, len, x_stride);
-        j.out = out;
-        j.out_stride = out_stride;
-        j.n_rows = (int)n_rows;
-        cuda_mv_run_grouped(be, &j, n_groups, mode == MM_F32 ? n_in : n_in / blk);
+        run_mv(be, w, mode, 0, n_out, n_groups, act, act_stride_of(mode, len, x_stride),
+               mode == MM_F32 ? n_in : n_in / blk, out, out_stride, n_rows);
         return;
     }
     for (int64_t g = 0; g < n_groups && !cuda_failed(be); g++)

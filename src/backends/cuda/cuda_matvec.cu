@@ -547,28 +547,7 @@ static int split_for(int64_t n_outputs, int64_t units) {
     return p;
 }
 
-bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) {
-    if (j->n_rows < 1 || j->n_rows > CUDA_MV_MAX_ROWS || !cuda_mv_fits(j->type, j->act_kind, j->row_bytes, j->n)) {
-        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of type %s (row of %lld bytes) do not suit the kernels",
-                  j->n_rows, ds4_type_name(j->type), (long long)j->row_bytes);
-        return false;
-    }
-    mv_args a;
-    memset(&a, 0, sizeof a);
-    a.w[0] = a.w[1] = (const uint8_t *)j->w;
-    a.act[0] = a.act[1] = j->act;
-    a.out[0] = a.out[1] = j->out;
-    a.row_bytes = j->row_bytes;
-    a.units = j->row_bytes / unit_bytes_of(j->type);
-    a.row0 = j->row0;
-    a.n_out = j->n_out;
-    a.act_stride = j->act_stride;
-    a.out_stride = j->out_stride;
-    a.n_rows = j->n_rows;
-    a.parts = split_for(j->n_out, a.units);
-    a.rpb = MV_WARPS / a.parts;
-    return mv_launch(be, j->type, a, 1, 1);
-}
+bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
 
 bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups, int64_t act_group_stride) {
     if (j->n_rows < 1 || j->n_rows > CUDA_MV_MAX_ROWS || n_groups < 1 ||
@@ -589,8 +568,10 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     a.act_stride = j->act_stride;
     a.out_stride = j->out_stride;
     a.n_rows = j->n_rows;
-    a.group_rows = j->n_out;
-    a.act_group_stride = act_group_stride;
+    if (n_groups > 1) {
+        a.group_rows = j->n_out;
+        a.act_group_stride = act_group_stride;
+    }
     a.parts = split_for(a.n_out, a.units);
     a.rpb = MV_WARPS / a.parts;
     return mv_launch(be, j->type, a, 1, 1);
