@@ -223,7 +223,7 @@ static void note_peak(cuda_backend *cb) {
 
 void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     cuda_backend *cb = cuda_impl(be);
-    if (slot < 0 || slot >= CUDA_SCRATCH_SLOTS || slot == CUDA_SCRATCH_HOST_STAGE) {
+    if (slot < 0 || slot >= CUDA_SCRATCH_SLOTS) {
         cuda_fail(be, DS4_ERR_INVALID, "cuda scratch: bad slot %d", (int)slot);
         return NULL;
     }
@@ -248,21 +248,6 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     note_peak(cb);
     if (resume) cuda_capture_resume(be);
     return p;
-}
-
-void *cuda_host_stage(ds4_backend *be, size_t bytes) {
-    cuda_backend *cb = cuda_impl(be);
-    if (bytes == 0) bytes = 1;
-    if (cb->host_stage_cap >= bytes) return cb->host_stage;
-    size_t cap = cb->host_stage_cap ? cb->host_stage_cap : 4096;
-    while (cap < bytes) cap = cap > SIZE_MAX / 2 ? bytes : cap * 2;
-    if (!cuda_sync(be)) return NULL;
-    cudaFreeHost(cb->host_stage);
-    cb->host_stage = NULL;
-    cb->host_stage_cap = 0;
-    if (!CUDA_OK(be, cudaMallocHost(&cb->host_stage, cap))) return NULL;
-    cb->host_stage_cap = cap;
-    return cb->host_stage;
 }
 
 /* Bytes of the control ring: a decode step uploads about 2 KB (token id,
@@ -891,7 +876,6 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
         cudaFreeHost(cb->wstage[i]);
         if (cb->wstage_done[i]) cudaEventDestroy(cb->wstage_done[i]);
     }
-    cudaFreeHost(cb->host_stage);
     for (int i = 0; i < CUDA_GRAPH_CACHE; i++)
         if (cb->graph_exec[i]) cudaGraphExecDestroy(cb->graph_exec[i]);
     cudaFreeHost(cb->ring_host);

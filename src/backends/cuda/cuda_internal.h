@@ -53,11 +53,9 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions */
     CUDA_SCRATCH_TOPK_A,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_B,       /* cuda_attention.cu */
-    CUDA_SCRATCH_TOPK_C,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_D,       /* cuda_attention.cu */
     CUDA_SCRATCH_HC,           /* cuda_hc_ffn.cu */
     CUDA_SCRATCH_ROUTER,       /* cuda_hc_ffn.cu */
-    CUDA_SCRATCH_HOST_STAGE,   /* not a device slot: see cuda_host_stage */
     CUDA_SCRATCH_SLOTS
 } cuda_scratch_slot;
 
@@ -90,8 +88,6 @@ typedef struct cuda_backend {
     ds4_error error; /* first error since the last take_error; DS4_OK if none */
     void *scratch[CUDA_SCRATCH_SLOTS];
     size_t scratch_cap[CUDA_SCRATCH_SLOTS];
-    void *host_stage; /* pinned host memory for results read back by ops */
-    size_t host_stage_cap;
     void *ctrl_host[CUDA_SCRATCH_SLOTS]; /* pinned sources of cuda_upload_ctrl, per slot */
     size_t ctrl_cap[CUDA_SCRATCH_SLOTS];
     cudaEvent_t ctrl_done[CUDA_SCRATCH_SLOTS]; /* the last copy out of ctrl_host[slot] */
@@ -143,10 +139,6 @@ static inline void cuda_count_copy(ds4_backend *be, bool h2d, size_t bytes) {
  * growing waits for the stream first). NULL, with the error recorded, when
  * it cannot be allocated. */
 void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes);
-/* Pinned host memory of at least `bytes` (one buffer per backend), for
- * device-to-host results: enqueue cudaMemcpyAsync into it, then
- * cuda_sync(be), then read it. NULL with the error recorded on failure. */
-void *cuda_host_stage(ds4_backend *be, size_t bytes);
 /* Copy `bytes` of host control data to the device slot on the stream (via
  * pinned staging, so the host array may be reused when this returns). NULL
  * with the error recorded on failure. */
