@@ -276,22 +276,30 @@ main() {
     if [ ${#bins[@]} -eq 0 ]; then record "CUDA test binaries" "FAIL (none built)"; fi
     local bins_to_test=("${bins[@]}")
 
-    local b log rc counts
+    local b log rc counts name envs
     has_stage unit || bins_to_test=()
-    for b in "${bins_to_test[@]}"; do
-        section "$b"
+    # the session tests run a second time with decoded tokens recorded as CUDA graphs
+    for b in "${bins_to_test[@]}" $(has_stage unit && [ -x build/cuda/tests/test_cuda_session ] &&
+        echo "DS4_CUDA_GRAPH=1:build/cuda/tests/test_cuda_session"); do
+        envs=()
+        name=$b
+        if [[ $b == *=*:* ]]; then
+            envs=("${b%%:*}")
+            b=${b#*:}
+        fi
+        section "$name"
         log="$TMP/$(basename "$b").log"
-        timeout "$STEP_TIMEOUT" "$b" >"$log" 2>&1
+        env "${envs[@]}" timeout "$STEP_TIMEOUT" "$b" >"$log" 2>&1
         rc=$?
         cat "$log"
         counts=$(test_counts "$log")
         read -r p f s <<<"${counts:-? ? ?}"
         if [ $rc -ne 0 ]; then
-            record "$b" "FAIL (exit $rc; $p passed, $f failed, $s skipped)"
+            record "$name" "FAIL (exit $rc; $p passed, $f failed, $s skipped)"
         elif [ "$s" != "0" ] && [ "$ALLOW_SKIP" != "1" ]; then
-            record "$b" "FAIL ($s skipped on a GPU machine; $p passed)"
+            record "$name" "FAIL ($s skipped on a GPU machine; $p passed)"
         else
-            record "$b" "PASS ($p passed, $f failed, $s skipped)"
+            record "$name" "PASS ($p passed, $f failed, $s skipped)"
         fi
     done
 
