@@ -228,6 +228,16 @@ static cJSON *resp_call_item(const srv_job *job, size_t i, const char *name, con
     return item;
 }
 
+/* The fields naming the open block's content part in a Responses event:
+ * its item, its output index and content index 0. */
+static cJSON *content_ref(const srv_job *job, const char *item_id) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "item_id", item_id);
+    cJSON_AddNumberToObject(o, "output_index", job->block_index);
+    cJSON_AddNumberToObject(o, "content_index", 0);
+    return o;
+}
+
 static void close_block(srv_job *job) {
     if (job->block == BLOCK_NONE) return;
     if (job->req.api == SRV_API_MESSAGES) {
@@ -239,16 +249,10 @@ static void close_block(srv_job *job) {
         cJSON *o;
         if (job->block == BLOCK_TEXT) {
             const chat_buf *t = &job->content_acc;
-            o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "item_id", job->msg_item_id);
-            cJSON_AddNumberToObject(o, "output_index", job->block_index);
-            cJSON_AddNumberToObject(o, "content_index", 0);
+            o = content_ref(job, job->msg_item_id);
             cJSON_AddItemToObject(o, "text", str_n(t->ptr ? t->ptr : "", t->len));
             resp_event(job, "response.output_text.done", o);
-            o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "item_id", job->msg_item_id);
-            cJSON_AddNumberToObject(o, "output_index", job->block_index);
-            cJSON_AddNumberToObject(o, "content_index", 0);
+            o = content_ref(job, job->msg_item_id);
             cJSON *part = cJSON_AddObjectToObject(o, "part");
             cJSON_AddStringToObject(part, "type", "output_text");
             cJSON_AddItemToObject(part, "text", str_n(t->ptr ? t->ptr : "", t->len));
@@ -260,10 +264,7 @@ static void close_block(srv_job *job) {
             resp_event(job, "response.output_item.done", o);
         } else if (job->block == BLOCK_REASONING) {
             const chat_buf *t = &job->reasoning_acc;
-            o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "item_id", job->reasoning_item_id);
-            cJSON_AddNumberToObject(o, "output_index", job->block_index);
-            cJSON_AddNumberToObject(o, "content_index", 0);
+            o = content_ref(job, job->reasoning_item_id);
             cJSON_AddItemToObject(o, "text", str_n(t->ptr ? t->ptr : "", t->len));
             resp_event(job, "response.reasoning_text.done", o);
             o = cJSON_CreateObject();
@@ -308,10 +309,7 @@ static void open_block(srv_job *job, int kind) {
             if (!job->msg_item_id[0]) srv_random_id(job->msg_item_id, sizeof job->msg_item_id, "msg_");
             cJSON_AddItemToObject(o, "item", resp_message_item(job, NULL, 0, "in_progress"));
             resp_event(job, "response.output_item.added", o);
-            o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "item_id", job->msg_item_id);
-            cJSON_AddNumberToObject(o, "output_index", job->block_index);
-            cJSON_AddNumberToObject(o, "content_index", 0);
+            o = content_ref(job, job->msg_item_id);
             cJSON *part = cJSON_AddObjectToObject(o, "part");
             cJSON_AddStringToObject(part, "type", "output_text");
             cJSON_AddStringToObject(part, "text", "");
@@ -519,10 +517,7 @@ static void text_delta(srv_job *job, int kind, const char *text, size_t len) {
     case SRV_API_RESPONSES: {
         open_block(job, kind);
         chat_buf_put(kind == BLOCK_REASONING ? &job->reasoning_acc : &job->content_acc, text, len);
-        o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "item_id", kind == BLOCK_REASONING ? job->reasoning_item_id : job->msg_item_id);
-        cJSON_AddNumberToObject(o, "output_index", job->block_index);
-        cJSON_AddNumberToObject(o, "content_index", 0);
+        o = content_ref(job, kind == BLOCK_REASONING ? job->reasoning_item_id : job->msg_item_id);
         cJSON_AddItemToObject(o, "delta", str_n(text, len));
         resp_event(job, kind == BLOCK_REASONING ? "response.reasoning_text.delta" : "response.output_text.delta", o);
         break;

@@ -153,7 +153,16 @@ static int client_alive(int fd) {
 
 /* ------------------------------------------------------------ jobs */
 
-static void job_free(srv_job *job) {
+srv_job *srv_job_new(void) {
+    srv_job *job = calloc(1, sizeof *job);
+    if (!job) return NULL;
+    pthread_mutex_init(&job->mu, NULL);
+    pthread_cond_init(&job->cv, NULL);
+    return job;
+}
+
+void srv_job_free(srv_job *job) {
+    if (!job) return;
     srv_request_free(&job->req);
     chat_buf_free(&job->out);
     chat_buf_free(&job->reasoning_acc);
@@ -309,18 +318,16 @@ static int handle_generate(struct mg_connection *conn, srv_server *s, srv_api ap
     char *body = NULL;
     size_t len = 0;
     if (read_body(conn, s, &body, &len, &e)) return send_error(conn, s, api, &e);
-    srv_job *job = calloc(1, sizeof *job);
+    srv_job *job = srv_job_new();
     if (!job) {
         free(body);
         srv_fail(&e, 500, "api_error", NULL, "out of memory");
         return send_error(conn, s, api, &e);
     }
-    pthread_mutex_init(&job->mu, NULL);
-    pthread_cond_init(&job->cv, NULL);
     int rc = srv_request_parse(api, body, len, &s->limits, &job->req, &e);
     free(body);
     if (rc) {
-        job_free(job);
+        srv_job_free(job);
         return send_error(conn, s, api, &e);
     }
     static const char *const PREFIX[] = { "chatcmpl-", "cmpl-", "resp_", "msg_" };
@@ -334,13 +341,13 @@ static int handle_generate(struct mg_connection *conn, srv_server *s, srv_api ap
         pthread_mutex_lock(&s->qmu);
         stopping = s->stopping;
         pthread_mutex_unlock(&s->qmu);
-        job_free(job);
+        srv_job_free(job);
         srv_fail(&e, 503, "overloaded_error", NULL,
                  stopping ? "the server is shutting down" : "the server is busy (request queue full); retry later");
         return send_error(conn, s, api, &e);
     }
     int status = pump(conn, s, job);
-    job_free(job);
+    srv_job_free(job);
     return status ? status : 500;
 }
 

@@ -155,6 +155,11 @@ void *srv_worker_main(void *arg);
 void srv_worker_persist(srv_server *s, int64_t min_new);
 int srv_queue_length(srv_server *s, int *busy);
 
+/* A job with its lock and condition ready (NULL when out of memory), and
+ * its release (request, output buffers, lock; NULL-safe). */
+srv_job *srv_job_new(void);
+void srv_job_free(srv_job *job);
+
 /* Job output (worker side). */
 void srv_job_begin(srv_job *job, int status, const char *mime);
 void srv_job_write(srv_job *job, const char *bytes, size_t n);

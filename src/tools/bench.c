@@ -224,6 +224,14 @@ static void json_str(FILE *f, const char *s) {
     fputc('"', f);
 }
 
+/* One item of a "skipped" list: {"<key>": value, "reason": "..."}, with a
+ * separator after the first (*k counts the items written). */
+static void json_skipped(FILE *f, int *k, const char *key, long long value, const char *reason) {
+    fprintf(f, "%s{\"%s\": %lld, \"reason\": ", (*k)++ ? ", " : "", key, value);
+    json_str(f, reason);
+    fputc('}', f);
+}
+
 /* A finite double, or null. */
 static void json_num(FILE *f, double x) {
     if (isfinite(x)) fprintf(f, "%.9g", x);
@@ -1199,9 +1207,7 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     for (int i = 0; i < o->n_prefill && !o->ab; i++) {
         const prefill_row *r = &b->prefill[i];
         if (!r->skipped) continue;
-        fprintf(f, "%s{\"tokens\": %lld, \"reason\": ", k++ ? ", " : "", (long long)r->tokens);
-        json_str(f, r->reason);
-        fputc('}', f);
+        json_skipped(f, &k, "tokens", r->tokens, r->reason);
     }
     fputs("],\n  \"ttft\": ", f);
     if (b->ttft_run) {
@@ -1277,9 +1283,7 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     for (int i = 0; i < o->n_ctx && !o->ab; i++) {
         const decode_row *r = &b->decode[i];
         if (!r->skipped) continue;
-        fprintf(f, "%s{\"ctx\": %lld, \"reason\": ", k++ ? ", " : "", (long long)r->ctx);
-        json_str(f, r->reason);
-        fputc('}', f);
+        json_skipped(f, &k, "ctx", r->ctx, r->reason);
     }
     fprintf(f, "],\n  \"peak_device_bytes\": %llu,\n", (unsigned long long)b->peak);
 

@@ -141,14 +141,12 @@ typedef struct run_out {
 /* Feed `text` in 3-byte pieces as if generated for the request `body`. */
 static run_out run_text(srv_api api, const char *body, bool thinking, const char *text) {
     run_out o = { 0 };
-    srv_job *job = calloc(1, sizeof *job);
+    srv_job *job = srv_job_new();
     srv_error e;
-    pthread_mutex_init(&job->mu, NULL);
-    pthread_cond_init(&job->cv, NULL);
     if (srv_request_parse(api, body, strlen(body), &LIMITS, &job->req, &e)) {
         fprintf(stderr, "  parse failed: %s\n", e.message);
         test_current_failures++;
-        free(job);
+        srv_job_free(job);
         return o;
     }
     snprintf(job->id, sizeof job->id, "id-1");
@@ -169,14 +167,7 @@ static run_out run_text(srv_api api, const char *body, bool thinking, const char
     o.body = job->out.ptr ? strdup(job->out.ptr) : strdup("");
     srv_gen_free(&g);
     srv_tool_memory_free(&mem);
-    srv_request_free(&job->req);
-    chat_buf_free(&job->out);
-    chat_buf_free(&job->reasoning_acc);
-    chat_buf_free(&job->content_acc);
-    for (int i = 0; i < SRV_MAX_CALLS; i++) chat_buf_free(&job->args_acc[i]);
-    pthread_mutex_destroy(&job->mu);
-    pthread_cond_destroy(&job->cv);
-    free(job);
+    srv_job_free(job);
     return o;
 }
 
@@ -322,7 +313,7 @@ static void test_stop_sequences(void) {
 }
 
 static void test_dsml_structure_is_greedy(void) {
-    srv_job *job = calloc(1, sizeof *job);
+    srv_job *job = srv_job_new();
     srv_error e;
     const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"w\"}]," TOOLS "}";
     CHECK(srv_request_parse(SRV_API_CHAT, body, strlen(body), &LIMITS, &job->req, &e) == 0);
@@ -342,9 +333,7 @@ static void test_dsml_structure_is_greedy(void) {
         CHECK_MSG(srv_gen_dsml_structural(&g) == (steps[i][1][0] == '1'), "step %zu", i);
     }
     srv_gen_free(&g);
-    srv_request_free(&job->req);
-    chat_buf_free(&job->out);
-    free(job);
+    srv_job_free(job);
 }
 
 static void test_error_bodies(void) {
