@@ -65,8 +65,6 @@
 #define IDX_WARPS (IDX_THREADS / 32)
 #define IDX_MAX_BLOCKS 1024     /* each block stages the queries once, then strides over keys */
 #define TOPK_THREADS 256
-#define SMEM_DEFAULT (48 * 1024) /* dynamic shared memory usable without opting in */
-#define SMEM_STATIC_RESERVE 1024 /* static shared memory of the kernels, at most */
 
 static_assert(ATT_THREADS % 32 == 0 && ATT_TILE <= ATT_THREADS, "one weight per thread of the tile");
 
@@ -81,21 +79,6 @@ static unsigned blocks_for(int64_t n, int threads, int64_t cap) {
 static __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
-}
-
-/* Allow `kernel` `bytes` of dynamic shared memory: free below 48 KiB, else
- * opt in up to the device's limit. false (error recorded) when too large. */
-static bool allow_dynamic_smem(ds4_backend *be, const void *kernel, size_t bytes, const char *op, int64_t dim) {
-    if (bytes + SMEM_STATIC_RESERVE <= SMEM_DEFAULT) return true;
-    int optin = 0;
-    if (!CUDA_OK(be, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda_impl(be)->device)))
-        return false;
-    if (bytes + SMEM_STATIC_RESERVE > (size_t)optin) {
-        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: width %lld needs %zu bytes of shared memory (the device has %d)", op,
-                  (long long)dim, bytes, optin);
-        return false;
-    }
-    return CUDA_OK(be, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -174,7 +157,7 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     }
     if (cuda_failed(be)) return;
     const size_t smem = (size_t)n_rot * sizeof(float);
-    if (!allow_dynamic_smem(be, (const void *)rope_tail_kernel, smem, "rope_tail", n_rot)) return;
+    if (!cuda_allow_dynamic_smem(be, (const void *)rope_tail_kernel, smem, "rope_tail", n_rot)) return;
     const int32_t *d_pos =
         (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
     if (!d_pos) return;
@@ -413,7 +396,7 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
 
     if (n > 0) {
         const size_t smem = 2 * (size_t)dim * sizeof(float);
-        if (!allow_dynamic_smem(be, (const void *)attention_partial_kernel, smem, "attention", dim)) return;
+        if (!cuda_allow_dynamic_smem(be, (const void *)attention_partial_kernel, smem, "attention", dim)) return;
         att_rows rows = { rows_a, n_a, rows_b, n_rows_b, n_b > 0 ? idx_b : NULL, dim, cuda_dev_error_of(be),
                           idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1 };
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
@@ -576,7 +559,7 @@ void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, 
         return;
     }
     if (cuda_failed(be)) return;
-    const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + SMEM_STATIC_RESERVE <= SMEM_DEFAULT;
+    const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT;
     if (dim <= 128) indexer_launch<4>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
     else if (dim <= 512) indexer_launch<16>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
     else indexer_launch<0>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);

@@ -250,6 +250,19 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     return p;
 }
 
+bool cuda_allow_dynamic_smem(ds4_backend *be, const void *kernel, size_t bytes, const char *op, int64_t dim) {
+    if (bytes + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT) return true;
+    int optin = 0;
+    if (!CUDA_OK(be, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cuda_impl(be)->device)))
+        return false;
+    if (bytes + CUDA_SMEM_STATIC_RESERVE > (size_t)optin) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: width %lld needs %zu bytes of shared memory (the device has %d)", op,
+                  (long long)dim, bytes, optin);
+        return false;
+    }
+    return CUDA_OK(be, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
 /* Bytes of the control ring: a decode step uploads about 2 KB (token id,
  * positions for every RoPE), so a lap lasts hundreds of tokens. */
 #define CUDA_CTRL_RING ((size_t)1 << 20)

@@ -175,12 +175,9 @@ bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, i
 
 bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
                     int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride) {
-    static bool configured = false;
-    if (!configured) {
-        if (!CUDA_OK(be, cudaFuncSetAttribute(gemm_q8_0_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM)))
-            return false;
-        configured = true;
-    }
+    /* per call: the attribute belongs to the current device, and a process
+     * may drive several */
+    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel, G_SMEM, "matmul (int8 GEMM)", n_in)) return false;
     gemm_args a;
     a.w = (const uint8_t *)w;
     a.row_bytes = row_bytes;

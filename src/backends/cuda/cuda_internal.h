@@ -159,6 +159,13 @@ int cuda_check_tag(ds4_backend *be, const char *name);
 /* The device error record kernels report bad indices into. */
 static inline cuda_dev_error *cuda_dev_error_of(ds4_backend *be) { return ((cuda_backend *)be->impl)->dev_error; }
 
+#define CUDA_SMEM_DEFAULT (48 * 1024)   /* dynamic shared memory usable without opting in */
+#define CUDA_SMEM_STATIC_RESERVE 1024    /* static shared memory of the kernels, at most */
+/* Allow `kernel` `bytes` of dynamic shared memory on this backend's device:
+ * free below 48 KiB, else opt in up to the device's limit. false (error
+ * recorded, naming op and width) when too large. */
+bool cuda_allow_dynamic_smem(ds4_backend *be, const void *kernel, size_t bytes, const char *op, int64_t dim);
+
 /* A weight's name for messages (NULL-safe). */
 static inline const char *cuda_wname(const ds4_weight *w) { return w && w->name ? w->name : "(unnamed)"; }
 /* Device bytes of weight row `row`. */
