@@ -278,9 +278,10 @@ main() {
 
     local b log rc counts name envs
     has_stage unit || bins_to_test=()
-    # the session tests run a second time with decoded tokens recorded as CUDA graphs
+    # second runs: the session tests with every launch direct (no recorded
+    # steps), the attention tests with every top-k through the device-wide sort
     for b in "${bins_to_test[@]}" $(has_stage unit && [ -x build/cuda/tests/test_cuda_session ] &&
-        echo "DS4_CUDA_GRAPH=1:build/cuda/tests/test_cuda_session"); do
+        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then

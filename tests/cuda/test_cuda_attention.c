@@ -603,6 +603,8 @@ static void test_top_k(void) {
     top_k_case(&p, "large, k 2048", s, big, 2048);
     for (int64_t i = 0; i < big; i++) s[i] = (float)(floor(test_rand_normal() * 4.0) / 4.0); /* heavy ties */
     top_k_case(&p, "large with ties", s, big, 2048);
+    top_k_case(&p, "large with ties, k 4096 (one block's limit)", s, big, 4096);
+    top_k_case(&p, "large with ties, k 4097 (the sort)", s, big, 4097);
     top_k_case(&p, "odd size", s, 100003, 512);
     free(s);
     op_pair_close(&p);

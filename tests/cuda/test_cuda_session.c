@@ -10,6 +10,7 @@
  * choices agree. Without a usable CUDA device every test reports SKIPPED. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "backends/backend.h"
@@ -218,6 +219,131 @@ static void test_decode_step_waits(void) {
     gguf_close(f);
 }
 
+/*
+ * Recorded steps: decoded tokens replayed as CUDA graphs compute exactly
+ * what launching every kernel directly computes (the same kernels with the
+ * same arguments in the same order: the logits are equal bit for bit), and
+ * the graphs are replayed rather than rebuilt (a step shape changes only
+ * when a compressor emits a row, the window fills or the indexer starts
+ * selecting). The tokens start inside the window and cross the point where
+ * the ratio-4 layers' indexer starts to select.
+ */
+static void test_graph_replay_matches_direct(void) {
+    SETUP_OR_SKIP();
+    ds4_error err = { 0 };
+    gguf_file *f = NULL;
+    ds4_backend *be = NULL;
+    ds4_model *m = NULL;
+    CHECK_MSG(gguf_open(model_path, &f, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(f && ds4_backend_create("cuda", 0, &be, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(be && ds4_model_load(f, be, &m, &err) == DS4_OK, "%s", err.message);
+    if (m) {
+        const ds4_config *c = ds4_model_config(m);
+        const int64_t n_pre = 4 * c->idx_top_k - 6, n_dec = 48;
+        int32_t *t = random_tokens(n_pre + n_dec);
+        float *direct = malloc((size_t)(n_dec * vocab) * sizeof *direct);
+        float *graph = malloc((size_t)(n_dec * vocab) * sizeof *graph);
+        for (int pass = 0; pass < 2; pass++) {
+            ds4_cuda_backend_set_graphs(be, pass == 1);
+            float *out = pass ? graph : direct;
+            ds4_state *st = NULL;
+            CHECK_MSG(ds4_state_create(m, 512, &st, &err) == DS4_OK, "%s", err.message);
+            if (!st) break;
+            CHECK(ds4_model_eval(m, st, t, n_pre, DS4_NUMERICS_DS4, out, false, &err) == DS4_OK);
+            ds4_backend_counters c0, c1;
+            ds4_backend_counters_get(be, &c0);
+            for (int64_t i = 0; i < n_dec; i++)
+                CHECK_MSG(ds4_model_eval(m, st, t + n_pre + i, 1, DS4_NUMERICS_DS4, out + i * vocab, false, &err) ==
+                              DS4_OK, "%s", err.message);
+            ds4_backend_counters_get(be, &c1);
+            const uint64_t graphs = c1.graphs - c0.graphs, builds = c1.graph_builds - c0.graph_builds;
+            fprintf(stderr, "  %s: %lld steps, %llu graph launches, %llu built, %llu node updates, %llu launches\n",
+                    pass ? "graphs" : "direct", (long long)n_dec, (unsigned long long)graphs,
+                    (unsigned long long)builds, (unsigned long long)(c1.node_updates - c0.node_updates),
+                    (unsigned long long)(c1.launches - c0.launches));
+            if (pass == 0) {
+                CHECK(graphs == 0 && builds == 0);
+            } else {
+                CHECK_MSG(graphs == (uint64_t)n_dec, "%llu of %lld steps ran as graphs", (unsigned long long)graphs,
+                          (long long)n_dec);
+                CHECK_MSG(builds * 4 <= (uint64_t)n_dec, "%llu graphs built for %lld steps: not replayed",
+                          (unsigned long long)builds, (long long)n_dec);
+            }
+            ds4_state_free(st);
+        }
+        int64_t first = -1;
+        for (int64_t i = 0; i < n_dec * vocab && first < 0; i++)
+            if (memcmp(&direct[i], &graph[i], sizeof(float)) != 0) first = i;
+        CHECK_MSG(first < 0, "graph replay differs from direct launches at step %lld, logit %lld: %.9g vs %.9g",
+                  first < 0 ? 0LL : (long long)(first / vocab), first < 0 ? 0LL : (long long)(first % vocab),
+                  first < 0 ? 0.0 : (double)direct[first], first < 0 ? 0.0 : (double)graph[first]);
+        free(direct);
+        free(graph);
+        free(t);
+    }
+    ds4_model_free(m);
+    ds4_backend_destroy(be);
+    gguf_close(f);
+}
+
+/*
+ * A host wait in the middle of a recorded step (here a download) submits
+ * what was recorded so far first: the values seen are those of program
+ * order, before and after the wait, and the step's work is all done.
+ */
+static void test_step_break_keeps_order(void) {
+    SETUP_OR_SKIP();
+    ds4_error err = { 0 };
+    ds4_backend *be = NULL;
+    CHECK_MSG(ds4_backend_create("cuda", 0, &be, &err) == DS4_OK, "%s", err.message);
+    if (!be) return;
+    ds4_cuda_backend_set_graphs(be, 1);
+    const ds4_backend_ops *o = be->ops;
+    const int64_t n = 4099;
+    float *a = o->alloc(be, n), *b = o->alloc(be, n), *h = malloc((size_t)n * sizeof *h);
+    for (int round = 0; round < 3; round++) {
+        o->step_begin(be);
+        o->fill(be, a, 1.5f + (float)round, n);
+        o->fill(be, b, 2.0f, n);
+        o->add(be, a, b, a, n); /* a = 3.5 + round */
+        o->download(be, h, a, n);
+        int bad = 0;
+        for (int64_t i = 0; i < n; i++) bad += h[i] != 3.5f + (float)round;
+        CHECK_MSG(bad == 0, "round %d: %d values before the wait are wrong (first %g)", round, bad, (double)h[0]);
+        o->add(be, a, a, b, n); /* b = 7 + 2 round */
+        o->copy(be, a + 1, a, n - 1); /* overlapping: a[i] = a[i - 1] for i >= 1 */
+        o->step_end(be);
+        o->download(be, h, b, n);
+        bad = 0;
+        for (int64_t i = 0; i < n; i++) bad += h[i] != 7.0f + 2.0f * (float)round;
+        CHECK_MSG(bad == 0, "round %d: %d values after the wait are wrong (first %g)", round, bad, (double)h[0]);
+        o->download(be, h, a, n);
+        bad = 0;
+        for (int64_t i = 0; i < n; i++) bad += h[i] != 3.5f + (float)round;
+        CHECK_MSG(bad == 0, "round %d: the overlapping copy left %d wrong values", round, bad);
+    }
+    /* a whole recorded step without a wait, replayed with other values */
+    for (int round = 0; round < 3; round++) {
+        o->step_begin(be);
+        o->fill(be, a, (float)round, n);
+        o->add(be, a, a, b, n);
+        o->step_end(be);
+        o->download(be, h, b, n);
+        int bad = 0;
+        for (int64_t i = 0; i < n; i++) bad += h[i] != 2.0f * (float)round;
+        CHECK_MSG(bad == 0, "replayed step %d: %d wrong values (first %g)", round, bad, (double)h[0]);
+    }
+    ds4_backend_counters c;
+    ds4_backend_counters_get(be, &c);
+    CHECK_MSG(c.graphs == 3 && c.graph_builds == 1, "%llu graph launches, %llu built (3 and 1 expected)",
+              (unsigned long long)c.graphs, (unsigned long long)c.graph_builds);
+    CHECK(o->take_error(be, &err) == DS4_OK);
+    free(h);
+    o->free(be, a);
+    o->free(be, b);
+    ds4_backend_destroy(be);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(gpu_engine);
     ds4_engine_close(cpu_engine);
@@ -231,6 +357,8 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_checkpoint_cuda_to_cpu),
     TEST_ENTRY(test_checkpoint_cpu_to_cuda),
     TEST_ENTRY(test_decode_step_waits),
+    TEST_ENTRY(test_graph_replay_matches_direct),
+    TEST_ENTRY(test_step_break_keeps_order),
     TEST_ENTRY(test_teardown),
     { 0 },
 };

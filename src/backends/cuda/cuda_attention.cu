@@ -41,6 +41,7 @@
  *   indexer_scores: one warp per key (key in registers for dims <= 512),
  *     the queries and head weights in shared memory when they fit.
  */
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -177,8 +178,7 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     rp.yarn_hi = (double)rope->yarn_hi;
     rp.sin_sign = inverse ? -1.0 : 1.0;
     const dim3 grid((unsigned)n_rows, (unsigned)groups);
-    rope_tail_kernel<<<grid, ROPE_THREADS, smem, cuda_stream(be)>>>(x, n_heads, head_dim, d_pos, rp, per_block);
-    (void)CUDA_LAUNCHED(be, "rope_tail_kernel");
+    (void)cuda_launch(be, "rope_tail_kernel", rope_tail_kernel, grid, ROPE_THREADS, smem, x, n_heads, head_dim, d_pos, rp, per_block);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -385,6 +385,7 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         ds4_error derr;
         memset(&derr, 0, sizeof derr);
         float *d_sinks = scratch + part_floats;
+        cuda_step_break(be); /* the dequantiser launches on its own */
         if (ds4_cuda_dequant_rows(sinks->type, sinks->device, d_sinks, 1, sinks->ne[0], (void *)stream, &derr) !=
             DS4_OK) {
             cuda_fail(be, derr.status, "attention: sinks %s: %s", cuda_wname(sinks), derr.message);
@@ -401,13 +402,9 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
                           idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1 };
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
         const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
-        attention_partial_kernel<<<grid, ATT_THREADS, smem, stream>>>(q, rows, n, rows_per_split, kq_scale, scratch);
-        if (!CUDA_LAUNCHED(be, "attention_partial_kernel")) return;
+        if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q, rows, n, rows_per_split, kq_scale, scratch)) return;
     }
-    attention_combine_kernel<<<(unsigned)n_heads, ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float),
-                               stream>>>(
-        scratch, n_splits, dim, sink_ptr, sink_type, out);
-    (void)CUDA_LAUNCHED(be, "attention_combine_kernel");
+    (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, (unsigned)n_heads, ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim, sink_ptr, sink_type, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -466,9 +463,7 @@ void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *s
         return;
     }
     if (cuda_failed(be)) return;
-    compressor_pool_kernel<<<blocks_for(dim, POOL_THREADS, 65535), POOL_THREADS, 0, cuda_stream(be)>>>(
-        state_kv, state_score, ratio, dim, out);
-    (void)CUDA_LAUNCHED(be, "compressor_pool_kernel");
+    (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel, blocks_for(dim, POOL_THREADS, 65535), POOL_THREADS, 0, state_kv, state_score, ratio, dim, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -533,16 +528,14 @@ template <int KPL>
 static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const float *weights, float weight_scale,
                            int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores) {
     const unsigned blocks = blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS);
-    cudaStream_t stream = cuda_stream(be);
     if (qshared) {
         const size_t smem = (size_t)(n_heads * dim + n_heads) * sizeof(float);
-        indexer_scores_kernel<KPL, true><<<blocks, IDX_THREADS, smem, stream>>>(q, weights, weight_scale, n_heads, dim,
-                                                                                keys, n_keys, scores);
+        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, true>, blocks, IDX_THREADS, smem, q,
+                          weights, weight_scale, n_heads, dim, keys, n_keys, scores);
     } else {
-        indexer_scores_kernel<KPL, false><<<blocks, IDX_THREADS, 0, stream>>>(q, weights, weight_scale, n_heads, dim,
-                                                                             keys, n_keys, scores);
+        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, false>, blocks, IDX_THREADS, 0, q,
+                          weights, weight_scale, n_heads, dim, keys, n_keys, scores);
     }
-    (void)CUDA_LAUNCHED(be, "indexer_scores_kernel");
 }
 
 void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
@@ -573,18 +566,22 @@ void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, 
  * key_i = ordered(score_i) << shift | (n - 1 - i), shift = bits of n - 1.
  * ordered() maps float bits to an unsigned integer that increases with the
  * value (negative: all bits flipped; positive: the sign bit set), after NaN ->
- * -inf and -0 -> +0, so a descending sort of the keys is the CPU's rank order
- * (higher score first, then the lower index) and every key is distinct.
+ * -inf and -0 -> +0, so a descending order of the keys is the CPU's rank
+ * order (higher score first, then the lower index) and every key is
+ * distinct (and non-zero: ordered() of -inf is 0x007fffff).
  */
+static __device__ __forceinline__ unsigned long long topk_key(const float *scores, int64_t i, int64_t n, int shift) {
+    uint32_t u = __float_as_uint(scores[i]);
+    if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u; /* NaN ranks as -inf */
+    if ((u & 0x7fffffffu) == 0u) u = 0u;                  /* -0 ties with +0 */
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << shift) | (unsigned long long)(n - 1 - i);
+}
+
 static __global__ void __launch_bounds__(TOPK_THREADS)
     topk_keys_kernel(const float *__restrict__ scores, int64_t n, int shift, unsigned long long *__restrict__ keys) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t u = __float_as_uint(scores[i]);
-        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u; /* NaN ranks as -inf */
-        if ((u & 0x7fffffffu) == 0u) u = 0u;                  /* -0 ties with +0 */
-        u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-        keys[i] = ((unsigned long long)u << shift) | (unsigned long long)(n - 1 - i);
-    }
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        keys[i] = topk_key(scores, i, n, shift);
 }
 
 /* idx[i] = the index in sorted key i for i < size, -1 for size <= i < k
@@ -594,6 +591,103 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
                     unsigned long long mask, int32_t *__restrict__ idx) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x)
         idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sorted[i] & mask)) : -1;
+}
+
+/*
+ * Top-k in one block, for size = min(k, n) up to TOPK_SELECT_MAX: a radix
+ * select finds the size-th largest key (8 bits a pass, from the top: each
+ * pass counts the keys that match the digits fixed so far, digit by digit,
+ * and fixes the next digit where the count from the top reaches the rank
+ * still wanted); the keys at or above it are exactly the top `size` (keys
+ * are distinct), gathered into shared memory and put in descending order by
+ * a bitonic sort. One launch whatever n is, with nothing on the host that
+ * depends on the scores (a recorded step can replay it).
+ */
+#define TOPK_SELECT_THREADS 1024
+#define TOPK_SELECT_MAX 4096
+
+static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
+    topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
+                       int32_t *__restrict__ idx) {
+    extern __shared__ unsigned long long sel[]; /* pow2 >= size keys */
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned long long prefix, pmask;
+    __shared__ long long rank; /* rank still wanted among the keys matching prefix */
+    __shared__ unsigned int count;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    if (tid == 0) {
+        prefix = 0;
+        pmask = 0;
+        rank = size;
+        count = 0;
+    }
+    __syncthreads();
+    const int bits = 32 + shift;
+    for (int d = ((bits - 1) / 8) * 8; d >= 0; d -= 8) {
+        for (int i = tid; i < 256; i += nt) hist[i] = 0;
+        __syncthreads();
+        const unsigned long long pf = prefix, pm = pmask;
+        for (int64_t i = tid; i < n; i += nt) {
+            const unsigned long long key = topk_key(scores, i, n, shift);
+            if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            long long r = rank;
+            int b = 0;
+            for (int bb = 255; bb >= 0; bb--) {
+                if ((long long)hist[bb] >= r) {
+                    b = bb;
+                    break;
+                }
+                r -= hist[bb];
+            }
+            rank = r;
+            prefix = pf | ((unsigned long long)b << d);
+            pmask = pm | (255ull << d);
+        }
+        __syncthreads();
+    }
+    const unsigned long long threshold = prefix;
+    for (int64_t i = tid; i < n; i += nt) {
+        const unsigned long long key = topk_key(scores, i, n, shift);
+        if (key >= threshold) {
+            const unsigned int at = atomicAdd(&count, 1u);
+            if (at < (unsigned)pow2) sel[at] = key;
+        }
+    }
+    __syncthreads();
+    for (int i = (int)size + tid; i < pow2; i += nt) sel[i] = 0; /* below every key */
+    __syncthreads();
+    for (int len = 2; len <= pow2; len <<= 1) {
+        for (int j = len >> 1; j > 0; j >>= 1) {
+            for (int i = tid; i < pow2; i += nt) {
+                const int o = i ^ j;
+                if (o > i) {
+                    const unsigned long long a = sel[i], b = sel[o];
+                    const bool desc = (i & len) == 0;
+                    if (desc ? a < b : a > b) {
+                        sel[i] = b;
+                        sel[o] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    const unsigned long long mask = shift ? (1ull << shift) - 1ull : 0ull;
+    for (int64_t i = tid; i < k; i += nt) idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sel[i] & mask)) : -1;
+}
+
+/* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
+ * compare the two paths). */
+static bool topk_sort_forced(void) {
+    static int forced = -1;
+    if (forced < 0) {
+        const char *e = getenv("DS4_CUDA_TOPK_SORT");
+        forced = e && e[0] == '1';
+    }
+    return forced != 0;
 }
 
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx) {
@@ -608,15 +702,24 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     }
     if (cuda_failed(be)) return;
     const int64_t size = k < n ? k : n;
-    cudaStream_t stream = cuda_stream(be);
     if (size == 0) { /* nothing to sort: k entries of -1 */
-        topk_idx_kernel<<<blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(NULL, n, 0, k, 0, idx);
-        (void)CUDA_LAUNCHED(be, "topk_idx_kernel");
+        (void)cuda_launch(be, "topk_idx_kernel", topk_idx_kernel, blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0,
+                          (const unsigned long long *)NULL, n, (int64_t)0, k, 0ull, idx);
         return;
     }
-
     int shift = 0;
     while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+    if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
+        int pow2 = 1;
+        while (pow2 < size) pow2 <<= 1;
+        (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
+                          (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx);
+        return;
+    }
+    /* larger k: a device-wide radix sort of all n keys (CUB launches on its
+     * own, so a recorded step is submitted first) */
+    cuda_step_break(be);
+    cudaStream_t stream = cuda_stream(be);
     const unsigned long long mask = (1ull << shift) - 1ull;
     unsigned long long *keys =
         (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_A, (size_t)n * sizeof(unsigned long long));
@@ -624,19 +727,18 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_B, (size_t)n * sizeof(unsigned long long));
     if (!keys || !sorted) return;
     size_t temp_bytes = 0;
-    cuda_impl(be)->counters.launches++; /* the sort (several kernels, counted as one) */
     if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(NULL, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
                                                               stream)))
         return;
     void *temp = cuda_scratch(be, CUDA_SCRATCH_TOPK_D, temp_bytes);
     if (!temp) return;
-
-    topk_keys_kernel<<<blocks_for(n, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(scores, n, shift, keys);
-    if (!CUDA_LAUNCHED(be, "topk_keys_kernel")) return;
+    if (!cuda_launch(be, "topk_keys_kernel", topk_keys_kernel, blocks_for(n, TOPK_THREADS, 65535), TOPK_THREADS, 0,
+                     scores, n, shift, keys))
+        return;
     cuda_impl(be)->counters.launches++; /* the sort (several kernels, counted as one) */
     if (!CUDA_OK(be, cub::DeviceRadixSort::SortKeysDescending(temp, temp_bytes, keys, sorted, (int)n, 0, 32 + shift,
                                                               stream)))
         return;
-    topk_idx_kernel<<<blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0, stream>>>(sorted, n, size, k, mask, idx);
-    (void)CUDA_LAUNCHED(be, "topk_idx_kernel");
+    (void)cuda_launch(be, "topk_idx_kernel", topk_idx_kernel, blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0,
+                      (const unsigned long long *)sorted, n, size, k, mask, idx);
 }

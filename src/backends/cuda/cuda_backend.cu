@@ -59,98 +59,12 @@ static uint64_t now_ns(void) {
 
 bool cuda_sync(ds4_backend *be) {
     ds4_backend_counters *c = &cuda_impl(be)->counters;
-    const bool resume = cuda_capture_pause(be);
+    cuda_step_break(be);
     c->syncs++;
     const uint64_t t0 = now_ns();
     const bool ok = CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
     c->wait_ns += now_ns() - t0;
-    if (resume) cuda_capture_resume(be);
     return ok;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Recorded steps (CUDA graphs)                                              */
-/* ------------------------------------------------------------------------ */
-
-/* Recording is on with $DS4_CUDA_GRAPH=1. It is off by default: a step is
- * captured anew every token (kernel arguments such as positions and row
- * counts change), and capturing costs the host about what launching does,
- * so it only pays once steps can be replayed unchanged (positions read on
- * the device). */
-static bool graphs_enabled(void) {
-    static int enabled = -1;
-    if (enabled < 0) {
-        const char *e = getenv("DS4_CUDA_GRAPH");
-        enabled = e && e[0] == '1';
-    }
-    return enabled != 0;
-}
-
-void cuda_capture_resume(ds4_backend *be) {
-    cuda_backend *cb = cuda_impl(be);
-    if (!cb->in_step || cb->capturing || cuda_failed(be)) return;
-    if (CUDA_OK(be, cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeRelaxed))) cb->capturing = true;
-}
-
-/* The recorded graph: successive decode steps differ in kernel arguments
- * (positions, row counts) and, every few tokens, in shape (a compressor
- * emits a row). cudaGraphExecUpdate rewrites a cached executable graph of
- * the same shape in place, much cheaper than instantiating; a new shape is
- * instantiated into the cache. */
-static void graph_submit(ds4_backend *be, cudaGraph_t g) {
-    cuda_backend *cb = cuda_impl(be);
-    cudaGraphExec_t x = NULL;
-    for (int i = 0; i < cb->n_graph_exec && !x; i++) {
-        const int k = (cb->next_graph_exec + CUDA_GRAPH_CACHE - 1 - i) % CUDA_GRAPH_CACHE; /* newest first */
-        if (!cb->graph_exec[k]) continue;
-        cudaGraphExecUpdateResultInfo info;
-        if (cudaGraphExecUpdate(cb->graph_exec[k], g, &info) == cudaSuccess) x = cb->graph_exec[k];
-        else (void)cudaGetLastError();
-    }
-    if (!x) {
-        if (!CUDA_OK(be, cudaGraphInstantiate(&x, g, 0))) return;
-        const int k = cb->next_graph_exec;
-        if (cb->graph_exec[k]) {
-            /* a launch of the graph being replaced may still run */
-            if (!CUDA_OK(be, cudaStreamSynchronize(cb->stream))) {
-                cudaGraphExecDestroy(x);
-                return;
-            }
-            cudaGraphExecDestroy(cb->graph_exec[k]);
-        }
-        cb->graph_exec[k] = x;
-        cb->next_graph_exec = (k + 1) % CUDA_GRAPH_CACHE;
-        if (cb->n_graph_exec < CUDA_GRAPH_CACHE) cb->n_graph_exec++;
-    }
-    (void)CUDA_OK(be, cudaGraphLaunch(x, cb->stream));
-}
-
-bool cuda_capture_pause(ds4_backend *be) {
-    cuda_backend *cb = cuda_impl(be);
-    if (!cb->capturing) return false;
-    cb->capturing = false;
-    cudaGraph_t g = NULL;
-    const cudaError_t e = cudaStreamEndCapture(cb->stream, &g);
-    if (e != cudaSuccess) {
-        (void)cuda_ok(be, e, "cudaStreamEndCapture", __FILE__, __LINE__);
-    } else if (g && !cuda_failed(be)) { /* after a failed op the step is not run: the error is reported */
-        graph_submit(be, g);
-    }
-    if (g) cudaGraphDestroy(g);
-    return true;
-}
-
-static void cuda_step_begin(ds4_backend *be) {
-    cuda_backend *cb = cuda_impl(be);
-    if (cb->in_step || !graphs_enabled() || cuda_failed(be)) return;
-    cb->in_step = true;
-    cuda_capture_resume(be);
-}
-
-static void cuda_step_end(ds4_backend *be) {
-    cuda_backend *cb = cuda_impl(be);
-    (void)cuda_capture_pause(be);
-    cb->in_step = false;
 }
 
 int cuda_check_tag(ds4_backend *be, const char *name) {
@@ -189,6 +103,7 @@ static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
     /* The device error record comes back with the same wait: one small copy
      * per call (take_error runs once per evaluation). */
     cudaStream_t s = cuda_stream(be);
+    cuda_step_break(be);
     const bool copied = cudaMemcpyAsync(cb->dev_error_host, cb->dev_error, sizeof *cb->dev_error,
                                         cudaMemcpyDeviceToHost, s) == cudaSuccess;
     if (copied) cuda_count_copy(be, false, sizeof *cb->dev_error);
@@ -200,8 +115,7 @@ static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
          * one reported; the device record is cleared either way */
         record_device_error(be, cb->dev_error_host);
         memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
-        cb->counters.launches++;
-        (void)CUDA_OK(be, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, s));
+        (void)cuda_memset_d(be, cb->dev_error, 0, sizeof *cb->dev_error);
     }
     ds4_status status = cb->error.status;
     if (status != DS4_OK && err) *err = cb->error;
@@ -231,8 +145,8 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     if (cb->scratch_cap[slot] >= bytes) return cb->scratch[slot];
     size_t cap = cb->scratch_cap[slot] ? cb->scratch_cap[slot] : 4096;
     while (cap < bytes) cap = cap > SIZE_MAX / 2 ? bytes : cap * 2;
-    const bool resume = cuda_capture_pause(be); /* no allocation inside a recorded step */
-    if (!cuda_sync(be)) return NULL; /* the old buffer may still be in use */
+    /* no allocation inside a recorded step; the old buffer may still be in use */
+    if (!cuda_sync(be)) return NULL;
     cudaFree(cb->scratch[slot]);
     cb->scratch[slot] = NULL;
     cb->scratch_cap[slot] = 0;
@@ -246,7 +160,6 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
     cb->scratch[slot] = p;
     cb->scratch_cap[slot] = cap;
     note_peak(cb);
-    if (resume) cuda_capture_resume(be);
     return p;
 }
 
@@ -270,6 +183,11 @@ bool cuda_allow_dynamic_smem(ds4_backend *be, const void *kernel, size_t bytes, 
 void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host, size_t bytes) {
     cuda_backend *cb = cuda_impl(be);
     const size_t need = (bytes + 15) & ~(size_t)15;
+    if (bytes > 0 && cb->recording) {
+        void *d = cuda_arena_put(be, host, bytes); /* a recorded step: its arena */
+        if (d) return d;
+        cuda_step_break(be);
+    }
     if (bytes > 0 && need <= CUDA_CTRL_RING / 4 && cb->ring_host) {
         /* The control ring: each upload takes the next piece of a pinned
          * ring and of its device twin, so nothing waits for the device
@@ -278,7 +196,6 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
          * lap). The device piece is only read by kernels enqueued before
          * the next lap's copy into it, so stream order protects it. */
         if (cb->ring_off + need > CUDA_CTRL_RING) {
-            const bool resume = cuda_capture_pause(be);
             if (!CUDA_OK(be, cudaEventRecord(cb->ring_lap, cb->stream))) return NULL;
             cb->counters.syncs++;
             const uint64_t t0 = now_ns();
@@ -286,7 +203,6 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
             cb->counters.wait_ns += now_ns() - t0;
             if (!ok) return NULL;
             cb->ring_off = 0;
-            if (resume) cuda_capture_resume(be);
         }
         const size_t off = cb->ring_off;
         cb->ring_off += need;
@@ -300,6 +216,7 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
     void *d = cuda_scratch(be, slot, bytes);
     if (!d) return NULL;
     if (bytes == 0) return d;
+    cuda_step_break(be); /* events and waits below */
     /* The ring of pinned control buffers: the copy must not read a host
      * buffer that a later call overwrites before the stream reaches it, so
      * each slot has its own pinned buffer, and we wait for the previous copy
@@ -344,6 +261,7 @@ static float *cuda_alloc(ds4_backend *be, int64_t n_floats) {
     if (n_floats < 0 || (uint64_t)n_floats > SIZE_MAX / sizeof(float) - 64) return NULL;
     size_t bytes = (size_t)(n_floats > 0 ? n_floats : 1) * sizeof(float);
     void *p = NULL;
+    cuda_step_break(be);
     if (cudaMallocAsync(&p, bytes, cb->stream) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
@@ -358,13 +276,16 @@ static float *cuda_alloc(ds4_backend *be, int64_t n_floats) {
 }
 
 static void cuda_free_buf(ds4_backend *be, float *buf) {
-    if (buf) (void)CUDA_OK(be, cudaFreeAsync(buf, cuda_stream(be)));
+    if (!buf) return;
+    cuda_step_break(be); /* recorded launches may still use it */
+    (void)CUDA_OK(be, cudaFreeAsync(buf, cuda_stream(be)));
 }
 
 static void cuda_upload(ds4_backend *be, float *dst, const float *host_src, int64_t n) {
     if (n <= 0 || cuda_failed(be)) return;
     /* pageable source: the call returns once the data is staged, so the
      * caller may reuse host_src at once */
+    cuda_step_break(be); /* pageable memory is staged now, not when a graph runs */
     cuda_count_copy(be, true, (size_t)n * sizeof(float));
     (void)CUDA_OK(be, cudaMemcpyAsync(dst, host_src, (size_t)n * sizeof(float), cudaMemcpyHostToDevice,
                                       cuda_stream(be)));
@@ -376,6 +297,7 @@ static void cuda_download(ds4_backend *be, float *host_dst, const float *src, in
         memset(host_dst, 0, (size_t)n * sizeof(float));
         return;
     }
+    cuda_step_break(be);
     cuda_count_copy(be, false, (size_t)n * sizeof(float));
     if (!CUDA_OK(be, cudaMemcpyAsync(host_dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost,
                                      cuda_stream(be))))
@@ -387,17 +309,14 @@ static void cuda_copy(ds4_backend *be, float *dst, const float *src, int64_t n) 
     if (n <= 0 || dst == src || cuda_failed(be)) return;
     const size_t bytes = (size_t)n * sizeof(float);
     const bool overlap = dst < src + n && src < dst + n;
-    cudaStream_t s = cuda_stream(be);
-    cuda_impl(be)->counters.launches += overlap ? 2 : 1;
     if (!overlap) {
-        (void)CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+        (void)cuda_copy_d2d(be, dst, src, bytes);
         return;
     }
     /* memmove semantics: through scratch */
     void *tmp = cuda_scratch(be, CUDA_SCRATCH_COPY, bytes);
     if (!tmp) return;
-    if (CUDA_OK(be, cudaMemcpyAsync(tmp, src, bytes, cudaMemcpyDeviceToDevice, s)))
-        (void)CUDA_OK(be, cudaMemcpyAsync(dst, tmp, bytes, cudaMemcpyDeviceToDevice, s));
+    if (cuda_copy_d2d(be, tmp, src, bytes)) (void)cuda_copy_d2d(be, dst, tmp, bytes);
 }
 
 __global__ void fill_kernel(float *dst, float v, int64_t n) {
@@ -407,8 +326,7 @@ __global__ void fill_kernel(float *dst, float v, int64_t n) {
 
 static void cuda_fill(ds4_backend *be, float *dst, float value, int64_t n) {
     if (n <= 0 || cuda_failed(be)) return;
-    fill_kernel<<<grid_for(n, 256), 256, 0, cuda_stream(be)>>>(dst, value, n);
-    (void)CUDA_LAUNCHED(be, "fill_kernel");
+    (void)cuda_launch(be, "fill_kernel", fill_kernel, grid_for(n, 256), 256, 0, dst, value, n);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -510,6 +428,7 @@ static float *weight_row_floats(ds4_backend *be, const ds4_weight *w, int64_t ro
     if (!tmp) return NULL;
     ds4_error e;
     ds4_error_clear(&e);
+    cuda_step_break(be); /* the dequantiser launches on its own */
     if (ds4_cuda_dequant_rows(w->type, cuda_weight_row(w, row), tmp, n_rows, w->ne[0], cuda_stream(be), &e)) {
         cuda_fail(be, e.status, "%s: %s: %s", op, cuda_wname(w), e.message);
         return NULL;
@@ -548,10 +467,10 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
         const int32_t *d_tok = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_CTRL, tokens, (size_t)n * 4);
         if (!d_tok) return;
         dim3 grid(grid_for(dim, 256) < 64 ? grid_for(dim, 256) : 64, (unsigned)n);
-        embed_float_kernel<<<grid, 256, 0, cuda_stream(be)>>>(table->device, table->type, d_tok, n, dim, out);
-        (void)CUDA_LAUNCHED(be, "embed_float_kernel");
+        (void)cuda_launch(be, "embed_float_kernel", embed_float_kernel, grid, 256, 0, table->device, table->type, d_tok, n, dim, out);
         return;
     }
+    cuda_step_break(be); /* the dequantiser launches on its own */
     for (int r = 0; r < n; r++) { /* quantised tables: one dequant per row */
         ds4_error e;
         ds4_error_clear(&e);
@@ -609,8 +528,7 @@ static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, f
         cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: %lld rows", (long long)n_rows);
         return;
     }
-    rmsnorm_kernel<<<(unsigned)n_rows, NORM_THREADS, 0, cuda_stream(be)>>>(x, wv, eps, out, dim);
-    (void)CUDA_LAUNCHED(be, "rmsnorm_kernel");
+    (void)cuda_launch(be, "rmsnorm_kernel", rmsnorm_kernel, (unsigned)n_rows, NORM_THREADS, 0, x, wv, eps, out, dim);
 }
 
 __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
@@ -620,8 +538,7 @@ __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n
 
 static void cuda_add(ds4_backend *be, const float *a, const float *b, float *out, int64_t n) {
     if (n <= 0 || cuda_failed(be)) return;
-    add_kernel<<<grid_for(n, 256), 256, 0, cuda_stream(be)>>>(a, b, out, n);
-    (void)CUDA_LAUNCHED(be, "add_kernel");
+    (void)cuda_launch(be, "add_kernel", add_kernel, grid_for(n, 256), 256, 0, a, b, out, n);
 }
 
 __global__ void add_row_kernel(float *x, const float *v, int64_t dim, int64_t n) {
@@ -641,8 +558,7 @@ static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, 
     const float *v = w->type == DS4_TYPE_F32 ? (const float *)cuda_weight_row(w, row)
                                              : weight_row_floats(be, w, row, 1, "add_weight_row");
     if (!v) return;
-    add_row_kernel<<<grid_for(n_rows * dim, 256), 256, 0, cuda_stream(be)>>>(x, v, dim, n_rows * dim);
-    (void)CUDA_LAUNCHED(be, "add_row_kernel");
+    (void)cuda_launch(be, "add_row_kernel", add_row_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v, dim, n_rows * dim);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -659,8 +575,7 @@ __global__ void round_f16_kernel(float *x, int64_t n) {
 
 static void cuda_round_f16(ds4_backend *be, float *x, int64_t n) {
     if (n <= 0 || cuda_failed(be)) return;
-    round_f16_kernel<<<grid_for(n, 256), 256, 0, cuda_stream(be)>>>(x, n);
-    (void)CUDA_LAUNCHED(be, "round_f16_kernel");
+    (void)cuda_launch(be, "round_f16_kernel", round_f16_kernel, grid_for(n, 256), 256, 0, x, n);
 }
 
 /* round_small_float of rounding.c: nearest value with `mant_bits` mantissa
@@ -737,9 +652,7 @@ static void cuda_round_fp8_kv(ds4_backend *be, float *x, int64_t n_rows, int64_t
     const int64_t n_round = dim - n_rope, bpr = (n_round + 63) / 64;
     if (n_rows <= 0 || bpr == 0) return;
     const int64_t threads = n_rows * bpr * 32;
-    round_blocks_kernel<64, 0><<<grid_for(threads, 256) , 256, 0, cuda_stream(be)>>>(x, n_rows, dim, n_round, bpr,
-                                                                                      1.0e-4f, 448.0f);
-    (void)CUDA_LAUNCHED(be, "round_blocks_kernel<fp8>");
+    (void)cuda_launch(be, "round_blocks_kernel<fp8>", round_blocks_kernel<64, 0>, grid_for(threads, 256), 256, 0, x, n_rows, dim, n_round, bpr, 1.0e-4f, 448.0f);
 }
 
 /* In-place Walsh-Hadamard of each row (one block per row, in shared memory),
@@ -773,12 +686,9 @@ static void cuda_indexer_qat(ds4_backend *be, float *x, int64_t n_rows, int64_t 
         return;
     }
     const float norm = (float)(1.0 / sqrt((double)dim));
-    hadamard_kernel<<<(unsigned)n_rows, 256, (size_t)dim * sizeof(float), cuda_stream(be)>>>(x, dim, norm);
-    if (!CUDA_LAUNCHED(be, "hadamard_kernel")) return;
+    if (!cuda_launch(be, "hadamard_kernel", hadamard_kernel, (unsigned)n_rows, 256, (size_t)dim * sizeof(float), x, dim, norm)) return;
     const int64_t bpr = (dim + 31) / 32;
-    round_blocks_kernel<32, 1><<<grid_for(n_rows * bpr * 32, 256), 256, 0, cuda_stream(be)>>>(
-        x, n_rows, dim, dim, bpr, 7.052966104933725e-38f, 6.0f);
-    (void)CUDA_LAUNCHED(be, "round_blocks_kernel<fp4>");
+    (void)cuda_launch(be, "round_blocks_kernel<fp4>", round_blocks_kernel<32, 1>, grid_for(n_rows * bpr * 32, 256), 256, 0, x, n_rows, dim, dim, bpr, 7.052966104933725e-38f, 6.0f);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -856,6 +766,7 @@ extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4
     DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->dev_error, sizeof *cb->dev_error), err, fail);
     DS4_CUDA_TRY(st, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, cb->stream), err, fail);
     DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->dev_error_host, sizeof *cb->dev_error_host), err, fail);
+    if ((st = cuda_launch_init(cb, err)) != DS4_OK) goto fail;
     memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
     {
         /* keep freed pool blocks for reuse instead of returning them at every sync */
@@ -875,11 +786,8 @@ fail:
 extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
     if (!be) return;
     cuda_backend *cb = cuda_impl(be);
-    if (cb->capturing) {
-        cudaGraph_t g = NULL;
-        if (cudaStreamEndCapture(cb->stream, &g) == cudaSuccess && g) cudaGraphDestroy(g);
-    }
     if (cb->stream) cudaStreamSynchronize(cb->stream);
+    cuda_launch_free(cb);
     for (int i = 0; i < CUDA_SCRATCH_SLOTS; i++) {
         cudaFree(cb->scratch[i]);
         cudaFreeHost(cb->ctrl_host[i]);
@@ -889,8 +797,6 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
         cudaFreeHost(cb->wstage[i]);
         if (cb->wstage_done[i]) cudaEventDestroy(cb->wstage_done[i]);
     }
-    for (int i = 0; i < CUDA_GRAPH_CACHE; i++)
-        if (cb->graph_exec[i]) cudaGraphExecDestroy(cb->graph_exec[i]);
     cudaFreeHost(cb->ring_host);
     cudaFree(cb->ring_dev);
     if (cb->ring_lap) cudaEventDestroy(cb->ring_lap);

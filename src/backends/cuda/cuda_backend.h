@@ -102,6 +102,12 @@ size_t ds4_cuda_backend_weight_bytes(const ds4_backend *be);
 size_t ds4_cuda_backend_peak_bytes(const ds4_backend *be);
 /* The backend's counters (ds4_backend_counters_get). */
 void ds4_cuda_backend_counters(const ds4_backend *be, ds4_backend_counters *out);
+/* Recorded steps on or off for this backend (on by default; DS4_CUDA_GRAPH=0
+ * in the environment makes off the default): with them on, the ops between
+ * step_begin and step_end run as one CUDA graph, replayed from step to step
+ * with only the changed parameters set anew. The results are the same
+ * either way, bit for bit. Takes effect at the next step_begin. */
+void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
 
 #ifdef __cplusplus
 }

@@ -302,10 +302,8 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     }
     hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
     if (!part) return;
-    hc_partial_kernel<<<dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, cuda_stream(be)>>>(a, n_mix, part);
-    if (!CUDA_LAUNCHED(be, what)) return;
-    hc_finish_kernel<HEAD><<<(unsigned)n_rows, HC_THREADS, 0, cuda_stream(be)>>>(a, n_mix, n_chunks, part);
-    (void)CUDA_LAUNCHED(be, what);
+    if (!cuda_launch(be, what, hc_partial_kernel, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, a, n_mix, part)) return;
+    (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part);
 }
 
 /* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */
@@ -427,9 +425,7 @@ void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float
         cuda_fail(be, DS4_ERR_INVALID, "hc_post: NULL buffer, or X_out overlaps X (it must not alias it)");
         return;
     }
-    hc_post_kernel<<<ew_blocks(total), EW_THREADS, 0, cuda_stream(be)>>>(y, X, post, comb, X_out, n, hc->dim,
-                                                                          total);
-    (void)CUDA_LAUNCHED(be, "hc_post kernel");
+    (void)cuda_launch(be, "hc_post kernel", hc_post_kernel, ew_blocks(total), EW_THREADS, 0, y, X, post, comb, X_out, n, hc->dim, total);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -541,9 +537,8 @@ static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_ar
  * n_used here counts every row's choices. */
 static void router_clear(ds4_backend *be, int32_t *sel_out, float *weight_out, int64_t n_used) {
     if (n_used <= 0) return;
-    cudaStream_t st = cuda_stream(be);
-    if (sel_out) (void)CUDA_OK(be, cudaMemsetAsync(sel_out, 0, (size_t)n_used * sizeof *sel_out, st));
-    if (weight_out) (void)CUDA_OK(be, cudaMemsetAsync(weight_out, 0, (size_t)n_used * sizeof *weight_out, st));
+    if (sel_out) (void)cuda_memset_d(be, sel_out, 0, (size_t)n_used * sizeof *sel_out);
+    if (weight_out) (void)cuda_memset_d(be, weight_out, 0, (size_t)n_used * sizeof *weight_out);
 }
 
 void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
@@ -611,8 +606,7 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     a.prob = (float *)(scratch + keys_bytes);
     a.sel = sel_out;
     a.weight = weight_out;
-    router_kernel<<<(unsigned)n_rows, ROUTER_THREADS, 0, cuda_stream(be)>>>(a);
-    (void)CUDA_LAUNCHED(be, "router kernel");
+    (void)cuda_launch(be, "router kernel", router_kernel, (unsigned)n_rows, ROUTER_THREADS, 0, a);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -632,6 +626,5 @@ void cuda_swiglu(ds4_backend *be, const float *g, const float *u, float limit, f
         return;
     }
     if (n == 0) return;
-    swiglu_kernel<<<ew_blocks(n), EW_THREADS, 0, cuda_stream(be)>>>(g, u, limit, scale, out, n);
-    (void)CUDA_LAUNCHED(be, "swiglu kernel");
+    (void)cuda_launch(be, "swiglu kernel", swiglu_kernel, ew_blocks(n), EW_THREADS, 0, g, u, limit, scale, out, n);
 }

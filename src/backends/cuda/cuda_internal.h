@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "backends/backend.h"
 #include "backends/cuda/cuda_backend.h"
@@ -82,6 +83,46 @@ typedef enum cuda_check_code {
 
 #define CUDA_GRAPH_CACHE 8 /* executable graphs kept (one per step shape: which compressors emit a row) */
 
+/* One recorded launch of a step (cuda_launch.cu): a kernel with its
+ * argument bytes (in the step's byte pool), or a device copy or memset. */
+typedef enum cuda_node_kind { CUDA_NODE_KERNEL = 1, CUDA_NODE_COPY, CUDA_NODE_MEMSET } cuda_node_kind;
+#define CUDA_NODE_MAX_ARGS 24
+typedef struct cuda_node {
+    int kind;                                 /* cuda_node_kind */
+    const void *func;                         /* kernel */
+    dim3 grid, block;
+    unsigned smem;
+    int n_args;
+    uint32_t data;                            /* offset of the argument bytes in the pool */
+    uint32_t arg_off[CUDA_NODE_MAX_ARGS];     /* each argument's offset from `data` */
+    uint32_t data_len;
+    void *dst;                                /* copy / memset */
+    const void *src;                          /* copy */
+    size_t bytes;
+    int value;                                /* memset byte */
+    cudaMemcpyKind dir;
+} cuda_node;
+
+/* A step's launches in order, with their argument bytes. */
+typedef struct cuda_node_log {
+    cuda_node *nodes;
+    int n, cap;
+    uint8_t *pool;
+    size_t pool_used, pool_cap;
+    uint64_t key; /* hash of the kinds and kernels, in order: the step's shape */
+} cuda_node_log;
+
+/* An executable graph of one step shape, with the parameters it holds now. */
+typedef struct cuda_graph_rec {
+    cuda_node_log log;        /* what the graph runs now */
+    cudaGraph_t graph;
+    cudaGraphNode_t *gnodes;  /* graph node of each log entry */
+    cudaGraphNode_t arena_node; /* the step's control upload */
+    size_t arena_bytes;
+    cudaGraphExec_t exec;
+    uint64_t last_use;
+} cuda_graph_rec;
+
 typedef struct cuda_backend {
     int device;
     cudaStream_t stream;
@@ -95,12 +136,22 @@ typedef struct cuda_backend {
     uint8_t *ring_dev;    /* its device twin */
     size_t ring_off;      /* next free byte of the current lap */
     cudaEvent_t ring_lap; /* recorded when a lap ends */
-    /* step recording (step_begin / step_end): the stream is captured into a
-     * graph, which updates one of the cached executable graphs in place (or
-     * is instantiated into the cache) and is launched */
-    bool in_step, capturing;
-    cudaGraphExec_t graph_exec[CUDA_GRAPH_CACHE];
-    int n_graph_exec, next_graph_exec;
+    /* step recording (step_begin / step_end, cuda_launch.cu): launches go
+     * into `log` instead of the stream; step_end replays them as a cached
+     * executable graph of the same shape (the parameters that changed are
+     * set node by node) or as a new one. Control uploads of a recorded step
+     * go to the step arena (pinned, with a device twin), copied to the
+     * device by the graph's first node, so their addresses repeat from step
+     * to step. */
+    bool graphs_on; /* steps are recorded (ds4_cuda_backend_set_graphs) */
+    bool in_step;   /* between step_begin and step_end */
+    bool recording; /* launches go into the log */
+    cuda_node_log log;
+    cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
+    uint64_t graph_clock;
+    uint8_t *arena_host, *arena_dev;
+    size_t arena_used;
+    cudaEvent_t arena_done; /* the last copy out of arena_host */
     cudaStream_t upload;                       /* weight uploads */
     void *wstage[2];                           /* pinned weight staging buffers */
     cudaEvent_t wstage_done[2];
@@ -147,11 +198,64 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
  * a recorded step, what was recorded so far is submitted first and the
  * recording goes on after the wait. */
 bool cuda_sync(ds4_backend *be);
-/* Inside a recorded step: submit what was recorded so far and stop
- * recording (returns true when it was recording); cuda_capture_resume goes
- * on recording. Host-side waits and allocations sit between the two. */
-bool cuda_capture_pause(ds4_backend *be);
-void cuda_capture_resume(ds4_backend *be);
+/* Inside a recorded step: launch what was recorded so far onto the stream
+ * and go on without recording until the step ends (a host wait, an
+ * allocation or a library call that launches on its own must see the
+ * stream in program order). Does nothing outside a recorded step. */
+void cuda_step_break(ds4_backend *be);
+
+/* ---- launches (cuda_launch.cu) --------------------------------------------
+ * Every kernel, device copy and memset of an op goes through these, so a
+ * recorded step can keep it instead of launching it. */
+typedef struct cuda_args {
+    int n;
+    size_t used;
+    bool overflow;
+    uint32_t off[CUDA_NODE_MAX_ARGS];
+    alignas(16) uint8_t data[1024];
+} cuda_args;
+
+template <typename T> static inline void cuda_args_put(cuda_args &a, const T &v) {
+    size_t at = (a.used + alignof(T) - 1) & ~(size_t)(alignof(T) - 1);
+    if (a.n >= CUDA_NODE_MAX_ARGS || at + sizeof(T) > sizeof a.data) {
+        a.overflow = true;
+        return;
+    }
+    memset(a.data + a.used, 0, at - a.used);
+    memcpy(a.data + at, &v, sizeof(T));
+    a.off[a.n++] = (uint32_t)at;
+    a.used = at + sizeof(T);
+}
+
+/* Launch (or record) kernel `k` with `args` converted to its parameter
+ * types; false (error recorded, naming `what`) when it failed. */
+bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
+                      const cuda_args *a);
+template <typename... P, typename... A>
+static inline bool cuda_launch(ds4_backend *be, const char *what, void (*k)(P...), dim3 grid, dim3 block,
+                               size_t smem, A... args) {
+    static_assert(sizeof...(P) == sizeof...(A), "kernel argument count");
+    cuda_args a;
+    a.n = 0;
+    a.used = 0;
+    a.overflow = false;
+    (cuda_args_put<P>(a, static_cast<P>(args)), ...);
+    return cuda_launch_args(be, what, (const void *)k, grid, block, smem, &a);
+}
+/* Device-to-device copy of `bytes` (no overlap) and byte fill, on the stream
+ * or into the recorded step. */
+bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes);
+bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes);
+/* step_begin / step_end, and the recording state's teardown. */
+void cuda_step_begin(ds4_backend *be);
+void cuda_step_end(ds4_backend *be);
+ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
+void cuda_launch_free(cuda_backend *cb);
+/* In a recorded step: `bytes` of control data copied into the step arena;
+ * the device address it will have, or NULL when it does not fit (the
+ * caller then uploads it another way). */
+void *cuda_arena_put(ds4_backend *be, const void *host, size_t bytes);
+
 /* A small number standing for `name` (a weight's name) in the device error
  * record, so take_error can name it; the same name gives the same tag. -1
  * when the table is full (the message then says the name was not kept). */

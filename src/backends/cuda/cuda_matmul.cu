@@ -570,16 +570,13 @@ static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
  * *stride = blocks per row. Float kinds: nothing to do (act = x). */
 static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t x_stride, int64_t n, int64_t n_rows,
                           void *dst) {
-    cudaStream_t st = cuda_stream(be);
     if (mode == MM_Q8_K) {
         const int64_t nb = n / DS4_QK_K;
-        quant_q8_K_kernel<<<(unsigned)(nb * n_rows), 256, 0, st>>>(x, x_stride, nb, (ds4_block_q8_K *)dst);
-        return CUDA_LAUNCHED(be, "quant_q8_K_kernel");
+        return cuda_launch(be, "quant_q8_K_kernel", quant_q8_K_kernel, (unsigned)(nb * n_rows), 256, 0, x, x_stride, nb, (ds4_block_q8_K *)dst);
     }
     if (mode == MM_Q8_0) {
         const int64_t nb = n / DS4_QK8_0, total = nb * n_rows;
-        quant_q8_0_kernel<<<(unsigned)cdiv(total, 8), 256, 0, st>>>(x, x_stride, nb, total, (act_q8_0 *)dst);
-        return CUDA_LAUNCHED(be, "quant_q8_0_kernel");
+        return cuda_launch(be, "quant_q8_0_kernel", quant_q8_0_kernel, (unsigned)cdiv(total, 8), 256, 0, x, x_stride, nb, total, (act_q8_0 *)dst);
     }
     return true;
 }
@@ -591,26 +588,25 @@ static int64_t act_stride_of(mm_mode mode, int64_t n, int64_t float_stride) {
 }
 
 #define MM_FLOAT_CASES(ACC)                                                                            \
-    case DS4_TYPE_F32: mm_float_kernel<DS4_TYPE_F32, ROWS, ACC><<<grid, MM_THREADS, 0, st>>>(b); break; \
-    case DS4_TYPE_F16: mm_float_kernel<DS4_TYPE_F16, ROWS, ACC><<<grid, MM_THREADS, 0, st>>>(b); break; \
-    case DS4_TYPE_BF16: mm_float_kernel<DS4_TYPE_BF16, ROWS, ACC><<<grid, MM_THREADS, 0, st>>>(b); break;
+    case DS4_TYPE_F32: ok = cuda_launch(be, "matmul kernel", mm_float_kernel<DS4_TYPE_F32, ROWS, ACC>, grid, MM_THREADS, 0, b); break; \
+    case DS4_TYPE_F16: ok = cuda_launch(be, "matmul kernel", mm_float_kernel<DS4_TYPE_F16, ROWS, ACC>, grid, MM_THREADS, 0, b); break; \
+    case DS4_TYPE_BF16: ok = cuda_launch(be, "matmul kernel", mm_float_kernel<DS4_TYPE_BF16, ROWS, ACC>, grid, MM_THREADS, 0, b); break;
 
 #define MM_REF_CASE(T) \
-    case T: mm_float_kernel<T, ROWS, double><<<grid, MM_THREADS, 0, st>>>(b); break;
+    case T: ok = cuda_launch(be, "matmul kernel", mm_float_kernel<T, ROWS, double>, grid, MM_THREADS, 0, b); break;
 #define MM_Q8K_CASE(T) \
-    case T: mm_q8k_kernel<T, ROWS><<<grid, MM_THREADS, 0, st>>>(b); break;
+    case T: ok = cuda_launch(be, "matmul kernel", mm_q8k_kernel<T, ROWS>, grid, MM_THREADS, 0, b); break;
 
 /* Launch the product kernel of (type, mode) over a.n_rows activation rows in
  * tiles of ROWS (blockIdx.y, at most 65535 tiles per launch). */
 template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mode mode, const mm_args &a) {
-    cudaStream_t st = cuda_stream(be);
     const int64_t n_tiles = cdiv(a.n_rows, ROWS);
     for (int64_t y0 = 0; y0 < n_tiles; y0 += 65535) {
         mm_args b = a;
         b.y0 = y0;
         const int64_t ny = n_tiles - y0 < 65535 ? n_tiles - y0 : 65535;
         const dim3 grid((unsigned)a.n_out, (unsigned)ny); /* one output row per block */
-        bool known = true;
+        bool known = true, ok = false;
         if (mode == MM_REF) {
             switch (type) {
                 MM_FLOAT_CASES(double)
@@ -629,7 +625,7 @@ template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mod
             default: known = false;
             }
         } else if (mode == MM_Q8_0) {
-            if (type == DS4_TYPE_Q8_0) mm_q8_0_kernel<ROWS><<<grid, MM_THREADS, 0, st>>>(b);
+            if (type == DS4_TYPE_Q8_0) ok = cuda_launch(be, "matmul kernel", mm_q8_0_kernel<ROWS>, grid, MM_THREADS, 0, b);
             else known = false;
         } else {
             switch (type) {
@@ -646,7 +642,7 @@ template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mod
             cuda_fail(be, DS4_ERR_UNSUPPORTED, "matmul: no kernel for type %s", ds4_type_name(type));
             return false;
         }
-        if (!CUDA_LAUNCHED(be, "matmul kernel")) return false;
+        if (!ok) return false;
     }
     return true;
 }
@@ -845,7 +841,6 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
                           const float *x, const int32_t *d_sel, const float *d_w, int n_used, float limit, float *out,
                           ds4_numerics num) {
     const int64_t dim = gate->ne[0], n_ff = gate->ne[1];
-    cudaStream_t st = cuda_stream(be);
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
     const size_t qg = act_bytes(mg, dim, 1), qu = mu != mg ? act_bytes(mu, dim, 1) : 0;
     const void *xg = x, *xu = x;
@@ -890,8 +885,7 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     if (!launch_product(be, up->type, mu, a)) return;
 
     /* mids (routing weight applied), then each mid row quantised on its own */
-    moe_swiglu_kernel<<<(unsigned)cdiv(n_mid, 256), 256, 0, st>>>(g, u, d_w, n_ff, n_mid, limit);
-    if (!CUDA_LAUNCHED(be, "moe_swiglu_kernel")) return;
+    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff, n_mid, limit)) return;
     const void *mids = g;
     const size_t qm = act_bytes(md, n_ff, n_used);
     if (qm) {
@@ -911,8 +905,7 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     a.out = u;
     a.out_stride = dim;
     if (!launch_product(be, down->type, md, a)) return;
-    moe_sum_kernel<<<(unsigned)cdiv(dim, 256), 256, 0, st>>>(u, n_used, dim, out);
-    CUDA_LAUNCHED(be, "moe_sum_kernel");
+    (void)cuda_launch(be, "moe_sum_kernel", moe_sum_kernel, (unsigned)cdiv(dim, 256), 256, 0, u, n_used, dim, out);
 }
 
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
@@ -941,9 +934,8 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
         !check_weight(be, "moe", down, num))
         return;
     if (cuda_failed(be) || n_rows == 0) return;
-    cudaStream_t st = cuda_stream(be);
     if (n_used == 0) {
-        CUDA_OK(be, cudaMemsetAsync(out, 0, (size_t)(dim * n_rows) * sizeof(float), st));
+        cuda_memset_d(be, out, 0, (size_t)(dim * n_rows) * sizeof(float));
         return;
     }
     if (!sel || !weights) {
@@ -959,9 +951,7 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     int32_t *d_sel = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)slots * sizeof(int32_t));
     if (!d_sel) return;
     float *d_w = (float *)(d_sel + slots);
-    moe_route_kernel<<<(unsigned)cdiv(slots, 256), 256, 0, st>>>(sel, weights, slots, n_expert, d_sel, d_w,
-                                                                   cuda_dev_error_of(be), cuda_check_tag(be, gate->name));
-    if (!CUDA_LAUNCHED(be, "moe_route_kernel")) return;
+    if (!cuda_launch(be, "moe_route_kernel", moe_route_kernel, (unsigned)cdiv(slots, 256), 256, 0, sel, weights, slots, n_expert, d_sel, d_w, cuda_dev_error_of(be), cuda_check_tag(be, gate->name))) return;
 
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
     if (!mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used)) {
@@ -997,8 +987,7 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
                              act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u))
         return;
-    moe_swiglu_kernel<<<(unsigned)cdiv(n_mid, 256), 256, 0, st>>>(g, u, d_w, n_ff, n_mid, limit);
-    if (!CUDA_LAUNCHED(be, "moe_swiglu_kernel")) return;
+    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff, n_mid, limit)) return;
     const void *mids = g;
     const size_t qm = act_bytes(md, n_ff, slots);
     if (qm) {

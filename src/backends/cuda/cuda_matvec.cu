@@ -498,17 +498,17 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
 /* Host side                                                                 */
 /* ------------------------------------------------------------------------ */
 
-template <int ROWS> static void mv_launch_rows(uint32_t type, dim3 grid, int threads, size_t shm, cudaStream_t st,
-                                               const mv_args &a, bool *known) {
+template <int ROWS> static void mv_launch_rows(ds4_backend *be, uint32_t type, dim3 grid, int threads, size_t shm,
+                                               const mv_args &a, bool *known, bool *ok) {
     switch (type) {
-    case DS4_TYPE_F32: mv_kernel<DS4_TYPE_F32, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_F16: mv_kernel<DS4_TYPE_F16, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_BF16: mv_kernel<DS4_TYPE_BF16, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_Q8_0: mv_kernel<DS4_TYPE_Q8_0, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_Q2_K: mv_kernel<DS4_TYPE_Q2_K, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_Q4_K: mv_kernel<DS4_TYPE_Q4_K, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_IQ2_XXS: mv_kernel<DS4_TYPE_IQ2_XXS, ROWS><<<grid, threads, shm, st>>>(a); break;
-    case DS4_TYPE_Q8_K: mv_kernel<DS4_TYPE_Q8_K, ROWS><<<grid, threads, shm, st>>>(a); break;
+    case DS4_TYPE_F32: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_F32, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_F16: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_F16, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_BF16: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_BF16, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_Q8_0: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q8_0, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_Q2_K: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q2_K, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_Q4_K: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q4_K, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_IQ2_XXS: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_IQ2_XXS, ROWS>, grid, threads, shm, a); break;
+    case DS4_TYPE_Q8_K: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q8_K, ROWS>, grid, threads, shm, a); break;
     default: *known = false;
     }
 }
@@ -526,18 +526,17 @@ static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_sl
         return false;
     }
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
-    cudaStream_t st = cuda_stream(be);
-    bool known = true;
+    bool known = true, ok = false;
     const int rows = a.experts_as_parts ? 1 : a.n_rows;
-    if (rows <= 1) mv_launch_rows<1>(type, grid, threads, shm, st, a, &known);
-    else if (rows <= 2) mv_launch_rows<2>(type, grid, threads, shm, st, a, &known);
-    else if (rows <= 4) mv_launch_rows<4>(type, grid, threads, shm, st, a, &known);
-    else mv_launch_rows<8>(type, grid, threads, shm, st, a, &known);
+    if (rows <= 1) mv_launch_rows<1>(be, type, grid, threads, shm, a, &known, &ok);
+    else if (rows <= 2) mv_launch_rows<2>(be, type, grid, threads, shm, a, &known, &ok);
+    else if (rows <= 4) mv_launch_rows<4>(be, type, grid, threads, shm, a, &known, &ok);
+    else mv_launch_rows<8>(be, type, grid, threads, shm, a, &known, &ok);
     if (!known) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
         return false;
     }
-    return CUDA_LAUNCHED(be, "matvec kernel");
+    return ok;
 }
 
 /* Parts per output for n_outputs warps' worth of rows of `units` units. */

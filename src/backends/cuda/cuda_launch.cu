@@ -1,0 +1,474 @@
+/*
+ * cuda_launch.cu - every launch of the CUDA backend, and recorded steps.
+ *
+ * Ops launch kernels, device copies and memsets through cuda_launch /
+ * cuda_copy_d2d / cuda_memset_d. Outside a recorded step these go straight
+ * onto the backend's stream. Between step_begin and step_end (a decoded
+ * token) they are appended to the step's log instead, with their argument
+ * bytes, and step_end runs the log as one CUDA graph:
+ *
+ *   - the log's shape (the sequence of kinds and kernels) names a cached
+ *     executable graph; when one exists, only the nodes whose parameters
+ *     differ from what the graph holds are set anew (a position, a row
+ *     count, a grid that grew) and the graph is launched;
+ *   - otherwise a graph is built from the log (a chain: each node after the
+ *     previous one, exactly the stream's order), instantiated and cached;
+ *     the least recently used one makes room.
+ *
+ * Host control data of a recorded step (token ids, positions, hash-routed
+ * experts) goes into the step arena, a pinned buffer with a device twin; the
+ * graph's first node copies the part in use to the device. The same shape
+ * puts the same data at the same offsets, so the kernels' pointers into it
+ * repeat from step to step and do not need updating.
+ *
+ * Anything that must see the stream in program order in the middle of a
+ * step (a host wait, an allocation, a library call that launches on its
+ * own) calls cuda_step_break first: what was recorded so far is launched
+ * directly and the rest of the step runs unrecorded. A step therefore always
+ * computes exactly what launching every op directly computes; recording
+ * only changes how the host submits it.
+ *
+ * Recording is on by default; DS4_CUDA_GRAPH=0 turns it off (every launch
+ * then goes to the stream as it is made).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cuda/cuda_internal.h"
+
+#define CUDA_ARENA_BYTES ((size_t)256 << 10)
+
+static bool graphs_enabled(void) {
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *e = getenv("DS4_CUDA_GRAPH");
+        enabled = !(e && e[0] == '0');
+    }
+    return enabled != 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The log                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void log_free(cuda_node_log *l) {
+    free(l->nodes);
+    free(l->pool);
+    memset(l, 0, sizeof *l);
+}
+
+static void log_clear(cuda_node_log *l) {
+    l->n = 0;
+    l->pool_used = 0;
+    l->key = 0xcbf29ce484222325ULL;
+}
+
+static void key_mix(cuda_node_log *l, uint64_t v) {
+    for (int i = 0; i < 8; i++) l->key = (l->key ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+}
+
+/* A new entry (zeroed), or NULL when memory ran out (error recorded). */
+static cuda_node *log_push(ds4_backend *be, cuda_node_log *l, int kind, const void *func, size_t data_len) {
+    if (l->n == l->cap) {
+        const int cap = l->cap ? 2 * l->cap : 4096;
+        cuda_node *n = (cuda_node *)realloc(l->nodes, (size_t)cap * sizeof *n);
+        if (!n) {
+            cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of host memory recording a step (%d launches)", l->n);
+            return NULL;
+        }
+        l->nodes = n;
+        l->cap = cap;
+    }
+    const size_t at = (l->pool_used + 15) & ~(size_t)15;
+    if (at + data_len > l->pool_cap) {
+        size_t cap = l->pool_cap ? l->pool_cap : ((size_t)1 << 20);
+        while (cap < at + data_len) cap *= 2;
+        uint8_t *p = (uint8_t *)realloc(l->pool, cap);
+        if (!p) {
+            cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of host memory recording a step (%zu argument bytes)", cap);
+            return NULL;
+        }
+        l->pool = p;
+        l->pool_cap = cap;
+    }
+    cuda_node *e = &l->nodes[l->n++];
+    *e = cuda_node{};
+    e->kind = kind;
+    e->func = func;
+    e->data = (uint32_t)at;
+    e->data_len = (uint32_t)data_len;
+    l->pool_used = at + data_len;
+    key_mix(l, (uint64_t)kind);
+    key_mix(l, (uint64_t)(uintptr_t)func);
+    return e;
+}
+
+/* Copy a log (entries and argument bytes) into `to`, which is grown as
+ * needed; false when memory ran out. */
+static bool log_copy(cuda_node_log *to, const cuda_node_log *from) {
+    if (to->cap < from->n) {
+        cuda_node *n = (cuda_node *)realloc(to->nodes, (size_t)from->n * sizeof *n);
+        if (!n) return false;
+        to->nodes = n;
+        to->cap = from->n;
+    }
+    if (to->pool_cap < from->pool_used) {
+        uint8_t *p = (uint8_t *)realloc(to->pool, from->pool_used);
+        if (!p) return false;
+        to->pool = p;
+        to->pool_cap = from->pool_used;
+    }
+    memcpy(to->nodes, from->nodes, (size_t)from->n * sizeof *from->nodes);
+    memcpy(to->pool, from->pool, from->pool_used);
+    to->n = from->n;
+    to->pool_used = from->pool_used;
+    to->key = from->key;
+    return true;
+}
+
+/* The kernel parameter pointers of entry e (into the log's pool). */
+static void entry_params(const cuda_node_log *l, const cuda_node *e, void **params) {
+    for (int i = 0; i < e->n_args; i++) params[i] = l->pool + e->data + e->arg_off[i];
+}
+
+/* ------------------------------------------------------------------------ */
+/* Direct launches                                                           */
+/* ------------------------------------------------------------------------ */
+
+static bool direct_kernel(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
+                          void **params) {
+    const cudaError_t e = cudaLaunchKernel(func, grid, block, params, smem, cuda_stream(be));
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return cuda_ok(be, e, what, __FILE__, __LINE__);
+}
+
+static bool direct_entry(ds4_backend *be, const cuda_node_log *l, const cuda_node *e) {
+    cudaStream_t s = cuda_stream(be);
+    if (e->kind == CUDA_NODE_KERNEL) {
+        void *params[CUDA_NODE_MAX_ARGS];
+        entry_params(l, e, params);
+        return direct_kernel(be, "recorded kernel", e->func, e->grid, e->block, e->smem, params);
+    }
+    if (e->kind == CUDA_NODE_COPY) return CUDA_OK(be, cudaMemcpyAsync(e->dst, e->src, e->bytes, e->dir, s));
+    return CUDA_OK(be, cudaMemsetAsync(e->dst, e->value, e->bytes, s));
+}
+
+/* The arena's bytes so far onto the stream (before the entries that read
+ * them), then the recorded entries in order. */
+static void submit_direct(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->arena_used > 0) {
+        if (CUDA_OK(be, cudaMemcpyAsync(cb->arena_dev, cb->arena_host, cb->arena_used, cudaMemcpyHostToDevice,
+                                        cb->stream)))
+            (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
+    }
+    for (int i = 0; i < cb->log.n && !cuda_failed(be); i++) (void)direct_entry(be, &cb->log, &cb->log.nodes[i]);
+    log_clear(&cb->log);
+}
+
+bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
+                      const cuda_args *a) {
+    cuda_backend *cb = cuda_impl(be);
+    cb->counters.launches++;
+    if (a->overflow) {
+        cuda_fail(be, DS4_ERR_INVALID, "cuda: %s has more than %d arguments or %zu argument bytes", what,
+                  CUDA_NODE_MAX_ARGS, sizeof a->data);
+        return false;
+    }
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "cuda: %s launched with an empty grid", what);
+        return false;
+    }
+    if (cb->recording) {
+        cuda_node *e = log_push(be, &cb->log, CUDA_NODE_KERNEL, func, a->used);
+        if (!e) return false;
+        e->grid = grid;
+        e->block = block;
+        e->smem = (unsigned)smem;
+        e->n_args = a->n;
+        memcpy(e->arg_off, a->off, (size_t)a->n * sizeof a->off[0]);
+        memcpy(cb->log.pool + e->data, a->data, a->used);
+        return true;
+    }
+    void *params[CUDA_NODE_MAX_ARGS];
+    for (int i = 0; i < a->n; i++) params[i] = (void *)(a->data + a->off[i]);
+    return direct_kernel(be, what, func, grid, block, smem, params);
+}
+
+bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    if (bytes == 0) return true;
+    cb->counters.launches++;
+    if (cb->recording) {
+        cuda_node *e = log_push(be, &cb->log, CUDA_NODE_COPY, NULL, 0);
+        if (!e) return false;
+        e->dst = dst;
+        e->src = src;
+        e->bytes = bytes;
+        e->dir = cudaMemcpyDeviceToDevice;
+        return true;
+    }
+    return CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream));
+}
+
+bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    if (bytes == 0) return true;
+    cb->counters.launches++;
+    if (cb->recording) {
+        cuda_node *e = log_push(be, &cb->log, CUDA_NODE_MEMSET, NULL, 0);
+        if (!e) return false;
+        e->dst = dst;
+        e->value = value & 0xff;
+        e->bytes = bytes;
+        return true;
+    }
+    return CUDA_OK(be, cudaMemsetAsync(dst, value, bytes, cb->stream));
+}
+
+void *cuda_arena_put(ds4_backend *be, const void *host, size_t bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->recording || !cb->arena_host) return NULL;
+    const size_t at = (cb->arena_used + 15) & ~(size_t)15;
+    if (at + bytes > CUDA_ARENA_BYTES) return NULL;
+    memcpy(cb->arena_host + at, host, bytes);
+    cb->arena_used = at + bytes;
+    cuda_count_copy(be, true, bytes);
+    return cb->arena_dev + at;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Steps                                                                     */
+/* ------------------------------------------------------------------------ */
+
+void cuda_step_break(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->recording) return;
+    cb->recording = false;
+    submit_direct(be);
+}
+
+void cuda_step_begin(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->in_step || !cb->graphs_on || cuda_failed(be) || !cb->arena_host) return;
+    /* the arena is refilled: the last copy out of it must have run (the
+     * previous token's logits came back since, so this rarely waits) */
+    if (cudaEventQuery(cb->arena_done) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->counters.syncs++;
+        if (!CUDA_OK(be, cudaEventSynchronize(cb->arena_done))) return;
+    }
+    cb->in_step = true;
+    cb->recording = true;
+    cb->arena_used = 0;
+    log_clear(&cb->log);
+}
+
+static void graph_rec_free(cuda_graph_rec *g) {
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    if (g->graph) cudaGraphDestroy(g->graph);
+    free(g->gnodes);
+    log_free(&g->log);
+    memset(g, 0, sizeof *g);
+}
+
+static cudaKernelNodeParams kernel_params(const cuda_node_log *l, const cuda_node *e, void **params) {
+    entry_params(l, e, params);
+    cudaKernelNodeParams p = {};
+    p.func = (void *)e->func;
+    p.gridDim = e->grid;
+    p.blockDim = e->block;
+    p.sharedMemBytes = e->smem;
+    p.kernelParams = params;
+    p.extra = NULL;
+    return p;
+}
+
+static cudaMemsetParams memset_params(const cuda_node *e) {
+    cudaMemsetParams p = {};
+    p.dst = e->dst;
+    p.value = (unsigned)e->value;
+    p.elementSize = 1;
+    p.width = e->bytes;
+    p.height = 1;
+    return p;
+}
+
+/* Build and instantiate a graph of the log into g (freed first). */
+static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    graph_rec_free(g);
+    g->gnodes = (cudaGraphNode_t *)malloc((size_t)(l->n > 0 ? l->n : 1) * sizeof *g->gnodes);
+    if (!g->gnodes || !log_copy(&g->log, l)) {
+        graph_rec_free(g);
+        cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of host memory for a step graph of %d launches", l->n);
+        return false;
+    }
+    if (!CUDA_OK(be, cudaGraphCreate(&g->graph, 0))) {
+        graph_rec_free(g);
+        return false;
+    }
+    /* the arena copy first (at least 16 bytes, so the node always exists) */
+    g->arena_bytes = arena_bytes;
+    cudaGraphNode_t prev = NULL;
+    bool ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->arena_node, g->graph, NULL, 0, cb->arena_dev, cb->arena_host,
+                                                   arena_bytes, cudaMemcpyHostToDevice));
+    prev = g->arena_node;
+    for (int i = 0; ok && i < l->n; i++) {
+        const cuda_node *e = &g->log.nodes[i];
+        if (e->kind == CUDA_NODE_KERNEL) {
+            void *params[CUDA_NODE_MAX_ARGS];
+            const cudaKernelNodeParams p = kernel_params(&g->log, e, params);
+            ok = CUDA_OK(be, cudaGraphAddKernelNode(&g->gnodes[i], g->graph, &prev, 1, &p));
+        } else if (e->kind == CUDA_NODE_COPY) {
+            ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->gnodes[i], g->graph, &prev, 1, e->dst, e->src, e->bytes,
+                                                      e->dir));
+        } else {
+            const cudaMemsetParams p = memset_params(e);
+            ok = CUDA_OK(be, cudaGraphAddMemsetNode(&g->gnodes[i], g->graph, &prev, 1, &p));
+        }
+        prev = g->gnodes[i];
+    }
+    if (ok) ok = CUDA_OK(be, cudaGraphInstantiate(&g->exec, g->graph, 0));
+    if (!ok) {
+        graph_rec_free(g);
+        return false;
+    }
+    cb->counters.graph_builds++;
+    return true;
+}
+
+/* The cached graph of the log's shape, or NULL. */
+static cuda_graph_rec *graph_find(cuda_backend *cb, const cuda_node_log *l) {
+    for (int i = 0; i < CUDA_GRAPH_CACHE; i++) {
+        cuda_graph_rec *g = &cb->graphs[i];
+        if (!g->exec || g->log.key != l->key || g->log.n != l->n) continue;
+        bool same = true;
+        for (int k = 0; same && k < l->n; k++) {
+            const cuda_node *a = &g->log.nodes[k], *b = &l->nodes[k];
+            same = a->kind == b->kind && a->func == b->func && a->data_len == b->data_len;
+        }
+        if (same) return g;
+    }
+    return NULL;
+}
+
+static bool dim3_eq(dim3 a, dim3 b) { return a.x == b.x && a.y == b.y && a.z == b.z; }
+
+/* Set the parameters of every node of g that differ from the log's, so g
+ * runs exactly the log. false (error recorded) when CUDA refused one. */
+static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    if (arena_bytes != g->arena_bytes) {
+        if (!CUDA_OK(be, cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->arena_node, cb->arena_dev, cb->arena_host,
+                                                            arena_bytes, cudaMemcpyHostToDevice)))
+            return false;
+        g->arena_bytes = arena_bytes;
+        cb->counters.node_updates++;
+    }
+    for (int i = 0; i < l->n; i++) {
+        const cuda_node *e = &l->nodes[i];
+        cuda_node *have = &g->log.nodes[i];
+        bool ok = true, changed = false;
+        if (e->kind == CUDA_NODE_KERNEL) {
+            const uint8_t *args = l->pool + e->data;
+            uint8_t *held = g->log.pool + have->data;
+            changed = !dim3_eq(e->grid, have->grid) || !dim3_eq(e->block, have->block) || e->smem != have->smem ||
+                      memcmp(args, held, e->data_len) != 0;
+            if (changed) {
+                void *params[CUDA_NODE_MAX_ARGS];
+                const cudaKernelNodeParams p = kernel_params(l, e, params);
+                ok = CUDA_OK(be, cudaGraphExecKernelNodeSetParams(g->exec, g->gnodes[i], &p));
+                memcpy(held, args, e->data_len);
+            }
+        } else if (e->kind == CUDA_NODE_COPY) {
+            changed = e->dst != have->dst || e->src != have->src || e->bytes != have->bytes;
+            if (changed)
+                ok = CUDA_OK(be, cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->gnodes[i], e->dst, e->src, e->bytes,
+                                                                    e->dir));
+        } else {
+            changed = e->dst != have->dst || e->value != have->value || e->bytes != have->bytes;
+            if (changed) {
+                const cudaMemsetParams p = memset_params(e);
+                ok = CUDA_OK(be, cudaGraphExecMemsetNodeSetParams(g->exec, g->gnodes[i], &p));
+            }
+        }
+        if (!ok) return false;
+        if (changed) {
+            const uint32_t data = have->data;
+            *have = *e;
+            have->data = data; /* g's own pool offset (the same layout) */
+            cb->counters.node_updates++;
+        }
+    }
+    return true;
+}
+
+void cuda_step_end(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->in_step) return;
+    cb->in_step = false;
+    if (!cb->recording) return; /* broken off: the rest ran directly */
+    cb->recording = false;
+    if (cuda_failed(be)) { /* the evaluation failed: its error is reported, nothing runs */
+        log_clear(&cb->log);
+        return;
+    }
+    const size_t arena_bytes = cb->arena_used > 16 ? cb->arena_used : 16;
+    cuda_graph_rec *g = graph_find(cb, &cb->log);
+    bool ok;
+    if (g) {
+        ok = graph_update(be, g, &cb->log, arena_bytes);
+        if (!ok) graph_rec_free(g);
+    } else {
+        /* a free slot, else the least recently used graph makes room (a
+         * launch of it may still run: wait for the stream first) */
+        g = &cb->graphs[0];
+        for (int i = 0; i < CUDA_GRAPH_CACHE; i++) {
+            if (!cb->graphs[i].exec) {
+                g = &cb->graphs[i];
+                break;
+            }
+            if (cb->graphs[i].last_use < g->last_use) g = &cb->graphs[i];
+        }
+        if (g->exec) {
+            cb->counters.syncs++;
+            ok = CUDA_OK(be, cudaStreamSynchronize(cb->stream));
+        } else {
+            ok = true;
+        }
+        ok = ok && graph_build(be, g, &cb->log, arena_bytes);
+    }
+    if (ok) {
+        g->last_use = ++cb->graph_clock;
+        ok = CUDA_OK(be, cudaGraphLaunch(g->exec, cb->stream));
+        if (ok) {
+            cb->counters.graphs++;
+            (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
+        }
+    }
+    log_clear(&cb->log);
+}
+
+extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
+
+ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
+    cb->graphs_on = graphs_enabled();
+    log_clear(&cb->log);
+    DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
+    DS4_CUDA_CHECK(cudaMallocHost((void **)&cb->arena_host, CUDA_ARENA_BYTES), err);
+    memset(cb->arena_host, 0, CUDA_ARENA_BYTES);
+    DS4_CUDA_CHECK(cudaMalloc((void **)&cb->arena_dev, CUDA_ARENA_BYTES), err);
+    return DS4_OK;
+}
+
+void cuda_launch_free(cuda_backend *cb) {
+    for (int i = 0; i < CUDA_GRAPH_CACHE; i++) graph_rec_free(&cb->graphs[i]);
+    log_free(&cb->log);
+    if (cb->arena_host) cudaFreeHost(cb->arena_host);
+    if (cb->arena_dev) cudaFree(cb->arena_dev);
+    if (cb->arena_done) cudaEventDestroy(cb->arena_done);
+    cb->arena_host = cb->arena_dev = NULL;
+    cb->arena_done = NULL;
+}
