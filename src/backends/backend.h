@@ -270,6 +270,7 @@ typedef struct ds4_backend_counters {
     uint64_t graphs;       /* recorded steps launched as graphs */
     uint64_t graph_builds; /* graphs instantiated (a step shape not cached) */
     uint64_t node_updates; /* graph nodes whose parameters were set anew */
+    uint64_t step_breaks;  /* recorded steps cut short (the rest ran unrecorded) */
     uint64_t weight_bytes; /* device memory held by weights now */
     uint64_t peak_bytes;   /* peak device memory in use */
 } ds4_backend_counters;

@@ -352,18 +352,25 @@ static void check_router(op_pair *p, const router_case *rc, int trials, int64_t 
     int32_t *sel_c = malloc((size_t)RK * sizeof *sel_c), *sel_g = malloc((size_t)RK * sizeof *sel_g);
     float *w_c = malloc((size_t)RK * sizeof *w_c), *w_g = malloc((size_t)RK * sizeof *w_g);
     for (int t = 0; t < trials; t++) {
-        /* the bias first (shared by the rows), then each row's logits */
-        if (hb) {
-            router_inputs(rc, spare, hb);
-            round_to_type((uint32_t)rc->bias_type, hb, E); /* the values the bias weight will hold */
+        /* the bias first (shared by the rows), then each row's logits; a
+         * bias with a near tie that no row's logits can break (tiny probs:
+         * the bias dominates) is drawn again with all the rows */
+        bool posed = false;
+        for (int tries = 0; !posed && tries < 100; tries++) {
+            if (hb) {
+                router_inputs(rc, spare, hb);
+                round_to_type((uint32_t)rc->bias_type, hb, E); /* the values the bias weight will hold */
+            }
+            posed = true;
+            for (int64_t r = 0; r < R && posed; r++) {
+                int attempts = 0;
+                do {
+                    router_inputs(rc, hl + r * E, hb ? spare : NULL);
+                } while (!rc->hash && !router_well_posed(hl + r * E, hb, E, K) && ++attempts < 20);
+                posed = attempts < 20;
+            }
         }
-        for (int64_t r = 0; r < R; r++) {
-            int attempts = 0;
-            do {
-                router_inputs(rc, hl + r * E, hb ? spare : NULL);
-            } while (!rc->hash && !router_well_posed(hl + r * E, hb, E, K) && ++attempts < 100);
-            CHECK_MSG(attempts < 100, "%s: could not draw well-posed router inputs", rc->name);
-        }
+        CHECK_MSG(posed, "%s: could not draw well-posed router inputs", rc->name);
         op_weight *bias = hb ? op_weight_floats(p, "exp_probs_b", (uint32_t)rc->bias_type, E, 1, 1, hb) : NULL;
         for (int64_t k = 0; k < R * K; k++) hash[k] = (int32_t)(test_rand_u64() % (uint64_t)E);
         op_buf logits = op_buf_from(p, hl, R * E > 0 ? R * E : 1);

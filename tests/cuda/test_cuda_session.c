@@ -257,10 +257,12 @@ static void test_graph_replay_matches_direct(void) {
                               DS4_OK, "%s", err.message);
             ds4_backend_counters_get(be, &c1);
             const uint64_t graphs = c1.graphs - c0.graphs, builds = c1.graph_builds - c0.graph_builds;
-            fprintf(stderr, "  %s: %lld steps, %llu graph launches, %llu built, %llu node updates, %llu launches\n",
-                    pass ? "graphs" : "direct", (long long)n_dec, (unsigned long long)graphs,
-                    (unsigned long long)builds, (unsigned long long)(c1.node_updates - c0.node_updates),
-                    (unsigned long long)(c1.launches - c0.launches));
+            fprintf(stderr, "  %s: %lld steps, %llu graph launches, %llu built, %llu node updates, %llu launches, "
+                    "%llu cut short (last: %s)\n", pass ? "graphs" : "direct", (long long)n_dec,
+                    (unsigned long long)graphs, (unsigned long long)builds,
+                    (unsigned long long)(c1.node_updates - c0.node_updates),
+                    (unsigned long long)(c1.launches - c0.launches),
+                    (unsigned long long)(c1.step_breaks - c0.step_breaks), ds4_cuda_backend_last_break(be));
             if (pass == 0) {
                 CHECK(graphs == 0 && builds == 0);
             } else {

@@ -377,20 +377,13 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
     const size_t sink_floats = sinks_float ? 0 : (size_t)sinks->ne[0];
     float *scratch = (float *)cuda_scratch(be, CUDA_SCRATCH_ATTN, (part_floats + sink_floats) * sizeof(float));
     if (!scratch) return;
-    cudaStream_t stream = cuda_stream(be);
 
     const void *sink_ptr = sinks->device;
     uint32_t sink_type = sinks->type;
     if (!sinks_float) { /* a block-quantised sink vector: dequantise it first */
-        ds4_error derr;
-        memset(&derr, 0, sizeof derr);
         float *d_sinks = scratch + part_floats;
-        cuda_step_break(be); /* the dequantiser launches on its own */
-        if (ds4_cuda_dequant_rows(sinks->type, sinks->device, d_sinks, 1, sinks->ne[0], (void *)stream, &derr) !=
-            DS4_OK) {
-            cuda_fail(be, derr.status, "attention: sinks %s: %s", cuda_wname(sinks), derr.message);
+        if (!cuda_dequant_weight_rows(be, sinks->type, sinks->device, d_sinks, 1, sinks->ne[0], "attention: sinks"))
             return;
-        }
         sink_ptr = d_sinks;
         sink_type = DS4_TYPE_F32;
     }
@@ -718,7 +711,7 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
      * own, so a recorded step is submitted first) */
-    cuda_step_break(be);
+    cuda_step_break(be, "top_k: the device-wide sort");
     cudaStream_t stream = cuda_stream(be);
     const unsigned long long mask = (1ull << shift) - 1ull;
     unsigned long long *keys =

@@ -59,7 +59,7 @@ static uint64_t now_ns(void) {
 
 bool cuda_sync(ds4_backend *be) {
     ds4_backend_counters *c = &cuda_impl(be)->counters;
-    cuda_step_break(be);
+    cuda_step_break(be, "a wait for the stream");
     c->syncs++;
     const uint64_t t0 = now_ns();
     const bool ok = CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
@@ -103,7 +103,7 @@ static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
     /* The device error record comes back with the same wait: one small copy
      * per call (take_error runs once per evaluation). */
     cudaStream_t s = cuda_stream(be);
-    cuda_step_break(be);
+    cuda_step_break(be, "take_error");
     const bool copied = cudaMemcpyAsync(cb->dev_error_host, cb->dev_error, sizeof *cb->dev_error,
                                         cudaMemcpyDeviceToHost, s) == cudaSuccess;
     if (copied) cuda_count_copy(be, false, sizeof *cb->dev_error);
@@ -186,7 +186,7 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
     if (bytes > 0 && cb->recording) {
         void *d = cuda_arena_put(be, host, bytes); /* a recorded step: its arena */
         if (d) return d;
-        cuda_step_break(be);
+        cuda_step_break(be, "the step arena is full");
     }
     if (bytes > 0 && need <= CUDA_CTRL_RING / 4 && cb->ring_host) {
         /* The control ring: each upload takes the next piece of a pinned
@@ -216,7 +216,7 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
     void *d = cuda_scratch(be, slot, bytes);
     if (!d) return NULL;
     if (bytes == 0) return d;
-    cuda_step_break(be); /* events and waits below */
+    cuda_step_break(be, "a control upload too large for the ring"); /* events and waits below */
     /* The ring of pinned control buffers: the copy must not read a host
      * buffer that a later call overwrites before the stream reaches it, so
      * each slot has its own pinned buffer, and we wait for the previous copy
@@ -261,7 +261,7 @@ static float *cuda_alloc(ds4_backend *be, int64_t n_floats) {
     if (n_floats < 0 || (uint64_t)n_floats > SIZE_MAX / sizeof(float) - 64) return NULL;
     size_t bytes = (size_t)(n_floats > 0 ? n_floats : 1) * sizeof(float);
     void *p = NULL;
-    cuda_step_break(be);
+    cuda_step_break(be, "alloc");
     if (cudaMallocAsync(&p, bytes, cb->stream) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
@@ -277,7 +277,7 @@ static float *cuda_alloc(ds4_backend *be, int64_t n_floats) {
 
 static void cuda_free_buf(ds4_backend *be, float *buf) {
     if (!buf) return;
-    cuda_step_break(be); /* recorded launches may still use it */
+    cuda_step_break(be, "free"); /* recorded launches may still use it */
     (void)CUDA_OK(be, cudaFreeAsync(buf, cuda_stream(be)));
 }
 
@@ -285,7 +285,7 @@ static void cuda_upload(ds4_backend *be, float *dst, const float *host_src, int6
     if (n <= 0 || cuda_failed(be)) return;
     /* pageable source: the call returns once the data is staged, so the
      * caller may reuse host_src at once */
-    cuda_step_break(be); /* pageable memory is staged now, not when a graph runs */
+    cuda_step_break(be, "upload"); /* pageable memory is staged now, not when a graph runs */
     cuda_count_copy(be, true, (size_t)n * sizeof(float));
     (void)CUDA_OK(be, cudaMemcpyAsync(dst, host_src, (size_t)n * sizeof(float), cudaMemcpyHostToDevice,
                                       cuda_stream(be)));
@@ -297,7 +297,7 @@ static void cuda_download(ds4_backend *be, float *host_dst, const float *src, in
         memset(host_dst, 0, (size_t)n * sizeof(float));
         return;
     }
-    cuda_step_break(be);
+    cuda_step_break(be, "download");
     cuda_count_copy(be, false, (size_t)n * sizeof(float));
     if (!CUDA_OK(be, cudaMemcpyAsync(host_dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost,
                                      cuda_stream(be))))
@@ -426,13 +426,9 @@ static float *weight_row_floats(ds4_backend *be, const ds4_weight *w, int64_t ro
     }
     float *tmp = (float *)cuda_scratch(be, CUDA_SCRATCH_COPY, (size_t)(n_rows * w->ne[0]) * sizeof(float));
     if (!tmp) return NULL;
-    ds4_error e;
-    ds4_error_clear(&e);
-    cuda_step_break(be); /* the dequantiser launches on its own */
-    if (ds4_cuda_dequant_rows(w->type, cuda_weight_row(w, row), tmp, n_rows, w->ne[0], cuda_stream(be), &e)) {
-        cuda_fail(be, e.status, "%s: %s: %s", op, cuda_wname(w), e.message);
-        return NULL;
-    }
+    char what[160];
+    snprintf(what, sizeof what, "%s: %s", op, cuda_wname(w));
+    if (!cuda_dequant_weight_rows(be, w->type, cuda_weight_row(w, row), tmp, n_rows, w->ne[0], what)) return NULL;
     return tmp;
 }
 
@@ -470,16 +466,10 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
         (void)cuda_launch(be, "embed_float_kernel", embed_float_kernel, grid, 256, 0, table->device, table->type, d_tok, n, dim, out);
         return;
     }
-    cuda_step_break(be); /* the dequantiser launches on its own */
-    for (int r = 0; r < n; r++) { /* quantised tables: one dequant per row */
-        ds4_error e;
-        ds4_error_clear(&e);
-        if (ds4_cuda_dequant_rows(table->type, cuda_weight_row(table, tokens[r]), out + (int64_t)r * dim, 1, dim,
-                                  cuda_stream(be), &e)) {
-            cuda_fail(be, e.status, "embed: %s: %s", cuda_wname(table), e.message);
+    for (int r = 0; r < n; r++) /* quantised tables: one dequant per row */
+        if (!cuda_dequant_weight_rows(be, table->type, cuda_weight_row(table, tokens[r]), out + (int64_t)r * dim, 1,
+                                      dim, "embed"))
             return;
-        }
-    }
 }
 
 #define NORM_THREADS 256

@@ -108,6 +108,9 @@ void ds4_cuda_backend_counters(const ds4_backend *be, ds4_backend_counters *out)
  * with only the changed parameters set anew. The results are the same
  * either way, bit for bit. Takes effect at the next step_begin. */
 void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
+/* Why the last recorded step was cut short (its ops from there on ran
+ * unrecorded: a host wait, an allocation, a library call), or "none". */
+const char *ds4_cuda_backend_last_break(const ds4_backend *be);
 
 #ifdef __cplusplus
 }

@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_internal.h"
 #include "ds4.h"
 #include "core/error.h"
 #include "core/quant.h"
@@ -141,6 +142,42 @@ extern "C" ds4_status ds4_cuda_dequant_rows(uint32_t type, const void *d_src, fl
     }
     return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "%s: no CUDA dequantisation kernel for type %s (id %u)", fn,
                          ds4_type_name(type), type);
+}
+
+/* The backend's own dequantisation of weight rows (device memory it
+ * bound, so no pointer checks): through cuda_launch, so a recorded step
+ * keeps it. false (error recorded) on failure. */
+template <uint32_t T> static bool launch_be(ds4_backend *be, const void *src, float *dst, int64_t n) {
+    const int64_t want = (n + 255) / 256;
+    const unsigned blocks = (unsigned)(want < (1 << 16) ? want : (1 << 16));
+    return cuda_launch(be, "dequant_kernel", dequant_kernel<T>, blocks, 256, 0, src, dst, n);
+}
+
+bool cuda_dequant_weight_rows(ds4_backend *be, uint32_t type, const void *d_src, float *d_dst, int64_t n_rows,
+                              int64_t row_elems, const char *what) {
+    int64_t n = 0, src_bytes = 0;
+    ds4_error err;
+    ds4_error_clear(&err);
+    if (check_args("dequantise", type, n_rows, row_elems, &n, &src_bytes, &err) != DS4_OK) {
+        cuda_fail(be, err.status, "%s: %s", what, err.message);
+        return false;
+    }
+    if (n == 0) return true;
+    switch (type) {
+    case DS4_TYPE_F32: return launch_be<DS4_TYPE_F32>(be, d_src, d_dst, n);
+    case DS4_TYPE_F16: return launch_be<DS4_TYPE_F16>(be, d_src, d_dst, n);
+    case DS4_TYPE_BF16: return launch_be<DS4_TYPE_BF16>(be, d_src, d_dst, n);
+    case DS4_TYPE_Q8_0: return launch_be<DS4_TYPE_Q8_0>(be, d_src, d_dst, n);
+    case DS4_TYPE_Q2_K: return launch_be<DS4_TYPE_Q2_K>(be, d_src, d_dst, n);
+    case DS4_TYPE_Q4_K: return launch_be<DS4_TYPE_Q4_K>(be, d_src, d_dst, n);
+    case DS4_TYPE_Q5_K: return launch_be<DS4_TYPE_Q5_K>(be, d_src, d_dst, n);
+    case DS4_TYPE_Q6_K: return launch_be<DS4_TYPE_Q6_K>(be, d_src, d_dst, n);
+    case DS4_TYPE_IQ2_XXS: return launch_be<DS4_TYPE_IQ2_XXS>(be, d_src, d_dst, n);
+    case DS4_TYPE_Q8_K: return launch_be<DS4_TYPE_Q8_K>(be, d_src, d_dst, n);
+    default: break;
+    }
+    cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: no CUDA dequantisation kernel for type %s", what, ds4_type_name(type));
+    return false;
 }
 
 extern "C" ds4_status ds4_cuda_dequant_host(uint32_t type, const void *h_src, float *h_dst, int64_t n_rows,

@@ -146,6 +146,7 @@ typedef struct cuda_backend {
     bool graphs_on; /* steps are recorded (ds4_cuda_backend_set_graphs) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
+    const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
     cuda_node_log log;
     cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
     uint64_t graph_clock;
@@ -202,7 +203,7 @@ bool cuda_sync(ds4_backend *be);
  * and go on without recording until the step ends (a host wait, an
  * allocation or a library call that launches on its own must see the
  * stream in program order). Does nothing outside a recorded step. */
-void cuda_step_break(ds4_backend *be);
+void cuda_step_break(ds4_backend *be, const char *why);
 
 /* ---- launches (cuda_launch.cu) --------------------------------------------
  * Every kernel, device copy and memset of an op goes through these, so a
@@ -350,6 +351,12 @@ static __device__ __forceinline__ float cuda_swiglu1(float g, float u, float lim
     }
     return __fmul_rn(__fmul_rn(cuda_silu(g), u), scale);
 }
+
+/* cuda_dequant.cu: n_rows rows of row_elems elements of a bound weight
+ * (device memory) dequantised to floats at d_dst, on the stream or into the
+ * recorded step; false (error recorded, naming `what`) on failure. */
+bool cuda_dequant_weight_rows(ds4_backend *be, uint32_t type, const void *d_src, float *d_dst, int64_t n_rows,
+                              int64_t row_elems, const char *what);
 
 /* ---- the ops (same contracts as backend.h) -------------------------------- */
 

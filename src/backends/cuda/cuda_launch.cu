@@ -242,10 +242,12 @@ void *cuda_arena_put(ds4_backend *be, const void *host, size_t bytes) {
 /* Steps                                                                     */
 /* ------------------------------------------------------------------------ */
 
-void cuda_step_break(ds4_backend *be) {
+void cuda_step_break(ds4_backend *be, const char *why) {
     cuda_backend *cb = cuda_impl(be);
     if (!cb->recording) return;
     cb->recording = false;
+    cb->last_break = why;
+    cb->counters.step_breaks++;
     submit_direct(be);
 }
 
@@ -357,12 +359,13 @@ static cuda_graph_rec *graph_find(cuda_backend *cb, const cuda_node_log *l) {
 static bool dim3_eq(dim3 a, dim3 b) { return a.x == b.x && a.y == b.y && a.z == b.z; }
 
 /* Set the parameters of every node of g that differ from the log's, so g
- * runs exactly the log. false (error recorded) when CUDA refused one. */
+ * runs exactly the log. false when CUDA refused one (nothing is recorded:
+ * the caller builds the graph anew instead). */
 static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_bytes) {
     cuda_backend *cb = cuda_impl(be);
     if (arena_bytes != g->arena_bytes) {
-        if (!CUDA_OK(be, cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->arena_node, cb->arena_dev, cb->arena_host,
-                                                            arena_bytes, cudaMemcpyHostToDevice)))
+        if (cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->arena_node, cb->arena_dev, cb->arena_host, arena_bytes,
+                                               cudaMemcpyHostToDevice) != cudaSuccess)
             return false;
         g->arena_bytes = arena_bytes;
         cb->counters.node_updates++;
@@ -370,7 +373,8 @@ static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log
     for (int i = 0; i < l->n; i++) {
         const cuda_node *e = &l->nodes[i];
         cuda_node *have = &g->log.nodes[i];
-        bool ok = true, changed = false;
+        cudaError_t rc = cudaSuccess;
+        bool changed = false;
         if (e->kind == CUDA_NODE_KERNEL) {
             const uint8_t *args = l->pool + e->data;
             uint8_t *held = g->log.pool + have->data;
@@ -379,22 +383,21 @@ static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log
             if (changed) {
                 void *params[CUDA_NODE_MAX_ARGS];
                 const cudaKernelNodeParams p = kernel_params(l, e, params);
-                ok = CUDA_OK(be, cudaGraphExecKernelNodeSetParams(g->exec, g->gnodes[i], &p));
+                rc = cudaGraphExecKernelNodeSetParams(g->exec, g->gnodes[i], &p);
                 memcpy(held, args, e->data_len);
             }
         } else if (e->kind == CUDA_NODE_COPY) {
             changed = e->dst != have->dst || e->src != have->src || e->bytes != have->bytes;
             if (changed)
-                ok = CUDA_OK(be, cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->gnodes[i], e->dst, e->src, e->bytes,
-                                                                    e->dir));
+                rc = cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->gnodes[i], e->dst, e->src, e->bytes, e->dir);
         } else {
             changed = e->dst != have->dst || e->value != have->value || e->bytes != have->bytes;
             if (changed) {
                 const cudaMemsetParams p = memset_params(e);
-                ok = CUDA_OK(be, cudaGraphExecMemsetNodeSetParams(g->exec, g->gnodes[i], &p));
+                rc = cudaGraphExecMemsetNodeSetParams(g->exec, g->gnodes[i], &p);
             }
         }
-        if (!ok) return false;
+        if (rc != cudaSuccess) return false;
         if (changed) {
             const uint32_t data = have->data;
             *have = *e;
@@ -417,11 +420,14 @@ void cuda_step_end(ds4_backend *be) {
     }
     const size_t arena_bytes = cb->arena_used > 16 ? cb->arena_used : 16;
     cuda_graph_rec *g = graph_find(cb, &cb->log);
-    bool ok;
-    if (g) {
-        ok = graph_update(be, g, &cb->log, arena_bytes);
-        if (!ok) graph_rec_free(g);
-    } else {
+    bool ok = true;
+    if (g && !graph_update(be, g, &cb->log, arena_bytes)) {
+        /* an update CUDA refused: this shape is built anew, once a launch of
+         * the old graph that may still run has finished */
+        (void)cudaGetLastError();
+        cb->counters.syncs++;
+        ok = CUDA_OK(be, cudaStreamSynchronize(cb->stream)) && graph_build(be, g, &cb->log, arena_bytes);
+    } else if (!g) {
         /* a free slot, else the least recently used graph makes room (a
          * launch of it may still run: wait for the stream first) */
         g = &cb->graphs[0];
@@ -440,7 +446,7 @@ void cuda_step_end(ds4_backend *be) {
         }
         ok = ok && graph_build(be, g, &cb->log, arena_bytes);
     }
-    if (ok) {
+    if (ok && g->exec) {
         g->last_use = ++cb->graph_clock;
         ok = CUDA_OK(be, cudaGraphLaunch(g->exec, cb->stream));
         if (ok) {
@@ -452,6 +458,11 @@ void cuda_step_end(ds4_backend *be) {
 }
 
 extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
+
+extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
+    const char *w = ((const cuda_backend *)be->impl)->last_break;
+    return w ? w : "none";
+}
 
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->graphs_on = graphs_enabled();
