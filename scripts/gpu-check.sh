@@ -29,7 +29,7 @@
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT), PERF_AB="VAR=0 ..." adds a short
 #                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
-#                               DS4_CUDA_GEMM=0), and an nsys per-kernel table
+#                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records (pass it: the GPU machine's copy of the tree
 #                   may carry older git metadata than the files it runs)
@@ -187,7 +187,7 @@ perf_stage() {
     local v
     for v in ${PERF_AB:-}; do
         section "decode with $v"
-        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx 256 \
+        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx "${AB_CTX:-256}" \
             --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 --json "$out/bench-${v%%=*}.json" \
             --md "$out/bench-${v%%=*}.md"; then
             record "bench full q2 ($v)" PASS

@@ -45,6 +45,23 @@ void ds4_backend_destroy(ds4_backend *be) {
 #endif
 }
 
+int ds4_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap) {
+    if (!be) return 0;
+#ifdef DS4_WITH_CUDA
+    if (strcmp(be->ops->name, "cuda") == 0) return ds4_cuda_backend_kernel_times(be, out, cap);
+#endif
+    (void)out;
+    (void)cap;
+    return 0;
+}
+
+void ds4_backend_kernel_times_reset(ds4_backend *be) {
+    if (!be) return;
+#ifdef DS4_WITH_CUDA
+    if (strcmp(be->ops->name, "cuda") == 0) ds4_cuda_backend_kernel_times_reset(be);
+#endif
+}
+
 void ds4_backend_counters_get(ds4_backend *be, ds4_backend_counters *out) {
     memset(out, 0, sizeof *out);
     if (!be) return;

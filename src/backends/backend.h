@@ -271,10 +271,28 @@ typedef struct ds4_backend_counters {
     uint64_t graph_builds; /* graphs instantiated (a step shape not cached) */
     uint64_t node_updates; /* graph nodes whose parameters were set anew */
     uint64_t step_breaks;  /* recorded steps cut short (the rest ran unrecorded) */
+    uint64_t step_host_ns; /* host time inside recorded steps (step_begin to the end of step_end) */
+    uint64_t graph_gpu_ns; /* device time of the steps launched as graphs (events; finished ones) */
     uint64_t weight_bytes; /* device memory held by weights now */
     uint64_t peak_bytes;   /* peak device memory in use */
 } ds4_backend_counters;
 void ds4_backend_counters_get(ds4_backend *be, ds4_backend_counters *out);
+
+/* Device time per kernel (for benchmarks), when the backend was created
+ * with kernel timing on (CUDA: DS4_CUDA_PROFILE=1, which also turns
+ * recorded steps off: every launch is bracketed by events). One entry per
+ * kernel (copies and memsets have their own), the launches since the last
+ * reset. */
+typedef struct ds4_kernel_time {
+    const char *name; /* the kernel's symbol (or "copy" / "memset") */
+    const char *what; /* what the op calls it */
+    uint64_t count;
+    double ms;
+} ds4_kernel_time;
+/* Fills up to cap entries, busiest first; returns how many there are (0
+ * when timing is off or the backend has none). Waits for the device. */
+int ds4_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);
+void ds4_backend_kernel_times_reset(ds4_backend *be);
 
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */

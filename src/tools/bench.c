@@ -455,6 +455,7 @@ typedef struct decode_row {
     bool skipped;
     char reason[REASON_MAX];
     double launches, copies, h2d, d2h, syncs, wait_ms; /* per token */
+    double graphs, graph_builds, node_updates, step_breaks, step_host_ms, graph_gpu_ms; /* per token */
     uint64_t peak;
     double kv_bytes; /* estimate at the middle of the decode run */
 } decode_row;
@@ -469,6 +470,8 @@ typedef struct ab_result {
     dvec log_ratio; /* per round: log(tps_B / tps_A) */
     double ratio, lo, hi, t_crit;
 } ab_result;
+
+#define KERNELS_MAX 48 /* rows of the kernel table */
 
 typedef struct bench {
     opts o;
@@ -492,6 +495,10 @@ typedef struct bench {
     dvec bw_samples;
     int64_t bw_bytes;
     ab_result ab_dec, ab_pre;
+    /* device time per kernel over the last frontier's decode (kernel timing on) */
+    ds4_kernel_time kernels[KERNELS_MAX];
+    int n_kernels, n_kernels_all;
+    int64_t kernels_ctx, kernels_tokens;
 } bench;
 
 /* ------------------------------------------------------------ roofline */
@@ -765,9 +772,19 @@ static int run_decode(bench *b) {
         pos += r->interval_tokens;
         r->pos_start = pos;
         ds4_backend_counters c0, c1;
+        ds4_backend_kernel_times_reset(v->be);
         ds4_backend_counters_get(v->be, &c0);
         if (!s) s = decode_steps(b, v, st, next, gen, &r->s, NULL, &err);
         ds4_backend_counters_get(v->be, &c1);
+        if (!s) {
+            const int nk = ds4_backend_kernel_times(v->be, b->kernels, KERNELS_MAX);
+            if (nk > 0) {
+                b->n_kernels_all = nk;
+                b->n_kernels = nk < KERNELS_MAX ? nk : KERNELS_MAX;
+                b->kernels_ctx = r->ctx;
+                b->kernels_tokens = gen;
+            }
+        }
         if (s) {
             char what[96];
             snprintf(what, sizeof what, "decode at frontier %lld", (long long)r->ctx);
@@ -793,6 +810,12 @@ static int run_decode(bench *b) {
         r->d2h = (double)(c1.d2h_bytes - c0.d2h_bytes) / g;
         r->syncs = (double)(c1.syncs - c0.syncs) / g;
         r->wait_ms = (double)(c1.wait_ns - c0.wait_ns) / 1e6 / g;
+        r->graphs = (double)(c1.graphs - c0.graphs) / g;
+        r->graph_builds = (double)(c1.graph_builds - c0.graph_builds) / g;
+        r->node_updates = (double)(c1.node_updates - c0.node_updates) / g;
+        r->step_breaks = (double)(c1.step_breaks - c0.step_breaks) / g;
+        r->step_host_ms = (double)(c1.step_host_ns - c0.step_host_ns) / 1e6 / g;
+        r->graph_gpu_ms = (double)(c1.graph_gpu_ns - c0.graph_gpu_ns) / 1e6 / g;
         r->peak = c1.peak_bytes;
         r->kv_bytes = kv_bytes_at(b->cfg, r->pos_start + gen / 2);
     }
@@ -1259,6 +1282,14 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         json_num(f, r->syncs);
         fputs(", \"wait_ms\": ", f);
         json_num(f, r->wait_ms);
+        const struct { const char *key; double v; } rec[] = {
+            { "graphs", r->graphs }, { "graph_builds", r->graph_builds }, { "node_updates", r->node_updates },
+            { "step_breaks", r->step_breaks }, { "step_host_ms", r->step_host_ms }, { "graph_gpu_ms", r->graph_gpu_ms },
+        };
+        for (size_t q = 0; q < sizeof rec / sizeof rec[0]; q++) {
+            fprintf(f, ", \"%s\": ", rec[q].key);
+            json_num(f, rec[q].v);
+        }
         fprintf(f, "}, \"peak_device_bytes\": %llu, \"roofline\": {\"weights_bytes\": ", (unsigned long long)r->peak);
         json_num(f, b->weights_bytes);
         fputs(", \"kv_bytes\": ", f);
@@ -1286,6 +1317,27 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         json_skipped(f, &k, "ctx", r->ctx, r->reason);
     }
     fprintf(f, "],\n  \"peak_device_bytes\": %llu,\n", (unsigned long long)b->peak);
+    fputs("  \"kernels\": ", f);
+    if (b->n_kernels > 0) {
+        const double g = (double)b->kernels_tokens;
+        fprintf(f, "{\"context\": %lld, \"tokens\": %lld, \"distinct\": %d, \"per_token\": [",
+                (long long)b->kernels_ctx, (long long)b->kernels_tokens, b->n_kernels_all);
+        for (int i = 0; i < b->n_kernels; i++) {
+            const ds4_kernel_time *kt = &b->kernels[i];
+            fputs(i ? ", {\"name\": " : "{\"name\": ", f);
+            json_str(f, kt->name ? kt->name : "");
+            fputs(", \"what\": ", f);
+            json_str(f, kt->what ? kt->what : "");
+            fputs(", \"launches\": ", f);
+            json_num(f, (double)kt->count / g);
+            fputs(", \"ms\": ", f);
+            json_num(f, kt->ms / g);
+            fputs("}", f);
+        }
+        fputs("]},\n", f);
+    } else {
+        fputs("null,\n", f);
+    }
 
     /* A/B */
     fputs("  \"ab\": ", f);
@@ -1411,6 +1463,37 @@ static void write_md(FILE *f, bench *b, const prov *p) {
         else
             fputs("- | - | - |\n", f);
     }
+    /* how the decoded tokens were submitted (recorded steps: CUDA graphs) */
+    bool any = false;
+    for (int i = 0; i < o->n_ctx; i++) any |= !b->decode[i].skipped && b->decode[i].graphs > 0;
+    if (!any) return;
+    fprintf(f, "\nRecorded steps (per decoded token): graph launches, graphs built, node parameters set, steps cut "
+            "short, host time inside the step, device time of the graph.\n\n");
+    fprintf(f, "| context | graphs | built | node updates | cut short | host ms | graph GPU ms |\n");
+    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < o->n_ctx; i++) {
+        const decode_row *r = &b->decode[i];
+        if (r->skipped) continue;
+        fprintf(f, "| %lld | %.2f | %.3f | %.1f | %.2f | %.3f | %.3f |\n", (long long)r->ctx, r->graphs,
+                r->graph_builds, r->node_updates, r->step_breaks, r->step_host_ms, r->graph_gpu_ms);
+    }
+}
+
+static void write_md_kernels(FILE *f, const bench *b) {
+    if (b->n_kernels <= 0) return;
+    const double g = (double)b->kernels_tokens;
+    double total = 0;
+    for (int i = 0; i < b->n_kernels; i++) total += b->kernels[i].ms;
+    fprintf(f, "\nDevice time per decoded token by kernel at context %lld (%lld tokens, every launch timed with "
+            "events; the %d busiest of %d):\n\n", (long long)b->kernels_ctx, (long long)b->kernels_tokens,
+            b->n_kernels, b->n_kernels_all);
+    fprintf(f, "| kernel | op | launches/tok | us/tok | us/launch | share |\n|---|---|---:|---:|---:|---:|\n");
+    for (int i = 0; i < b->n_kernels; i++) {
+        const ds4_kernel_time *kt = &b->kernels[i];
+        fprintf(f, "| `%s` | %s | %.1f | %.1f | %.2f | %.1f%% |\n", kt->name ? kt->name : "", kt->what ? kt->what : "",
+                (double)kt->count / g, kt->ms * 1e3 / g, kt->count ? kt->ms * 1e3 / (double)kt->count : 0.0,
+                total > 0 ? 100.0 * kt->ms / total : 0.0);
+    }
 }
 
 /* ------------------------------------------------------------ main */
@@ -1530,6 +1613,7 @@ int tool_bench(int argc, char **argv) {
     prov p;
     get_provenance(b, &p);
     write_md(stdout, b, &p);
+    write_md_kernels(stdout, b);
     fflush(stdout);
     if (o->md) {
         FILE *mf = fopen(o->md, "w");
@@ -1538,6 +1622,7 @@ int tool_bench(int argc, char **argv) {
             goto done;
         }
         write_md(mf, b, &p);
+        write_md_kernels(mf, b);
         if (ferror(mf) | (fclose(mf) != 0)) {
             rc = tool_fail(CMD, "%s: write failed", o->md);
             goto done;

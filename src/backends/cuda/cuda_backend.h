@@ -111,6 +111,9 @@ void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
 /* Why the last recorded step was cut short (its ops from there on ran
  * unrecorded: a host wait, an allocation, a library call), or "none". */
 const char *ds4_cuda_backend_last_break(const ds4_backend *be);
+/* Kernel timing (DS4_CUDA_PROFILE=1 at creation): see ds4_backend_kernel_times. */
+int ds4_cuda_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);
+void ds4_cuda_backend_kernel_times_reset(ds4_backend *be);
 
 #ifdef __cplusplus
 }

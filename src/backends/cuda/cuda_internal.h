@@ -153,6 +153,10 @@ typedef struct cuda_backend {
     uint8_t *arena_host, *arena_dev;
     size_t arena_used;
     cudaEvent_t arena_done; /* the last copy out of arena_host */
+    cudaEvent_t graph_t0, graph_t1; /* around the last graph launch (timing) */
+    bool graph_timed;               /* graph_t0/t1 hold a launch not yet counted */
+    uint64_t step_t0;               /* host clock at step_begin */
+    struct cuda_profiler *prof;     /* kernel timing (DS4_CUDA_PROFILE=1), else NULL */
     cudaStream_t upload;                       /* weight uploads */
     void *wstage[2];                           /* pinned weight staging buffers */
     cudaEvent_t wstage_done[2];
@@ -161,6 +165,8 @@ typedef struct cuda_backend {
     ds4_backend_counters counters; /* launches, copies, syncs (cuda_count_*) */
     cuda_dev_error *dev_error;      /* device: bad indices found by kernels */
     cuda_dev_error *dev_error_host; /* pinned: where take_error reads it */
+    void *dl_host;                  /* pinned staging of download */
+    size_t dl_cap;
     char check_names[CUDA_CHECK_NAMES][CUDA_CHECK_NAME_MAX]; /* cuda_check_tag's names */
     int n_check_names;
 } cuda_backend;
@@ -251,6 +257,11 @@ bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes);
 void cuda_step_begin(ds4_backend *be);
 void cuda_step_end(ds4_backend *be);
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
+/* Kernel timing: fold the finished launches into the per-kernel totals
+ * (waits for the last one). */
+void cuda_profile_collect(ds4_backend *be);
+/* Count the device time of the last graph launch once it has finished. */
+void cuda_graph_timing_collect(cuda_backend *cb);
 void cuda_launch_free(cuda_backend *cb);
 /* In a recorded step: `bytes` of control data copied into the step arena;
  * the device address it will have, or NULL when it does not fit (the

@@ -34,10 +34,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backends/cuda/cuda_internal.h"
 
 #define CUDA_ARENA_BYTES ((size_t)256 << 10)
+
+static uint64_t host_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 static bool graphs_enabled(void) {
     static int enabled = -1;
@@ -133,12 +140,126 @@ static void entry_params(const cuda_node_log *l, const cuda_node *e, void **para
 }
 
 /* ------------------------------------------------------------------------ */
+/* Kernel timing (DS4_CUDA_PROFILE=1)                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Every direct launch is bracketed by two events; the pairs are folded into
+ * per-kernel totals at the next wait for the stream (or when the pool of
+ * pairs is full). Keys are the kernel (copies and memsets: NULL) and the
+ * name the op gave it. */
+#define PROF_PAIRS 4096
+#define PROF_KEYS 512
+
+typedef struct cuda_profiler {
+    cudaEvent_t ev[2 * PROF_PAIRS];
+    const void *func[PROF_PAIRS];
+    const char *what[PROF_PAIRS];
+    int n;
+    ds4_kernel_time keys[PROF_KEYS];
+    const void *key_func[PROF_KEYS];
+    int n_keys;
+} cuda_profiler;
+
+static bool profile_wanted(void) {
+    const char *e = getenv("DS4_CUDA_PROFILE");
+    return e && e[0] == '1';
+}
+
+static void profile_add(cuda_profiler *p, const void *func, const char *what, double ms) {
+    int k = 0;
+    while (k < p->n_keys && !(p->key_func[k] == func && strcmp(p->keys[k].what, what) == 0)) k++;
+    if (k == p->n_keys) {
+        if (p->n_keys == PROF_KEYS) k = PROF_KEYS - 1; /* the table is full: the last entry takes the rest */
+        else {
+            const char *name = func ? NULL : what;
+            if (func && (cudaFuncGetName(&name, func) != cudaSuccess || !name)) {
+                (void)cudaGetLastError();
+                name = "(kernel)";
+            }
+            p->key_func[k] = func;
+            p->keys[k] = ds4_kernel_time{ name, what, 0, 0.0 };
+            p->n_keys++;
+        }
+    }
+    p->keys[k].count++;
+    p->keys[k].ms += ms;
+}
+
+void cuda_profile_collect(ds4_backend *be) {
+    cuda_profiler *p = cuda_impl(be)->prof;
+    if (!p || p->n == 0) return;
+    (void)CUDA_OK(be, cudaEventSynchronize(p->ev[2 * p->n - 1]));
+    for (int i = 0; i < p->n; i++) {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, p->ev[2 * i], p->ev[2 * i + 1]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            ms = 0.0f;
+        }
+        profile_add(p, p->func[i], p->what[i], (double)ms);
+    }
+    p->n = 0;
+}
+
+/* Before a direct launch: the event pair it goes between (NULL when not
+ * timing); after it, the second event is recorded by profile_end. */
+static int profile_begin(ds4_backend *be, const void *func, const char *what) {
+    cuda_profiler *p = cuda_impl(be)->prof;
+    if (!p) return -1;
+    if (p->n == PROF_PAIRS) cuda_profile_collect(be);
+    const int i = p->n;
+    if (cudaEventRecord(p->ev[2 * i], cuda_stream(be)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    p->func[i] = func;
+    p->what[i] = what;
+    return i;
+}
+
+static void profile_end(ds4_backend *be, int i) {
+    cuda_profiler *p = cuda_impl(be)->prof;
+    if (i < 0) return;
+    if (cudaEventRecord(p->ev[2 * i + 1], cuda_stream(be)) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    p->n = i + 1;
+}
+
+static int cmp_time(const void *a, const void *b) {
+    const double x = ((const ds4_kernel_time *)a)->ms, y = ((const ds4_kernel_time *)b)->ms;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+extern "C" int ds4_cuda_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap) {
+    cuda_profiler *p = cuda_impl(be)->prof;
+    if (!p) return 0;
+    cuda_profile_collect(be);
+    ds4_kernel_time *sorted = (ds4_kernel_time *)malloc((size_t)(p->n_keys ? p->n_keys : 1) * sizeof *sorted);
+    if (!sorted) return 0;
+    memcpy(sorted, p->keys, (size_t)p->n_keys * sizeof *sorted);
+    qsort(sorted, (size_t)p->n_keys, sizeof *sorted, cmp_time);
+    for (int i = 0; i < p->n_keys && i < cap; i++) out[i] = sorted[i];
+    free(sorted);
+    return p->n_keys;
+}
+
+extern "C" void ds4_cuda_backend_kernel_times_reset(ds4_backend *be) {
+    cuda_profiler *p = cuda_impl(be)->prof;
+    if (!p) return;
+    cuda_profile_collect(be);
+    p->n_keys = 0;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Direct launches                                                           */
 /* ------------------------------------------------------------------------ */
 
 static bool direct_kernel(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
                           void **params) {
+    const int timed = profile_begin(be, func, what);
     const cudaError_t e = cudaLaunchKernel(func, grid, block, params, smem, cuda_stream(be));
+    profile_end(be, timed);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return cuda_ok(be, e, what, __FILE__, __LINE__);
 }
@@ -209,7 +330,10 @@ bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes) {
         e->dir = cudaMemcpyDeviceToDevice;
         return true;
     }
-    return CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream));
+    const int timed = profile_begin(be, NULL, "copy");
+    const bool ok = CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream));
+    profile_end(be, timed);
+    return ok;
 }
 
 bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes) {
@@ -224,7 +348,10 @@ bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes) {
         e->bytes = bytes;
         return true;
     }
-    return CUDA_OK(be, cudaMemsetAsync(dst, value, bytes, cb->stream));
+    const int timed = profile_begin(be, NULL, "memset");
+    const bool ok = CUDA_OK(be, cudaMemsetAsync(dst, value, bytes, cb->stream));
+    profile_end(be, timed);
+    return ok;
 }
 
 void *cuda_arena_put(ds4_backend *be, const void *host, size_t bytes) {
@@ -253,7 +380,7 @@ void cuda_step_break(ds4_backend *be, const char *why) {
 
 void cuda_step_begin(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
-    if (cb->in_step || !cb->graphs_on || cuda_failed(be) || !cb->arena_host) return;
+    if (cb->in_step || !cb->graphs_on || cb->prof || cuda_failed(be) || !cb->arena_host) return;
     /* the arena is refilled: the last copy out of it must have run (the
      * previous token's logits came back since, so this rarely waits) */
     if (cudaEventQuery(cb->arena_done) != cudaSuccess) {
@@ -261,10 +388,25 @@ void cuda_step_begin(ds4_backend *be) {
         cb->counters.syncs++;
         if (!CUDA_OK(be, cudaEventSynchronize(cb->arena_done))) return;
     }
+    cuda_graph_timing_collect(cb);
     cb->in_step = true;
     cb->recording = true;
     cb->arena_used = 0;
+    cb->step_t0 = host_ns();
     log_clear(&cb->log);
+}
+
+void cuda_graph_timing_collect(cuda_backend *cb) {
+    if (!cb->graph_timed || cudaEventQuery(cb->graph_t1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, cb->graph_t0, cb->graph_t1) == cudaSuccess && ms > 0.0f)
+        cb->counters.graph_gpu_ns += (uint64_t)((double)ms * 1e6);
+    else
+        (void)cudaGetLastError();
+    cb->graph_timed = false;
 }
 
 static void graph_rec_free(cuda_graph_rec *g) {
@@ -408,11 +550,18 @@ static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log
     return true;
 }
 
+static void step_end_recorded(ds4_backend *be);
+
 void cuda_step_end(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (!cb->in_step) return;
     cb->in_step = false;
-    if (!cb->recording) return; /* broken off: the rest ran directly */
+    if (cb->recording) step_end_recorded(be); /* else broken off: the rest ran directly */
+    cb->counters.step_host_ns += host_ns() - cb->step_t0;
+}
+
+static void step_end_recorded(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
     cb->recording = false;
     if (cuda_failed(be)) { /* the evaluation failed: its error is reported, nothing runs */
         log_clear(&cb->log);
@@ -448,10 +597,12 @@ void cuda_step_end(ds4_backend *be) {
     }
     if (ok && g->exec) {
         g->last_use = ++cb->graph_clock;
+        const bool timed = !cb->graph_timed && cudaEventRecord(cb->graph_t0, cb->stream) == cudaSuccess;
         ok = CUDA_OK(be, cudaGraphLaunch(g->exec, cb->stream));
         if (ok) {
             cb->counters.graphs++;
             (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
+            if (timed) cb->graph_timed = cudaEventRecord(cb->graph_t1, cb->stream) == cudaSuccess;
         }
     }
     log_clear(&cb->log);
@@ -468,18 +619,33 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->graphs_on = graphs_enabled();
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
+    DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);
+    DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t1), err);
     DS4_CUDA_CHECK(cudaMallocHost((void **)&cb->arena_host, CUDA_ARENA_BYTES), err);
     memset(cb->arena_host, 0, CUDA_ARENA_BYTES);
     DS4_CUDA_CHECK(cudaMalloc((void **)&cb->arena_dev, CUDA_ARENA_BYTES), err);
+    if (profile_wanted()) {
+        cb->prof = (cuda_profiler *)calloc(1, sizeof *cb->prof);
+        if (!cb->prof) return ds4_error_set(err, DS4_ERR_NOMEM, "cuda backend: out of memory for kernel timing");
+        for (int i = 0; i < 2 * PROF_PAIRS; i++) DS4_CUDA_CHECK(cudaEventCreate(&cb->prof->ev[i]), err);
+    }
     return DS4_OK;
 }
 
 void cuda_launch_free(cuda_backend *cb) {
+    if (cb->prof) {
+        for (int i = 0; i < 2 * PROF_PAIRS; i++)
+            if (cb->prof->ev[i]) cudaEventDestroy(cb->prof->ev[i]);
+        free(cb->prof);
+        cb->prof = NULL;
+    }
     for (int i = 0; i < CUDA_GRAPH_CACHE; i++) graph_rec_free(&cb->graphs[i]);
     log_free(&cb->log);
     if (cb->arena_host) cudaFreeHost(cb->arena_host);
     if (cb->arena_dev) cudaFree(cb->arena_dev);
     if (cb->arena_done) cudaEventDestroy(cb->arena_done);
+    if (cb->graph_t0) cudaEventDestroy(cb->graph_t0);
+    if (cb->graph_t1) cudaEventDestroy(cb->graph_t1);
     cb->arena_host = cb->arena_dev = NULL;
     cb->arena_done = NULL;
 }
