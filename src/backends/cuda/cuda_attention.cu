@@ -110,6 +110,7 @@ static __device__ double rope_angle(const rope_params &rp, int64_t p, int64_t k)
 static __global__ void __launch_bounds__(ROPE_THREADS)
     rope_tail_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const int32_t *__restrict__ pos,
                      rope_params rp, int64_t heads_per_block) {
+    cuda_grid_wait();
     extern __shared__ float rope_cs[];
     const int64_t r = blockIdx.x;
     const int half = rp.n_rot / 2;
@@ -227,6 +228,7 @@ static __device__ __forceinline__ const float *att_row(const att_rows &rows, int
 static __global__ void __launch_bounds__(ATT_THREADS)
     attention_partial_kernel(const float *__restrict__ q, att_rows rows, int64_t n, int64_t rows_per_split,
                              float kq_scale, float *__restrict__ part) {
+    cuda_grid_wait();
     extern __shared__ float att_smem[];
     __shared__ float s_tile[ATT_TILE];
     __shared__ float w_tile[ATT_TILE];
@@ -289,6 +291,7 @@ static __global__ void __launch_bounds__(ATT_THREADS)
 static __global__ void __launch_bounds__(ATT_THREADS)
     attention_combine_kernel(const float *__restrict__ part, int64_t n_splits, int64_t dim, const void *sinks,
                              uint32_t sinks_type, float *__restrict__ out) {
+    cuda_grid_wait();
     extern __shared__ float att_factor[]; /* [n_splits] */
     __shared__ float sh_inv;
     const int64_t h = blockIdx.x;
@@ -410,6 +413,7 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
 static __global__ void __launch_bounds__(POOL_THREADS)
     compressor_pool_kernel(const float *__restrict__ kv, const float *__restrict__ sc, int ratio, int64_t dim,
                            float *__restrict__ out) {
+    cuda_grid_wait();
     const bool overlap = ratio == 4;
     const int64_t width = overlap ? 2 * dim : dim;
     for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < dim; j += (int64_t)gridDim.x * blockDim.x) {
@@ -475,6 +479,7 @@ static __global__ void __launch_bounds__(IDX_THREADS)
     indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale,
                           int64_t n_heads, int64_t dim, const float *__restrict__ keys, int64_t n_keys,
                           float *__restrict__ scores) {
+    cuda_grid_wait();
     extern __shared__ float idx_smem[];
     const float *qv = q, *wv = weights;
     if constexpr (QSHARED) {
@@ -573,6 +578,7 @@ static __device__ __forceinline__ unsigned long long topk_key(const float *score
 
 static __global__ void __launch_bounds__(TOPK_THREADS)
     topk_keys_kernel(const float *__restrict__ scores, int64_t n, int shift, unsigned long long *__restrict__ keys) {
+    cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         keys[i] = topk_key(scores, i, n, shift);
 }
@@ -582,6 +588,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
 static __global__ void __launch_bounds__(TOPK_THREADS)
     topk_idx_kernel(const unsigned long long *__restrict__ sorted, int64_t n, int64_t size, int64_t k,
                     unsigned long long mask, int32_t *__restrict__ idx) {
+    cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x)
         idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sorted[i] & mask)) : -1;
 }
@@ -602,6 +609,7 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
                        int32_t *__restrict__ idx) {
+    cuda_grid_wait();
     extern __shared__ unsigned long long sel[]; /* pow2 >= size keys */
     __shared__ unsigned int hist[256];
     __shared__ unsigned long long prefix, pmask;

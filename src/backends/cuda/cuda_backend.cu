@@ -319,21 +319,37 @@ static void cuda_download(ds4_backend *be, float *host_dst, const float *src, in
     if (cuda_sync(be) && to != (void *)host_dst) memcpy(host_dst, to, bytes);
 }
 
+__global__ void copy_kernel(float *__restrict__ dst, const float *__restrict__ src, int64_t n) {
+    cuda_grid_wait();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+#define COPY_KERNEL_MAX ((int64_t)1 << 20) /* floats: smaller copies run as a kernel (no copy-engine round trip) */
+
+/* dst = src for n floats that do not overlap. */
+static bool copy_floats(ds4_backend *be, float *dst, const float *src, int64_t n) {
+    if (n > COPY_KERNEL_MAX) return cuda_copy_d2d(be, dst, src, (size_t)n * sizeof(float));
+    return cuda_launch(be, "copy_kernel", copy_kernel, grid_for(n, 256) < 1024 ? grid_for(n, 256) : 1024, 256, 0, dst,
+                       src, n);
+}
+
 static void cuda_copy(ds4_backend *be, float *dst, const float *src, int64_t n) {
     if (n <= 0 || dst == src || cuda_failed(be)) return;
     const size_t bytes = (size_t)n * sizeof(float);
     const bool overlap = dst < src + n && src < dst + n;
     if (!overlap) {
-        (void)cuda_copy_d2d(be, dst, src, bytes);
+        (void)copy_floats(be, dst, src, n);
         return;
     }
     /* memmove semantics: through scratch */
-    void *tmp = cuda_scratch(be, CUDA_SCRATCH_COPY, bytes);
+    float *tmp = (float *)cuda_scratch(be, CUDA_SCRATCH_COPY, bytes);
     if (!tmp) return;
-    if (cuda_copy_d2d(be, tmp, src, bytes)) (void)cuda_copy_d2d(be, dst, tmp, bytes);
+    if (copy_floats(be, tmp, src, n)) (void)copy_floats(be, dst, tmp, n);
 }
 
 __global__ void fill_kernel(float *dst, float v, int64_t n) {
+    cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = v;
 }
@@ -452,6 +468,7 @@ static float *weight_row_floats(ds4_backend *be, const ds4_weight *w, int64_t ro
 
 __global__ void embed_float_kernel(const void *table, uint32_t type, const int32_t *tokens, int n, int64_t dim,
                                    float *out) {
+    cuda_grid_wait();
     const int r = blockIdx.y;
     const int64_t base = (int64_t)tokens[r] * dim;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x)
@@ -492,6 +509,7 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
  * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps). */
 __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t dim) {
+    cuda_grid_wait();
     __shared__ double part[NORM_THREADS / 32];
     const int64_t r = blockIdx.x;
     const float *xr = x + r * dim;
@@ -536,6 +554,7 @@ static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, f
 }
 
 __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
+    cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         out[i] = __fadd_rn(a[i], b[i]);
 }
@@ -546,6 +565,7 @@ static void cuda_add(ds4_backend *be, const float *a, const float *b, float *out
 }
 
 __global__ void add_row_kernel(float *x, const float *v, int64_t dim, int64_t n) {
+    cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         x[i] = __fadd_rn(x[i], v[i % dim]);
 }
@@ -570,6 +590,7 @@ static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, 
 /* ------------------------------------------------------------------------ */
 
 __global__ void round_f16_kernel(float *x, int64_t n) {
+    cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         const float v = x[i];
         if (v != v) continue; /* NaN stays NaN */
@@ -615,6 +636,7 @@ static __device__ __forceinline__ float block_scale_of(float amax, float amax_fl
 template <int BLOCK, int FP4>
 __global__ void round_blocks_kernel(float *x, int64_t n_rows, int64_t dim, int64_t n_round, int64_t blocks_per_row,
                                     float amax_floor, float max_mag) {
+    cuda_grid_wait();
     const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (warp >= n_rows * blocks_per_row) return; /* whole warps exit together */
@@ -662,6 +684,7 @@ static void cuda_round_fp8_kv(ds4_backend *be, float *x, int64_t n_rows, int64_t
 /* In-place Walsh-Hadamard of each row (one block per row, in shared memory),
  * butterflies in rounding.c's order, then times norm. */
 __global__ void hadamard_kernel(float *x, int64_t dim, float norm) {
+    cuda_grid_wait();
     extern __shared__ float sh[];
     float *row = x + (int64_t)blockIdx.x * dim;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) sh[i] = row[i];

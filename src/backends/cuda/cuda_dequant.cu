@@ -32,6 +32,7 @@
 
 template <uint32_t T>
 __global__ void __launch_bounds__(256) dequant_kernel(const void *__restrict__ src, float *__restrict__ dst, int64_t n) {
+    cuda_grid_wait();
     typedef deq<T> D;
     const typename D::block *blocks = (const typename D::block *)src;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;

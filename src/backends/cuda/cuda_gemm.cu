@@ -93,6 +93,7 @@ static __device__ __forceinline__ void load_stage(const gemm_args &a, uint8_t *s
 }
 
 __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
+    cuda_grid_wait();
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;

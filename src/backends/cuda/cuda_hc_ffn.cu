@@ -211,6 +211,7 @@ struct hc_part {
 };
 
 static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
+    cuda_grid_wait();
     __shared__ double red_d[HC_THREADS / 32];
     __shared__ float red_f[HC_THREADS / 32][HC_MIX_CHUNK];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
@@ -244,6 +245,7 @@ static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a
 template <bool HEAD>
 static __global__ void __launch_bounds__(HC_THREADS)
     hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
+    cuda_grid_wait();
     __shared__ float mix[HC_MAX_MIX];
     __shared__ float w[HC_MAX_STREAMS];
     __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
@@ -254,16 +256,24 @@ static __global__ void __launch_bounds__(HC_THREADS)
     const int64_t row = blockIdx.x;
     const float *X = a.X + row * hc_dim;
     const hc_part *pr = part + row * n_chunks;
-    if (threadIdx.x == 0) {
-        double ss = 0.0;
-        for (int64_t c = 0; c < n_chunks; c++) ss += pr[c].ss;
+    /* the chunks' partial sums, spread over the block (a fixed shape, so the
+     * order is the same every run): squares in double over all threads,
+     * each mix entry over one warp's lanes */
+    double ss_part = 0.0;
+    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
+    __shared__ double red_d[HC_THREADS / 32];
+    const double ss = block_sum_double(ss_part, red_d);
+    if (threadIdx.x == 0)
         rms_scale_s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
-    }
     __syncthreads();
-    if (threadIdx.x < n_mix) {
-        float s = 0.0f;
-        for (int64_t c = 0; c < n_chunks; c++) s += pr[c].dot[threadIdx.x];
-        mix[threadIdx.x] = __fmul_rn(s, rms_scale_s);
+    {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        for (int k = warp; k < n_mix; k += HC_THREADS / 32) {
+            float s = 0.0f;
+            for (int64_t c = lane; c < n_chunks; c += 32) s += pr[c].dot[k];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) mix[k] = __fmul_rn(s, rms_scale_s);
+        }
     }
     __syncthreads();
     if (!HEAD && n * n <= 32) {
@@ -398,6 +408,7 @@ void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_w
  * the CPU's order and roundings (so bit-identical). */
 static __global__ void hc_post_kernel(const float *y, const float *X, const float *post, const float *comb, float *X_out,
                                int n, int64_t dim, int64_t total) {
+    cuda_grid_wait();
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t i = e % dim, rd = e / dim;
         const int d = (int)(rd % n);
@@ -472,6 +483,7 @@ struct router_args {
  * selection comes out in rank order, as the CPU's), then thread 0 forms the
  * weights in the CPU's order. */
 static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_args a) {
+    cuda_grid_wait();
     __shared__ unsigned long long red[ROUTER_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     /* block r: token row r */
@@ -615,6 +627,7 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
 
 /* out may equal g or u (elementwise: each element is read before it is written). */
 static __global__ void swiglu_kernel(const float *g, const float *u, float limit, float scale, float *out, int64_t n) {
+    cuda_grid_wait();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         out[i] = cuda_swiglu1(g[i], u[i], limit, scale);
 }

@@ -144,6 +144,7 @@ typedef struct cuda_backend {
      * device by the graph's first node, so their addresses repeat from step
      * to step. */
     bool graphs_on; /* steps are recorded (ds4_cuda_backend_set_graphs) */
+    bool pdl;       /* kernels launched as programmatic dependents (DS4_CUDA_PDL=0: off) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
@@ -295,6 +296,17 @@ static inline bool cuda_is_float_type(uint32_t t) {
 }
 
 /* ---- device helpers ------------------------------------------------------ */
+
+/* The first statement of every kernel: wait until the kernel this one was
+ * launched after has finished and its writes are visible. Kernels are
+ * launched as programmatic dependents of the one before them (cuda_launch.cu),
+ * so a kernel's launch overlaps the end of its predecessor; without a
+ * predecessor (or launched plainly) this returns at once. */
+static __device__ __forceinline__ void cuda_grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 /* Index `value` read at entry `pos` is outside [0, limit): record it unless
  * an earlier report holds the record (the first one wins). The caller skips

@@ -257,8 +257,19 @@ extern "C" void ds4_cuda_backend_kernel_times_reset(ds4_backend *be) {
 
 static bool direct_kernel(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
                           void **params) {
+    cuda_backend *cb = cuda_impl(be);
     const int timed = profile_begin(be, func, what);
-    const cudaError_t e = cudaLaunchKernel(func, grid, block, params, smem, cuda_stream(be));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cb->stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cb->pdl && timed < 0 ? 1 : 0; /* timed launches: events sit between kernels anyway */
+    const cudaError_t e = cudaLaunchKernelExC(&cfg, func, params);
     profile_end(be, timed);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return cuda_ok(be, e, what, __FILE__, __LINE__);
@@ -453,26 +464,43 @@ static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log 
         graph_rec_free(g);
         return false;
     }
-    /* the arena copy first (at least 16 bytes, so the node always exists) */
+    /* the arena copy first (at least 16 bytes, so the node always exists),
+     * then the entries as a chain in log order: a kernel after a kernel is
+     * its programmatic dependent (its launch overlaps the end of the one
+     * before, which it waits for in cuda_grid_wait), anything else a plain
+     * dependent */
     g->arena_bytes = arena_bytes;
-    cudaGraphNode_t prev = NULL;
     bool ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->arena_node, g->graph, NULL, 0, cb->arena_dev, cb->arena_host,
                                                    arena_bytes, cudaMemcpyHostToDevice));
-    prev = g->arena_node;
     for (int i = 0; ok && i < l->n; i++) {
         const cuda_node *e = &g->log.nodes[i];
         if (e->kind == CUDA_NODE_KERNEL) {
             void *params[CUDA_NODE_MAX_ARGS];
             const cudaKernelNodeParams p = kernel_params(&g->log, e, params);
-            ok = CUDA_OK(be, cudaGraphAddKernelNode(&g->gnodes[i], g->graph, &prev, 1, &p));
+            ok = CUDA_OK(be, cudaGraphAddKernelNode(&g->gnodes[i], g->graph, NULL, 0, &p));
         } else if (e->kind == CUDA_NODE_COPY) {
-            ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->gnodes[i], g->graph, &prev, 1, e->dst, e->src, e->bytes,
+            ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->gnodes[i], g->graph, NULL, 0, e->dst, e->src, e->bytes,
                                                       e->dir));
         } else {
             const cudaMemsetParams p = memset_params(e);
-            ok = CUDA_OK(be, cudaGraphAddMemsetNode(&g->gnodes[i], g->graph, &prev, 1, &p));
+            ok = CUDA_OK(be, cudaGraphAddMemsetNode(&g->gnodes[i], g->graph, NULL, 0, &p));
         }
-        prev = g->gnodes[i];
+    }
+    if (ok && l->n > 0) {
+        cudaGraphNode_t *from = (cudaGraphNode_t *)malloc((size_t)l->n * sizeof *from);
+        cudaGraphEdgeData *edges = (cudaGraphEdgeData *)calloc((size_t)l->n, sizeof *edges);
+        ok = from && edges;
+        if (!ok) cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of host memory for a step graph of %d launches", l->n);
+        for (int i = 0; ok && i < l->n; i++) {
+            from[i] = i ? g->gnodes[i - 1] : g->arena_node;
+            const bool prog = cb->pdl && i > 0 && g->log.nodes[i - 1].kind == CUDA_NODE_KERNEL &&
+                              g->log.nodes[i].kind == CUDA_NODE_KERNEL;
+            edges[i].type = prog ? cudaGraphDependencyTypeProgrammatic : cudaGraphDependencyTypeDefault;
+            edges[i].from_port = prog ? cudaGraphKernelNodePortProgrammatic : cudaGraphKernelNodePortDefault;
+        }
+        if (ok) ok = CUDA_OK(be, cudaGraphAddDependencies(g->graph, from, g->gnodes, edges, (size_t)l->n));
+        free(from);
+        free(edges);
     }
     if (ok) ok = CUDA_OK(be, cudaGraphInstantiate(&g->exec, g->graph, 0));
     if (!ok) {
@@ -617,6 +645,8 @@ extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
 
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->graphs_on = graphs_enabled();
+    const char *pdl = getenv("DS4_CUDA_PDL");
+    cb->pdl = !(pdl && pdl[0] == '0');
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);

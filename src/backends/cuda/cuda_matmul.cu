@@ -98,6 +98,7 @@ struct mm_args {
  */
 __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
                                                          ds4_block_q8_K *__restrict__ out) {
+    cuda_grid_wait();
     __shared__ float s_a[8];
     __shared__ int s_i[8];
     __shared__ float s_m;
@@ -151,6 +152,7 @@ __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict
  * id = 1/d (0 when d == 0), q = round-half-even(x * id) clamped. */
 __global__ void __launch_bounds__(256) quant_q8_0_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
                                                          int64_t total, act_q8_0 *__restrict__ out) {
+    cuda_grid_wait();
     const int lane = threadIdx.x & 31;
     const int64_t gw = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (gw >= total) return;
@@ -360,6 +362,7 @@ static __device__ __forceinline__ void mm_store(const mm_args &a, const mm_tile 
  * dot for F32/F16/BF16 (Acc = float). */
 template <uint32_t T, int ROWS, typename Acc>
 __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
+    cuda_grid_wait();
     typedef deq<T> D;
     mm_tile t;
     if (!mm_tile_of(a, ROWS, &t)) return;
@@ -407,6 +410,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
 /* DS4 numerics, Q8_K activations (act_stride in blocks). */
 template <uint32_t T, int ROWS>
 __global__ void __launch_bounds__(MM_THREADS) mm_q8k_kernel(mm_args a) {
+    cuda_grid_wait();
     typedef q8k<T> K;
     mm_tile t;
     if (!mm_tile_of(a, ROWS, &t)) return;
@@ -446,6 +450,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_q8k_kernel(mm_args a) {
  * lanes 4k..4k+3 share a 32-block, 8 blocks per warp step. */
 template <int ROWS>
 __global__ void __launch_bounds__(MM_THREADS) mm_q8_0_kernel(mm_args a) {
+    cuda_grid_wait();
     mm_tile t;
     if (!mm_tile_of(a, ROWS, &t)) return;
     const int lane = threadIdx.x & 31, k = lane & 3;
@@ -496,6 +501,7 @@ __global__ void __launch_bounds__(MM_THREADS) mm_q8_0_kernel(mm_args a) {
 __global__ void __launch_bounds__(256) moe_swiglu_kernel(float *__restrict__ g, const float *__restrict__ u,
                                                          const float *__restrict__ weights, int64_t n_ff,
                                                          int64_t n, float limit) {
+    cuda_grid_wait();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) g[i] = cuda_swiglu1(g[i], u[i], limit, weights[i / n_ff]);
 }
@@ -503,6 +509,7 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(float *__restrict__ g, 
 /* out[o] = sum over k (in order, from 0.0f) of part[k][o]. */
 __global__ void __launch_bounds__(256) moe_sum_kernel(const float *__restrict__ part, int n_used, int64_t dim,
                                                       float *__restrict__ out) {
+    cuda_grid_wait();
     const int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= dim) return;
     float acc = 0.0f;
@@ -809,6 +816,7 @@ __global__ void __launch_bounds__(256) moe_route_kernel(const int32_t *__restric
                                                         const float *__restrict__ weights, int64_t n,
                                                         int64_t n_expert, int32_t *__restrict__ sel_out,
                                                         float *__restrict__ w_out, cuda_dev_error *err, int tag) {
+    cuda_grid_wait();
     const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= n) return;
     const int32_t e = sel[k];

@@ -374,6 +374,7 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
 /* ------------------------------------------------------------------------ */
 
 template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
+    cuda_grid_wait();
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS][ROWS];
