@@ -108,6 +108,32 @@ def md_one(data, label, out):
         for r in data.get("decode_skipped", []):
             out.append(f"| {r['ctx']} | skipped: {md_cell(r['reason'])} | | | | | | | | | | | |")
         out.append("")
+        rec = [r for r in data.get("decode", []) if (r.get("per_token", {}).get("graphs") or 0) > 0]
+        if rec:
+            out.append("Recorded steps, per decoded token: graph launches, graphs built, node parameters set anew, "
+                       "steps cut short, host time inside the step, device time of the graph.\n")
+            out.append("| context | graphs | built | node updates | cut short | host ms | graph GPU ms |")
+            out.append("|---:|---:|---:|---:|---:|---:|---:|")
+            for r in rec:
+                pt = r["per_token"]
+                out.append(f"| {r['ctx']} | {fmt(pt.get('graphs'), '.2f')} | {fmt(pt.get('graph_builds'), '.3f')} | "
+                           f"{fmt(pt.get('node_updates'), '.1f')} | {fmt(pt.get('step_breaks'), '.2f')} | "
+                           f"{fmt(pt.get('step_host_ms'), '.3f')} | {fmt(pt.get('graph_gpu_ms'), '.3f')} |")
+            out.append("")
+
+    k = data.get("kernels")
+    if k and k.get("per_token"):
+        total = sum(e["ms"] for e in k["per_token"])
+        out.append(f"Device time per decoded token by kernel at context {k['context']} ({k['tokens']} tokens, "
+                   f"every launch timed with events, so each carries a few microseconds of timing overhead; "
+                   f"{len(k['per_token'])} of {k['distinct']} kernels):\n")
+        out.append("| kernel | op | launches/tok | us/tok | us/launch | share |")
+        out.append("|---|---|---:|---:|---:|---:|")
+        for e in k["per_token"]:
+            per = e["ms"] * 1e3 / e["launches"] if e["launches"] else 0.0
+            out.append(f"| `{md_cell(e['name'])}` | {md_cell(e['what'])} | {e['launches']:.1f} | {e['ms'] * 1e3:.1f} | "
+                       f"{per:.2f} | {100.0 * e['ms'] / total if total else 0.0:.1f}% |")
+        out.append("")
 
     ab = data.get("ab")
     if ab:

@@ -31,8 +31,10 @@
 #                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
 #                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
-#   DS4_BENCH_COMMIT  the commit bench records (pass it: the GPU machine's copy of the tree
-#                   may carry older git metadata than the files it runs)
+#   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
+#                   present (the GPU machine's copy of the tree may carry older git metadata
+#                   than the files it runs: before a run, `git rev-parse --short HEAD > .ds4-commit`
+#                   here and carry it, with `carry: [".gpu-debs", ".ds4-commit"]`)
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -44,6 +46,10 @@ STAGES=${STAGES:-build,unit,parity,sanitize}
 SHM=${SHM:-/dev/shm/ds4-gpu-check}
 has_stage() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 export DS4_TEST_SEED=${DS4_TEST_SEED:-$(date +%s)}
+if [ -z "${DS4_BENCH_COMMIT:-}" ] && [ -s .ds4-commit ]; then
+    DS4_BENCH_COMMIT=$(head -c 64 .ds4-commit | tr -cd '0-9a-f')
+    export DS4_BENCH_COMMIT
+fi
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="/usr/local/cuda/bin:$PATH"
 fi
@@ -215,7 +221,7 @@ perf_stage() {
 main() {
     section "gpu-check $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
     echo "repo: $(pwd)"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo none) $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed paths"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo none) $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed paths (bench records ${DS4_BENCH_COMMIT:-the same})"
     echo "DS4_TEST_SEED=$DS4_TEST_SEED"
 
     section "GPU"

@@ -132,6 +132,8 @@ def test_sweep_decode(sweep):
         pt = r["per_token"]
         for k in ("launches", "copies", "h2d_bytes", "d2h_bytes", "syncs", "wait_ms"):
             assert pt[k] >= 0  # zero on the CPU backend
+        for k in ("graphs", "graph_builds", "node_updates", "step_breaks", "step_host_ms", "graph_gpu_ms"):
+            assert pt[k] == 0  # the CPU backend records no steps
         rf = r["roofline"]
         assert rf["weights_bytes"] == d["roofline"]["weights_bytes_per_token"] and rf["kv_bytes"] > 0
         bw = d["bandwidth"]["gbps"] * 1e9
@@ -140,6 +142,7 @@ def test_sweep_decode(sweep):
         assert close(rf["measured_over_floor_weights"], r["median_s"] / rf["floor_s_weights"], 1e-6)
         assert rf["measured_over_floor_weights"] > rf["measured_over_floor_weights_kv"] > 0
     assert rows[1]["roofline"]["kv_bytes"] > rows[0]["roofline"]["kv_bytes"]
+    assert d["kernels"] is None  # no kernel timing on the CPU backend
 
 
 def test_sweep_roofline_and_bandwidth(sweep, model):
@@ -318,6 +321,35 @@ def test_report(sweep, ab, tmp_path):
     assert len(root.findall(".//s:polyline", ns)) == 2
     texts = "".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
     assert "decode tokens/s vs context" in texts and "prefill tokens/s vs batch size" in texts
+
+
+def test_report_recorded_steps_and_kernels(sweep, tmp_path):
+    """The GPU-only parts of a bench file (recorded-step counters, the
+    per-kernel table) are rendered from the JSON: a CPU sweep with them
+    filled in as a CUDA run would."""
+    _, d, _, _ = sweep
+    d = json.loads(json.dumps(d))
+    pt = d["decode"][0]["per_token"]
+    pt.update(graphs=1.0, graph_builds=0.25, node_updates=191.5, step_breaks=0.0, step_host_ms=1.25,
+              graph_gpu_ms=18.5)
+    d["kernels"] = {"context": 16, "tokens": 4, "distinct": 3, "per_token": [
+        {"name": "_Z9mv_kernel", "what": "matvec kernel", "launches": 345.0, "ms": 5.75},
+        {"name": "copy", "what": "copy|x", "launches": 2.0, "ms": 0.25}]}
+    js = tmp_path / "cuda.json"
+    js.write_text(json.dumps(d))
+    md, svg = tmp_path / "r.md", tmp_path / "r.svg"
+    r = subprocess.run([sys.executable, REPORT, js, "--md", md, "--svg", svg], capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    text = md.read_text()
+    assert "| 16 | 1.00 | 0.250 | 191.5 | 0.00 | 1.250 | 18.500 |" in text
+    assert "by kernel at context 16 (4 tokens" in text and "2 of 3 kernels" in text
+    # us/tok, us/launch and share of the listed total (6.0 ms)
+    assert "| `_Z9mv_kernel` | matvec kernel | 345.0 | 5750.0 | 16.67 | 95.8% |" in text
+    assert "| `copy` | copy\\|x | 2.0 | 250.0 | 125.00 | 4.2% |" in text
+    # a CPU file has neither table
+    _, _, cpu_js, _ = sweep
+    r = subprocess.run([sys.executable, REPORT, cpu_js, "--md", md, "--svg", svg], capture_output=True, timeout=60)
+    assert r.returncode == 0 and "graph GPU ms" not in md.read_text() and "by kernel" not in md.read_text()
 
 
 def test_report_notes(sweep, tmp_path):
