@@ -73,6 +73,23 @@ static ds4_session *new_session(ds4_engine *e, int64_t ctx) {
     return s;
 }
 
+/* The test model on a CUDA backend of its own, through the model API (NULL,
+ * with the failure checked, when it cannot be opened). */
+static ds4_model *open_model(gguf_file **f, ds4_backend **be) {
+    ds4_error err = { 0 };
+    ds4_model *m = NULL;
+    CHECK_MSG(gguf_open(model_path, f, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(*f && ds4_backend_create("cuda", 0, be, &err) == DS4_OK, "%s", err.message);
+    CHECK_MSG(*be && ds4_model_load(*f, *be, &m, &err) == DS4_OK, "%s", err.message);
+    return m;
+}
+
+static void close_model(gguf_file *f, ds4_backend *be, ds4_model *m) {
+    ds4_model_free(m);
+    ds4_backend_destroy(be);
+    gguf_close(f);
+}
+
 static double normwise(const float *a, const float *b) {
     double max_abs = 0, max_ref = 0;
     for (int64_t i = 0; i < vocab; i++) {
@@ -180,11 +197,8 @@ static void test_decode_step_waits(void) {
     ds4_error err = { 0 };
     gguf_file *f = NULL;
     ds4_backend *be = NULL;
-    ds4_model *m = NULL;
+    ds4_model *m = open_model(&f, &be);
     ds4_state *st = NULL;
-    CHECK_MSG(gguf_open(model_path, &f, &err) == DS4_OK, "%s", err.message);
-    CHECK_MSG(f && ds4_backend_create("cuda", 0, &be, &err) == DS4_OK, "%s", err.message);
-    CHECK_MSG(be && ds4_model_load(f, be, &m, &err) == DS4_OK, "%s", err.message);
     CHECK_MSG(m && ds4_state_create(m, 256, &st, &err) == DS4_OK, "%s", err.message);
     if (st) {
         const ds4_config *c = ds4_model_config(m);
@@ -214,9 +228,7 @@ static void test_decode_step_waits(void) {
         free(t);
     }
     ds4_state_free(st);
-    ds4_model_free(m);
-    ds4_backend_destroy(be);
-    gguf_close(f);
+    close_model(f, be, m);
 }
 
 /*
@@ -233,10 +245,7 @@ static void test_graph_replay_matches_direct(void) {
     ds4_error err = { 0 };
     gguf_file *f = NULL;
     ds4_backend *be = NULL;
-    ds4_model *m = NULL;
-    CHECK_MSG(gguf_open(model_path, &f, &err) == DS4_OK, "%s", err.message);
-    CHECK_MSG(f && ds4_backend_create("cuda", 0, &be, &err) == DS4_OK, "%s", err.message);
-    CHECK_MSG(be && ds4_model_load(f, be, &m, &err) == DS4_OK, "%s", err.message);
+    ds4_model *m = open_model(&f, &be);
     if (m) {
         const ds4_config *c = ds4_model_config(m);
         const int64_t n_pre = 4 * c->idx_top_k - 6, n_dec = 48;
@@ -283,9 +292,7 @@ static void test_graph_replay_matches_direct(void) {
         free(graph);
         free(t);
     }
-    ds4_model_free(m);
-    ds4_backend_destroy(be);
-    gguf_close(f);
+    close_model(f, be, m);
 }
 
 /*

@@ -683,12 +683,8 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
-    static int forced = -1;
-    if (forced < 0) {
-        const char *e = getenv("DS4_CUDA_TOPK_SORT");
-        forced = e && e[0] == '1';
-    }
-    return forced != 0;
+    static const bool forced = cuda_env_flag("DS4_CUDA_TOPK_SORT", false);
+    return forced;
 }
 
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx) {

@@ -51,7 +51,7 @@ bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file,
     return false;
 }
 
-static uint64_t now_ns(void) {
+uint64_t cuda_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -61,9 +61,9 @@ bool cuda_sync(ds4_backend *be) {
     ds4_backend_counters *c = &cuda_impl(be)->counters;
     cuda_step_break(be, "a wait for the stream");
     c->syncs++;
-    const uint64_t t0 = now_ns();
+    const uint64_t t0 = cuda_now_ns();
     const bool ok = CUDA_OK(be, cudaStreamSynchronize(cuda_stream(be)));
-    c->wait_ns += now_ns() - t0;
+    c->wait_ns += cuda_now_ns() - t0;
     if (ok) cuda_profile_collect(be);
     return ok;
 }
@@ -199,9 +199,9 @@ void *cuda_upload_ctrl(ds4_backend *be, cuda_scratch_slot slot, const void *host
         if (cb->ring_off + need > CUDA_CTRL_RING) {
             if (!CUDA_OK(be, cudaEventRecord(cb->ring_lap, cb->stream))) return NULL;
             cb->counters.syncs++;
-            const uint64_t t0 = now_ns();
+            const uint64_t t0 = cuda_now_ns();
             const bool ok = CUDA_OK(be, cudaEventSynchronize(cb->ring_lap));
-            cb->counters.wait_ns += now_ns() - t0;
+            cb->counters.wait_ns += cuda_now_ns() - t0;
             if (!ok) return NULL;
             cb->ring_off = 0;
         }

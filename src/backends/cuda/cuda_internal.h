@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backends/backend.h"
@@ -174,6 +175,17 @@ typedef struct cuda_backend {
 
 static inline cuda_backend *cuda_impl(ds4_backend *be) { return (cuda_backend *)be->impl; }
 static inline cudaStream_t cuda_stream(ds4_backend *be) { return cuda_impl(be)->stream; }
+
+/* An on/off setting from the environment: "0" off, "1" on, anything else
+ * (or unset) `dflt`. */
+static inline bool cuda_env_flag(const char *name, bool dflt) {
+    const char *e = getenv(name);
+    if (e && e[0] == '0' && !e[1]) return false;
+    if (e && e[0] == '1' && !e[1]) return true;
+    return dflt;
+}
+/* The host's monotonic clock in nanoseconds. */
+uint64_t cuda_now_ns(void);
 
 /* Record an error (only the first since the last take_error is kept). */
 void cuda_fail(ds4_backend *be, ds4_status status, const char *fmt, ...) DS4_PRINTF(3, 4);

@@ -34,26 +34,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backends/cuda/cuda_internal.h"
 
 #define CUDA_ARENA_BYTES ((size_t)256 << 10)
 
-static uint64_t host_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static bool graphs_enabled(void) {
-    static int enabled = -1;
-    if (enabled < 0) {
-        const char *e = getenv("DS4_CUDA_GRAPH");
-        enabled = !(e && e[0] == '0');
-    }
-    return enabled != 0;
-}
 
 /* ------------------------------------------------------------------------ */
 /* The log                                                                   */
@@ -159,11 +144,6 @@ typedef struct cuda_profiler {
     const void *key_func[PROF_KEYS];
     int n_keys;
 } cuda_profiler;
-
-static bool profile_wanted(void) {
-    const char *e = getenv("DS4_CUDA_PROFILE");
-    return e && e[0] == '1';
-}
 
 static void profile_add(cuda_profiler *p, const void *func, const char *what, double ms) {
     int k = 0;
@@ -403,7 +383,7 @@ void cuda_step_begin(ds4_backend *be) {
     cb->in_step = true;
     cb->recording = true;
     cb->arena_used = 0;
-    cb->step_t0 = host_ns();
+    cb->step_t0 = cuda_now_ns();
     log_clear(&cb->log);
 }
 
@@ -585,7 +565,7 @@ void cuda_step_end(ds4_backend *be) {
     if (!cb->in_step) return;
     cb->in_step = false;
     if (cb->recording) step_end_recorded(be); /* else broken off: the rest ran directly */
-    cb->counters.step_host_ns += host_ns() - cb->step_t0;
+    cb->counters.step_host_ns += cuda_now_ns() - cb->step_t0;
 }
 
 static void step_end_recorded(ds4_backend *be) {
@@ -644,9 +624,8 @@ extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
 }
 
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
-    cb->graphs_on = graphs_enabled();
-    const char *pdl = getenv("DS4_CUDA_PDL");
-    cb->pdl = !(pdl && pdl[0] == '0');
+    cb->graphs_on = cuda_env_flag("DS4_CUDA_GRAPH", true);
+    cb->pdl = cuda_env_flag("DS4_CUDA_PDL", true);
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);
@@ -654,7 +633,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     DS4_CUDA_CHECK(cudaMallocHost((void **)&cb->arena_host, CUDA_ARENA_BYTES), err);
     memset(cb->arena_host, 0, CUDA_ARENA_BYTES);
     DS4_CUDA_CHECK(cudaMalloc((void **)&cb->arena_dev, CUDA_ARENA_BYTES), err);
-    if (profile_wanted()) {
+    if (cuda_env_flag("DS4_CUDA_PROFILE", false)) {
         cb->prof = (cuda_profiler *)calloc(1, sizeof *cb->prof);
         if (!cb->prof) return ds4_error_set(err, DS4_ERR_NOMEM, "cuda backend: out of memory for kernel timing");
         for (int i = 0; i < 2 * PROF_PAIRS; i++) DS4_CUDA_CHECK(cudaEventCreate(&cb->prof->ev[i]), err);

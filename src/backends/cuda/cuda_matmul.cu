@@ -669,11 +669,7 @@ static cuda_mv_act mv_kind(mm_mode mode) {
  * activations must also be 16-byte aligned rows. $DS4_CUDA_MATVEC=0 turns
  * them off (for A/B measurements). */
 static bool mv_suits(const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows) {
-    static int enabled = -1;
-    if (enabled < 0) {
-        const char *e = getenv("DS4_CUDA_MATVEC");
-        enabled = !(e && e[0] == '0');
-    }
+    static const bool enabled = cuda_env_flag("DS4_CUDA_MATVEC", true);
     if (!enabled || mode == MM_REF || n_rows < 1 || n_rows > CUDA_MV_MAX_ROWS) return false;
     if (!cuda_mv_fits(w->type, mv_kind(mode), w->row_bytes, w->ne[0])) return false;
     if (mode == MM_F32 && (((uintptr_t)x & 15) != 0 || (n_rows > 1 && x_stride % 4 != 0))) return false;
@@ -704,12 +700,8 @@ static void run_mv(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t r
 /* The int8 tensor-core GEMM for batched Q8_0 products; $DS4_CUDA_GEMM=0
  * turns it off (for A/B measurements). */
 static bool gemm_enabled(void) {
-    static int enabled = -1;
-    if (enabled < 0) {
-        const char *e = getenv("DS4_CUDA_GEMM");
-        enabled = !(e && e[0] == '0');
-    }
-    return enabled != 0;
+    static const bool enabled = cuda_env_flag("DS4_CUDA_GEMM", true);
+    return enabled;
 }
 
 void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
