@@ -121,6 +121,23 @@ def md_one(data, label, out):
                            f"{fmt(pt.get('step_host_ms'), '.3f')} | {fmt(pt.get('graph_gpu_ms'), '.3f')} |")
             out.append("")
 
+    if data.get("batch") or data.get("batch_skipped"):
+        first = (data.get("batch") or [{}])[0]
+        out.append(f"Batched decode (each stream prefilled with {first.get('ctx', '?')} tokens of its own, then "
+                   f"{first.get('gen', '?')} greedy tokens in lockstep):\n")
+        out.append("| streams | tokens/s (all) | tokens/s (per stream) | p50 ms/step | p95 ms/step | launches/step | "
+                   "graph GPU ms/step | peak GiB |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in data.get("batch", []):
+            ps = r.get("per_step", {})
+            out.append(f"| {r['streams']} | {fmt(r['tokens_per_s'], '.2f')} | {fmt(r['per_stream_tokens_per_s'], '.2f')} | "
+                       f"{fmt(r['median_s'] * 1e3, '.3f')} | {fmt(r['p95_s'] * 1e3, '.3f')} | "
+                       f"{fmt(ps.get('launches'), '.1f')} | {fmt(ps.get('graph_gpu_ms'), '.3f')} | "
+                       f"{gib(r.get('peak_device_bytes', 0)):.2f} |")
+        for r in data.get("batch_skipped", []):
+            out.append(f"| {r['streams']} | skipped: {md_cell(r['reason'])} | | | | | | |")
+        out.append("")
+
     k = data.get("kernels")
     if k and k.get("per_token"):
         total = sum(e["ms"] for e in k["per_token"])

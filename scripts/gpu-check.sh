@@ -27,7 +27,8 @@
 #                               2 layers cpu vs cuda, 128 greedy tokens on CUDA (finite logits,
 #                               peak device memory), layer parity on the generated tokens
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
-#                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT), PERF_AB="VAR=0 ..." adds a short
+#                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
+#                               decode), PERF_AB="VAR=0 ..." adds a short
 #                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
 #                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
@@ -185,7 +186,8 @@ perf_stage() {
     section "bench full q2 (ctx ${BENCH_CTX:-2048}, prefill ${BENCH_PREFILL:-1,128})"
     if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx "${BENCH_CTX:-2048}" \
         --prefill "${BENCH_PREFILL:-1,128}" --gen "${BENCH_GEN:-64}" --repeat "${BENCH_REPEAT:-3}" --warmup 1 \
-        --ttft "${BENCH_TTFT:-512}" --json "$out/bench.json" --md "$out/bench.md"; then
+        --ttft "${BENCH_TTFT:-512}" ${BENCH_BATCH:+--batch "$BENCH_BATCH"} --json "$out/bench.json" \
+        --md "$out/bench.md"; then
         record "bench full q2" PASS
     else
         record "bench full q2" "FAIL (exit $?)"

@@ -280,8 +280,9 @@ typedef struct opts {
     const char *model, *json, *md;
     char backend[16];
     ds4_numerics num;
-    int64_t ctx[MAX_LIST], prefill[MAX_LIST];
-    int n_ctx, n_prefill;
+    int64_t ctx[MAX_LIST], prefill[MAX_LIST], batch[MAX_LIST];
+    int n_ctx, n_prefill, n_batch;
+    int64_t batch_ctx;
     int64_t gen, repeat, warmup, ttft, threads, chunk, bw_mib;
     uint64_t seed;
     double bandwidth; /* GB/s given, 0 = measure */
@@ -304,13 +305,16 @@ static void print_help(void) {
            "                       [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]\n"
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
-           "                       [--bandwidth GBPS | --bandwidth-mib N]\n"
+           "                       [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]\n"
            "  Measures model load (and the first upload), prefill tokens/s at each --prefill size\n"
            "  (fresh state each sample), time to first token for a --ttft-token prompt (0: skip),\n"
            "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
            "  between frontiers prefilled in --chunk batches), with kernel launches, host<->device\n"
            "  bytes and syncs per token, peak device memory and the roofline ratio.\n"
            "  --repeat N        timed samples per figure (default 5); --warmup N untimed runs (default 1)\n"
+           "  --batch LIST      batched decode: for each count N, N streams (each prefilled with its own\n"
+           "                    --batch-ctx tokens, default 128) decode --gen tokens together, one\n"
+           "                    step for all of them; aggregate and per-stream tokens/s, step latency\n"
            "  --bandwidth GBPS  memory bandwidth for the roofline; default: the backend's copy op\n"
            "                    timed on a --bandwidth-mib buffer (default 1024 MiB)\n"
            "  --ab KEY=VALUE    A/B mode: B is the command line with KEY (backend, numerics, threads)\n"
@@ -337,6 +341,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->chunk = 2048;
     o->bw_mib = 1024;
     o->seed = 1;
+    o->batch_ctx = 128;
     const int64_t dctx[] = { 2048, 16384, 65536 }, dpre[] = { 1, 128, 512, 2048, 8192 };
     o->n_ctx = 3;
     memcpy(o->ctx, dctx, sizeof dctx);
@@ -365,6 +370,12 @@ static int parse_opts(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--prefill")) {
             if (!parse_list(v, 1, BIG, o->prefill, &o->n_prefill))
                 return usage_error("--prefill takes a comma-separated list of positive token counts, not '%s'", v);
+        } else if (!strcmp(a, "--batch")) {
+            if (!parse_list(v, 1, 4096, o->batch, &o->n_batch))
+                return usage_error("--batch takes a comma-separated list of stream counts (1..4096), not '%s'", v);
+        } else if (!strcmp(a, "--batch-ctx")) {
+            if (!parse_i64(v, 1, BIG, &o->batch_ctx))
+                return usage_error("--batch-ctx must be a positive token count, not '%s'", v);
         } else if (!strcmp(a, "--gen")) {
             if (!parse_i64(v, 1, 1000000, &o->gen)) return usage_error("--gen must be 1..1000000, not '%s'", v);
         } else if (!strcmp(a, "--repeat")) {
@@ -460,6 +471,15 @@ typedef struct decode_row {
     double kv_bytes; /* estimate at the middle of the decode run */
 } decode_row;
 
+typedef struct batch_row {
+    int64_t streams;
+    dvec s; /* seconds per batched step */
+    bool skipped;
+    char reason[REASON_MAX];
+    double launches, syncs, wait_ms, graphs, graph_gpu_ms; /* per step */
+    uint64_t peak;
+} batch_row;
+
 typedef struct ab_result {
     int64_t size;
     bool skipped;
@@ -487,6 +507,7 @@ typedef struct bench {
     char ttft_reason[REASON_MAX];
     dvec ttft;
     decode_row decode[MAX_LIST];
+    batch_row batch[MAX_LIST];
     uint64_t peak; /* before the bandwidth buffers */
     double weights_bytes, dense_bytes, expert_bytes_tok, expert_bytes_all, embd_row_bytes;
     double bw_gbps;
@@ -589,15 +610,20 @@ static int skip_or_fail(const ds4_error *err, const char *what, char *reason) {
     return tool_fail(CMD, "%s: %s", what, err->message);
 }
 
-/* Evaluate tokens[from, to) on st in batches of chunk; logits of the last. */
-static ds4_status eval_range(bench *b, variant *v, ds4_state *st, int64_t from, int64_t to, ds4_error *err) {
-    for (int64_t p = from; p < to;) {
-        int64_t len = to - p < b->o.chunk ? to - p : b->o.chunk;
-        ds4_status s = ds4_model_eval(v->m, st, b->tokens + p, len, v->num, b->logits, false, err);
+/* Evaluate tok[0, n) on st in batches of chunk; logits of the last. */
+static ds4_status eval_range_on(bench *b, variant *v, ds4_state *st, const int32_t *tok, int64_t n, ds4_error *err) {
+    for (int64_t p = 0; p < n;) {
+        int64_t len = n - p < b->o.chunk ? n - p : b->o.chunk;
+        ds4_status s = ds4_model_eval(v->m, st, tok + p, len, v->num, b->logits, false, err);
         if (s) return s;
         p += len;
     }
     return DS4_OK;
+}
+
+/* Evaluate tokens[from, to) on st in batches of chunk; logits of the last. */
+static ds4_status eval_range(bench *b, variant *v, ds4_state *st, int64_t from, int64_t to, ds4_error *err) {
+    return eval_range_on(b, v, st, b->tokens + from, to - from, err);
 }
 
 /* One prefill of n tokens on a fresh state, its seconds into *secs. With
@@ -885,6 +911,76 @@ static ds4_status ab_sample(bench *b, variant *v, bool decode, int64_t size, dou
     ds4_state_free(st);
     return s;
 }
+
+/* Batched decode: for each stream count n, n states (stream k prefilled
+ * with tokens[k .. k + batch_ctx)) decode --gen greedy tokens in lockstep,
+ * one ds4_model_eval_batch call per step. */
+static int run_batch(bench *b) {
+    variant *v = &b->var[0];
+    const opts *o = &b->o;
+    const int64_t gen = o->gen, V = b->cfg->n_vocab;
+    const int64_t warm = o->warmup * 2 < gen ? o->warmup * 2 : gen; /* untimed steps (new graph shapes) */
+    for (int i = 0; i < o->n_batch; i++) {
+        batch_row *r = &b->batch[i];
+        const int64_t n = r->streams = o->batch[i];
+        if ((uint64_t)(o->batch_ctx + warm + gen) > b->cfg->context_length) {
+            r->skipped = true;
+            snprintf(r->reason, REASON_MAX, "%lld + %lld decoded tokens exceed the model's context of %llu",
+                     (long long)o->batch_ctx, (long long)(warm + gen), (unsigned long long)b->cfg->context_length);
+            continue;
+        }
+        fprintf(stderr, "ds4server bench: batched decode of %lld streams\n", (long long)n);
+        ds4_error err = { 0 };
+        ds4_state **st = calloc((size_t)n, sizeof *st);
+        int32_t *next = malloc((size_t)n * sizeof *next);
+        float *logits = malloc((size_t)(n * V) * sizeof *logits);
+        ds4_status s = st && next && logits ? DS4_OK : ds4_error_set(&err, DS4_ERR_NOMEM, "out of host memory");
+        for (int64_t k = 0; k < n && !s; k++) {
+            s = ds4_state_create(v->m, o->batch_ctx + warm + gen, &st[k], &err);
+            const int64_t at = k % (b->n_tokens - o->batch_ctx + 1); /* stream k's own prompt */
+            if (!s) s = eval_range_on(b, v, st[k], b->tokens + at, o->batch_ctx, &err);
+            if (!s) next[k] = ds4_sample_argmax(b->logits, V);
+        }
+        /* a few untimed steps first (graphs of the new shapes are built there) */
+        for (int64_t g = 0; g < warm && !s; g++)
+            s = ds4_model_eval_batch(v->m, st, next, n, v->num, logits, &err);
+        ds4_backend_counters c0, c1;
+        ds4_backend_counters_get(v->be, &c0);
+        for (int64_t g = 0; g < gen && !s; g++) {
+            const double t0 = tool_now();
+            s = ds4_model_eval_batch(v->m, st, next, n, v->num, logits, &err);
+            if (s) break;
+            for (int64_t k = 0; k < n; k++) next[k] = ds4_sample_argmax(logits + k * V, V);
+            if (!dvec_push(&r->s, tool_now() - t0)) s = ds4_error_set(&err, DS4_ERR_NOMEM, "out of memory");
+        }
+        ds4_backend_counters_get(v->be, &c1);
+        for (int64_t k = 0; st && k < n; k++) ds4_state_free(st[k]);
+        free(st);
+        free(next);
+        free(logits);
+        if (s) {
+            char what[96];
+            snprintf(what, sizeof what, "batched decode of %lld streams", (long long)n);
+            if (skip_or_fail(&err, what, r->reason)) return 1;
+            r->skipped = true;
+            r->s.n = 0;
+            continue;
+        }
+        const double g = (double)gen;
+        r->launches = (double)(c1.launches - c0.launches) / g;
+        r->syncs = (double)(c1.syncs - c0.syncs) / g;
+        r->wait_ms = (double)(c1.wait_ns - c0.wait_ns) / 1e6 / g;
+        r->graphs = (double)(c1.graphs - c0.graphs) / g;
+        r->graph_gpu_ms = (double)(c1.graph_gpu_ns - c0.graph_gpu_ns) / 1e6 / g;
+        r->peak = c1.peak_bytes;
+        double sum = 0;
+        for (int64_t k = 0; k < r->s.n; k++) sum += r->s.v[k];
+        fprintf(stderr, "ds4server bench:   %lld streams: %.2f tokens/s in all (%.2f per stream)\n", (long long)n,
+                sum > 0 ? (double)n * g / sum : 0.0, sum > 0 ? g / sum : 0.0);
+    }
+    return 0;
+}
+
 
 static int run_ab_exp(bench *b, ab_result *res, bool decode) {
     const int64_t R = b->o.repeat;
@@ -1316,6 +1412,38 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         if (!r->skipped) continue;
         json_skipped(f, &k, "ctx", r->ctx, r->reason);
     }
+    fputs("],\n  \"batch\": [", f);
+    k = 0;
+    for (int i = 0; i < o->n_batch && !o->ab; i++) {
+        const batch_row *r = &b->batch[i];
+        if (r->skipped) continue;
+        stats st = stats_of(&r->s);
+        fprintf(f, "%s\n    {\"streams\": %lld, \"ctx\": %lld, \"gen\": %lld, \"samples_s\": ", k++ ? "," : "",
+                (long long)r->streams, (long long)o->batch_ctx, (long long)o->gen);
+        json_samples(f, &r->s);
+        fputs(", ", f);
+        json_stats_s(f, &st);
+        fputs(", \"tokens_per_s\": ", f);
+        json_num(f, (double)r->streams * (double)st.n / st.sum);
+        fputs(", \"per_stream_tokens_per_s\": ", f);
+        json_num(f, (double)st.n / st.sum);
+        fputs(", \"per_step\": {\"launches\": ", f);
+        json_num(f, r->launches);
+        fputs(", \"syncs\": ", f);
+        json_num(f, r->syncs);
+        fputs(", \"wait_ms\": ", f);
+        json_num(f, r->wait_ms);
+        fputs(", \"graphs\": ", f);
+        json_num(f, r->graphs);
+        fputs(", \"graph_gpu_ms\": ", f);
+        json_num(f, r->graph_gpu_ms);
+        fprintf(f, "}, \"peak_device_bytes\": %llu}", (unsigned long long)r->peak);
+    }
+    fputs(k ? "\n  ],\n" : "],\n", f);
+    fputs("  \"batch_skipped\": [", f);
+    k = 0;
+    for (int i = 0; i < o->n_batch && !o->ab; i++)
+        if (b->batch[i].skipped) json_skipped(f, &k, "streams", b->batch[i].streams, b->batch[i].reason);
     fprintf(f, "],\n  \"peak_device_bytes\": %llu,\n", (unsigned long long)b->peak);
     fputs("  \"kernels\": ", f);
     if (b->n_kernels > 0) {
@@ -1479,6 +1607,26 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     }
 }
 
+static void write_md_batch(FILE *f, const bench *b) {
+    const opts *o = &b->o;
+    if (o->n_batch == 0 || o->ab) return;
+    fprintf(f, "\nBatched decode (each stream prefilled with %lld tokens of its own, then %lld greedy tokens in "
+            "lockstep):\n\n", (long long)o->batch_ctx, (long long)o->gen);
+    fprintf(f, "| streams | tokens/s (all) | tokens/s (per stream) | p50 ms/step | p95 ms/step | launches/step | "
+            "peak GiB |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < o->n_batch; i++) {
+        const batch_row *r = &b->batch[i];
+        if (r->skipped) {
+            fprintf(f, "| %lld | skipped: %s | | | | | |\n", (long long)r->streams, r->reason);
+            continue;
+        }
+        stats s = stats_of(&r->s);
+        fprintf(f, "| %lld | %.2f | %.2f | %.3f | %.3f | %.1f | %.2f |\n", (long long)r->streams,
+                (double)r->streams * (double)s.n / s.sum, (double)s.n / s.sum, s.median * 1e3, s.p95 * 1e3,
+                r->launches, (double)r->peak / 1073741824.0);
+    }
+}
+
 static void write_md_kernels(FILE *f, const bench *b) {
     if (b->n_kernels <= 0) return;
     const double g = (double)b->kernels_tokens;
@@ -1508,6 +1656,7 @@ static void bench_free(bench *b) {
     for (int i = 0; i < MAX_LIST; i++) {
         free(b->prefill[i].s.v);
         free(b->decode[i].s.v);
+        free(b->batch[i].s.v);
     }
     ab_result *ab[2] = { &b->ab_dec, &b->ab_pre };
     for (int i = 0; i < 2; i++) {
@@ -1585,6 +1734,8 @@ int tool_bench(int argc, char **argv) {
     int64_t need = o->ttft;
     for (int i = 0; i < o->n_prefill; i++) need = o->prefill[i] > need ? o->prefill[i] : need;
     for (int i = 0; i < o->n_ctx; i++) need = o->ctx[i] > need ? o->ctx[i] : need;
+    for (int i = 0; i < o->n_batch; i++)
+        need = o->batch_ctx + o->batch[i] > need ? o->batch_ctx + o->batch[i] : need;
     if ((uint64_t)need > b->cfg->context_length) need = (int64_t)b->cfg->context_length;
     b->n_tokens = need > 1 ? need : 1;
     b->tokens = malloc((size_t)b->n_tokens * sizeof *b->tokens);
@@ -1599,7 +1750,7 @@ int tool_bench(int argc, char **argv) {
     if (o->ab) {
         if ((rc = run_ab(b))) goto done;
     } else {
-        if ((rc = run_prefill(b)) || (rc = run_decode(b))) goto done;
+        if ((rc = run_prefill(b)) || (rc = run_decode(b)) || (rc = run_batch(b))) goto done;
     }
     ds4_backend_counters c;
     ds4_backend_counters_get(A->be, &c);
@@ -1613,6 +1764,7 @@ int tool_bench(int argc, char **argv) {
     prov p;
     get_provenance(b, &p);
     write_md(stdout, b, &p);
+    write_md_batch(stdout, b);
     write_md_kernels(stdout, b);
     fflush(stdout);
     if (o->md) {
@@ -1622,6 +1774,7 @@ int tool_bench(int argc, char **argv) {
             goto done;
         }
         write_md(mf, b, &p);
+        write_md_batch(mf, b);
         write_md_kernels(mf, b);
         if (ferror(mf) | (fclose(mf) != 0)) {
             rc = tool_fail(CMD, "%s: write failed", o->md);

@@ -1,5 +1,6 @@
 /* test_session.c - sessions: prefix reuse, rewind, context limits, checkpoints. */
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "core/error.h"
@@ -303,6 +304,79 @@ static void test_load_refuses_incomplete_backend(void) {
     ds4_backend_destroy(cpu);
 }
 
+/*
+ * Batched decode: several states at different positions (inside and past
+ * the sliding window, before and after compressor rows and indexer
+ * selection) decode one token each in one call, and every row's logits are
+ * those of a single-token decode of its state, bit for bit on the CPU.
+ */
+static void test_batch_decode_matches_single(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    ds4_backend *cpu = NULL;
+    ds4_model *m = NULL;
+    CHECK(ds4_backend_create("cpu", 2, &cpu, &err) == DS4_OK);
+    CHECK_MSG(cpu && ds4_model_load((gguf_file *)ds4_engine_gguf(engine), cpu, &m, &err) == DS4_OK, "%s",
+              err.message);
+    if (!m) {
+        ds4_backend_destroy(cpu);
+        return;
+    }
+    enum { K = 5, STEPS = 9 };
+    const int64_t prefix[K] = { 1, 14, 31, 64, 130 };
+    ds4_state *batch[K] = { 0 }, *single[K] = { 0 };
+    int32_t *t = random_tokens(200 + K * STEPS);
+    float *lb = malloc((size_t)(K * vocab) * sizeof *lb), *ls = malloc((size_t)vocab * sizeof *ls);
+    for (int i = 0; i < K; i++) {
+        CHECK(ds4_state_create(m, 256, &batch[i], &err) == DS4_OK);
+        CHECK(ds4_state_create(m, 256, &single[i], &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, batch[i], t + 7 * i, prefix[i], DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, single[i], t + 7 * i, prefix[i], DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+    }
+    int bad = 0;
+    for (int step = 0; step < STEPS; step++) {
+        int32_t next[K];
+        for (int i = 0; i < K; i++) next[i] = t[200 + step * K + i];
+        CHECK_MSG(ds4_model_eval_batch(m, batch, next, K, DS4_NUMERICS_DS4, lb, &err) == DS4_OK, "%s", err.message);
+        for (int i = 0; i < K; i++) {
+            CHECK(ds4_model_eval(m, single[i], &next[i], 1, DS4_NUMERICS_DS4, ls, false, &err) == DS4_OK);
+            bad += memcmp(lb + i * vocab, ls, (size_t)vocab * sizeof *ls) != 0;
+            CHECK(ds4_state_pos(batch[i]) == prefix[i] + step + 1);
+        }
+    }
+    CHECK_MSG(bad == 0, "%d of %d batched rows differ from single-token decode", bad, K * STEPS);
+    /* a batch of one is a decode step; NULL logits are allowed */
+    CHECK(ds4_model_eval_batch(m, batch, &t[0], 1, DS4_NUMERICS_DS4, NULL, &err) == DS4_OK);
+    /* refused, with nothing advanced: the same state twice, a full context,
+     * a token outside the vocabulary, an empty batch */
+    const int64_t before = ds4_state_pos(batch[1]);
+    ds4_state *twice[2] = { batch[1], batch[1] };
+    int32_t two[2] = { 1, 2 };
+    CHECK(ds4_model_eval_batch(m, twice, two, 2, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(err.message, "same state") != NULL, "%s", err.message);
+    ds4_state *tiny = NULL;
+    CHECK(ds4_state_create(m, 1, &tiny, &err) == DS4_OK);
+    CHECK(ds4_model_eval(m, tiny, t, 1, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+    ds4_state *full[2] = { batch[1], tiny };
+    CHECK(ds4_model_eval_batch(m, full, two, 2, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(err.message, "end of its context") != NULL, "%s", err.message);
+    int32_t oov[2] = { 1, (int32_t)vocab };
+    CHECK(ds4_model_eval_batch(m, batch, oov, 2, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(err.message, "vocabulary") != NULL, "%s", err.message);
+    CHECK(ds4_model_eval_batch(m, batch, two, 0, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_state_pos(batch[1]) == before);
+    ds4_state_free(tiny);
+    for (int i = 0; i < K; i++) {
+        ds4_state_free(batch[i]);
+        ds4_state_free(single[i]);
+    }
+    free(lb);
+    free(ls);
+    free(t);
+    ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(engine);
     engine = NULL;
@@ -319,6 +393,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_checkpoint_disk_full),
     TEST_ENTRY(test_prefetch_reads_the_whole_file),
     TEST_ENTRY(test_load_refuses_incomplete_backend),
+    TEST_ENTRY(test_batch_decode_matches_single),
     TEST_ENTRY(test_teardown),
     { 0, 0 },
 };

@@ -79,6 +79,38 @@ def check_stats(row):
     assert row["min_s"] <= row["median_s"] <= row["p95_s"] <= row["max_s"]
 
 
+def test_batched_decode(model, tmp_path):
+    """--batch: N streams decode in lockstep; aggregate tokens/s is N times
+    the per-stream rate, both from the per-step samples; a prompt beyond the
+    model's context (4096) is a skip, not a failure."""
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "1", "--gen", "5", "--repeat", "1", "--ttft", "0",
+            "--threads", "2", "--bandwidth", "100", "--batch", "1,3", "--batch-ctx", "10", "--json", js, "--md", md)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    d = json.loads(js.read_text())
+    rows = d["batch"]
+    assert [b["streams"] for b in rows] == [1, 3] and d["batch_skipped"] == []
+    for b in rows:
+        assert b["ctx"] == 10 and b["gen"] == 5 and len(b["samples_s"]) == 5
+        check_stats(b)
+        total = sum(b["samples_s"])
+        assert close(b["per_stream_tokens_per_s"], 5 / total, 1e-6)
+        assert close(b["tokens_per_s"], b["streams"] * 5 / total, 1e-6)
+        assert b["per_step"]["graphs"] == 0 and b["per_step"]["launches"] == 0  # CPU backend
+    text = md.read_text()
+    assert "Batched decode (each stream prefilled with 10 tokens" in text and "| streams |" in text
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "1", "--gen", "2", "--repeat", "1", "--ttft", "0",
+            "--bandwidth", "100", "--batch", "2", "--batch-ctx", "4095", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(js.read_text())
+    assert d["batch"] == [] and d["batch_skipped"][0]["streams"] == 2
+    assert "exceed the model's context" in d["batch_skipped"][0]["reason"]
+    # without --batch there is no batched section
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "1", "--gen", "2", "--repeat", "1", "--ttft", "0",
+            "--bandwidth", "100", "--json", js, "--md", md)
+    assert r.returncode == 0 and json.loads(js.read_text())["batch"] == [] and "Batched" not in md.read_text()
+
+
 def test_sweep_fields(sweep, model):
     _, d, _, _ = sweep
     assert d["schema"] == "ds4server-bench/1" and d["mode"] == "sweep" and d["ab"] is None
@@ -261,6 +293,9 @@ def test_ab_frontier_beyond_context(model, tmp_path):
     ["--bandwidth", "-5"],
     ["--bandwidth", "fast"],
     ["--threads", "0"],
+    ["--batch", "0"],
+    ["--batch", "2,x"],
+    ["--batch-ctx", "0"],
     ["--seed", "-3"],
     ["--frobnicate", "1"],
     ["stray"],
@@ -335,6 +370,12 @@ def test_report_recorded_steps_and_kernels(sweep, tmp_path):
     d["kernels"] = {"context": 16, "tokens": 4, "distinct": 3, "per_token": [
         {"name": "_Z9mv_kernel", "what": "matvec kernel", "launches": 345.0, "ms": 5.75},
         {"name": "copy", "what": "copy|x", "launches": 2.0, "ms": 0.25}]}
+    d["batch"] = [{"streams": 8, "ctx": 128, "gen": 4, "samples_s": [0.02] * 4, "n": 4, "median_s": 0.02,
+                   "p95_s": 0.02, "min_s": 0.02, "max_s": 0.02, "mean_s": 0.02, "tokens_per_s": 400.0,
+                   "per_stream_tokens_per_s": 50.0,
+                   "per_step": {"launches": 2700.0, "syncs": 2, "wait_ms": 19.0, "graphs": 1, "graph_gpu_ms": 19.5},
+                   "peak_device_bytes": 2 * 1073741824}]
+    d["batch_skipped"] = [{"streams": 64, "reason": "state: out of device memory"}]
     js = tmp_path / "cuda.json"
     js.write_text(json.dumps(d))
     md, svg = tmp_path / "r.md", tmp_path / "r.svg"
@@ -346,6 +387,9 @@ def test_report_recorded_steps_and_kernels(sweep, tmp_path):
     # us/tok, us/launch and share of the listed total (6.0 ms)
     assert "| `_Z9mv_kernel` | matvec kernel | 345.0 | 5750.0 | 16.67 | 95.8% |" in text
     assert "| `copy` | copy\\|x | 2.0 | 250.0 | 125.00 | 4.2% |" in text
+    assert "prefilled with 128 tokens of its own, then 4 greedy" in text
+    assert "| 8 | 400.00 | 50.00 | 20.000 | 20.000 | 2700.0 | 19.500 | 2.00 |" in text
+    assert "| 64 | skipped: state: out of device memory |" in text
     # a CPU file has neither table
     _, _, cpu_js, _ = sweep
     r = subprocess.run([sys.executable, REPORT, cpu_js, "--md", md, "--svg", svg], capture_output=True, timeout=60)

@@ -476,12 +476,13 @@ static void compressor_step(ds4_model *m, int l, int64_t t, compressor_state *cs
     }
 }
 
-static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, const int32_t *pos, int64_t n,
+/* Row t of the batch belongs to state rs[t] (at position pos[t]): a prefill
+ * chunk has one state for every row, a batched decode one state per row. */
+static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratch *s, const int32_t *pos, int64_t n,
                                ds4_numerics num) {
     ds4_backend *be = m->be;
     const ds4_config *c = &m->cfg;
     const layer_weights *W = &m->layers[l];
-    layer_state *L = &st->layers[l];
     const int64_t H = c->n_embd, D = c->head_dim, nh = c->n_head, qr = c->q_lora;
     const int ratio = c->compress_ratio[l];
     const ds4_rope *rope = ratio ? &m->rope_comp : &m->rope_dense;
@@ -535,6 +536,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *st, int l, scratch *s, c
     /* token by token: state updates and attention */
     for (int64_t t = 0; t < n; t++) {
         const int64_t p = pos[t];
+        layer_state *L = &rs[t]->layers[l];
         window_push(be, c, L, s->kv + t * D);
         if (ratio)
             compressor_step(m, l, t, &L->attn, &W->comp_ape, &W->comp_norm, false, s->ckv + t * cw, s->csc + t * cw,
@@ -642,18 +644,18 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
 
 /* ------------------------------------------------------------ eval */
 
-static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
-                             float *logits, bool all_logits, scratch *s) {
+/* n rows: row t is token tokens[t] of state rs[t] at position pos[t]. The
+ * caller advances the states. `step`: the rows are decoded tokens (one per
+ * state), recorded as one step when the backend records. */
+static ds4_status eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, const int32_t *tokens, int64_t n,
+                             ds4_numerics num, float *logits, bool all_logits, bool decode, scratch *s) {
     ds4_backend *be = m->be;
     const ds4_config *c = &m->cfg;
     const int64_t H = c->n_embd, V = c->n_vocab;
-    int32_t *pos = malloc((size_t)n * sizeof *pos);
-    if (!pos) return DS4_ERR_NOMEM;
-    for (int64_t t = 0; t < n; t++) pos[t] = (int32_t)(st->pos + t);
 
-    /* a decoded token is one recorded step (without an inspection hook,
+    /* decoded tokens are one recorded step (without an inspection hook,
      * which reads buffers between ops) */
-    const bool step = n == 1 && !m->tap && be->ops->step_begin && be->ops->step_end;
+    const bool step = decode && !m->tap && be->ops->step_begin && be->ops->step_end;
     if (step) be->ops->step_begin(be);
     /* embedding, copied into every HC stream */
     be->ops->embed(be, &m->token_embd, tokens, (int)n, s->x);
@@ -664,7 +666,7 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens,
 
     const int n_layer = m->layer_limit ? m->layer_limit : c->n_layer;
     for (int l = 0; l < n_layer; l++) {
-        attention_sublayer(m, st, l, s, pos, n, num);
+        attention_sublayer(m, rs, l, s, pos, n, num);
         ffn_sublayer(m, l, s, tokens, n, num);
     }
     /* head: only the rows whose logits are wanted */
@@ -685,8 +687,30 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *st, const int32_t *tokens,
     } else if (step) {
         be->ops->step_end(be);
     }
-    st->pos += n;
-    free(pos);
+    return DS4_OK;
+}
+
+/* The evaluation scratch of `st` for chunks of `rows` tokens and states of
+ * up to n_ctx positions (reallocated when it is smaller). */
+static ds4_status ensure_scratch(ds4_model *m, ds4_state *st, int64_t rows, int64_t n_ctx, bool all_logits,
+                                 ds4_error *err) {
+    if (st->scratch && st->scratch_rows >= rows && st->scratch_ctx >= n_ctx &&
+        (!all_logits || st->scratch_all_logits))
+        return DS4_OK;
+    if (st->scratch) {
+        scratch_free(m->be, st->scratch);
+        free(st->scratch);
+        st->scratch = NULL;
+    }
+    scratch *fresh = calloc(1, sizeof *fresh);
+    if (!fresh || !scratch_alloc(m->be, &m->cfg, rows, n_ctx, all_logits, fresh)) {
+        free(fresh);
+        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-token batch", (long long)rows);
+    }
+    st->scratch = fresh;
+    st->scratch_rows = rows;
+    st->scratch_ctx = n_ctx;
+    st->scratch_all_logits = all_logits;
     return DS4_OK;
 }
 
@@ -701,36 +725,75 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, in
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
             return ds4_error_set(err, DS4_ERR_INVALID, "token %d at index %lld is outside the vocabulary (0..%lld)",
                                  tokens[t], (long long)t, (long long)c->n_vocab - 1);
-    int64_t chunk = n < EVAL_CHUNK ? n : EVAL_CHUNK;
-    if (!st->scratch || st->scratch_rows < chunk || (all_logits && !st->scratch_all_logits)) {
-        if (st->scratch) {
-            scratch_free(m->be, st->scratch);
-            free(st->scratch);
-            st->scratch = NULL;
-        }
-        scratch *fresh = calloc(1, sizeof *fresh);
-        if (!fresh || !scratch_alloc(m->be, c, chunk, st->n_ctx, all_logits, fresh)) {
-            free(fresh);
-            return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-token batch", (long long)chunk);
-        }
-        st->scratch = fresh;
-        st->scratch_rows = chunk;
-        st->scratch_all_logits = all_logits;
+    const int64_t chunk = n < EVAL_CHUNK ? n : EVAL_CHUNK;
+    ds4_status status = ensure_scratch(m, st, chunk, st->n_ctx, all_logits, err);
+    if (status) return status;
+    int32_t *pos = malloc((size_t)chunk * sizeof *pos);
+    ds4_state **rs = malloc((size_t)chunk * sizeof *rs);
+    if (!pos || !rs) {
+        free(pos);
+        free(rs);
+        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
     }
-    scratch *sp = st->scratch;
-    ds4_status status = DS4_OK;
+    for (int64_t t = 0; t < chunk; t++) rs[t] = st;
     for (int64_t off = 0; off < n && !status; off += chunk) {
         int64_t len = n - off < chunk ? n - off : chunk;
         bool last = off + len == n;
         float *out = NULL;
         if (logits && all_logits) out = logits + off * c->n_vocab;
         else if (logits && last) out = logits;
-        status = eval_chunk(m, st, tokens + off, len, num, out, all_logits, sp);
+        for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)(st->pos + t);
+        status = eval_chunk(m, rs, pos, tokens + off, len, num, out, all_logits, n == 1, st->scratch);
+        if (!status) st->pos += len;
     }
+    free(pos);
+    free(rs);
     if (status) return ds4_error_set(err, status, "evaluation failed: out of memory");
     /* An op that failed (bad shape, device fault) recorded why; the state is
      * then unusable and the caller must discard it. */
     status = m->be->ops->take_error(m->be, err);
     if (status) return ds4_error_prefix(err, "evaluation failed at position %lld", (long long)st->pos);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
+                                ds4_numerics num, float *logits, ds4_error *err) {
+    const ds4_config *c = &m->cfg;
+    if (n_seq < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no sequences to decode");
+    int64_t max_ctx = 0;
+    for (int64_t i = 0; i < n_seq; i++) {
+        const ds4_state *st = states[i];
+        if (!st || st->model != m)
+            return ds4_error_set(err, DS4_ERR_INVALID, "batch row %lld: %s", (long long)i,
+                                 st ? "the state belongs to another model" : "no state");
+        if (st->pos + 1 > st->n_ctx)
+            return ds4_error_set(err, DS4_ERR_INVALID, "batch row %lld: position %lld is the end of its context of "
+                                 "%lld", (long long)i, (long long)st->pos, (long long)st->n_ctx);
+        if (tokens[i] < 0 || tokens[i] >= c->n_vocab)
+            return ds4_error_set(err, DS4_ERR_INVALID, "batch row %lld: token %d is outside the vocabulary (0..%lld)",
+                                 (long long)i, tokens[i], (long long)c->n_vocab - 1);
+        for (int64_t j = 0; j < i; j++)
+            if (states[j] == st)
+                return ds4_error_set(err, DS4_ERR_INVALID, "batch rows %lld and %lld are the same state",
+                                     (long long)j, (long long)i);
+        if (st->n_ctx > max_ctx) max_ctx = st->n_ctx;
+    }
+    const int64_t chunk = n_seq < EVAL_CHUNK ? n_seq : EVAL_CHUNK;
+    ds4_state *first = states[0];
+    ds4_status status = ensure_scratch(m, first, chunk, max_ctx, true, err);
+    if (status) return status;
+    int32_t *pos = malloc((size_t)chunk * sizeof *pos);
+    if (!pos) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
+    for (int64_t off = 0; off < n_seq && !status; off += chunk) {
+        const int64_t len = n_seq - off < chunk ? n_seq - off : chunk;
+        for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)states[off + t]->pos;
+        status = eval_chunk(m, states + off, pos, tokens + off, len, num, logits ? logits + off * c->n_vocab : NULL,
+                            true, true, first->scratch);
+        for (int64_t t = 0; t < len && !status; t++) states[off + t]->pos++;
+    }
+    free(pos);
+    if (status) return ds4_error_set(err, status, "evaluation failed: out of memory");
+    status = m->be->ops->take_error(m->be, err);
+    if (status) return ds4_error_prefix(err, "batched decode of %lld sequences failed", (long long)n_seq);
     return DS4_OK;
 }

@@ -43,6 +43,18 @@ int64_t ds4_state_pos(const ds4_state *s); /* tokens consumed so far */
 ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int64_t n, ds4_numerics num,
                           float *logits, bool all_logits, ds4_error *err);
 
+/* Decode one token for each of n_seq states at once: row s is token
+ * tokens[s] appended to states[s] (each at its own position), and logits
+ * [n_seq, vocab] (host, may be NULL) get row s's next-token logits. The
+ * weights are read once for all rows; each row computes exactly what a
+ * single-token ds4_model_eval of its state computes (on the CPU backend bit
+ * for bit; a device backend may pick other kernels for several rows, which
+ * sum in another order). The states must be distinct, of this model, and
+ * each have room for one more token; every state advances by one. On an
+ * evaluation error every state in the batch is unusable. */
+ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
+                                ds4_numerics num, float *logits, ds4_error *err);
+
 /* ---- inspection (the parity harness) ---------------------------------- */
 
 /* Called after every op of the forward pass with the op's output: `name`

@@ -56,9 +56,11 @@ struct ds4_state {
     layer_state *layers;
     /* Evaluation scratch kept between calls (decode steps would otherwise
      * allocate and free it every token): room for scratch_rows tokens, and
-     * logits for all of them when scratch_all_logits. */
+     * logits for all of them when scratch_all_logits. A batched decode uses
+     * the scratch of its first state. */
     struct eval_scratch *scratch;
     int64_t scratch_rows;
+    int64_t scratch_ctx; /* the largest state the scratch serves (its indexer scores) */
     bool scratch_all_logits;
 };
 
