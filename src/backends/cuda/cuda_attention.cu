@@ -172,6 +172,7 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     const int64_t groups = (n_heads + per_block - 1) / per_block;
 
     rope_params rp;
+    memset(&rp, 0, sizeof rp); /* padding too: recorded steps compare argument bytes */
     rp.n_rot = (int)n_rot;
     rp.base = (double)rope->base;
     rp.factor = (double)rope->factor;
@@ -394,8 +395,16 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
     if (n > 0) {
         const size_t smem = 2 * (size_t)dim * sizeof(float);
         if (!cuda_allow_dynamic_smem(be, (const void *)attention_partial_kernel, smem, "attention", dim)) return;
-        att_rows rows = { rows_a, n_a, rows_b, n_rows_b, n_b > 0 ? idx_b : NULL, dim, cuda_dev_error_of(be),
-                          idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1 };
+        att_rows rows;
+        memset(&rows, 0, sizeof rows); /* padding too: recorded steps compare argument bytes */
+        rows.a = rows_a;
+        rows.n_a = n_a;
+        rows.b = rows_b;
+        rows.n_rows_b = n_rows_b;
+        rows.idx = n_b > 0 ? idx_b : NULL;
+        rows.dim = dim;
+        rows.err = cuda_dev_error_of(be);
+        rows.tag = idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1;
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
         const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
         if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q, rows, n, rows_per_split, kq_scale, scratch)) return;

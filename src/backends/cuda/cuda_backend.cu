@@ -315,8 +315,11 @@ static void cuda_download(ds4_backend *be, float *host_dst, const float *src, in
         else (void)cudaGetLastError(); /* no pinned memory: straight into host_dst */
     }
     void *to = cb->dl_cap >= bytes ? cb->dl_host : (void *)host_dst;
-    if (!CUDA_OK(be, cudaMemcpyAsync(to, src, bytes, cudaMemcpyDeviceToHost, cb->stream))) return;
-    if (cuda_sync(be) && to != (void *)host_dst) memcpy(host_dst, to, bytes);
+    if (!CUDA_OK(be, cudaMemcpyAsync(to, src, bytes, cudaMemcpyDeviceToHost, cb->stream)) || !cuda_sync(be)) {
+        memset(host_dst, 0, bytes); /* as after any failed op: nothing half-copied */
+        return;
+    }
+    if (to != (void *)host_dst) memcpy(host_dst, to, bytes);
 }
 
 __global__ void copy_kernel(float *__restrict__ dst, const float *__restrict__ src, int64_t n) {

@@ -108,8 +108,9 @@ void ds4_cuda_backend_counters(const ds4_backend *be, ds4_backend_counters *out)
  * with only the changed parameters set anew. The results are the same
  * either way, bit for bit. Takes effect at the next step_begin. */
 void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
-/* Why the last recorded step was cut short (its ops from there on ran
- * unrecorded: a host wait, an allocation, a library call), or "none". */
+/* Why the most recent cut of a recorded step happened (the step's ops from
+ * there on ran unrecorded: a host wait, an allocation, a library call), or
+ * "none" when no step was ever cut short. */
 const char *ds4_cuda_backend_last_break(const ds4_backend *be);
 /* Kernel timing (DS4_CUDA_PROFILE=1 at creation): see ds4_backend_kernel_times. */
 int ds4_cuda_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);

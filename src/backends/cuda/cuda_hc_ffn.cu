@@ -191,9 +191,9 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
  * hc_partial_kernel, block (row r, chunk c) over HC_CHUNK elements of X[r]:
  *   part[r][c] = { sum of squares (double), raw dots fn[k] . X[r] (float) }
  * hc_finish_kernel, block r:
- *   ss = sum over chunks (double, in chunk order)
+ *   ss = sum over chunks (double, in a fixed order over the block's threads)
  *   f-scale = 1 / sqrt(ss / n + norm_eps)          (formed as the CPU does)
- *   mix[k] = (sum over chunks of the raw dots) * f-scale
+ *   mix[k] = (sum over chunks of the raw dots, one warp each) * f-scale
  *   HEAD:  w[s] = sigmoid(mix[s] * scale0 + base[s]) + eps
  *   PRE:   pre/post/comb = hc_split(mix); w = pre
  *   out[r][i] = sum_s X[r][s][i] * w[s]          (s in order, as the CPU)
@@ -349,6 +349,7 @@ static bool hc_check(ds4_backend *be, const char *op, const ds4_hc *hc, const ds
 static hc_args hc_args_make(const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
                             const ds4_weight *base, float *out, float *post, float *comb) {
     hc_args a;
+    memset(&a, 0, sizeof a); /* padding too: recorded steps compare argument bytes */
     a.X = X;
     a.fn = fn->device;
     a.fn_type = fn->type;
@@ -606,6 +607,7 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     }
 
     router_args a;
+    memset(&a, 0, sizeof a); /* padding too: recorded steps compare argument bytes */
     a.logits = logits;
     a.n_expert = n_expert;
     a.bias = bias ? bias->device : NULL;

@@ -91,6 +91,7 @@ typedef enum cuda_node_kind { CUDA_NODE_KERNEL = 1, CUDA_NODE_COPY, CUDA_NODE_ME
 typedef struct cuda_node {
     int kind;                                 /* cuda_node_kind */
     const void *func;                         /* kernel */
+    const char *what;                         /* its name for messages (a string literal) */
     dim3 grid, block;
     unsigned smem;
     int n_args;

@@ -37,7 +37,7 @@
 
 #include "backends/cuda/cuda_internal.h"
 
-#define CUDA_ARENA_BYTES ((size_t)256 << 10)
+#define CUDA_ARENA_BYTES ((size_t)1 << 20) /* a 256-row batched step uploads about 250 KB */
 
 
 /* ------------------------------------------------------------------------ */
@@ -260,7 +260,7 @@ static bool direct_entry(ds4_backend *be, const cuda_node_log *l, const cuda_nod
     if (e->kind == CUDA_NODE_KERNEL) {
         void *params[CUDA_NODE_MAX_ARGS];
         entry_params(l, e, params);
-        return direct_kernel(be, "recorded kernel", e->func, e->grid, e->block, e->smem, params);
+        return direct_kernel(be, e->what ? e->what : "recorded kernel", e->func, e->grid, e->block, e->smem, params);
     }
     if (e->kind == CUDA_NODE_COPY) return CUDA_OK(be, cudaMemcpyAsync(e->dst, e->src, e->bytes, e->dir, s));
     return CUDA_OK(be, cudaMemsetAsync(e->dst, e->value, e->bytes, s));
@@ -295,6 +295,7 @@ bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 
     if (cb->recording) {
         cuda_node *e = log_push(be, &cb->log, CUDA_NODE_KERNEL, func, a->used);
         if (!e) return false;
+        e->what = what;
         e->grid = grid;
         e->block = block;
         e->smem = (unsigned)smem;

@@ -760,6 +760,8 @@ ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const in
                                 ds4_numerics num, float *logits, ds4_error *err) {
     const ds4_config *c = &m->cfg;
     if (n_seq < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no sequences to decode");
+    if (!states || !tokens)
+        return ds4_error_set(err, DS4_ERR_INVALID, "batched decode: NULL %s", states ? "tokens" : "states");
     int64_t max_ctx = 0;
     for (int64_t i = 0; i < n_seq; i++) {
         const ds4_state *st = states[i];
