@@ -108,6 +108,14 @@ ds4_status ds4_session_sync(ds4_session *session, const int32_t *tokens, int64_t
                             ds4_error *err);
 /* Append one token (decode). Fails when the context is full. */
 ds4_status ds4_session_decode(ds4_session *session, int32_t token, ds4_error *err);
+/* Append one token to each of n sessions of the same engine in one
+ * evaluation (the weights are read once for all of them): session i gets
+ * tokens[i], exactly as n ds4_session_decode calls would (on the CPU
+ * backend bit for bit). The sessions must be distinct, hold at least one
+ * token and have room for one more; nothing changes when any check fails.
+ * If the evaluation itself fails, every session in the call is emptied. */
+ds4_status ds4_session_decode_batch(ds4_session *const *sessions, const int32_t *tokens, int64_t n,
+                                    ds4_error *err);
 /* Next-token logits [vocab] for the current history; NULL when empty. */
 const float *ds4_session_logits(const ds4_session *session);
 const int32_t *ds4_session_tokens(const ds4_session *session, int64_t *n);

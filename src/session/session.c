@@ -248,6 +248,48 @@ ds4_status ds4_session_decode(ds4_session *s, int32_t token, ds4_error *err) {
     return evaluate(s, &token, 1, err);
 }
 
+ds4_status ds4_session_decode_batch(ds4_session *const *ss, const int32_t *tokens, int64_t n, ds4_error *err) {
+    if (n < 1 || !ss || !tokens) return ds4_error_set(err, DS4_ERR_INVALID, "no sessions to decode");
+    ds4_engine *e = ss[0] ? ss[0]->engine : NULL;
+    for (int64_t i = 0; i < n; i++) {
+        const ds4_session *s = ss[i];
+        if (!s || s->engine != e)
+            return ds4_error_set(err, DS4_ERR_INVALID, "batch entry %lld: %s", (long long)i,
+                                 s ? "a session of another engine" : "no session");
+        if (s->n_tokens < 1)
+            return ds4_error_set(err, DS4_ERR_INVALID, "batch entry %lld: the session is empty (sync a prompt first)",
+                                 (long long)i);
+        if (s->n_tokens + 1 > s->n_ctx)
+            return ds4_error_set(err, DS4_ERR_INVALID, "batch entry %lld: the context of %lld tokens is full",
+                                 (long long)i, (long long)s->n_ctx);
+    }
+    const int64_t V = ds4_engine_vocab_size(e);
+    ds4_state **states = malloc((size_t)n * sizeof *states);
+    float *logits = malloc((size_t)(n * V) * sizeof *logits);
+    if (!states || !logits) {
+        free(states);
+        free(logits);
+        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a batch of %lld", (long long)n);
+    }
+    for (int64_t i = 0; i < n; i++) states[i] = ss[i]->state;
+    /* the model checks the tokens and that no state appears twice before it
+     * changes anything */
+    const int64_t pos0 = ds4_state_pos(states[0]);
+    ds4_status st = ds4_model_eval_batch(e->model, states, tokens, n, e->num, logits, err);
+    if (st && ds4_state_pos(states[0]) != pos0) {
+        for (int64_t i = 0; i < n; i++) forget(ss[i]); /* the evaluation failed: the states are unusable */
+    } else if (!st) {
+        for (int64_t i = 0; i < n; i++) {
+            ds4_session *s = ss[i];
+            memcpy(s->logits, logits + i * V, (size_t)V * sizeof *logits);
+            s->tokens[s->n_tokens++] = tokens[i];
+        }
+    }
+    free(states);
+    free(logits);
+    return st;
+}
+
 /* ------------------------------------------------------------ checkpoints */
 
 static void put_le(uint8_t *p, uint64_t v, int bytes) {

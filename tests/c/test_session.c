@@ -377,6 +377,57 @@ static void test_batch_decode_matches_single(void) {
     ds4_backend_destroy(cpu);
 }
 
+/* Sessions decoded together are the sessions decoded one by one; a batch
+ * that cannot run changes none of them. */
+static void test_session_decode_batch(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    enum { K = 3 };
+    const int64_t prompt[K] = { 5, 33, 70 };
+    int32_t *t = random_tokens(160);
+    ds4_session *a[K], *b[K];
+    for (int i = 0; i < K; i++) {
+        a[i] = new_session(128);
+        b[i] = new_session(128);
+        CHECK(ds4_session_sync(a[i], t + 10 * i, prompt[i], NULL, &err) == DS4_OK);
+        CHECK(ds4_session_sync(b[i], t + 10 * i, prompt[i], NULL, &err) == DS4_OK);
+    }
+    int same = 0;
+    for (int step = 0; step < 6; step++) {
+        int32_t next[K];
+        for (int i = 0; i < K; i++) next[i] = t[100 + step * K + i];
+        CHECK_MSG(ds4_session_decode_batch(a, next, K, &err) == DS4_OK, "%s", err.message);
+        for (int i = 0; i < K; i++) {
+            CHECK(ds4_session_decode(b[i], next[i], &err) == DS4_OK);
+            same += same_logits(ds4_session_logits(a[i]), ds4_session_logits(b[i]));
+            int64_t na = 0, nb = 0;
+            const int32_t *ta = ds4_session_tokens(a[i], &na), *tb = ds4_session_tokens(b[i], &nb);
+            CHECK(na == nb && na == prompt[i] + step + 1 && memcmp(ta, tb, (size_t)na * sizeof *ta) == 0);
+        }
+    }
+    CHECK_EQ_INT(same, K * 6);
+    /* refused, nothing changed: a repeated session, an empty one, a bad token */
+    int64_t before = 0;
+    (void)ds4_session_tokens(a[1], &before);
+    ds4_session *twice[2] = { a[1], a[1] }, *empty = new_session(64), *with_empty[2] = { a[1], empty };
+    int32_t two[2] = { 1, 2 }, oov[2] = { 1, (int32_t)vocab };
+    CHECK(ds4_session_decode_batch(twice, two, 2, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_session_decode_batch(with_empty, two, 2, &err) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(err.message, "empty") != NULL, "%s", err.message);
+    CHECK(ds4_session_decode_batch(a, oov, 2, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_session_decode_batch(a, two, 0, &err) == DS4_ERR_INVALID);
+    int64_t after = 0;
+    (void)ds4_session_tokens(a[1], &after);
+    CHECK(after == before);
+    CHECK(ds4_session_decode(a[1], 3, &err) == DS4_OK); /* still usable */
+    ds4_session_free(empty);
+    for (int i = 0; i < K; i++) {
+        ds4_session_free(a[i]);
+        ds4_session_free(b[i]);
+    }
+    free(t);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(engine);
     engine = NULL;
@@ -394,6 +445,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_prefetch_reads_the_whole_file),
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
+    TEST_ENTRY(test_session_decode_batch),
     TEST_ENTRY(test_teardown),
     { 0, 0 },
 };
