@@ -180,7 +180,8 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     rp.yarn_hi = (double)rope->yarn_hi;
     rp.sin_sign = inverse ? -1.0 : 1.0;
     const dim3 grid((unsigned)n_rows, (unsigned)groups);
-    (void)cuda_launch(be, "rope_tail_kernel", rope_tail_kernel, grid, ROPE_THREADS, smem, x, n_heads, head_dim, d_pos, rp, per_block);
+    (void)cuda_launch(be, "rope_tail_kernel", rope_tail_kernel, grid, ROPE_THREADS, smem, x, n_heads, head_dim, d_pos,
+                      rp, per_block);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -407,9 +408,13 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         rows.tag = idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1;
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
         const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
-        if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q, rows, n, rows_per_split, kq_scale, scratch)) return;
+        if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q, rows,
+                         n, rows_per_split, kq_scale, scratch))
+            return;
     }
-    (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, (unsigned)n_heads, ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim, sink_ptr, sink_type, out);
+    (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, (unsigned)n_heads, ATT_THREADS,
+                      (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim, sink_ptr,
+                      sink_type, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -469,7 +474,8 @@ void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *s
         return;
     }
     if (cuda_failed(be)) return;
-    (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel, blocks_for(dim, POOL_THREADS, 65535), POOL_THREADS, 0, state_kv, state_score, ratio, dim, out);
+    (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel, blocks_for(dim, POOL_THREADS, 65535),
+                      POOL_THREADS, 0, state_kv, state_score, ratio, dim, out);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -497,7 +497,8 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
         const int32_t *d_tok = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_CTRL, tokens, (size_t)n * 4);
         if (!d_tok) return;
         dim3 grid(grid_for(dim, 256) < 64 ? grid_for(dim, 256) : 64, (unsigned)n);
-        (void)cuda_launch(be, "embed_float_kernel", embed_float_kernel, grid, 256, 0, table->device, table->type, d_tok, n, dim, out);
+        (void)cuda_launch(be, "embed_float_kernel", embed_float_kernel, grid, 256, 0, table->device, table->type,
+                          d_tok, n, dim, out);
         return;
     }
     for (int r = 0; r < n; r++) /* quantised tables: one dequant per row */
@@ -585,7 +586,8 @@ static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, 
     const float *v = w->type == DS4_TYPE_F32 ? (const float *)cuda_weight_row(w, row)
                                              : weight_row_floats(be, w, row, 1, "add_weight_row");
     if (!v) return;
-    (void)cuda_launch(be, "add_row_kernel", add_row_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v, dim, n_rows * dim);
+    (void)cuda_launch(be, "add_row_kernel", add_row_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v, dim,
+                      n_rows * dim);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -681,7 +683,8 @@ static void cuda_round_fp8_kv(ds4_backend *be, float *x, int64_t n_rows, int64_t
     const int64_t n_round = dim - n_rope, bpr = (n_round + 63) / 64;
     if (n_rows <= 0 || bpr == 0) return;
     const int64_t threads = n_rows * bpr * 32;
-    (void)cuda_launch(be, "round_blocks_kernel<fp8>", round_blocks_kernel<64, 0>, grid_for(threads, 256), 256, 0, x, n_rows, dim, n_round, bpr, 1.0e-4f, 448.0f);
+    (void)cuda_launch(be, "round_blocks_kernel<fp8>", round_blocks_kernel<64, 0>, grid_for(threads, 256), 256, 0, x,
+                      n_rows, dim, n_round, bpr, 1.0e-4f, 448.0f);
 }
 
 /* In-place Walsh-Hadamard of each row (one block per row, in shared memory),
@@ -716,9 +719,12 @@ static void cuda_indexer_qat(ds4_backend *be, float *x, int64_t n_rows, int64_t 
         return;
     }
     const float norm = (float)(1.0 / sqrt((double)dim));
-    if (!cuda_launch(be, "hadamard_kernel", hadamard_kernel, (unsigned)n_rows, 256, (size_t)dim * sizeof(float), x, dim, norm)) return;
+    if (!cuda_launch(be, "hadamard_kernel", hadamard_kernel, (unsigned)n_rows, 256, (size_t)dim * sizeof(float), x,
+                     dim, norm))
+        return;
     const int64_t bpr = (dim + 31) / 32;
-    (void)cuda_launch(be, "round_blocks_kernel<fp4>", round_blocks_kernel<32, 1>, grid_for(n_rows * bpr * 32, 256), 256, 0, x, n_rows, dim, dim, bpr, 7.052966104933725e-38f, 6.0f);
+    (void)cuda_launch(be, "round_blocks_kernel<fp4>", round_blocks_kernel<32, 1>, grid_for(n_rows * bpr * 32, 256),
+                      256, 0, x, n_rows, dim, dim, bpr, 7.052966104933725e-38f, 6.0f);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -195,5 +195,6 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
                   (long long)n_tok);
         return false;
     }
-    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, dim3((unsigned)gx, (unsigned)gy), G_THREADS, G_SMEM, a);
+    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, dim3((unsigned)gx, (unsigned)gy), G_THREADS, G_SMEM,
+                       a);
 }

@@ -312,7 +312,9 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     }
     hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
     if (!part) return;
-    if (!cuda_launch(be, what, hc_partial_kernel, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, a, n_mix, part)) return;
+    if (!cuda_launch(be, what, hc_partial_kernel, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, a, n_mix,
+                     part))
+        return;
     (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part);
 }
 
@@ -437,7 +439,8 @@ void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float
         cuda_fail(be, DS4_ERR_INVALID, "hc_post: NULL buffer, or X_out overlaps X (it must not alias it)");
         return;
     }
-    (void)cuda_launch(be, "hc_post kernel", hc_post_kernel, ew_blocks(total), EW_THREADS, 0, y, X, post, comb, X_out, n, hc->dim, total);
+    (void)cuda_launch(be, "hc_post kernel", hc_post_kernel, ew_blocks(total), EW_THREADS, 0, y, X, post, comb, X_out,
+                      n, hc->dim, total);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -19,7 +19,7 @@
  * pageable-memory synchronous copy in the middle of a stream).
  *
  * Errors: an op that cannot run records the first error with cuda_fail (a
- * bad argument, an unsupported weight type) or CUDA_OK / CUDA_LAUNCHED (a
+ * bad argument, an unsupported weight type) or CUDA_OK / cuda_launch (a
  * failed CUDA call or launch) and returns; take_error hands it to the model.
  * Once an error is recorded, later ops may skip their work (cuda_failed).
  * Indices that live in device memory are checked by the kernels that read
@@ -195,10 +195,6 @@ bool cuda_failed(ds4_backend *be);
 /* Record a failed CUDA call; true when e == cudaSuccess. */
 bool cuda_ok(ds4_backend *be, cudaError_t e, const char *call, const char *file, int line);
 #define CUDA_OK(be, call) cuda_ok((be), (call), #call, __FILE__, __LINE__)
-/* After a <<<>>> launch: count it, record a launch failure; true if it
- * launched. */
-#define CUDA_LAUNCHED(be, what) \
-    (cuda_impl(be)->counters.launches++, cuda_ok((be), cudaGetLastError(), (what), __FILE__, __LINE__))
 /* Count a host <-> device copy of `bytes` (h2d true: to the device). */
 static inline void cuda_count_copy(ds4_backend *be, bool h2d, size_t bytes) {
     ds4_backend_counters *c = &cuda_impl(be)->counters;

@@ -579,11 +579,13 @@ static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t
                           void *dst) {
     if (mode == MM_Q8_K) {
         const int64_t nb = n / DS4_QK_K;
-        return cuda_launch(be, "quant_q8_K_kernel", quant_q8_K_kernel, (unsigned)(nb * n_rows), 256, 0, x, x_stride, nb, (ds4_block_q8_K *)dst);
+        return cuda_launch(be, "quant_q8_K_kernel", quant_q8_K_kernel, (unsigned)(nb * n_rows), 256, 0, x, x_stride,
+                           nb, (ds4_block_q8_K *)dst);
     }
     if (mode == MM_Q8_0) {
         const int64_t nb = n / DS4_QK8_0, total = nb * n_rows;
-        return cuda_launch(be, "quant_q8_0_kernel", quant_q8_0_kernel, (unsigned)cdiv(total, 8), 256, 0, x, x_stride, nb, total, (act_q8_0 *)dst);
+        return cuda_launch(be, "quant_q8_0_kernel", quant_q8_0_kernel, (unsigned)cdiv(total, 8), 256, 0, x, x_stride,
+                           nb, total, (act_q8_0 *)dst);
     }
     return true;
 }
@@ -632,7 +634,8 @@ template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mod
             default: known = false;
             }
         } else if (mode == MM_Q8_0) {
-            if (type == DS4_TYPE_Q8_0) ok = cuda_launch(be, "matmul kernel", mm_q8_0_kernel<ROWS>, grid, MM_THREADS, 0, b);
+            if (type == DS4_TYPE_Q8_0) ok = cuda_launch(be, "matmul kernel", mm_q8_0_kernel<ROWS>, grid, MM_THREADS,
+                                                        0, b);
             else known = false;
         } else {
             switch (type) {
@@ -885,7 +888,9 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     if (!launch_product(be, up->type, mu, a)) return;
 
     /* mids (routing weight applied), then each mid row quantised on its own */
-    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff, n_mid, limit)) return;
+    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff,
+                     n_mid, limit))
+        return;
     const void *mids = g;
     const size_t qm = act_bytes(md, n_ff, n_used);
     if (qm) {
@@ -951,7 +956,9 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     int32_t *d_sel = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)slots * sizeof(int32_t));
     if (!d_sel) return;
     float *d_w = (float *)(d_sel + slots);
-    if (!cuda_launch(be, "moe_route_kernel", moe_route_kernel, (unsigned)cdiv(slots, 256), 256, 0, sel, weights, slots, n_expert, d_sel, d_w, cuda_dev_error_of(be), cuda_check_tag(be, gate->name))) return;
+    if (!cuda_launch(be, "moe_route_kernel", moe_route_kernel, (unsigned)cdiv(slots, 256), 256, 0, sel, weights,
+                     slots, n_expert, d_sel, d_w, cuda_dev_error_of(be), cuda_check_tag(be, gate->name)))
+        return;
 
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
     if (!mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used)) {
@@ -987,7 +994,9 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
                              act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u))
         return;
-    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff, n_mid, limit)) return;
+    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff,
+                     n_mid, limit))
+        return;
     const void *mids = g;
     const size_t qm = act_bytes(md, n_ff, slots);
     if (qm) {
