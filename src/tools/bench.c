@@ -459,14 +459,51 @@ typedef struct prefill_row {
     ds4_backend_counters c; /* delta of the last sample */
 } prefill_row;
 
+/* What a decoded token (or a batched step) cost, from the backend counters. */
+typedef struct step_cost {
+    double launches, copies, h2d, d2h, syncs, wait_ms;
+    double graphs, graph_builds, node_updates, step_breaks, step_host_ms, graph_gpu_ms;
+} step_cost;
+
+/* The counters from a to z divided over `steps`. */
+static step_cost step_cost_of(const ds4_backend_counters *a, const ds4_backend_counters *z, double steps) {
+    step_cost c;
+    c.launches = (double)(z->launches - a->launches) / steps;
+    c.copies = (double)(z->copies - a->copies) / steps;
+    c.h2d = (double)(z->h2d_bytes - a->h2d_bytes) / steps;
+    c.d2h = (double)(z->d2h_bytes - a->d2h_bytes) / steps;
+    c.syncs = (double)(z->syncs - a->syncs) / steps;
+    c.wait_ms = (double)(z->wait_ns - a->wait_ns) / 1e6 / steps;
+    c.graphs = (double)(z->graphs - a->graphs) / steps;
+    c.graph_builds = (double)(z->graph_builds - a->graph_builds) / steps;
+    c.node_updates = (double)(z->node_updates - a->node_updates) / steps;
+    c.step_breaks = (double)(z->step_breaks - a->step_breaks) / steps;
+    c.step_host_ms = (double)(z->step_host_ns - a->step_host_ns) / 1e6 / steps;
+    c.graph_gpu_ms = (double)(z->graph_gpu_ns - a->graph_gpu_ns) / 1e6 / steps;
+    return c;
+}
+
+static void json_step_cost(FILE *f, const step_cost *c) {
+    const struct { const char *key; double v; } k[] = {
+        { "launches", c->launches }, { "copies", c->copies }, { "h2d_bytes", c->h2d }, { "d2h_bytes", c->d2h },
+        { "syncs", c->syncs }, { "wait_ms", c->wait_ms }, { "graphs", c->graphs },
+        { "graph_builds", c->graph_builds }, { "node_updates", c->node_updates }, { "step_breaks", c->step_breaks },
+        { "step_host_ms", c->step_host_ms }, { "graph_gpu_ms", c->graph_gpu_ms },
+    };
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        fprintf(f, "%s\"%s\": ", i ? ", " : "{", k[i].key);
+        json_num(f, k[i].v);
+    }
+    fputc('}', f);
+}
+
 typedef struct decode_row {
     int64_t ctx, pos_start, interval_tokens;
     double interval_s;
     dvec s;
     bool skipped;
     char reason[REASON_MAX];
-    double launches, copies, h2d, d2h, syncs, wait_ms; /* per token */
-    double graphs, graph_builds, node_updates, step_breaks, step_host_ms, graph_gpu_ms; /* per token */
+    step_cost pt; /* per token */
     uint64_t peak;
     double kv_bytes; /* estimate at the middle of the decode run */
 } decode_row;
@@ -476,7 +513,7 @@ typedef struct batch_row {
     dvec s; /* seconds per batched step */
     bool skipped;
     char reason[REASON_MAX];
-    double launches, syncs, wait_ms, graphs, graph_gpu_ms; /* per step */
+    step_cost ps; /* per step */
     uint64_t peak;
 } batch_row;
 
@@ -830,18 +867,7 @@ static int run_decode(bench *b) {
         for (int64_t k = 0; k < r->s.n; k++) dsum += r->s.v[k];
         fprintf(stderr, "ds4server bench:   %lld new tokens prefilled in %.3f s; decode %.2f tokens/s\n",
                 (long long)r->interval_tokens, r->interval_s, dsum > 0 ? g / dsum : 0.0);
-        r->launches = (double)(c1.launches - c0.launches) / g;
-        r->copies = (double)(c1.copies - c0.copies) / g;
-        r->h2d = (double)(c1.h2d_bytes - c0.h2d_bytes) / g;
-        r->d2h = (double)(c1.d2h_bytes - c0.d2h_bytes) / g;
-        r->syncs = (double)(c1.syncs - c0.syncs) / g;
-        r->wait_ms = (double)(c1.wait_ns - c0.wait_ns) / 1e6 / g;
-        r->graphs = (double)(c1.graphs - c0.graphs) / g;
-        r->graph_builds = (double)(c1.graph_builds - c0.graph_builds) / g;
-        r->node_updates = (double)(c1.node_updates - c0.node_updates) / g;
-        r->step_breaks = (double)(c1.step_breaks - c0.step_breaks) / g;
-        r->step_host_ms = (double)(c1.step_host_ns - c0.step_host_ns) / 1e6 / g;
-        r->graph_gpu_ms = (double)(c1.graph_gpu_ns - c0.graph_gpu_ns) / 1e6 / g;
+        r->pt = step_cost_of(&c0, &c1, g);
         r->peak = c1.peak_bytes;
         r->kv_bytes = kv_bytes_at(b->cfg, r->pos_start + gen / 2);
     }
@@ -967,11 +993,7 @@ static int run_batch(bench *b) {
             continue;
         }
         const double g = (double)gen;
-        r->launches = (double)(c1.launches - c0.launches) / g;
-        r->syncs = (double)(c1.syncs - c0.syncs) / g;
-        r->wait_ms = (double)(c1.wait_ns - c0.wait_ns) / 1e6 / g;
-        r->graphs = (double)(c1.graphs - c0.graphs) / g;
-        r->graph_gpu_ms = (double)(c1.graph_gpu_ns - c0.graph_gpu_ns) / 1e6 / g;
+        r->ps = step_cost_of(&c0, &c1, g);
         r->peak = c1.peak_bytes;
         double sum = 0;
         for (int64_t k = 0; k < r->s.n; k++) sum += r->s.v[k];
@@ -1366,27 +1388,9 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         json_num(f, s.median);
         fputs(", \"tokens_per_s\": ", f);
         json_num(f, (double)s.n / s.sum);
-        fputs(", \"per_token\": {\"launches\": ", f);
-        json_num(f, r->launches);
-        fputs(", \"copies\": ", f);
-        json_num(f, r->copies);
-        fputs(", \"h2d_bytes\": ", f);
-        json_num(f, r->h2d);
-        fputs(", \"d2h_bytes\": ", f);
-        json_num(f, r->d2h);
-        fputs(", \"syncs\": ", f);
-        json_num(f, r->syncs);
-        fputs(", \"wait_ms\": ", f);
-        json_num(f, r->wait_ms);
-        const struct { const char *key; double v; } rec[] = {
-            { "graphs", r->graphs }, { "graph_builds", r->graph_builds }, { "node_updates", r->node_updates },
-            { "step_breaks", r->step_breaks }, { "step_host_ms", r->step_host_ms }, { "graph_gpu_ms", r->graph_gpu_ms },
-        };
-        for (size_t q = 0; q < sizeof rec / sizeof rec[0]; q++) {
-            fprintf(f, ", \"%s\": ", rec[q].key);
-            json_num(f, rec[q].v);
-        }
-        fprintf(f, "}, \"peak_device_bytes\": %llu, \"roofline\": {\"weights_bytes\": ", (unsigned long long)r->peak);
+        fputs(", \"per_token\": ", f);
+        json_step_cost(f, &r->pt);
+        fprintf(f, ", \"peak_device_bytes\": %llu, \"roofline\": {\"weights_bytes\": ", (unsigned long long)r->peak);
         json_num(f, b->weights_bytes);
         fputs(", \"kv_bytes\": ", f);
         json_num(f, r->kv_bytes);
@@ -1427,17 +1431,9 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         json_num(f, (double)r->streams * (double)st.n / st.sum);
         fputs(", \"per_stream_tokens_per_s\": ", f);
         json_num(f, (double)st.n / st.sum);
-        fputs(", \"per_step\": {\"launches\": ", f);
-        json_num(f, r->launches);
-        fputs(", \"syncs\": ", f);
-        json_num(f, r->syncs);
-        fputs(", \"wait_ms\": ", f);
-        json_num(f, r->wait_ms);
-        fputs(", \"graphs\": ", f);
-        json_num(f, r->graphs);
-        fputs(", \"graph_gpu_ms\": ", f);
-        json_num(f, r->graph_gpu_ms);
-        fprintf(f, "}, \"peak_device_bytes\": %llu}", (unsigned long long)r->peak);
+        fputs(", \"per_step\": ", f);
+        json_step_cost(f, &r->ps);
+        fprintf(f, ", \"peak_device_bytes\": %llu}", (unsigned long long)r->peak);
     }
     fputs(k ? "\n  ],\n" : "],\n", f);
     fputs("  \"batch_skipped\": [", f);
@@ -1583,7 +1579,7 @@ static void write_md(FILE *f, bench *b, const prov *p) {
         if (r->interval_tokens) fprintf(f, "%.1f | ", (double)r->interval_tokens / r->interval_s);
         else fputs("- | ", f);
         fprintf(f, "%.2f | %.3f | %.3f | %.1f | %.0f | %.0f | %.2f | %.3f | %.2f | %.4f | %.4f | ", (double)s.n / s.sum,
-                s.median * 1e3, s.p95 * 1e3, r->launches, r->h2d, r->d2h, r->syncs, r->wait_ms,
+                s.median * 1e3, s.p95 * 1e3, r->pt.launches, r->pt.h2d, r->pt.d2h, r->pt.syncs, r->pt.wait_ms,
                 (double)r->peak / 1073741824.0,
                 b->weights_bytes / 1e9, wk / 1e9);
         if (bw > 0)
@@ -1593,7 +1589,7 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     }
     /* how the decoded tokens were submitted (recorded steps: CUDA graphs) */
     bool any = false;
-    for (int i = 0; i < o->n_ctx; i++) any |= !b->decode[i].skipped && b->decode[i].graphs > 0;
+    for (int i = 0; i < o->n_ctx; i++) any |= !b->decode[i].skipped && b->decode[i].pt.graphs > 0;
     if (!any) return;
     fprintf(f, "\nRecorded steps (per decoded token): graph launches, graphs built, node parameters set, steps cut "
             "short, host time inside the step, device time of the graph.\n\n");
@@ -1602,8 +1598,9 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     for (int i = 0; i < o->n_ctx; i++) {
         const decode_row *r = &b->decode[i];
         if (r->skipped) continue;
-        fprintf(f, "| %lld | %.2f | %.3f | %.1f | %.2f | %.3f | %.3f |\n", (long long)r->ctx, r->graphs,
-                r->graph_builds, r->node_updates, r->step_breaks, r->step_host_ms, r->graph_gpu_ms);
+        const step_cost *c = &r->pt;
+        fprintf(f, "| %lld | %.2f | %.3f | %.1f | %.2f | %.3f | %.3f |\n", (long long)r->ctx, c->graphs,
+                c->graph_builds, c->node_updates, c->step_breaks, c->step_host_ms, c->graph_gpu_ms);
     }
 }
 
@@ -1623,7 +1620,7 @@ static void write_md_batch(FILE *f, const bench *b) {
         stats s = stats_of(&r->s);
         fprintf(f, "| %lld | %.2f | %.2f | %.3f | %.3f | %.1f | %.2f |\n", (long long)r->streams,
                 (double)r->streams * (double)s.n / s.sum, (double)s.n / s.sum, s.median * 1e3, s.p95 * 1e3,
-                r->launches, (double)r->peak / 1073741824.0);
+                r->ps.launches, (double)r->peak / 1073741824.0);
     }
 }
 

@@ -647,8 +647,8 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
 /* n rows: row t is token tokens[t] of state rs[t] at position pos[t]. The
  * caller advances the states. `step`: the rows are decoded tokens (one per
  * state), recorded as one step when the backend records. */
-static ds4_status eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, const int32_t *tokens, int64_t n,
-                             ds4_numerics num, float *logits, bool all_logits, bool decode, scratch *s) {
+static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, const int32_t *tokens, int64_t n,
+                       ds4_numerics num, float *logits, bool all_logits, bool decode, scratch *s) {
     ds4_backend *be = m->be;
     const ds4_config *c = &m->cfg;
     const int64_t H = c->n_embd, V = c->n_vocab;
@@ -687,7 +687,6 @@ static ds4_status eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *
     } else if (step) {
         be->ops->step_end(be);
     }
-    return DS4_OK;
 }
 
 /* The evaluation scratch of `st` for chunks of `rows` tokens and states of
@@ -736,19 +735,18 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, in
         return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
     }
     for (int64_t t = 0; t < chunk; t++) rs[t] = st;
-    for (int64_t off = 0; off < n && !status; off += chunk) {
+    for (int64_t off = 0; off < n; off += chunk) {
         int64_t len = n - off < chunk ? n - off : chunk;
         bool last = off + len == n;
         float *out = NULL;
         if (logits && all_logits) out = logits + off * c->n_vocab;
         else if (logits && last) out = logits;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)(st->pos + t);
-        status = eval_chunk(m, rs, pos, tokens + off, len, num, out, all_logits, n == 1, st->scratch);
-        if (!status) st->pos += len;
+        eval_chunk(m, rs, pos, tokens + off, len, num, out, all_logits, n == 1, st->scratch);
+        st->pos += len;
     }
     free(pos);
     free(rs);
-    if (status) return ds4_error_set(err, status, "evaluation failed: out of memory");
     /* An op that failed (bad shape, device fault) recorded why; the state is
      * then unusable and the caller must discard it. */
     status = m->be->ops->take_error(m->be, err);
@@ -786,15 +784,14 @@ ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const in
     if (status) return status;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
     if (!pos) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
-    for (int64_t off = 0; off < n_seq && !status; off += chunk) {
+    for (int64_t off = 0; off < n_seq; off += chunk) {
         const int64_t len = n_seq - off < chunk ? n_seq - off : chunk;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)states[off + t]->pos;
-        status = eval_chunk(m, states + off, pos, tokens + off, len, num, logits ? logits + off * c->n_vocab : NULL,
-                            true, true, first->scratch);
-        for (int64_t t = 0; t < len && !status; t++) states[off + t]->pos++;
+        eval_chunk(m, states + off, pos, tokens + off, len, num, logits ? logits + off * c->n_vocab : NULL, true, true,
+                   first->scratch);
+        for (int64_t t = 0; t < len; t++) states[off + t]->pos++;
     }
     free(pos);
-    if (status) return ds4_error_set(err, status, "evaluation failed: out of memory");
     status = m->be->ops->take_error(m->be, err);
     if (status) return ds4_error_prefix(err, "batched decode of %lld sequences failed", (long long)n_seq);
     return DS4_OK;
