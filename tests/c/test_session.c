@@ -364,6 +364,9 @@ static void test_batch_decode_matches_single(void) {
     CHECK(ds4_model_eval_batch(m, batch, oov, 2, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
     CHECK_MSG(strstr(err.message, "vocabulary") != NULL, "%s", err.message);
     CHECK(ds4_model_eval_batch(m, batch, two, 0, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_model_eval_batch(m, NULL, two, 2, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_model_eval_batch(m, batch, NULL, 2, DS4_NUMERICS_DS4, lb, &err) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(err.message, "NULL tokens") != NULL, "%s", err.message);
     CHECK(ds4_state_pos(batch[1]) == before);
     ds4_state_free(tiny);
     for (int i = 0; i < K; i++) {
@@ -416,6 +419,20 @@ static void test_session_decode_batch(void) {
     CHECK_MSG(strstr(err.message, "empty") != NULL, "%s", err.message);
     CHECK(ds4_session_decode_batch(a, oov, 2, &err) == DS4_ERR_INVALID);
     CHECK(ds4_session_decode_batch(a, two, 0, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_session_decode_batch(NULL, two, 2, &err) == DS4_ERR_INVALID);
+    ds4_engine *other = NULL;
+    ds4_engine_params po = { model_b, "cpu", 1, DS4_NUMERICS_MODE_DS4, NULL, NULL };
+    CHECK(ds4_engine_open(&po, &other, &err) == DS4_OK);
+    ds4_session *foreign = NULL;
+    if (other) CHECK(ds4_session_create(other, 64, &foreign, &err) == DS4_OK);
+    if (foreign) {
+        CHECK(ds4_session_sync(foreign, t, 4, NULL, &err) == DS4_OK);
+        ds4_session *mixed[2] = { a[1], foreign };
+        CHECK(ds4_session_decode_batch(mixed, two, 2, &err) == DS4_ERR_INVALID);
+        CHECK_MSG(strstr(err.message, "another engine") != NULL, "%s", err.message);
+    }
+    ds4_session_free(foreign);
+    ds4_engine_close(other);
     int64_t after = 0;
     (void)ds4_session_tokens(a[1], &after);
     CHECK(after == before);
