@@ -26,6 +26,9 @@
 #                     full      full-size q2 model in /dev/shm: synth (timed), parity of the first
 #                               2 layers cpu vs cuda, 128 greedy tokens on CUDA (finite logits,
 #                               peak device memory), layer parity on the generated tokens
+#                     ops       `bench --ops`: each decode-shaped weight product of the full-size model
+#                               on its own (JSON/Markdown to $OUT; OPS_ROWS, default 1,8), then once per
+#                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0)
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds a short
@@ -220,6 +223,27 @@ perf_stage() {
     fi
 }
 
+# Each weight product on its own: `bench --ops` (no model file needed).
+ops_stage() {
+    local out="${OUT:-$TMP}" v
+    section "bench --ops (rows ${OPS_ROWS:-1,8})"
+    if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
+        --json "$out/ops.json" --md "$out/ops.md"; then
+        record "bench --ops" PASS
+    else
+        record "bench --ops" "FAIL (exit $?)"
+    fi
+    for v in ${OPS_AB:-}; do
+        section "bench --ops with $v"
+        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
+            --repeat 3 --json "$out/ops-${v%%=*}.json" --md "$out/ops-${v%%=*}.md"; then
+            record "bench --ops ($v)" PASS
+        else
+            record "bench --ops ($v)" "FAIL (exit $?)"
+        fi
+    done
+}
+
 main() {
     section "gpu-check $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
     echo "repo: $(pwd)"
@@ -314,6 +338,7 @@ main() {
 
     if has_stage parity && [ -x build/cuda/ds4server ]; then parity_stage; fi
     if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
+    if has_stage ops && [ -x build/cuda/ds4server ]; then ops_stage; fi
     if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
 
     if ! has_stage sanitize; then

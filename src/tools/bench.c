@@ -66,6 +66,7 @@
 #include "core/gguf.h"
 #include "models/deepseek4/ds4_model.h"
 #include "session/sampling.h"
+#include "tools/bench_util.h"
 #include "tools/tools.h"
 #ifdef DS4_WITH_CUDA
 #include "backends/cuda/cuda_backend.h"
@@ -73,58 +74,9 @@
 
 #define CMD "bench"
 #define SCHEMA "ds4server-bench/1"
-#define MAX_LIST 64
 #define REASON_MAX 640
 
 /* ------------------------------------------------------------ small helpers */
-
-typedef struct dvec {
-    double *v;
-    int64_t n, cap;
-} dvec;
-
-static bool dvec_push(dvec *d, double x) {
-    if (d->n == d->cap) {
-        int64_t cap = d->cap ? d->cap * 2 : 16;
-        double *nv = realloc(d->v, (size_t)cap * sizeof *nv);
-        if (!nv) return false;
-        d->v = nv;
-        d->cap = cap;
-    }
-    d->v[d->n++] = x;
-    return true;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Median (mean of the middle two for an even count), p95 by nearest rank
- * (the ceil(95 n / 100)-th smallest), min, max, mean, sum. */
-typedef struct stats {
-    int64_t n;
-    double median, p95, min, max, mean, sum;
-} stats;
-
-static stats stats_of(const dvec *d) {
-    stats s = { 0 };
-    s.n = d->n;
-    if (d->n == 0) return s;
-    double *v = malloc((size_t)d->n * sizeof *v);
-    if (!v) return s;
-    memcpy(v, d->v, (size_t)d->n * sizeof *v);
-    qsort(v, (size_t)d->n, sizeof *v, cmp_double);
-    const int64_t n = d->n;
-    s.median = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-    s.p95 = v[(95 * n + 99) / 100 - 1];
-    s.min = v[0];
-    s.max = v[n - 1];
-    for (int64_t i = 0; i < n; i++) s.sum += v[i];
-    s.mean = s.sum / (double)n;
-    free(v);
-    return s;
-}
 
 /* Two-sided 95% critical value of Student's t with df degrees of freedom:
  * the x with CDF(x) = 0.975, by bisection on the CDF integrated with
@@ -163,102 +115,12 @@ static void fill_tokens(int32_t *t, int64_t n, uint64_t seed, int64_t V) {
     }
 }
 
-/* Strict number parsing: the whole string, in range. */
-static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    long long x = strtoll(s, &end, 10);
-    if (errno || *end || x < lo || x > hi) return false;
-    *out = x;
-    return true;
-}
-
-static bool parse_u64(const char *s, uint64_t *out) {
-    if (!s || !*s || *s == '-') return false;
-    char *end;
-    errno = 0;
-    unsigned long long x = strtoull(s, &end, 0);
-    if (errno || *end) return false;
-    *out = x;
-    return true;
-}
-
-/* "a,b,c" of integers in [lo, hi] into out (sorted ascending, duplicates dropped). */
-static bool parse_list(const char *s, int64_t lo, int64_t hi, int64_t *out, int *n_out) {
-    int n = 0;
-    const char *p = s;
-    if (!s || !*s) return false;
-    while (*p) {
-        char buf[32];
-        const char *comma = strchr(p, ',');
-        size_t len = comma ? (size_t)(comma - p) : strlen(p);
-        if (len == 0 || len >= sizeof buf || n == MAX_LIST) return false;
-        memcpy(buf, p, len);
-        buf[len] = 0;
-        int64_t x;
-        if (!parse_i64(buf, lo, hi, &x)) return false;
-        out[n++] = x;
-        p += len;
-        if (*p == ',') {
-            p++;
-            if (!*p) return false;
-        }
-    }
-    for (int i = 1; i < n; i++)
-        for (int j = i; j > 0 && out[j - 1] > out[j]; j--) {
-            int64_t t = out[j];
-            out[j] = out[j - 1];
-            out[j - 1] = t;
-        }
-    int m = 0;
-    for (int i = 0; i < n; i++)
-        if (m == 0 || out[m - 1] != out[i]) out[m++] = out[i];
-    *n_out = m;
-    return m > 0;
-}
-
-static void json_str(FILE *f, const char *s) {
-    fputc('"', f);
-    tool_json_escape(f, s, strlen(s));
-    fputc('"', f);
-}
-
 /* One item of a "skipped" list: {"<key>": value, "reason": "..."}, with a
  * separator after the first (*k counts the items written). */
 static void json_skipped(FILE *f, int *k, const char *key, long long value, const char *reason) {
     fprintf(f, "%s{\"%s\": %lld, \"reason\": ", (*k)++ ? ", " : "", key, value);
-    json_str(f, reason);
+    bench_json_str(f, reason);
     fputc('}', f);
-}
-
-/* A finite double, or null. */
-static void json_num(FILE *f, double x) {
-    if (isfinite(x)) fprintf(f, "%.9g", x);
-    else fputs("null", f);
-}
-
-static void json_samples(FILE *f, const dvec *d) {
-    fputc('[', f);
-    for (int64_t i = 0; i < d->n; i++) {
-        if (i) fputs(", ", f);
-        json_num(f, d->v[i]);
-    }
-    fputc(']', f);
-}
-
-/* "median_s", "p95_s", "min_s", "max_s", "mean_s" of a stats (no braces). */
-static void json_stats_s(FILE *f, const stats *s) {
-    fprintf(f, "\"n\": %lld, \"median_s\": ", (long long)s->n);
-    json_num(f, s->median);
-    fputs(", \"p95_s\": ", f);
-    json_num(f, s->p95);
-    fputs(", \"min_s\": ", f);
-    json_num(f, s->min);
-    fputs(", \"max_s\": ", f);
-    json_num(f, s->max);
-    fputs(", \"mean_s\": ", f);
-    json_num(f, s->mean);
 }
 
 /* First line of a command's output (popen), or NULL. */
@@ -322,7 +184,8 @@ static void print_help(void) {
            "                    prefill at the largest size, in the order A B B A A B B A ...;\n"
            "                    the B/A ratio of tokens/s with a paired 95%% confidence interval\n"
            "  Markdown goes to stdout (and --md FILE), raw samples and provenance to --json OUT.\n"
-           "  DS4_BENCH_COMMIT=ID records ID as the commit when git cannot tell.\n");
+           "  DS4_BENCH_COMMIT=ID records ID as the commit when git cannot tell.\n"
+           "  ds4server bench --ops [...] times the model's weight products one by one (--ops --help).\n");
 }
 
 static bool valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
@@ -365,33 +228,33 @@ static int parse_opts(int argc, char **argv, opts *o) {
             else if (!strcmp(v, "reference")) o->num = DS4_NUMERICS_REFERENCE;
             else return usage_error("--numerics must be ds4 or reference, not '%s'", v);
         } else if (!strcmp(a, "--ctx")) {
-            if (!parse_list(v, 1, BIG, o->ctx, &o->n_ctx))
+            if (!bench_parse_list(v, 1, BIG, o->ctx, &o->n_ctx))
                 return usage_error("--ctx takes a comma-separated list of positive positions, not '%s'", v);
         } else if (!strcmp(a, "--prefill")) {
-            if (!parse_list(v, 1, BIG, o->prefill, &o->n_prefill))
+            if (!bench_parse_list(v, 1, BIG, o->prefill, &o->n_prefill))
                 return usage_error("--prefill takes a comma-separated list of positive token counts, not '%s'", v);
         } else if (!strcmp(a, "--batch")) {
-            if (!parse_list(v, 1, 4096, o->batch, &o->n_batch))
+            if (!bench_parse_list(v, 1, 4096, o->batch, &o->n_batch))
                 return usage_error("--batch takes a comma-separated list of stream counts (1..4096), not '%s'", v);
         } else if (!strcmp(a, "--batch-ctx")) {
-            if (!parse_i64(v, 1, BIG, &o->batch_ctx))
+            if (!bench_parse_i64(v, 1, BIG, &o->batch_ctx))
                 return usage_error("--batch-ctx must be a positive token count, not '%s'", v);
         } else if (!strcmp(a, "--gen")) {
-            if (!parse_i64(v, 1, 1000000, &o->gen)) return usage_error("--gen must be 1..1000000, not '%s'", v);
+            if (!bench_parse_i64(v, 1, 1000000, &o->gen)) return usage_error("--gen must be 1..1000000, not '%s'", v);
         } else if (!strcmp(a, "--repeat")) {
-            if (!parse_i64(v, 1, 100000, &o->repeat)) return usage_error("--repeat must be 1..100000, not '%s'", v);
+            if (!bench_parse_i64(v, 1, 100000, &o->repeat)) return usage_error("--repeat must be 1..100000, not '%s'", v);
         } else if (!strcmp(a, "--warmup")) {
-            if (!parse_i64(v, 0, 100000, &o->warmup)) return usage_error("--warmup must be 0..100000, not '%s'", v);
+            if (!bench_parse_i64(v, 0, 100000, &o->warmup)) return usage_error("--warmup must be 0..100000, not '%s'", v);
         } else if (!strcmp(a, "--ttft")) {
-            if (!parse_i64(v, 0, BIG, &o->ttft)) return usage_error("--ttft must be a token count (0: skip), not '%s'", v);
+            if (!bench_parse_i64(v, 0, BIG, &o->ttft)) return usage_error("--ttft must be a token count (0: skip), not '%s'", v);
         } else if (!strcmp(a, "--threads")) {
-            if (!parse_i64(v, 1, 4096, &o->threads)) return usage_error("--threads must be 1..4096, not '%s'", v);
+            if (!bench_parse_i64(v, 1, 4096, &o->threads)) return usage_error("--threads must be 1..4096, not '%s'", v);
         } else if (!strcmp(a, "--chunk")) {
-            if (!parse_i64(v, 1, BIG, &o->chunk)) return usage_error("--chunk must be a positive token count, not '%s'", v);
+            if (!bench_parse_i64(v, 1, BIG, &o->chunk)) return usage_error("--chunk must be a positive token count, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth-mib")) {
-            if (!parse_i64(v, 1, 1 << 20, &o->bw_mib)) return usage_error("--bandwidth-mib must be 1..1048576, not '%s'", v);
+            if (!bench_parse_i64(v, 1, 1 << 20, &o->bw_mib)) return usage_error("--bandwidth-mib must be 1..1048576, not '%s'", v);
         } else if (!strcmp(a, "--seed")) {
-            if (!parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
+            if (!bench_parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
             char *end;
             errno = 0;
@@ -414,7 +277,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 o->ab = AB_NUMERICS;
             } else if (klen == 7 && !strncmp(v, "threads", 7)) {
                 int64_t t;
-                if (!parse_i64(val, 1, 4096, &t)) return usage_error("--ab threads= must be 1..4096, not '%s'", val);
+                if (!bench_parse_i64(val, 1, 4096, &t)) return usage_error("--ab threads= must be 1..4096, not '%s'", val);
                 o->ab = AB_THREADS;
             } else {
                 return usage_error("--ab key must be backend, numerics or threads, not '%s'", v);
@@ -492,7 +355,7 @@ static void json_step_cost(FILE *f, const step_cost *c) {
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
         fprintf(f, "%s\"%s\": ", i ? ", " : "{", k[i].key);
-        json_num(f, k[i].v);
+        bench_json_num(f, k[i].v);
     }
     fputc('}', f);
 }
@@ -711,7 +574,7 @@ static int run_prefill(bench *b) {
             ds4_backend_counters_get(v->be, &c0);
             s = time_prefill(b, v, r->tokens, false, &secs, &err);
             ds4_backend_counters_get(v->be, &c1);
-            if (!s && !dvec_push(&r->s, secs)) return tool_fail(CMD, "out of memory");
+            if (!s && !bench_dvec_push(&r->s, secs)) return tool_fail(CMD, "out of memory");
             if (!s)
                 fprintf(stderr, "ds4server bench:   %.4f s, %.1f tokens/s\n", secs, (double)r->tokens / secs);
             counters_delta(&c0, &c1, &r->c);
@@ -737,7 +600,7 @@ static int run_prefill(bench *b) {
         for (int64_t w = 0; w < b->o.warmup && !s; w++) s = time_prefill(b, v, b->o.ttft, true, &secs, &err);
         for (int64_t k = 0; k < b->o.repeat && !s; k++) {
             s = time_prefill(b, v, b->o.ttft, true, &secs, &err);
-            if (!s && !dvec_push(&b->ttft, secs)) return tool_fail(CMD, "out of memory");
+            if (!s && !bench_dvec_push(&b->ttft, secs)) return tool_fail(CMD, "out of memory");
             if (!s) fprintf(stderr, "ds4server bench:   %.4f s\n", secs);
         }
         if (s) {
@@ -765,7 +628,7 @@ static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t next
         next = ds4_sample_argmax(b->logits, V);
         double dt = tool_now() - t0;
         sum += dt;
-        if (d && !dvec_push(d, dt)) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for samples");
+        if (d && !bench_dvec_push(d, dt)) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for samples");
     }
     if (total) *total = sum;
     return DS4_OK;
@@ -881,39 +744,9 @@ static void run_bandwidth(bench *b) {
         b->bw_gbps = b->o.bandwidth;
         return;
     }
-    ds4_backend *be = b->var[0].be;
-    const int64_t n = b->o.bw_mib * 1024 * 256; /* floats */
-    b->bw_bytes = n * 4;
-    float *src = be->ops->alloc(be, n), *dst = src ? be->ops->alloc(be, n) : NULL;
-    if (!src || !dst) {
-        snprintf(b->bw_reason, REASON_MAX, "could not allocate two %lld MiB buffers", (long long)b->o.bw_mib);
-        if (src) be->ops->free(be, src);
-        ds4_error e = { 0 };
-        be->ops->take_error(be, &e);
-        return;
-    }
+    b->bw_bytes = b->o.bw_mib * 1024 * 1024;
     fprintf(stderr, "ds4server bench: copy bandwidth, %lld MiB\n", (long long)b->o.bw_mib);
-    float probe;
-    be->ops->fill(be, src, 1.5f, n);
-    be->ops->copy(be, dst, src, n); /* warm */
-    be->ops->download(be, &probe, dst + n - 1, 1);
-    const int inner = 4;
-    for (int r = 0; r < 5; r++) {
-        be->ops->download(be, &probe, dst, 1);
-        double t0 = tool_now();
-        for (int k = 0; k < inner; k++) be->ops->copy(be, dst, src, n);
-        be->ops->download(be, &probe, dst + n - 1, 1);
-        double dt = tool_now() - t0;
-        if (dt > 0) dvec_push(&b->bw_samples, 2.0 * (double)b->bw_bytes * inner / dt / 1e9);
-    }
-    be->ops->free(be, dst);
-    be->ops->free(be, src);
-    ds4_error e = { 0 };
-    if (be->ops->take_error(be, &e)) {
-        snprintf(b->bw_reason, REASON_MAX, "copy failed: %s", e.message);
-        b->bw_samples.n = 0;
-        return;
-    }
+    if (!bench_copy_bandwidth(b->var[0].be, b->o.bw_mib, 5, &b->bw_samples, b->bw_reason, REASON_MAX)) return;
     for (int64_t i = 0; i < b->bw_samples.n; i++)
         if (b->bw_samples.v[i] > b->bw_gbps) b->bw_gbps = b->bw_samples.v[i];
     b->bw_measured = b->bw_gbps > 0;
@@ -977,7 +810,7 @@ static int run_batch(bench *b) {
             s = ds4_model_eval_batch(v->m, st, next, n, v->num, logits, &err);
             if (s) break;
             for (int64_t k = 0; k < n; k++) next[k] = ds4_sample_argmax(logits + k * V, V);
-            if (!dvec_push(&r->s, tool_now() - t0)) s = ds4_error_set(&err, DS4_ERR_NOMEM, "out of memory");
+            if (!bench_dvec_push(&r->s, tool_now() - t0)) s = ds4_error_set(&err, DS4_ERR_NOMEM, "out of memory");
         }
         ds4_backend_counters_get(v->be, &c1);
         for (int64_t k = 0; st && k < n; k++) ds4_state_free(st[k]);
@@ -1023,9 +856,9 @@ static int run_ab_exp(bench *b, ab_result *res, bool decode) {
             if (s) break;
             res->order[2 * r + j] = k ? 'B' : 'A';
             pair[k] = tps;
-            if (!dvec_push(&res->seconds, secs) || !dvec_push(&res->tps, tps)) return tool_fail(CMD, "out of memory");
+            if (!bench_dvec_push(&res->seconds, secs) || !bench_dvec_push(&res->tps, tps)) return tool_fail(CMD, "out of memory");
         }
-        if (!s && !dvec_push(&res->log_ratio, log(pair[1] / pair[0]))) return tool_fail(CMD, "out of memory");
+        if (!s && !bench_dvec_push(&res->log_ratio, log(pair[1] / pair[0]))) return tool_fail(CMD, "out of memory");
     }
     if (s) {
         if (skip_or_fail(&err, what, res->reason)) return 1;
@@ -1035,7 +868,7 @@ static int run_ab_exp(bench *b, ab_result *res, bool decode) {
         return 0;
     }
     const dvec *d = &res->log_ratio;
-    const stats st = stats_of(d);
+    const stats st = bench_stats_of(d);
     res->ratio = exp(st.mean);
     res->lo = res->hi = res->t_crit = NAN;
     if (d->n >= 2) {
@@ -1161,15 +994,15 @@ static void get_provenance(bench *b, prov *p) {
 static void json_load(FILE *f, const variant *v) {
     fprintf(f, "{\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"open_s\": ", v->backend,
             numerics_name(v->num), (long long)v->threads);
-    json_num(f, v->load.open_s);
+    bench_json_num(f, v->load.open_s);
     fputs(", \"weights_s\": ", f);
-    json_num(f, v->load.weights_s);
+    bench_json_num(f, v->load.weights_s);
     fputs(", \"total_s\": ", f);
-    json_num(f, v->load.open_s + v->load.weights_s);
+    bench_json_num(f, v->load.open_s + v->load.weights_s);
     fprintf(f, ", \"bytes_bound\": %lld, \"device_weight_bytes\": %llu, \"upload_gbps\": ",
             (long long)v->load.bytes_bound, (unsigned long long)v->load.device_weights);
     if (v->load.device_weights > 0 && v->load.weights_s > 0)
-        json_num(f, (double)v->load.device_weights / v->load.weights_s / 1e9);
+        bench_json_num(f, (double)v->load.device_weights / v->load.weights_s / 1e9);
     else
         fputs("null", f);
     fputc('}', f);
@@ -1184,7 +1017,7 @@ static void json_list(FILE *f, const int64_t *v, int n) {
 static void json_ab(FILE *f, const ab_result *r, const char *size_key) {
     fprintf(f, "{\"%s\": %lld, \"skipped\": %s, \"reason\": ", size_key, (long long)r->size,
             r->skipped ? "true" : "false");
-    if (r->skipped) json_str(f, r->reason);
+    if (r->skipped) bench_json_str(f, r->reason);
     else fputs("null", f);
     fputs(", \"order\": [", f);
     for (size_t i = 0; r->order && r->order[i]; i++) fprintf(f, "%s\"%c\"", i ? ", " : "", r->order[i]);
@@ -1192,37 +1025,37 @@ static void json_ab(FILE *f, const ab_result *r, const char *size_key) {
     for (int64_t i = 0; i < r->tps.n; i++) {
         fprintf(f, "%s{\"variant\": \"%c\", \"round\": %lld, \"seconds\": ", i ? ", " : "", r->order[i],
                 (long long)(i / 2));
-        json_num(f, r->seconds.v[i]);
+        bench_json_num(f, r->seconds.v[i]);
         fputs(", \"tokens_per_s\": ", f);
-        json_num(f, r->tps.v[i]);
+        bench_json_num(f, r->tps.v[i]);
         fputc('}', f);
     }
     fputs("], \"log_ratios\": ", f);
-    json_samples(f, &r->log_ratio);
+    bench_json_samples(f, &r->log_ratio);
     /* per-variant medians */
     dvec a = { 0 }, bb = { 0 };
-    for (int64_t i = 0; i < r->tps.n; i++) dvec_push(r->order[i] == 'A' ? &a : &bb, r->tps.v[i]);
-    stats sa = stats_of(&a), sb = stats_of(&bb);
+    for (int64_t i = 0; i < r->tps.n; i++) bench_dvec_push(r->order[i] == 'A' ? &a : &bb, r->tps.v[i]);
+    stats sa = bench_stats_of(&a), sb = bench_stats_of(&bb);
     fputs(", \"a_tokens_per_s_median\": ", f);
-    json_num(f, a.n ? sa.median : NAN);
+    bench_json_num(f, a.n ? sa.median : NAN);
     fputs(", \"b_tokens_per_s_median\": ", f);
-    json_num(f, bb.n ? sb.median : NAN);
+    bench_json_num(f, bb.n ? sb.median : NAN);
     free(a.v);
     free(bb.v);
     fprintf(f, ", \"n_pairs\": %lld, \"ratio\": ", (long long)r->log_ratio.n);
-    json_num(f, r->skipped ? NAN : r->ratio);
+    bench_json_num(f, r->skipped ? NAN : r->ratio);
     fputs(", \"ci95\": ", f);
     if (!r->skipped && isfinite(r->lo)) {
         fputc('[', f);
-        json_num(f, r->lo);
+        bench_json_num(f, r->lo);
         fputs(", ", f);
-        json_num(f, r->hi);
+        bench_json_num(f, r->hi);
         fputc(']', f);
     } else {
         fputs("null", f);
     }
     fputs(", \"t_crit\": ", f);
-    json_num(f, r->t_crit);
+    bench_json_num(f, r->t_crit);
     fputc('}', f);
 }
 
@@ -1233,9 +1066,9 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     const ds4_config *c = b->cfg;
     fprintf(f, "{\n  \"schema\": \"" SCHEMA "\",\n  \"mode\": \"%s\",\n", o->ab ? "ab" : "sweep");
     fputs("  \"provenance\": {\"commit\": ", f);
-    json_str(f, p->commit);
+    bench_json_str(f, p->commit);
     fprintf(f, ", \"git_dirty\": %s, \"compiler\": ", p->dirty < 0 ? "null" : p->dirty ? "true" : "false");
-    json_str(f, p->compiler);
+    bench_json_str(f, p->compiler);
 #ifdef DS4_WITH_CUDA
     fputs(", \"build\": \"cuda\"", f);
 #else
@@ -1247,9 +1080,9 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     fputs(", \"optimized\": false", f);
 #endif
     fprintf(f, ", \"version\": \"%s\", \"device\": ", ds4_version());
-    json_str(f, p->device);
+    bench_json_str(f, p->device);
     fputs(", \"host_cpu\": ", f);
-    json_str(f, p->host_cpu);
+    bench_json_str(f, p->host_cpu);
     fprintf(f, ", \"host_cores\": %ld, \"date_utc\": \"%s\", \"command_line\": ", p->host_cores, p->date);
     fputs("\"ds4server", f);
     for (int i = 0; i < argc; i++) {
@@ -1257,7 +1090,7 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         tool_json_escape(f, argv[i], strlen(argv[i]));
     }
     fputs("\",\n    \"model\": {\"path\": ", f);
-    json_str(f, o->model);
+    bench_json_str(f, o->model);
     fprintf(f, ", \"file_bytes\": %lld, \"fingerprint\": \"%016llx\", \"n_layer\": %d, \"n_embd\": %lld, "
             "\"n_vocab\": %lld, \"n_expert\": %d, \"n_expert_used\": %d, \"sliding_window\": %d, "
             "\"context_length\": %llu},\n",
@@ -1279,10 +1112,10 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
             "\"chunk\": %lld, \"ab\": ",
             (long long)o->gen, (long long)o->repeat, (long long)o->warmup, (long long)o->ttft,
             (unsigned long long)o->seed, (long long)o->chunk);
-    if (o->ab_arg) json_str(f, o->ab_arg);
+    if (o->ab_arg) bench_json_str(f, o->ab_arg);
     else fputs("null", f);
     fputs(", \"bandwidth_gbps\": ", f);
-    json_num(f, o->bandwidth > 0 ? o->bandwidth : NAN);
+    bench_json_num(f, o->bandwidth > 0 ? o->bandwidth : NAN);
     fprintf(f, ", \"bandwidth_mib\": %lld},\n", (long long)o->bw_mib);
     fputs("  \"stats_method\": {\"median\": \"middle sample (mean of the middle two for an even count)\", "
           "\"p95\": \"nearest rank: the ceil(95 n / 100)-th smallest sample\", "
@@ -1297,24 +1130,24 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     if (o->ab) fputs("null", f);
     else fputs(o->bandwidth > 0 ? "\"given\"" : b->bw_measured ? "\"measured\"" : "null", f);
     fputs(", \"gbps\": ", f);
-    json_num(f, b->bw_gbps > 0 ? b->bw_gbps : NAN);
+    bench_json_num(f, b->bw_gbps > 0 ? b->bw_gbps : NAN);
     fputs(", \"samples_gbps\": ", f);
-    json_samples(f, &b->bw_samples);
+    bench_json_samples(f, &b->bw_samples);
     fprintf(f, ", \"buffer_bytes\": %lld, \"method\": \"best of the samples; each times 4 copy ops of the buffer "
             "between two 4-byte downloads, 2 x bytes / time\", \"reason\": ", (long long)b->bw_bytes);
-    if (b->bw_reason[0]) json_str(f, b->bw_reason);
+    if (b->bw_reason[0]) bench_json_str(f, b->bw_reason);
     else fputs("null", f);
     fputs("},\n", f);
     fputs("  \"roofline\": {\"weights_bytes_per_token\": ", f);
-    json_num(f, b->weights_bytes);
+    bench_json_num(f, b->weights_bytes);
     fputs(", \"dense_bytes\": ", f);
-    json_num(f, b->dense_bytes);
+    bench_json_num(f, b->dense_bytes);
     fputs(", \"routed_expert_bytes_total\": ", f);
-    json_num(f, b->expert_bytes_all);
+    bench_json_num(f, b->expert_bytes_all);
     fputs(", \"routed_expert_bytes_per_token\": ", f);
-    json_num(f, b->expert_bytes_tok);
+    bench_json_num(f, b->expert_bytes_tok);
     fputs(", \"row_bytes_per_token\": ", f);
-    json_num(f, b->embd_row_bytes);
+    bench_json_num(f, b->embd_row_bytes);
     fputs(", \"kv\": \"float32 window rows + compressed rows (ratio 128: all; ratio 4: the indexer's top-k) + "
           "indexer keys of ratio-4 layers, at the middle position of each decode run\"},\n",
           f);
@@ -1325,17 +1158,17 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     for (int i = 0; i < o->n_prefill && !o->ab; i++) {
         const prefill_row *r = &b->prefill[i];
         if (r->skipped) continue;
-        stats s = stats_of(&r->s);
+        stats s = bench_stats_of(&r->s);
         fprintf(f, "%s\n    {\"tokens\": %lld, \"samples_s\": ", k++ ? "," : "", (long long)r->tokens);
-        json_samples(f, &r->s);
+        bench_json_samples(f, &r->s);
         fputs(", ", f);
-        json_stats_s(f, &s);
+        bench_json_stats_s(f, &s);
         fputs(", \"tokens_per_s\": ", f);
-        json_num(f, (double)r->tokens / s.median);
+        bench_json_num(f, (double)r->tokens / s.median);
         fputs(", \"tokens_per_s_min\": ", f);
-        json_num(f, (double)r->tokens / s.max);
+        bench_json_num(f, (double)r->tokens / s.max);
         fputs(", \"tokens_per_s_max\": ", f);
-        json_num(f, (double)r->tokens / s.min);
+        bench_json_num(f, (double)r->tokens / s.min);
         fprintf(f, ", \"last_sample\": {\"launches\": %llu, \"copies\": %llu, \"h2d_bytes\": %llu, "
                 "\"d2h_bytes\": %llu, \"syncs\": %llu}}",
                 (unsigned long long)r->c.launches, (unsigned long long)r->c.copies,
@@ -1352,17 +1185,17 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     }
     fputs("],\n  \"ttft\": ", f);
     if (b->ttft_run) {
-        stats s = stats_of(&b->ttft);
+        stats s = bench_stats_of(&b->ttft);
         fprintf(f, "{\"tokens\": %lld, \"samples_s\": ", (long long)o->ttft);
-        json_samples(f, &b->ttft);
+        bench_json_samples(f, &b->ttft);
         fputs(", ", f);
-        json_stats_s(f, &s);
+        bench_json_stats_s(f, &s);
         fputs("}", f);
     } else {
         fputs("null", f);
     }
     fputs(",\n  \"ttft_reason\": ", f);
-    if (!b->ttft_run && !o->ab) json_str(f, b->ttft_reason);
+    if (!b->ttft_run && !o->ab) bench_json_str(f, b->ttft_reason);
     else fputs("null", f);
     fputs(",\n", f);
 
@@ -1372,40 +1205,40 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     for (int i = 0; i < o->n_ctx && !o->ab; i++) {
         const decode_row *r = &b->decode[i];
         if (r->skipped) continue;
-        stats s = stats_of(&r->s);
+        stats s = bench_stats_of(&r->s);
         fprintf(f, "%s\n    {\"ctx\": %lld, \"pos_start\": %lld, \"gen\": %lld, \"interval_tokens\": %lld, "
                 "\"interval_s\": ",
                 k++ ? "," : "", (long long)r->ctx, (long long)r->pos_start, (long long)o->gen,
                 (long long)r->interval_tokens);
-        json_num(f, r->interval_s);
+        bench_json_num(f, r->interval_s);
         fputs(", \"interval_tokens_per_s\": ", f);
-        json_num(f, r->interval_tokens ? (double)r->interval_tokens / r->interval_s : NAN);
+        bench_json_num(f, r->interval_tokens ? (double)r->interval_tokens / r->interval_s : NAN);
         fputs(", \"samples_s\": ", f);
-        json_samples(f, &r->s);
+        bench_json_samples(f, &r->s);
         fputs(", ", f);
-        json_stats_s(f, &s);
+        bench_json_stats_s(f, &s);
         fputs(", \"p50_s\": ", f);
-        json_num(f, s.median);
+        bench_json_num(f, s.median);
         fputs(", \"tokens_per_s\": ", f);
-        json_num(f, (double)s.n / s.sum);
+        bench_json_num(f, (double)s.n / s.sum);
         fputs(", \"per_token\": ", f);
         json_step_cost(f, &r->pt);
         fprintf(f, ", \"peak_device_bytes\": %llu, \"roofline\": {\"weights_bytes\": ", (unsigned long long)r->peak);
-        json_num(f, b->weights_bytes);
+        bench_json_num(f, b->weights_bytes);
         fputs(", \"kv_bytes\": ", f);
-        json_num(f, r->kv_bytes);
+        bench_json_num(f, r->kv_bytes);
         const double bw = b->bw_gbps * 1e9;
         const double fw = bw > 0 ? b->weights_bytes / bw : NAN, fk = bw > 0 ? (b->weights_bytes + r->kv_bytes) / bw : NAN;
         fputs(", \"floor_s_weights\": ", f);
-        json_num(f, fw);
+        bench_json_num(f, fw);
         fputs(", \"floor_s_weights_kv\": ", f);
-        json_num(f, fk);
+        bench_json_num(f, fk);
         fputs(", \"measured_s\": ", f);
-        json_num(f, s.median);
+        bench_json_num(f, s.median);
         fputs(", \"measured_over_floor_weights\": ", f);
-        json_num(f, s.median / fw);
+        bench_json_num(f, s.median / fw);
         fputs(", \"measured_over_floor_weights_kv\": ", f);
-        json_num(f, s.median / fk);
+        bench_json_num(f, s.median / fk);
         fputs("}}", f);
     }
     fputs(k ? "\n  ],\n" : "],\n", f);
@@ -1421,16 +1254,16 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     for (int i = 0; i < o->n_batch && !o->ab; i++) {
         const batch_row *r = &b->batch[i];
         if (r->skipped) continue;
-        stats st = stats_of(&r->s);
+        stats st = bench_stats_of(&r->s);
         fprintf(f, "%s\n    {\"streams\": %lld, \"ctx\": %lld, \"gen\": %lld, \"samples_s\": ", k++ ? "," : "",
                 (long long)r->streams, (long long)o->batch_ctx, (long long)o->gen);
-        json_samples(f, &r->s);
+        bench_json_samples(f, &r->s);
         fputs(", ", f);
-        json_stats_s(f, &st);
+        bench_json_stats_s(f, &st);
         fputs(", \"tokens_per_s\": ", f);
-        json_num(f, (double)r->streams * (double)st.n / st.sum);
+        bench_json_num(f, (double)r->streams * (double)st.n / st.sum);
         fputs(", \"per_stream_tokens_per_s\": ", f);
-        json_num(f, (double)st.n / st.sum);
+        bench_json_num(f, (double)st.n / st.sum);
         fputs(", \"per_step\": ", f);
         json_step_cost(f, &r->ps);
         fprintf(f, ", \"peak_device_bytes\": %llu}", (unsigned long long)r->peak);
@@ -1449,13 +1282,13 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         for (int i = 0; i < b->n_kernels; i++) {
             const ds4_kernel_time *kt = &b->kernels[i];
             fputs(i ? ", {\"name\": " : "{\"name\": ", f);
-            json_str(f, kt->name ? kt->name : "");
+            bench_json_str(f, kt->name ? kt->name : "");
             fputs(", \"what\": ", f);
-            json_str(f, kt->what ? kt->what : "");
+            bench_json_str(f, kt->what ? kt->what : "");
             fputs(", \"launches\": ", f);
-            json_num(f, (double)kt->count / g);
+            bench_json_num(f, (double)kt->count / g);
             fputs(", \"ms\": ", f);
-            json_num(f, kt->ms / g);
+            bench_json_num(f, kt->ms / g);
             fputs("}", f);
         }
         fputs("]},\n", f);
@@ -1468,7 +1301,7 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     if (o->ab) {
         const char *keys[] = { "", "backend", "numerics", "threads" };
         fprintf(f, "{\"key\": \"%s\", \"value\": ", keys[o->ab]);
-        json_str(f, o->ab_value);
+        bench_json_str(f, o->ab_value);
         fputs(",\n    \"variants\": {\"A\": ", f);
         json_load(f, &b->var[0]);
         fputs(", \"B\": ", f);
@@ -1494,8 +1327,8 @@ static void md_ab_row(FILE *f, const char *name, const ab_result *r, const char 
         return;
     }
     dvec a = { 0 }, bb = { 0 };
-    for (int64_t i = 0; i < r->tps.n; i++) dvec_push(r->order[i] == 'A' ? &a : &bb, r->tps.v[i]);
-    stats sa = stats_of(&a), sb = stats_of(&bb);
+    for (int64_t i = 0; i < r->tps.n; i++) bench_dvec_push(r->order[i] == 'A' ? &a : &bb, r->tps.v[i]);
+    stats sa = bench_stats_of(&a), sb = bench_stats_of(&bb);
     fprintf(f, "| %s %lld %s | %.2f | %.2f | %.4f | ", name, (long long)r->size, unit, sa.median, sb.median,
             r->ratio);
     if (isfinite(r->lo)) fprintf(f, "%.4f .. %.4f", r->lo, r->hi);
@@ -1551,12 +1384,12 @@ static void write_md(FILE *f, bench *b, const prov *p) {
             fprintf(f, "| %lld | skipped: %s | | | | | 0 |\n", (long long)r->tokens, r->reason);
             continue;
         }
-        stats s = stats_of(&r->s);
+        stats s = bench_stats_of(&r->s);
         fprintf(f, "| %lld | %.2f | %.6f | %.6f | %.6f | %.6f | %lld |\n", (long long)r->tokens,
                 (double)r->tokens / s.median, s.median, s.p95, s.min, s.max, (long long)s.n);
     }
     if (b->ttft_run) {
-        stats s = stats_of(&b->ttft);
+        stats s = bench_stats_of(&b->ttft);
         fprintf(f, "\ntime to first token (%lld-token prompt): median %.6f s, p95 %.6f s, min %.6f s, max %.6f s "
                 "(%lld samples)\n", (long long)o->ttft, s.median, s.p95, s.min, s.max, (long long)s.n);
     } else {
@@ -1572,7 +1405,7 @@ static void write_md(FILE *f, bench *b, const prov *p) {
             fprintf(f, "| %lld | skipped: %s | | | | | | | | | | | | | | |\n", (long long)r->ctx, r->reason);
             continue;
         }
-        stats s = stats_of(&r->s);
+        stats s = bench_stats_of(&r->s);
         const double bw = b->bw_gbps * 1e9;
         const double wk = b->weights_bytes + r->kv_bytes;
         fprintf(f, "| %lld | ", (long long)r->ctx);
@@ -1617,7 +1450,7 @@ static void write_md_batch(FILE *f, const bench *b) {
             fprintf(f, "| %lld | skipped: %s | | | | | |\n", (long long)r->streams, r->reason);
             continue;
         }
-        stats s = stats_of(&r->s);
+        stats s = bench_stats_of(&r->s);
         fprintf(f, "| %lld | %.2f | %.2f | %.3f | %.3f | %.1f | %.2f |\n", (long long)r->streams,
                 (double)r->streams * (double)s.n / s.sum, (double)s.n / s.sum, s.median * 1e3, s.p95 * 1e3,
                 r->ps.launches, (double)r->peak / 1073741824.0);
@@ -1670,6 +1503,7 @@ static void bench_free(bench *b) {
 }
 
 int tool_bench(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--ops")) return bench_ops_main(argc - 1, argv + 1);
     bench *b = calloc(1, sizeof *b);
     if (!b) return tool_fail(CMD, "out of memory");
     int rc = parse_opts(argc, argv, &b->o);

@@ -417,3 +417,49 @@ def test_report_rejects_other_json(tmp_path):
     r = subprocess.run([sys.executable, REPORT, other, "--md", tmp_path / "r.md", "--svg", tmp_path / "r.svg"],
                        capture_output=True, timeout=60)
     assert r.returncode == 1 and b"not a ds4server-bench/1 file" in r.stderr
+
+
+def test_ops_bench(tmp_path):
+    """bench --ops: every decode-shaped product of the model (widths / 16)
+    is timed through the backend op, with weight bytes, per-call statistics
+    from the samples and GB/s = bytes / median; --only filters by name and
+    --rows adds batched rows (bytes scale with the rows for the experts)."""
+    js, md = tmp_path / "ops.json", tmp_path / "ops.md"
+    r = ds4("bench", "--ops", "--div", "16", "--repeat", "2", "--warmup", "0", "--threads", "2",
+            "--bandwidth", "10", "--rotate-mib", "1", "--json", js, "--md", md)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    d = json.loads(js.read_text())
+    assert d["schema"] == "ds4server-bench-ops/1" and d["backend"] == "cpu" and d["div"] == 16
+    assert d["bandwidth"]["gbps"] == 10 and d["bandwidth"]["source"] == "given"
+    names = [o["name"] for o in d["ops"]]
+    assert names[0] == "attn_q_a" and "output" in names and names[-2:] == ["experts q2", "experts q4"]
+    for o in d["ops"]:
+        assert "skipped" not in o, o
+        assert o["rows"] == 1 and o["timing"] == "wall" and o["n_in"] >= 256 and o["n_in"] % 256 == 0
+        s = dict(o["per_call"])
+        assert len(s["samples_s"]) == 2
+        check_stats(s)
+        assert close(o["gbps"], o["bytes"] / s["median_s"] / 1e9, 1e-6)
+        assert close(o["of_bandwidth"], o["gbps"] / 10, 1e-6)
+        assert o["calls"] >= o["copies"] >= 1
+    out = next(o for o in d["ops"] if o["name"] == "output")
+    assert out["type"] == "Q8_0" and out["n_in"] == 256 and out["n_out"] == 129280 // 16
+    assert out["bytes"] == out["n_out"] * (out["n_in"] // 32) * 34
+    q2 = next(o for o in d["ops"] if o["name"] == "experts q2")
+    assert q2["type"] == "IQ2_XXS" and q2["down_type"] == "Q2_K" and q2["experts"] == 16
+    assert q2["bytes"] == 6 * (2 * 256 * (256 // 256) * 66 + 256 * (256 // 256) * 84)
+    text = md.read_text()
+    assert "| product |" in text and "| attn_output_a | Q8_0 | 8 x (256x64) | 1 |" in text
+    r = ds4("bench", "--ops", "--div", "16", "--repeat", "1", "--warmup", "0", "--bandwidth", "10",
+            "--only", "experts q2", "--rows", "1,3", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(js.read_text())
+    assert [(o["name"], o["rows"]) for o in d["ops"]] == [("experts q2", 1), ("experts q2", 3)]
+    assert d["ops"][1]["bytes"] == 3 * d["ops"][0]["bytes"]
+
+
+@pytest.mark.parametrize("args", [["--div", "3"], ["--rows", "0"], ["--repeat", "x"], ["--bogus", "1"],
+                                  ["--backend", "tpu"], ["--bandwidth", "-1"]])
+def test_ops_bench_bad_options(args):
+    r = ds4("bench", "--ops", *args)
+    assert r.returncode == 2 and b"bench --ops" in r.stderr, (args, r.stderr.decode())

@@ -147,6 +147,7 @@ typedef struct cuda_backend {
      * to step. */
     bool graphs_on; /* steps are recorded (ds4_cuda_backend_set_graphs) */
     bool pdl;       /* kernels launched as programmatic dependents (DS4_CUDA_PDL=0: off) */
+    bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
@@ -307,14 +308,37 @@ static inline bool cuda_is_float_type(uint32_t t) {
 /* ---- device helpers ------------------------------------------------------ */
 
 /* The first statement of every kernel: wait until the kernel this one was
- * launched after has finished and its writes are visible. Kernels are
- * launched as programmatic dependents of the one before them (cuda_launch.cu),
- * so a kernel's launch overlaps the end of its predecessor; without a
- * predecessor (or launched plainly) this returns at once. */
+ * launched after has finished and its writes are visible, then allow the
+ * next kernel to launch. Kernels are launched as programmatic dependents of
+ * the one before them (cuda_launch.cu). The trigger takes effect once every
+ * block of this grid has run it (or exited), that is when the last wave of
+ * blocks is resident, so the next kernel's blocks are scheduled onto the SMs
+ * that this grid's last wave frees and wait there, in their own
+ * cuda_grid_wait, for this grid to finish: launch latency overlaps the tail
+ * instead of following it. Correctness does not depend on the trigger's
+ * position, since the wait is for completion and memory visibility of the
+ * whole predecessor (which itself waited for its own predecessor). Without
+ * a predecessor (or launched plainly) both return at once. */
 static __device__ __forceinline__ void cuda_grid_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+}
+
+/* Asynchronous 16-byte copy global -> shared (sm_80+ cp.async, bypassing L1
+ * and the registers); valid false fills zeros and reads nothing. Copies are
+ * grouped by cp_async_commit; cp_async_wait<N> waits until at most N of the
+ * calling thread's groups are pending (then a barrier makes them visible to
+ * the other threads). */
+static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> static __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /* Index `value` read at entry `pos` is outside [0, limit): record it unless

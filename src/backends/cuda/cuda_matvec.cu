@@ -43,10 +43,12 @@
 #include "backends/cuda/cuda_matvec.h"
 #include "backends/cuda/cuda_quant.cuh"
 
-#define MV_STAGE 2048                /* bytes staged per warp */
-#define MV_VEC (MV_STAGE / (16 * 32)) /* 16-byte loads per lane per stage */
+#define MV_STAGE 2048 /* bytes of one stage */
+#define MV_NST 3       /* stages per warp: one decoded while the others are in flight */
 #define MV_WARPS 8
 #define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
+#define MV_MAX_RPW 8         /* rows per warp (short rows: a warp streams several) */
+#define MV_MIN_WARPS 8192    /* give warps more rows only while at least this many remain */
 #define FULL_MASK 0xffffffffu
 
 /* DS4's Q8_0 activation block (as in cuda_matmul.cu). */
@@ -166,17 +168,10 @@ struct mv_args {
     int64_t act_group_stride; /* activation offset of the next group (floats or blocks) */
     int n_rows;
     int parts;           /* warps per output */
-    int rpb;             /* outputs per thread block */
+    int rpb;             /* warps' row sets per thread block (rows per block: rpb * rpw) */
+    int rpw;             /* consecutive outputs per warp (1 when parts > 1) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
 };
-
-static __device__ __forceinline__ uint4 mv_ld(const uint8_t *p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
 
@@ -377,28 +372,25 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
     cuda_grid_wait();
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
-    __shared__ float red[MV_WARPS][ROWS];
+    __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_warps = blockDim.x >> 5;
     const iq2_tables *tab = NULL;
     if constexpr (T == DS4_TYPE_IQ2_XXS) {
-        uint4 *dst = smem + n_warps * (MV_STAGE / 16);
+        uint4 *dst = smem + n_warps * MV_NST * (MV_STAGE / 16);
         const uint4 *src = (const uint4 *)&g_iq2_tables;
         for (int i = threadIdx.x; i < (int)(sizeof(iq2_tables) / 16); i += blockDim.x) dst[i] = src[i];
         tab = (const iq2_tables *)dst;
         __syncthreads();
     }
-    const int part = warp % a.parts, lr = warp / a.parts;
-    const int64_t o = (int64_t)blockIdx.x * a.rpb + lr;
+    const int part = warp % a.parts, lr = warp / a.parts, rpw = a.rpw;
+    const int64_t o_first = ((int64_t)blockIdx.x * a.rpb + lr) * rpw; /* this warp's first output */
     const int z = blockIdx.z;
 
-    float acc[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-
-    /* this warp's weight row, unit range and activation rows */
-    bool active = o < a.n_out;
-    int64_t wrow = a.row0 + o, u0 = 0, u1 = a.units;
+    /* this warp's weight rows (wrow0 + j for j < n_valid), unit range and
+     * activation rows */
+    bool active = true;
+    int64_t wrow0 = a.row0 + o_first, u0 = 0, u1 = a.units;
     const uint8_t *act = (const uint8_t *)a.act[z];
     int64_t act_unit; /* bytes of one activation element (float) or block */
     if constexpr (mv_float(T)) act_unit = 4;
@@ -407,84 +399,104 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
     if (a.experts_as_parts) {
         const int64_t slot = (int64_t)blockIdx.y * a.parts + part;
         const int32_t e = a.sel[slot];
-        active &= e >= 0 && e < a.n_expert;
-        wrow = (int64_t)e * a.rows_per_expert + o;
+        active = e >= 0 && e < a.n_expert;
+        wrow0 = (int64_t)e * a.rows_per_expert + o_first;
         act += slot * a.act_stride * act_unit;
     } else {
         if (a.sel) {
             const int64_t slot = blockIdx.y;
             const int32_t e = a.sel[slot];
-            active &= e >= 0 && e < a.n_expert;
-            wrow = (int64_t)e * a.rows_per_expert + o;
+            active = e >= 0 && e < a.n_expert;
+            wrow0 = (int64_t)e * a.rows_per_expert + o_first;
             act += (slot / a.slots_per_token) * a.act_token_stride * act_unit;
         }
-        if (a.group_rows && active) act += (o / a.group_rows) * a.act_group_stride * act_unit;
         u0 = a.units * part / a.parts;
         u1 = a.units * (part + 1) / a.parts;
     }
     const int n_rows = a.experts_as_parts ? 1 : a.n_rows;
+    const int64_t left = a.n_out - o_first;
+    const int n_valid = !active || left <= 0 || u1 <= u0 ? 0 : left < rpw ? (int)left : rpw;
 
-    if (active && u1 > u0) {
-        uint8_t *sw = (uint8_t *)(smem + warp * (MV_STAGE / 16));
-        const uint8_t *wp = a.w[z] + wrow * a.row_bytes + u0 * G::UNIT_BYTES;
-        const int64_t n_units = u1 - u0;
-        uint4 reg[MV_VEC];
-        int cur = (int)(n_units < G::STAGE_UNITS ? n_units : G::STAGE_UNITS);
-#pragma unroll
-        for (int i = 0; i < MV_VEC; i++) {
-            const int idx = lane + 32 * i;
-            if (idx < cur * G::UNIT_BYTES / 16) reg[i] = mv_ld(wp + 16 * idx);
+    /* The warp streams its rows' stages (stage k of row j is stage
+     * j * spr + k) through a ring of MV_NST buffers with cp.async: stage s
+     * is decoded while stages s + 1 .. s + MV_NST - 1 are in flight. Every
+     * issue commits a group (an empty one past the end), so the group count
+     * stays uniform and wait<MV_NST - 2> always means "stage s is in". */
+    uint8_t *ring = (uint8_t *)(smem + warp * MV_NST * (MV_STAGE / 16));
+    const int64_t n_units = u1 - u0;
+    const int64_t spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
+    const int64_t total = n_valid * spr;
+    const uint8_t *wbase = a.w[z] + wrow0 * a.row_bytes + u0 * G::UNIT_BYTES;
+    auto issue = [&](int64_t s) {
+        if (s < total) {
+            const int64_t j = s / spr, k = s - j * spr;
+            const int64_t first = k * G::STAGE_UNITS;
+            const int cnt = (int)(n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS);
+            const uint8_t *src = wbase + j * a.row_bytes + first * G::UNIT_BYTES;
+            uint8_t *dst = ring + (int)(s % MV_NST) * MV_STAGE;
+            const int n16 = cnt * G::UNIT_BYTES / 16;
+            for (int idx = lane; idx < n16; idx += 32) cp_async16(dst + 16 * idx, src + 16 * idx, true);
         }
-        for (int64_t done = 0; done < n_units;) {
-            const int n16 = cur * G::UNIT_BYTES / 16;
-            __syncwarp();
+        cp_async_commit();
+    };
 #pragma unroll
-            for (int i = 0; i < MV_VEC; i++) {
-                const int idx = lane + 32 * i;
-                if (idx < n16) ((uint4 *)sw)[idx] = reg[i];
-            }
-            __syncwarp();
-            const int64_t next = done + cur;
-            const int nxt = (int)(n_units - next < G::STAGE_UNITS ? n_units - next : G::STAGE_UNITS);
-            if (nxt > 0) {
-                const uint8_t *np = wp + next * G::UNIT_BYTES;
+    for (int s = 0; s < MV_NST - 1; s++) issue(s);
+
+    float acc[ROWS];
 #pragma unroll
-                for (int i = 0; i < MV_VEC; i++) {
-                    const int idx = lane + 32 * i;
-                    if (idx < nxt * G::UNIT_BYTES / 16) reg[i] = mv_ld(np + 16 * idx);
-                }
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+    int64_t j = 0, k = 0; /* row and stage within the row of stage s */
+    const uint8_t *act_j = act;
+    if (a.group_rows && n_valid) act_j = act + ((o_first) / a.group_rows) * a.act_group_stride * act_unit;
+    for (int64_t s = 0; s < total; s++) {
+        cp_async_wait<MV_NST - 2>();
+        __syncwarp();
+        issue(s + MV_NST - 1);
+        const int64_t first = k * G::STAGE_UNITS;
+        const int cnt = (int)(n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS);
+        const uint8_t *sw = ring + (int)(s % MV_NST) * MV_STAGE;
+        const int n_blocks = cnt * G::UNIT;
+        const int64_t gb0 = (u0 + first) * G::UNIT; /* first block of the stage within the row */
+        if constexpr (mv_float(T))
+            stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act_j, a.act_stride, n_rows, acc);
+        else if constexpr (T == DS4_TYPE_Q8_0)
+            stage_q8_0<ROWS>(sw, n_blocks, gb0, (const mv_q8_0 *)act_j, a.act_stride, n_rows, acc);
+        else
+            stage_q8k<T, ROWS>(sw, n_blocks, gb0, (const ds4_block_q8_K *)act_j, a.act_stride, n_rows, tab, acc);
+        if (++k == spr) { /* row j done: its lane sum, then the next row */
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                float v = acc[r];
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, off));
+                if (lane == 0) red[warp * rpw + j][r] = v;
+                acc[r] = 0.0f;
             }
-            const int n_blocks = cur * G::UNIT;
-            const int64_t gb0 = (u0 + done) * G::UNIT; /* first block of the stage within the row */
-            if constexpr (mv_float(T))
-                stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act, a.act_stride, n_rows, acc);
-            else if constexpr (T == DS4_TYPE_Q8_0)
-                stage_q8_0<ROWS>(sw, n_blocks, gb0, (const mv_q8_0 *)act, a.act_stride, n_rows, acc);
-            else
-                stage_q8k<T, ROWS>(sw, n_blocks, gb0, (const ds4_block_q8_K *)act, a.act_stride, n_rows, tab, acc);
-            done = next;
-            cur = nxt;
+            k = 0;
+            j++;
+            if (a.group_rows && j < n_valid)
+                act_j = act + ((o_first + j) / a.group_rows) * a.act_group_stride * act_unit;
         }
     }
-
+    cp_async_wait<0>();
+    if (lane == 0)
+        for (int jj = n_valid; jj < rpw; jj++)
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        float v = acc[r];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, off));
-        if (lane == 0) red[warp][r] = v;
-    }
+            for (int r = 0; r < ROWS; r++) red[warp * rpw + jj][r] = 0.0f; /* skipped expert: products read 0 */
     __syncthreads();
-    const int t = threadIdx.x;
-    if (t < a.rpb * ROWS) {
-        const int olr = t / ROWS, r = t % ROWS;
-        const int64_t oo = (int64_t)blockIdx.x * a.rpb + olr;
+
+    /* outputs of the block: q = lr * rpw + j, summed over the parts in order */
+    const int per_block = a.rpb * rpw;
+    for (int t = threadIdx.x; t < per_block * ROWS; t += blockDim.x) {
+        const int q = t / ROWS, r = t % ROWS;
+        const int qlr = q / rpw, qj = q % rpw;
+        const int64_t oo = (int64_t)blockIdx.x * per_block + q;
         if (oo < a.n_out && r < n_rows) {
             float s = 0.0f;
             if (a.experts_as_parts) {
-                for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, mv_finish<T>(red[olr * a.parts + p][r]));
+                for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, mv_finish<T>(red[(qlr * a.parts + p) * rpw + qj][r]));
             } else {
-                for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, red[olr * a.parts + p][r]);
+                for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, red[(qlr * a.parts + p) * rpw + qj][r]);
                 s = mv_finish<T>(s);
             }
             float *out = a.out[z] + (a.experts_as_parts ? (int64_t)blockIdx.y * a.out_token_stride
@@ -499,19 +511,47 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
 /* Host side                                                                 */
 /* ------------------------------------------------------------------------ */
 
-template <int ROWS> static void mv_launch_rows(ds4_backend *be, uint32_t type, dim3 grid, int threads, size_t shm,
-                                               const mv_args &a, bool *known, bool *ok) {
+typedef void (*mv_fn)(mv_args);
+
+template <int ROWS> static mv_fn mv_kernel_rows(uint32_t type) {
     switch (type) {
-    case DS4_TYPE_F32: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_F32, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_F16: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_F16, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_BF16: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_BF16, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_Q8_0: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q8_0, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_Q2_K: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q2_K, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_Q4_K: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q4_K, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_IQ2_XXS: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_IQ2_XXS, ROWS>, grid, threads, shm, a); break;
-    case DS4_TYPE_Q8_K: *ok = cuda_launch(be, "matvec kernel", mv_kernel<DS4_TYPE_Q8_K, ROWS>, grid, threads, shm, a); break;
-    default: *known = false;
+    case DS4_TYPE_F32: return mv_kernel<DS4_TYPE_F32, ROWS>;
+    case DS4_TYPE_F16: return mv_kernel<DS4_TYPE_F16, ROWS>;
+    case DS4_TYPE_BF16: return mv_kernel<DS4_TYPE_BF16, ROWS>;
+    case DS4_TYPE_Q8_0: return mv_kernel<DS4_TYPE_Q8_0, ROWS>;
+    case DS4_TYPE_Q2_K: return mv_kernel<DS4_TYPE_Q2_K, ROWS>;
+    case DS4_TYPE_Q4_K: return mv_kernel<DS4_TYPE_Q4_K, ROWS>;
+    case DS4_TYPE_IQ2_XXS: return mv_kernel<DS4_TYPE_IQ2_XXS, ROWS>;
+    case DS4_TYPE_Q8_K: return mv_kernel<DS4_TYPE_Q8_K, ROWS>;
+    default: return NULL;
     }
+}
+
+/* The kernel for a weight type and activation row count (NULL: none). */
+static mv_fn mv_kernel_for(uint32_t type, int rows) {
+    if (rows <= 1) return mv_kernel_rows<1>(type);
+    if (rows <= 2) return mv_kernel_rows<2>(type);
+    if (rows <= 4) return mv_kernel_rows<4>(type);
+    return mv_kernel_rows<8>(type);
+}
+
+static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_BF16, DS4_TYPE_Q8_0,
+                                     DS4_TYPE_Q2_K, DS4_TYPE_Q4_K,    DS4_TYPE_IQ2_XXS, DS4_TYPE_Q8_K };
+#define MV_SMEM_MAX ((size_t)MV_WARPS * MV_NST * MV_STAGE + sizeof(iq2_tables))
+
+/* Once per backend: every matvec kernel may use MV_SMEM_MAX bytes of
+ * dynamic shared memory (more than the default without opting in). */
+static bool mv_allow_smem(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->mv_smem) return true;
+    static const int rows[] = { 1, 2, 4, 8 };
+    for (size_t t = 0; t < sizeof mv_types / sizeof mv_types[0]; t++)
+        for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
+            if (!cuda_allow_dynamic_smem(be, (const void *)mv_kernel_for(mv_types[t], rows[r]), MV_SMEM_MAX,
+                                         "matvec", 0))
+                return false;
+    cb->mv_smem = true;
+    return true;
 }
 
 /* Launch with blocks of parts * rpb warps over n_out outputs (gridDim.y
@@ -519,25 +559,33 @@ template <int ROWS> static void mv_launch_rows(ds4_backend *be, uint32_t type, d
 static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_slots, int n_mats) {
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
-    const size_t shm = (size_t)warps * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
-    const int64_t nb = (a.n_out + a.rpb - 1) / a.rpb;
+    const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
+    const int64_t per_block = (int64_t)a.rpb * a.rpw;
+    const int64_t nb = (a.n_out + per_block - 1) / per_block;
     if (nb > INT32_MAX || n_slots > 65535) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: %lld outputs x %d slots is too large a grid", (long long)a.n_out,
                   n_slots);
         return false;
     }
-    const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
-    bool known = true, ok = false;
-    const int rows = a.experts_as_parts ? 1 : a.n_rows;
-    if (rows <= 1) mv_launch_rows<1>(be, type, grid, threads, shm, a, &known, &ok);
-    else if (rows <= 2) mv_launch_rows<2>(be, type, grid, threads, shm, a, &known, &ok);
-    else if (rows <= 4) mv_launch_rows<4>(be, type, grid, threads, shm, a, &known, &ok);
-    else mv_launch_rows<8>(be, type, grid, threads, shm, a, &known, &ok);
-    if (!known) {
+    const mv_fn fn = mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows);
+    if (!fn) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
         return false;
     }
-    return ok;
+    if (!mv_allow_smem(be)) return false;
+    const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
+    return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
+}
+
+/* Rows per warp when each output has one warp (parts 1): double while at
+ * least MV_MIN_WARPS warps would remain for the n_warps outputs, so short
+ * rows stream back to back (DS4_CUDA_MV_RPW=0: one row per warp). */
+static int rows_per_warp(int parts, int64_t n_warps) {
+    static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
+    int r = 1;
+    if (parts != 1 || !multi) return 1;
+    while (r < MV_MAX_RPW && n_warps / (2 * r) >= MV_MIN_WARPS) r *= 2;
+    return r;
 }
 
 /* Parts per output for n_outputs warps' worth of rows of `units` units. */
@@ -574,6 +622,7 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     }
     a.parts = split_for(a.n_out, a.units);
     a.rpb = MV_WARPS / a.parts;
+    a.rpw = rows_per_warp(a.parts, a.n_out);
     return mv_launch(be, j->type, a, 1, 1);
 }
 
@@ -621,6 +670,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.n_rows = 1;
         a.parts = split_for(n_ff * slots * (shared ? 2 : 1), a.units);
         a.rpb = MV_WARPS / a.parts;
+        a.rpw = rows_per_warp(a.parts, n_ff * slots * (shared ? 2 : 1));
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
@@ -650,6 +700,7 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
     a.n_rows = 1;
     a.parts = n_used;
     a.rpb = MV_WARPS / n_used > 0 ? MV_WARPS / n_used : 1;
+    a.rpw = 1;
     a.experts_as_parts = 1;
     a.out_token_stride = out_stride;
     return mv_launch(be, down->type, a, (int)n_tokens, 1);
