@@ -28,7 +28,8 @@
 #                               peak device memory), layer parity on the generated tokens
 #                     ops       `bench --ops`: each decode-shaped weight product of the full-size model
 #                               on its own (JSON/Markdown to $OUT; OPS_ROWS, default 1,8), then once per
-#                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0)
+#                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0);
+#                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2)
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds a short
@@ -228,7 +229,7 @@ ops_stage() {
     local out="${OUT:-$TMP}" v
     section "bench --ops (rows ${OPS_ROWS:-1,8})"
     if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
-        --json "$out/ops.json" --md "$out/ops.md"; then
+        ${OPS_ARGS:-} --json "$out/ops.json" --md "$out/ops.md"; then
         record "bench --ops" PASS
     else
         record "bench --ops" "FAIL (exit $?)"
@@ -236,7 +237,7 @@ ops_stage() {
     for v in ${OPS_AB:-}; do
         section "bench --ops with $v"
         if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
-            --repeat 3 --json "$out/ops-${v%%=*}.json" --md "$out/ops-${v%%=*}.md"; then
+            --repeat 3 ${OPS_ARGS:-} --json "$out/ops-${v%%=*}.json" --md "$out/ops-${v%%=*}.md"; then
             record "bench --ops ($v)" PASS
         else
             record "bench --ops ($v)" "FAIL (exit $?)"

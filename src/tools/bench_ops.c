@@ -12,9 +12,12 @@
  * model (spec section 2; --div N divides every width by N, down to 256, for
  * a quick run): the Q8_0 projections of attention, shared expert and head,
  * the F16 router, compressor and indexer projections, and the routed
- * experts of the q2 and q4 files (six of 256). Each is the backend op the model calls (matmul,
- * matmul_grouped, moe), with --rows activation rows (1 = one stream; more =
- * batched decode).
+ * experts of the q2 and q4 files (six of 256); and, for the cost of a short
+ * kernel inside a step, the hyper-connection pre-mix and an RMSNorm. Each
+ * is the backend op the model calls (matmul, matmul_grouped, moe, hc_pre,
+ * rmsnorm), with --rows activation rows (1 = one stream; more = batched
+ * decode); bytes are those of the weights and, for the two small ops, of
+ * the activations read and written.
  *
  * Weights hold valid quantised data (a few rows quantised from seeded
  * random values, repeated), uploaded through bind_weight. A real token
@@ -48,7 +51,7 @@
 #define MOE_USED 6
 #define MOE_EXPERTS 256
 
-typedef enum op_kind { OP_MATMUL, OP_GROUPED, OP_MOE } op_kind;
+typedef enum op_kind { OP_MATMUL, OP_GROUPED, OP_MOE, OP_HC_PRE, OP_RMSNORM } op_kind;
 
 /* One product: W [n_in, n_out] (grouped: n_groups blocks of n_out rows,
  * each on its own n_in slice of x; moe: gate/up [n_in, n_out, experts],
@@ -76,6 +79,9 @@ static const op_spec SPECS[] = {
     { "indexer_compressor_kv", OP_MATMUL, DS4_TYPE_F16, 0, 4096, 256, 1 },
     { "experts q2", OP_MOE, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 1 },
     { "experts q4", OP_MOE, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4096, 2048, 1 },
+    /* two small ops of every layer, for the cost of a short kernel in a step */
+    { "hc_pre", OP_HC_PRE, DS4_TYPE_F16, 0, 4 * 4096, 24, 1 },
+    { "rmsnorm", OP_RMSNORM, DS4_TYPE_F32, 0, 4096, 1, 1 },
 };
 #define N_SPECS ((int)(sizeof SPECS / sizeof SPECS[0]))
 
@@ -468,6 +474,82 @@ done:
     be->ops->take_error(be, &err);
 }
 
+typedef struct small_ctx {
+    float *out, *x, *post, *comb;
+    const ds4_weight *fn, *scale, *base, *norm;
+    ds4_hc hc;
+    int64_t rows, dim;
+    ds4_backend *be;
+} small_ctx;
+
+static void small_call(void *p, int64_t call) {
+    small_ctx *c = p;
+    if (c->fn) c->be->ops->hc_pre(c->be, &c->hc, c->x, c->fn, c->scale, c->base, c->out, c->post, c->comb, c->rows);
+    else c->be->ops->rmsnorm(c->be, c->x, c->norm, 1e-6f, c->out, c->rows, c->dim);
+}
+
+/* hc_pre (state [rows, n_in], fn [n_in, n_out] F16, 4 streams) or rmsnorm
+ * (rows of n_in); 256 calls a step, weights bound once (they are small). */
+static void run_small(bench_ops *b, op_result *r) {
+    const op_spec *sp = r->spec;
+    ds4_backend *be = b->be;
+    const bool hc = sp->kind == OP_HC_PRE;
+    const int n_hc = 4;
+    int64_t rb_fn = 0, rb_v = 0;
+    uint8_t *h_fn = make_rows(sp->type, r->n_in, r->n_out, b->o.seed, &rb_fn, r->skipped);
+    uint8_t *h_v = h_fn ? make_rows(DS4_TYPE_F32, r->n_out, 1, b->o.seed + 5, &rb_v, r->skipped) : NULL;
+    ds4_weight fn, scale, base;
+    bool bf = false, bs = false, bb = false;
+    small_ctx c = { 0 };
+    ds4_error err = { 0 };
+    if (!h_v) goto done;
+    c.be = be;
+    c.rows = r->rows;
+    c.dim = r->n_in;
+    r->copies = 1;
+    r->calls = 256;
+    weight_init(&fn, hc ? "hc_attn_fn" : "attn_norm", sp->type, r->n_in, r->n_out, 1, rb_fn, h_fn);
+    weight_init(&scale, "hc_attn_scale", DS4_TYPE_F32, 3, 1, 1, 12, h_v);
+    weight_init(&base, "hc_attn_base", DS4_TYPE_F32, r->n_out, 1, 1, rb_v, h_v);
+    if (!(bf = !be->ops->bind_weight(be, &fn, &err)) || (hc && !(bs = !be->ops->bind_weight(be, &scale, &err))) ||
+        (hc && !(bb = !be->ops->bind_weight(be, &base, &err)))) {
+        snprintf(r->skipped, REASON, "binding the weights: %s", err.message);
+        goto done;
+    }
+    if (hc) {
+        c.fn = &fn, c.scale = &scale, c.base = &base;
+        c.hc.n_hc = n_hc;
+        c.hc.dim = r->n_in / n_hc;
+        c.hc.iters = 20;
+        c.hc.eps = 1e-6f;
+        c.hc.norm_eps = 1e-6f;
+    } else {
+        c.norm = &fn;
+    }
+    /* the weights once per call (small: they stay in the cache), the state
+     * read and the result written */
+    r->bytes = (double)rb_fn * r->n_out + (double)r->rows * r->n_in * 4 * (hc ? 1.25 : 2.0);
+    c.x = be->ops->alloc(be, r->rows * r->n_in);
+    c.out = be->ops->alloc(be, r->rows * r->n_in);
+    c.post = be->ops->alloc(be, r->rows * n_hc);
+    c.comb = be->ops->alloc(be, r->rows * n_hc * n_hc);
+    if (!c.x || !c.out || !c.post || !c.comb || !upload_seeded(be, c.x, r->rows * r->n_in, b->o.seed + 3)) {
+        snprintf(r->skipped, REASON, "out of memory for the activations");
+        goto done;
+    }
+    take_samples(b, r, small_call, &c, c.out);
+done:
+    if (bf) be->ops->release_weight(be, &fn);
+    if (bs) be->ops->release_weight(be, &scale);
+    if (bb) be->ops->release_weight(be, &base);
+    float *bufs[4] = { c.x, c.out, c.post, c.comb };
+    for (int i = 0; i < 4; i++)
+        if (bufs[i]) be->ops->free(be, bufs[i]);
+    free(h_fn);
+    free(h_v);
+    be->ops->take_error(be, &err);
+}
+
 /* ------------------------------------------------------------ output */
 
 static double gbps_of(const op_result *r) { return r->st.n && r->st.median > 0 ? r->bytes / r->st.median / 1e9 : NAN; }
@@ -528,9 +610,8 @@ static int write_json(const bench_ops *b, const char *path) {
         const op_spec *sp = r->spec;
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
         bench_json_str(f, sp->name);
-        fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"",
-                sp->kind == OP_MOE ? "moe" : sp->kind == OP_GROUPED ? "matmul_grouped" : "matmul",
-                ds4_type_name(sp->type));
+        static const char *const kinds[] = { "matmul", "matmul_grouped", "moe", "hc_pre", "rmsnorm" };
+        fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"", kinds[sp->kind], ds4_type_name(sp->type));
         if (sp->kind == OP_MOE) fprintf(f, ", \"down_type\": \"%s\"", ds4_type_name(sp->down_type));
         fprintf(f, ", \"n_in\": %lld, \"n_out\": %lld, \"groups\": %lld, \"experts\": %lld, \"rows\": %lld",
                 (long long)r->n_in, (long long)r->n_out, (long long)sp->n_groups, (long long)r->experts,
@@ -596,10 +677,12 @@ int bench_ops_main(int argc, char **argv) {
             r->n_in = sp->n_in / o->div > 256 ? sp->n_in / o->div : 256;
             r->n_out = sp->n_out / o->div > 0 ? sp->n_out / o->div : 1;
             if (sp->kind == OP_MOE && r->n_out < 256) r->n_out = 256; /* the down product's input */
+            if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM) r->n_out = sp->n_out; /* mix entries, 1 */
             r->experts = sp->kind == OP_MOE ? (MOE_EXPERTS / o->div > MOE_USED ? MOE_EXPERTS / o->div : MOE_USED + 2)
                                             : 0;
             fprintf(stderr, "ds4server " CMD ": %s, %lld row%s\n", sp->name, (long long)r->rows, r->rows > 1 ? "s" : "");
             if (sp->kind == OP_MOE) run_moe(&b, r);
+            else if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM) run_small(&b, r);
             else run_dense(&b, r);
         }
     }

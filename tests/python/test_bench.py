@@ -432,7 +432,8 @@ def test_ops_bench(tmp_path):
     assert d["schema"] == "ds4server-bench-ops/1" and d["backend"] == "cpu" and d["div"] == 16
     assert d["bandwidth"]["gbps"] == 10 and d["bandwidth"]["source"] == "given"
     names = [o["name"] for o in d["ops"]]
-    assert names[0] == "attn_q_a" and "output" in names and names[-2:] == ["experts q2", "experts q4"]
+    assert names[0] == "attn_q_a" and "output" in names
+    assert names[-4:] == ["experts q2", "experts q4", "hc_pre", "rmsnorm"]
     for o in d["ops"]:
         assert "skipped" not in o, o
         assert o["rows"] == 1 and o["timing"] == "wall" and o["n_in"] >= 256 and o["n_in"] % 256 == 0
@@ -448,6 +449,9 @@ def test_ops_bench(tmp_path):
     q2 = next(o for o in d["ops"] if o["name"] == "experts q2")
     assert q2["type"] == "IQ2_XXS" and q2["down_type"] == "Q2_K" and q2["experts"] == 16
     assert q2["bytes"] == 6 * (2 * 256 * (256 // 256) * 66 + 256 * (256 // 256) * 84)
+    hc = next(o for o in d["ops"] if o["name"] == "hc_pre")
+    assert hc["kind"] == "hc_pre" and hc["n_in"] == 4 * 4096 // 16 and hc["n_out"] == 24
+    assert hc["bytes"] == 24 * hc["n_in"] * 2 + hc["n_in"] * 4 * 1.25
     text = md.read_text()
     assert "| product |" in text and "| attn_output_a | Q8_0 | 8 x (256x64) | 1 |" in text
     r = ds4("bench", "--ops", "--div", "16", "--repeat", "1", "--warmup", "0", "--bandwidth", "10",

@@ -190,7 +190,9 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
  *
  * hc_partial_kernel, block (row r, chunk c) over HC_CHUNK elements of X[r]:
  *   part[r][c] = { sum of squares (double), raw dots fn[k] . X[r] (float) }
- * hc_finish_kernel, block r:
+ * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
+ * (cheap, identical) split below and writes its slice of out[r], so the
+ * weighted sum is spread over the row's blocks instead of looping in one:
  *   ss = sum over chunks (double, in a fixed order over the block's threads)
  *   f-scale = 1 / sqrt(ss / n + norm_eps)          (formed as the CPU does)
  *   mix[k] = (sum over chunks of the raw dots, one warp each) * f-scale
@@ -202,6 +204,7 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
  * a 16384-term float sum in another order).
  */
 #define HC_CHUNK 256 /* elements of the flattened state per partial block (one per thread) */
+#define HC_FINISH_SLICES 32 /* finishing blocks per row, at most */
 
 static_assert(HC_CHUNK == HC_THREADS, "one element per thread in a partial block");
 
@@ -289,12 +292,14 @@ static __global__ void __launch_bounds__(HC_THREADS)
         }
     }
     __syncthreads();
-    if (!HEAD) {
+    if (!HEAD && blockIdx.y == 0) {
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
         for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
     float *out = a.out + row * a.dim;
-    for (int64_t i = threadIdx.x; i < a.dim; i += HC_THREADS) {
+    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
         out[i] = acc;
@@ -315,7 +320,11 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     if (!cuda_launch(be, what, hc_partial_kernel, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, a, n_mix,
                      part))
         return;
-    (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part);
+    /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
+    int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
+    if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
+    (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, a,
+                      n_mix, n_chunks, part);
 }
 
 /* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */

@@ -359,21 +359,16 @@ static __device__ __forceinline__ bool cuda_index_ok(int32_t v, long long limit)
     return (unsigned long long)(long long)v < (unsigned long long)limit;
 }
 
-/* Exact binary16 / bfloat16 -> float (same values as the CPU's converters;
- * NaN payloads may differ). */
+/* Exact binary16 / bfloat16 -> float (the CPU's converters' values, bit for
+ * bit: finite values and infinities through the hardware conversion, which
+ * is exact; NaNs built by hand so their payload is kept). */
 static __device__ __forceinline__ float cuda_f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1fu;
-    const uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1fu) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp != 0) bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else {
-        const uint32_t k = (uint32_t)__clz((int)mant) - 21u;
-        bits = sign | ((113u - k) << 23) | (((mant << k) & 0x3ffu) << 13);
+    if ((h & 0x7c00u) != 0x7c00u || !(h & 0x3ffu)) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
     }
-    return __uint_as_float(bits);
+    return __uint_as_float(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13));
 }
 static __device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 

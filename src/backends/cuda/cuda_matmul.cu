@@ -149,9 +149,12 @@ __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict
 }
 
 /* DS4's Q8_0 activations, one warp per 32-block: d = amax / 127 (float),
- * id = 1/d (0 when d == 0), q = round-half-even(x * id) clamped. */
+ * id = 1/d (0 when d == 0), q = round-half-even(x * id) clamped. Layout:
+ * interleaved act_q8_0 blocks (the general kernels and the GEMM), or, when
+ * `split` (the streaming matvec kernels, cuda_matvec.h), per row of nb
+ * blocks the nb x 32 codes and then the nb float scales (36 nb bytes too). */
 __global__ void __launch_bounds__(256) quant_q8_0_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
-                                                         int64_t total, act_q8_0 *__restrict__ out) {
+                                                         int64_t total, act_q8_0 *__restrict__ out, int split) {
     cuda_grid_wait();
     const int lane = threadIdx.x & 31;
     const int64_t gw = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -166,8 +169,14 @@ __global__ void __launch_bounds__(256) quant_q8_0_kernel(const float *__restrict
     const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
     int q = __float2int_rn(__fmul_rn(v, id));
     q = q > 127 ? 127 : q < -128 ? -128 : q;
-    out[gw].q[lane] = (int8_t)q;
-    if (lane == 0) out[gw].d = d;
+    if (split) {
+        uint8_t *r = (uint8_t *)out + row * nb * (int64_t)sizeof(act_q8_0);
+        ((int8_t *)r)[ib * DS4_QK8_0 + lane] = (int8_t)q;
+        if (lane == 0) ((float *)(r + nb * DS4_QK8_0))[ib] = d;
+    } else {
+        out[gw].q[lane] = (int8_t)q;
+        if (lane == 0) out[gw].d = d;
+    }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -573,10 +582,11 @@ static size_t act_bytes(mm_mode mode, int64_t n, int64_t n_rows) {
 
 static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
 
-/* Quantise n_rows rows of n floats (x_stride apart) into dst for `mode`;
- * *stride = blocks per row. Float kinds: nothing to do (act = x). */
+/* Quantise n_rows rows of n floats (x_stride apart) into dst for `mode`,
+ * n / block elements per row; Q8_0 in the matvec kernels' split layout when
+ * for_mv. Float kinds: nothing to do (act = x). */
 static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t x_stride, int64_t n, int64_t n_rows,
-                          void *dst) {
+                          void *dst, bool for_mv) {
     if (mode == MM_Q8_K) {
         const int64_t nb = n / DS4_QK_K;
         return cuda_launch(be, "quant_q8_K_kernel", quant_q8_K_kernel, (unsigned)(nb * n_rows), 256, 0, x, x_stride,
@@ -585,7 +595,7 @@ static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t
     if (mode == MM_Q8_0) {
         const int64_t nb = n / DS4_QK8_0, total = nb * n_rows;
         return cuda_launch(be, "quant_q8_0_kernel", quant_q8_0_kernel, (unsigned)cdiv(total, 8), 256, 0, x, x_stride,
-                           nb, total, (act_q8_0 *)dst);
+                           nb, total, (act_q8_0 *)dst, for_mv ? 1 : 0);
     }
     return true;
 }
@@ -726,14 +736,15 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
     if (n_out == 0 || n_rows == 0 || cuda_failed(be)) return;
 
     const mm_mode mode = mode_for(w->type, num);
+    const bool mv = mv_suits(w, mode, x, x_stride, n_rows); /* decode shapes: the streaming kernels */
     const void *act = x;
     const size_t qbytes = act_bytes(mode, n_in, n_rows);
     if (qbytes) {
         void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
-        if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q)) return;
+        if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q, mv)) return;
         act = q;
     }
-    if (mv_suits(w, mode, x, x_stride, n_rows)) { /* decode shapes: the streaming kernels */
+    if (mv) {
         run_mv(be, w, mode, row0, n_out, 1, act, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows);
         return;
     }
@@ -792,7 +803,7 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
         const size_t qbytes = act_bytes(mode, len, n_rows);
         if (qbytes) {
             void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
-            if (!q || !quantize_acts(be, mode, x, x_stride, len, n_rows, q)) return;
+            if (!q || !quantize_acts(be, mode, x, x_stride, len, n_rows, q, true)) return;
             act = q;
         }
         run_mv(be, w, mode, 0, n_out, n_groups, act, act_stride_of(mode, len, x_stride),
@@ -851,12 +862,12 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
         uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, align256(qg) + qu);
         if (!q) return;
         if (qg) {
-            if (!quantize_acts(be, mg, x, dim, dim, 1, q)) return;
+            if (!quantize_acts(be, mg, x, dim, dim, 1, q, false)) return;
             xg = q;
         }
         if (mu == mg) xu = xg;
         else if (qu) {
-            if (!quantize_acts(be, mu, x, dim, dim, 1, q + align256(qg))) return;
+            if (!quantize_acts(be, mu, x, dim, dim, 1, q + align256(qg), false)) return;
             xu = q + align256(qg);
         }
     }
@@ -895,7 +906,7 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     const size_t qm = act_bytes(md, n_ff, n_used);
     if (qm) {
         void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
-        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, n_used, q)) return;
+        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, n_used, q, false)) return;
         mids = q;
     }
 
@@ -978,12 +989,12 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
         uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, align256(qg) + qu);
         if (!q) return;
         if (qg) {
-            if (!quantize_acts(be, mg, x, dim, dim, n_rows, q)) return;
+            if (!quantize_acts(be, mg, x, dim, dim, n_rows, q, true)) return;
             xg = q;
         }
         if (mu == mg) xu = xg;
         else if (qu) {
-            if (!quantize_acts(be, mu, x, dim, dim, n_rows, q + align256(qg))) return;
+            if (!quantize_acts(be, mu, x, dim, dim, n_rows, q + align256(qg), true)) return;
             xu = q + align256(qg);
         }
     }
@@ -1001,7 +1012,7 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     const size_t qm = act_bytes(md, n_ff, slots);
     if (qm) {
         void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
-        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, slots, q)) return;
+        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, slots, q, true)) return;
         mids = q;
     }
     cuda_mv_moe_down(be, down, mv_kind(md), mids, act_stride_of(md, n_ff, n_ff), d_sel, n_used, n_rows, out, dim);

@@ -14,9 +14,9 @@
  * Arithmetic is that of cuda_matmul.cu's DS4 kinds, block for block:
  *   float weights (F32/F16/BF16): float products and float sums (per-lane
  *     fmaf chains, then a fixed butterfly and the parts in order);
- *   Q8_0 weights: DS4's Q8_0 activation blocks; per 32-block the exact int8
- *     dot (four lanes of eight codes, summed exactly), then the CPU's block
- *     term (f16(w.d) * x.d) * isum;
+ *   Q8_0 weights: DS4's Q8_0 activation blocks (codes and scales of a row
+ *     apart, see cuda_matvec.h); per 32-block the exact int8 dot (one lane
+ *     per block), then the CPU's block term (f16(w.d) * x.d) * isum;
  *   Q2_K, Q4_K, IQ2_XXS, Q8_K weights: Q8_K activations; per 256-block the
  *     exact integer sums over the warp (sum_j sc_j isub_j, sum_j m_j bsub_j)
  *     and the CPU's float block term.
@@ -43,7 +43,7 @@
 #include "backends/cuda/cuda_matvec.h"
 #include "backends/cuda/cuda_quant.cuh"
 
-#define MV_STAGE 2048 /* bytes of one stage */
+#define MV_STAGE 2176 /* bytes of one stage (64 Q8_0 blocks: two full warp steps) */
 #define MV_NST 3       /* stages per warp: one decoded while the others are in flight */
 #define MV_WARPS 8
 #define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
@@ -169,7 +169,7 @@ struct mv_args {
     int n_rows;
     int parts;           /* warps per output */
     int rpb;             /* warps' row sets per thread block (rows per block: rpb * rpw) */
-    int rpw;             /* consecutive outputs per warp (1 when parts > 1) */
+    int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
 };
 
@@ -224,28 +224,48 @@ static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_bloc
     }
 }
 
-/* Q8_0 weights, Q8_0 activations: lanes 4m..4m+3 hold the quarters of one
- * block (n_blocks is a multiple of 8, so every lane runs every step). */
+/* Q8_0 weights, Q8_0 activations in the split layout (cuda_matvec.h: per
+ * row of `x_stride` blocks the codes, then the scales): one lane per block,
+ * so a warp step covers 32 blocks (1088 bytes) with no shuffles. The 32
+ * codes of a 34-byte block start 2 bytes in, at an address that is 4-byte
+ * aligned for odd blocks and 2 mod 4 for even ones: nine aligned words and
+ * funnel shifts give the eight code words either way (the ninth word of an
+ * even block is still inside the stage: the next block follows it). b0 is
+ * the stage's first block within the activation row. */
 template <int ROWS>
-static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_blocks, int64_t gb0, const mv_q8_0 *x,
+static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
                                                   int64_t x_stride, int n_rows, float (&acc)[ROWS]) {
-    const int lane = threadIdx.x & 31, k = lane & 3;
-    for (int qi = lane; qi < 4 * n_blocks; qi += 32) {
-        const int b = qi >> 2;
+    const int lane = threadIdx.x & 31;
+    const int64_t row_bytes = x_stride * (int64_t)sizeof(mv_q8_0);
+    for (int b = lane; b < n_blocks; b += 32) {
         const uint8_t *blk = sw + 34 * b;
-        const uint16_t *q16 = (const uint16_t *)(blk + 2 + 8 * k);
-        const int w0 = (int)((uint32_t)q16[0] | ((uint32_t)q16[1] << 16));
-        const int w1 = (int)((uint32_t)q16[2] | ((uint32_t)q16[3] << 16));
+        const uint32_t *p = (const uint32_t *)((uintptr_t)(blk + 2) & ~(uintptr_t)3);
+        const int sh = (b & 1) ? 0 : 16;
+        int w[8];
+        uint32_t lo = p[0];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const uint32_t hi = (i < 7 || sh) ? p[i + 1] : 0u;
+            w[i] = (int)__funnelshift_r(lo, hi, sh);
+            lo = hi;
+        }
         const float wd = cuda_f16_to_f32(*(const uint16_t *)blk);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (r < n_rows) {
-                const mv_q8_0 *xa = x + r * x_stride + gb0 + b;
-                const int *q8 = (const int *)(xa->q + 8 * k);
-                int isub = __dp4a(w1, q8[1], __dp4a(w0, q8[0], 0));
-                isub += __shfl_xor_sync(FULL_MASK, isub, 1);
-                isub += __shfl_xor_sync(FULL_MASK, isub, 2);
-                if (k == 0) acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xa->d), __int2float_rn(isub)));
+                const uint8_t *xr = x + r * row_bytes;
+                const int4 *q = (const int4 *)(xr + (b0 + b) * 32);
+                const int4 qa = q[0], qb = q[1];
+                int isum = __dp4a(w[0], qa.x, 0);
+                isum = __dp4a(w[1], qa.y, isum);
+                isum = __dp4a(w[2], qa.z, isum);
+                isum = __dp4a(w[3], qa.w, isum);
+                isum = __dp4a(w[4], qb.x, isum);
+                isum = __dp4a(w[5], qb.y, isum);
+                isum = __dp4a(w[6], qb.z, isum);
+                isum = __dp4a(w[7], qb.w, isum);
+                const float xd = ((const float *)(xr + x_stride * 32))[b0 + b];
+                acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xd), __int2float_rn(isum)));
             }
         }
     }
@@ -446,8 +466,14 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
     int64_t j = 0, k = 0; /* row and stage within the row of stage s */
+    /* the activation of row j: act_j (float and Q8_K rows), or the split
+     * Q8_0 row `act` from block blk_j (the group's first) */
     const uint8_t *act_j = act;
-    if (a.group_rows && n_valid) act_j = act + ((o_first) / a.group_rows) * a.act_group_stride * act_unit;
+    int64_t blk_j = 0;
+    if (a.group_rows && n_valid) {
+        blk_j = (o_first / a.group_rows) * a.act_group_stride;
+        act_j = act + blk_j * act_unit;
+    }
     for (int64_t s = 0; s < total; s++) {
         cp_async_wait<MV_NST - 2>();
         __syncwarp();
@@ -460,7 +486,7 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
         if constexpr (mv_float(T))
             stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act_j, a.act_stride, n_rows, acc);
         else if constexpr (T == DS4_TYPE_Q8_0)
-            stage_q8_0<ROWS>(sw, n_blocks, gb0, (const mv_q8_0 *)act_j, a.act_stride, n_rows, acc);
+            stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, n_rows, acc);
         else
             stage_q8k<T, ROWS>(sw, n_blocks, gb0, (const ds4_block_q8_K *)act_j, a.act_stride, n_rows, tab, acc);
         if (++k == spr) { /* row j done: its lane sum, then the next row */
@@ -474,8 +500,10 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
             }
             k = 0;
             j++;
-            if (a.group_rows && j < n_valid)
-                act_j = act + ((o_first + j) / a.group_rows) * a.act_group_stride * act_unit;
+            if (a.group_rows && j < n_valid) {
+                blk_j = ((o_first + j) / a.group_rows) * a.act_group_stride;
+                act_j = act + blk_j * act_unit;
+            }
         }
     }
     cp_async_wait<0>();
@@ -577,13 +605,13 @@ static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_sl
     return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
 }
 
-/* Rows per warp when each output has one warp (parts 1): double while at
- * least MV_MIN_WARPS warps would remain for the n_warps outputs, so short
- * rows stream back to back (DS4_CUDA_MV_RPW=0: one row per warp). */
-static int rows_per_warp(int parts, int64_t n_warps) {
+/* Rows per warp when a warp holds whole rows (no K split): double while at
+ * least MV_MIN_WARPS warps would remain of n_warps, so short rows stream
+ * back to back (DS4_CUDA_MV_RPW=0: one row per warp). */
+static int rows_per_warp(bool whole_rows, int64_t n_warps) {
     static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
     int r = 1;
-    if (parts != 1 || !multi) return 1;
+    if (!whole_rows || !multi) return 1;
     while (r < MV_MAX_RPW && n_warps / (2 * r) >= MV_MIN_WARPS) r *= 2;
     return r;
 }
@@ -622,7 +650,7 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     }
     a.parts = split_for(a.n_out, a.units);
     a.rpb = MV_WARPS / a.parts;
-    a.rpw = rows_per_warp(a.parts, a.n_out);
+    a.rpw = rows_per_warp(a.parts == 1, a.n_out);
     return mv_launch(be, j->type, a, 1, 1);
 }
 
@@ -670,7 +698,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.n_rows = 1;
         a.parts = split_for(n_ff * slots * (shared ? 2 : 1), a.units);
         a.rpb = MV_WARPS / a.parts;
-        a.rpw = rows_per_warp(a.parts, n_ff * slots * (shared ? 2 : 1));
+        a.rpw = rows_per_warp(a.parts == 1, n_ff * slots * (shared ? 2 : 1));
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
@@ -700,7 +728,7 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
     a.n_rows = 1;
     a.parts = n_used;
     a.rpb = MV_WARPS / n_used > 0 ? MV_WARPS / n_used : 1;
-    a.rpw = 1;
+    a.rpw = rows_per_warp(true, dim * n_used * n_tokens); /* the parts are experts: each warp holds whole rows */
     a.experts_as_parts = 1;
     a.out_token_stride = out_stride;
     return mv_launch(be, down->type, a, (int)n_tokens, 1);

@@ -12,8 +12,11 @@
 
 #include "backends/backend.h"
 
-/* How the activations are given: float rows, DS4's Q8_0 activation blocks
- * (float scale + 32 codes, 36 bytes) or Q8_K blocks. */
+/* How the activations are given: float rows, DS4's Q8_0 activations or Q8_K
+ * blocks. Q8_0 rows are in the split layout: a row of nb blocks (nb = the
+ * row stride in blocks) holds the nb x 32 int8 codes, then the nb float
+ * scales (36 nb bytes, as many as nb interleaved blocks); group offsets and
+ * strides still count blocks. */
 typedef enum cuda_mv_act { CUDA_MV_FLOAT, CUDA_MV_Q8_0, CUDA_MV_Q8_K } cuda_mv_act;
 
 #define CUDA_MV_MAX_ROWS 8  /* activation rows per launch */
