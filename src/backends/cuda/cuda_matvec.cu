@@ -157,6 +157,7 @@ struct mv_args {
     int64_t row0;
     int64_t n_out;
     int64_t act_stride;  /* per activation row (floats or blocks) */
+    int64_t act_blocks;  /* Q8_0: blocks of one activation row (where its scales start, split layout) */
     int64_t out_stride;  /* per activation row */
     const int32_t *sel;  /* device expert ids (NULL: plain rows) */
     int64_t rows_per_expert, n_expert;
@@ -231,10 +232,11 @@ static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_bloc
  * aligned for odd blocks and 2 mod 4 for even ones: nine aligned words and
  * funnel shifts give the eight code words either way (the ninth word of an
  * even block is still inside the stage: the next block follows it). b0 is
- * the stage's first block within the activation row. */
+ * the stage's first block within the activation row, x_blocks the row's
+ * blocks (its scales follow its codes), x_stride blocks between rows. */
 template <int ROWS>
 static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
-                                                  int64_t x_stride, int n_rows, float (&acc)[ROWS]) {
+                                                  int64_t x_stride, int64_t x_blocks, int n_rows, float (&acc)[ROWS]) {
     const int lane = threadIdx.x & 31;
     const int64_t row_bytes = x_stride * (int64_t)sizeof(mv_q8_0);
     for (int b = lane; b < n_blocks; b += 32) {
@@ -264,7 +266,7 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
                 isum = __dp4a(w[5], qb.y, isum);
                 isum = __dp4a(w[6], qb.z, isum);
                 isum = __dp4a(w[7], qb.w, isum);
-                const float xd = ((const float *)(xr + x_stride * 32))[b0 + b];
+                const float xd = ((const float *)(xr + x_blocks * 32))[b0 + b];
                 acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xd), __int2float_rn(isum)));
             }
         }
@@ -486,7 +488,7 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
         if constexpr (mv_float(T))
             stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act_j, a.act_stride, n_rows, acc);
         else if constexpr (T == DS4_TYPE_Q8_0)
-            stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, n_rows, acc);
+            stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, a.act_blocks, n_rows, acc);
         else
             stage_q8k<T, ROWS>(sw, n_blocks, gb0, (const ds4_block_q8_K *)act_j, a.act_stride, n_rows, tab, acc);
         if (++k == spr) { /* row j done: its lane sum, then the next row */
@@ -642,6 +644,7 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     a.row0 = j->row0;
     a.n_out = j->n_out * n_groups; /* outputs of all groups, in order */
     a.act_stride = j->act_stride;
+    a.act_blocks = j->act_stride; /* rows of the job's activations are act_stride blocks */
     a.out_stride = j->out_stride;
     a.n_rows = j->n_rows;
     if (n_groups > 1) {
@@ -695,6 +698,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.out_sel_stride = n_ff;
         a.slots_per_token = n_used;
         a.act_token_stride = act_strides[m]; /* gate and up share it when they share a launch */
+        a.act_blocks = act_strides[m];
         a.n_rows = 1;
         a.parts = split_for(n_ff * slots * (shared ? 2 : 1), a.units);
         a.rpb = MV_WARPS / a.parts;
@@ -721,6 +725,7 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
     a.units = down->row_bytes / unit_bytes_of(down->type);
     a.n_out = dim;
     a.act_stride = act_stride;
+    a.act_blocks = act_stride;
     a.out_stride = 0;
     a.sel = sel;
     a.rows_per_expert = dim;
