@@ -3,13 +3,17 @@
 
     scripts/bench_report.py RESULT.json [MORE.json ...] --md OUT.md --svg OUT.svg
                             [--label NAME ...] [--title TEXT] [--notes NOTES.md]
+                            [--ops OPS.json ...]
 
 Each JSON file is one series: its provenance, prefill, time to first token,
 decode-at-context and roofline tables (and the A/B table when it was an A/B
 run) go to the Markdown; the plot has two panels, decode tokens/s against the
 context position and prefill tokens/s against the batch size (both on log2
-axes), one line per file. Python standard library only; the SVG is written by
-hand. Used to produce docs/benchmarks.md from the GPU results.
+axes), one line per file. Each --ops file (`ds4server bench --ops --json`)
+adds a table of the weight products measured on their own: time per call,
+bytes read per second and their share of the measured bandwidth. Python
+standard library only; the SVG is written by hand. Used to produce
+docs/benchmarks.md from the GPU results.
 """
 import argparse
 import json
@@ -19,15 +23,47 @@ import sys
 from xml.sax.saxutils import escape
 
 SCHEMA = "ds4server-bench/1"
+OPS_SCHEMA = "ds4server-bench-ops/1"
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
-def load(path):
+def load(path, schema=SCHEMA):
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a {SCHEMA} file (schema {data.get('schema') if isinstance(data, dict) else None!r})")
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        raise ValueError(f"{path}: not a {schema} file (schema {data.get('schema') if isinstance(data, dict) else None!r})")
     return data
+
+
+def md_ops(data, path, out):
+    """The table of one `bench --ops` result."""
+    bw = (data.get("bandwidth") or {}).get("gbps")
+    out.append(f"## Weight products on their own (`{md_cell(os.path.basename(path))}`)\n")
+    src = (data.get("bandwidth") or {}).get("source")
+    out.append(f"- backend {md_cell(data.get('backend'))}, numerics {md_cell(data.get('numerics'))}, commit "
+               f"`{md_cell(data.get('commit'))}`, widths / {data.get('div')}, dense weights rotated over "
+               f"{data.get('rotate_mib')} MiB")
+    out.append(f"- bandwidth: {fmt(bw, '.1f')} GB/s ({md_cell(src)})\n")
+    out.append("| product | weight | shape (in x out) | rows | us/call | p95 us | GB/s | of bandwidth |")
+    out.append("|---|---|---|---:|---:|---:|---:|---:|")
+    for o in data.get("ops", []):
+        t = o.get("type", "?") + ("/" + o["down_type"] if o.get("down_type") else "")
+        if o.get("kind") == "moe":
+            shape = f"{o.get('n_in')}x{o.get('n_out')}, {o.get('used')} of {o.get('experts')}"
+        elif o.get("groups", 1) > 1:
+            shape = f"{o.get('groups')} x ({o.get('n_in')}x{o.get('n_out')})"
+        else:
+            shape = f"{o.get('n_in')}x{o.get('n_out')}"
+        head = f"| {md_cell(o.get('name'))} | {md_cell(t)} | {shape} | {o.get('rows')} |"
+        if "skipped" in o:
+            out.append(f"{head} skipped: {md_cell(o['skipped'])} | | | |")
+            continue
+        pc = o.get("per_call", {})
+        share = o.get("of_bandwidth")
+        share_s = fmt(100 * share, ".0f") + "%" if isinstance(share, (int, float)) else "-"
+        out.append(f"{head} {fmt(pc.get('median_s', float('nan')) * 1e6, '.2f')} | "
+                   f"{fmt(pc.get('p95_s', float('nan')) * 1e6, '.2f')} | {fmt(o.get('gbps'), '.0f')} | {share_s} |")
+    out.append("")
 
 
 def label_of(data, path):
@@ -290,6 +326,7 @@ def main(argv=None):
     ap.add_argument("--label", action="append", default=[], help="series name (once per JSON file, in order)")
     ap.add_argument("--title", default="ds4server bench", help="title of the report and the plot")
     ap.add_argument("--notes", help="Markdown file inserted after the title (how to read the figures)")
+    ap.add_argument("--ops", action="append", default=[], help="ds4server bench --ops --json output (a table each)")
     a = ap.parse_args(argv)
     if a.label and len(a.label) != len(a.json):
         ap.error("give --label once per JSON file")
@@ -301,6 +338,13 @@ def main(argv=None):
             print(f"bench_report: {e}", file=sys.stderr)
             return 1
         datasets.append((data, a.label[i] if a.label else label_of(data, path)))
+    ops = []
+    for path in a.ops:
+        try:
+            ops.append((load(path, OPS_SCHEMA), path))
+        except (OSError, ValueError) as e:
+            print(f"bench_report: {e}", file=sys.stderr)
+            return 1
     notes = ""
     if a.notes:
         try:
@@ -314,6 +358,8 @@ def main(argv=None):
            f"![decode and prefill tokens/s]({os.path.relpath(a.svg, os.path.dirname(os.path.abspath(a.md)))})\n"]
     for data, label in datasets:
         md_one(data, label, out)
+    for data, path in ops:
+        md_ops(data, path, out)
     try:
         with open(a.svg, "w", encoding="utf-8") as f:
             f.write(svg(datasets, a.title))

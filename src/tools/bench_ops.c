@@ -612,7 +612,8 @@ static int write_json(const bench_ops *b, const char *path) {
         bench_json_str(f, sp->name);
         static const char *const kinds[] = { "matmul", "matmul_grouped", "moe", "hc_pre", "rmsnorm" };
         fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"", kinds[sp->kind], ds4_type_name(sp->type));
-        if (sp->kind == OP_MOE) fprintf(f, ", \"down_type\": \"%s\"", ds4_type_name(sp->down_type));
+        if (sp->kind == OP_MOE)
+            fprintf(f, ", \"down_type\": \"%s\", \"used\": %d", ds4_type_name(sp->down_type), MOE_USED);
         fprintf(f, ", \"n_in\": %lld, \"n_out\": %lld, \"groups\": %lld, \"experts\": %lld, \"rows\": %lld",
                 (long long)r->n_in, (long long)r->n_out, (long long)sp->n_groups, (long long)r->experts,
                 (long long)r->rows);

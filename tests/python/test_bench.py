@@ -459,7 +459,32 @@ def test_ops_bench(tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     d = json.loads(js.read_text())
     assert [(o["name"], o["rows"]) for o in d["ops"]] == [("experts q2", 1), ("experts q2", 3)]
-    assert d["ops"][1]["bytes"] == 3 * d["ops"][0]["bytes"]
+    assert d["ops"][1]["bytes"] == 3 * d["ops"][0]["bytes"] and d["ops"][0]["used"] == 6
+
+
+def test_report_ops(sweep, tmp_path):
+    """bench_report.py --ops: one table row per product of a bench --ops
+    JSON, with the JSON's time per call and share of bandwidth; an --ops
+    file of another schema is refused."""
+    js = tmp_path / "ops.json"
+    r = ds4("bench", "--ops", "--div", "16", "--repeat", "1", "--warmup", "0", "--bandwidth", "10",
+            "--only", "experts q2", "--rows", "1,3", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(js.read_text())
+    bench_js = sweep[2]
+    md, svg = tmp_path / "r.md", tmp_path / "r.svg"
+    r = subprocess.run([sys.executable, REPORT, bench_js, "--ops", js, "--md", md, "--svg", svg],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    text = md.read_text()
+    assert "## Weight products on their own (`ops.json`)" in text and "bandwidth: 10.0 GB/s (given)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| experts q2 |")]
+    assert len(rows) == 2 and "| 256x256, 6 of 16 | 1 |" in rows[0] and "| 256x256, 6 of 16 | 3 |" in rows[1]
+    for row, o in zip(rows, d["ops"]):
+        assert f"| {o['per_call']['median_s'] * 1e6:.2f} |" in row and row.endswith(f"| {100 * o['of_bandwidth']:.0f}% |")
+    r = subprocess.run([sys.executable, REPORT, bench_js, "--ops", bench_js, "--md", md, "--svg", svg],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 1 and b"not a ds4server-bench-ops/1 file" in r.stderr
 
 
 @pytest.mark.parametrize("args", [["--div", "3"], ["--rows", "0"], ["--repeat", "x"], ["--bogus", "1"],
