@@ -1,6 +1,7 @@
 /*
- * backend.c - choosing a backend by name. There is no fallback: a backend
- * that is unknown or not usable in this build is an error naming it.
+ * backend.c - choosing a backend by name (there is no fallback: a backend
+ * that is unknown or not usable in this build is an error naming it), and
+ * the host bytes of synthetic weights that backends share.
  *
  * Names: "cpu"; "cuda" (device 0) or "cuda:N" (device N) when built with
  * `make cuda`.
@@ -68,4 +69,26 @@ void ds4_backend_counters_get(ds4_backend *be, ds4_backend_counters *out) {
 #ifdef DS4_WITH_CUDA
     if (strcmp(be->ops->name, "cuda") == 0) ds4_cuda_backend_counters(be, out);
 #endif
+}
+
+void *ds4_fill_host_bytes(const ds4_weight *w, const ds4_fill *fill, const char *who, ds4_error *err) {
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    const int64_t rows = w->ne[1] * w->ne[2] * w->ne[3];
+    const int64_t row_bytes = ds4_type_row_bytes(w->type, w->ne[0]);
+    if (!t || !fill || fill->type != w->type || !ds4_fill_type_ok(w->type) || row_bytes <= 0 ||
+        w->row_bytes != row_bytes || rows < 0 || fill->block_bytes != t->block_bytes ||
+        (rows > 0 && row_bytes > INT64_MAX / rows)) {
+        ds4_error_set(err, DS4_ERR_INVALID, "%s: synthetic weight %s (%s) does not match its fill", who,
+                      w->name ? w->name : "(unnamed)", ds4_type_name(w->type));
+        return NULL;
+    }
+    const int64_t bytes = row_bytes * rows, n_blocks = bytes / t->block_bytes;
+    uint8_t *buf = malloc(bytes ? (size_t)bytes : 1);
+    if (!buf) {
+        ds4_error_set(err, DS4_ERR_NOMEM, "%s: out of memory for synthetic weight %s (%.1f MiB)", who,
+                      w->name ? w->name : "(unnamed)", (double)bytes / 1048576.0);
+        return NULL;
+    }
+    for (int64_t b = 0; b < n_blocks; b++) ds4_fill_block(fill, b, buf + b * t->block_bytes);
+    return buf;
 }

@@ -35,6 +35,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/synth_fill.h"
 #include "ds4.h"
 
 #ifdef __cplusplus
@@ -56,6 +57,7 @@ typedef struct ds4_weight {
     int64_t row_bytes;
     const void *host;
     void *device;
+    void *owned; /* host memory the backend allocated for it (synthetic weights); release_weight frees it */
 } ds4_weight;
 
 /* RoPE of the last `n_rot` dims of each head, adjacent pairs (2k, 2k+1).
@@ -94,6 +96,13 @@ typedef struct ds4_backend_ops {
     void (*fill)(ds4_backend *be, float *dst, float value, int64_t n);
     /* Make a weight usable by this backend (e.g. upload it). */
     ds4_status (*bind_weight)(ds4_backend *be, ds4_weight *w, ds4_error *err);
+    /* Bind a weight of w's name, type and shape whose bytes the backend makes
+     * itself, block by block from `fill` (core/synth_fill.h), where it keeps
+     * weights: the same bytes on every backend. Integer tables are made in
+     * host memory (the model reads them there). w->host is left as given
+     * unless the backend computes from host memory (the CPU: w->host then
+     * points at the bytes, held in w->owned). Optional (NULL: none). */
+    ds4_status (*bind_synthetic)(ds4_backend *be, ds4_weight *w, const ds4_fill *fill, ds4_error *err);
     void (*release_weight)(ds4_backend *be, ds4_weight *w);
 
     /* ---- elementwise and norms -------------------------------------- */
@@ -293,6 +302,12 @@ typedef struct ds4_kernel_time {
  * when timing is off or the backend has none). Waits for the device. */
 int ds4_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);
 void ds4_backend_kernel_times_reset(ds4_backend *be);
+
+/* The host bytes of synthetic weight w made from `fill` (every block, in a
+ * malloc'd buffer the caller frees); NULL with err set (naming `who`) when
+ * the fill does not suit w's type and shape or memory is short. For the
+ * backends' bind_synthetic. */
+void *ds4_fill_host_bytes(const ds4_weight *w, const ds4_fill *fill, const char *who, ds4_error *err);
 
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */

@@ -3,7 +3,7 @@
  * decode at context frontiers, device counters and the roofline, with an A/B
  * mode that alternates two variants in one run.
  *
- *   ds4server bench -m FILE [--backend cpu|cuda] [--numerics ds4|reference]
+ *   ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference]
  *                   [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]
  *                   [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]
  *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]
@@ -17,7 +17,12 @@
  * are complete.
  *
  * - Load: gguf_open, then ds4_model_load_progress (for a device backend the
- *   first upload of the weights: bytes bound / seconds = upload GB/s).
+ *   first upload of the weights: bytes bound / seconds = upload GB/s). With
+ *   --synthetic NAME (deepseek4-SCALE-QUANT, the layouts of `synth`) there
+ *   is no weight file: a GGUF of the layout without weight data goes to
+ *   $TMPDIR and the backend makes the weights from --seed where it keeps
+ *   them (ds4_model_load_synthetic), so the load time is that of making
+ *   them, not of reading a file.
  * - Prefill at each --prefill size: a fresh state per sample, --warmup
  *   untimed runs first, --repeat timed ones.
  * - Time to first token: prefill of --ttft tokens plus the argmax of the last
@@ -65,6 +70,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "models/deepseek4/ds4_model.h"
+#include "models/deepseek4/ds4_synth.h"
 #include "session/sampling.h"
 #include "tools/bench_util.h"
 #include "tools/tools.h"
@@ -140,6 +146,11 @@ typedef enum ab_key { AB_NONE, AB_BACKEND, AB_NUMERICS, AB_THREADS } ab_key;
 
 typedef struct opts {
     const char *model, *json, *md;
+    const char *synthetic; /* --synthetic NAME: weights made by the backend, no file */
+    ds4_scale syn_scale;
+    ds4_quant_scheme syn_quant;
+    char syn_path[512];    /* the weightless GGUF written for it (removed once open) */
+    char model_label[160]; /* what the report calls the model */
     char backend[16];
     ds4_numerics num;
     int64_t ctx[MAX_LIST], prefill[MAX_LIST], batch[MAX_LIST];
@@ -163,7 +174,7 @@ static int usage_error(const char *fmt, const char *arg) {
 }
 
 static void print_help(void) {
-    printf("usage: ds4server bench -m FILE [--backend cpu|cuda] [--numerics ds4|reference]\n"
+    printf("usage: ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference]\n"
            "                       [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]\n"
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
@@ -173,6 +184,8 @@ static void print_help(void) {
            "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
            "  between frontiers prefilled in --chunk batches), with kernel launches, host<->device\n"
            "  bytes and syncs per token, peak device memory and the roofline ratio.\n"
+           "  --synthetic NAME  no weight file: the backend makes seeded weights (--seed) of the layout\n"
+           "                    NAME = deepseek4-tiny|small|full-f32|q8_0|q2|q4 (as `synth` writes it)\n"
            "  --repeat N        timed samples per figure (default 5); --warmup N untimed runs (default 1)\n"
            "  --batch LIST      batched decode: for each count N, N streams (each prefilled with its own\n"
            "                    --batch-ctx tokens, default 128) decode --gen tokens together, one\n"
@@ -189,6 +202,24 @@ static void print_help(void) {
 }
 
 static bool valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
+
+/* "deepseek4-SCALE-QUANT": the layout of `ds4server synth --scale SCALE --quant QUANT`. */
+static bool parse_synthetic(const char *v, ds4_scale *scale, ds4_quant_scheme *quant) {
+    static const struct { const char *name; ds4_scale scale; } scales[] = {
+        { "tiny", DS4_SCALE_TINY }, { "small", DS4_SCALE_SMALL }, { "full", DS4_SCALE_FULL }
+    };
+    if (strncmp(v, "deepseek4-", 10)) return false;
+    for (size_t i = 0; i < sizeof scales / sizeof scales[0]; i++) {
+        const size_t n = strlen(scales[i].name);
+        if (strncmp(v + 10, scales[i].name, n) || v[10 + n] != '-') continue;
+        const int q = ds4_quant_scheme_parse(v + 11 + n);
+        if (q < 0) return false;
+        *scale = scales[i].scale;
+        *quant = (ds4_quant_scheme)q;
+        return true;
+    }
+    return false;
+}
 
 /* 0 when parsed, 2 on a usage error (message printed), -1 for --help. */
 static int parse_opts(int argc, char **argv, opts *o) {
@@ -218,6 +249,11 @@ static int parse_opts(int argc, char **argv, opts *o) {
         if (!v) return usage_error("option %s needs a value", a);
         i++;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--synthetic")) {
+            if (!parse_synthetic(v, &o->syn_scale, &o->syn_quant))
+                return usage_error("--synthetic must be deepseek4-tiny|small|full-f32|q8_0|q2|q4, not '%s'", v);
+            o->synthetic = v;
+        }
         else if (!strcmp(a, "--json")) o->json = v;
         else if (!strcmp(a, "--md")) o->md = v;
         else if (!strcmp(a, "--backend")) {
@@ -287,7 +323,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             return usage_error("unknown option '%s'", a);
         }
     }
-    if (!o->model) return usage_error("no model given (-m FILE)%s", NULL);
+    if (!o->model == !o->synthetic) return usage_error("give a model: -m FILE or --synthetic NAME (one of them)%s", NULL);
     const char *bk[2] = { o->backend, o->ab == AB_BACKEND ? o->ab_value : NULL };
     for (int k = 0; k < 2; k++)
         if (bk[k] && !ds4_backend_compiled(bk[k]))
@@ -487,8 +523,10 @@ static int load_variant(bench *b, variant *v) {
         return tool_fail(CMD, "backend %s: %s", v->backend, err.message);
     v->owns = true;
     double t0 = tool_now();
-    if (ds4_model_load_progress(b->f, v->be, load_progress, &v->load, &v->m, &err))
-        return tool_fail(CMD, "loading %s on %s: %s", b->o.model, v->backend, err.message);
+    const ds4_status st = b->o.synthetic
+                              ? ds4_model_load_synthetic(b->f, v->be, b->o.seed, load_progress, &v->load, &v->m, &err)
+                              : ds4_model_load_progress(b->f, v->be, load_progress, &v->load, &v->m, &err);
+    if (st) return tool_fail(CMD, "loading %s on %s: %s", b->o.model_label, v->backend, err.message);
     v->load.weights_s = tool_now() - t0;
     ds4_backend_counters c;
     ds4_backend_counters_get(v->be, &c);
@@ -985,7 +1023,7 @@ static void get_provenance(bench *b, prov *p) {
     struct tm tm;
     if (gmtime_r(&t, &tm)) strftime(p->date, sizeof p->date, "%Y-%m-%dT%H:%M:%SZ", &tm);
     struct stat sb;
-    p->file_bytes = stat(b->o.model, &sb) == 0 ? (int64_t)sb.st_size : (int64_t)b->f->size;
+    p->file_bytes = b->o.model && stat(b->o.model, &sb) == 0 ? (int64_t)sb.st_size : (int64_t)b->f->size;
     p->fingerprint = ds4_model_fingerprint(b->var[0].m);
 }
 
@@ -1090,7 +1128,10 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         tool_json_escape(f, argv[i], strlen(argv[i]));
     }
     fputs("\",\n    \"model\": {\"path\": ", f);
-    bench_json_str(f, o->model);
+    bench_json_str(f, o->model_label);
+    fputs(", \"synthetic\": ", f);
+    if (o->synthetic) bench_json_str(f, o->synthetic);
+    else fputs("null", f);
     fprintf(f, ", \"file_bytes\": %lld, \"fingerprint\": \"%016llx\", \"n_layer\": %d, \"n_embd\": %lld, "
             "\"n_vocab\": %lld, \"n_expert\": %d, \"n_expert_used\": %d, \"sliding_window\": %d, "
             "\"context_length\": %llu},\n",
@@ -1342,7 +1383,7 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     const opts *o = &b->o;
     const variant *v = &b->var[0];
     fprintf(f, "## ds4server bench\n\n");
-    fprintf(f, "- model: `%s` (%.3f GB, fingerprint %016llx, %d layers, vocab %lld, %d of %d experts)\n", o->model,
+    fprintf(f, "- model: `%s` (%.3f GB, fingerprint %016llx, %d layers, vocab %lld, %d of %d experts)\n", o->model_label,
             (double)p->file_bytes / 1e9, (unsigned long long)p->fingerprint, b->cfg->n_layer,
             (long long)b->cfg->n_vocab, b->cfg->n_expert_used, b->cfg->n_expert);
     fprintf(f, "- backend %s, numerics %s, threads %lld; commit %s%s; %s\n", v->backend, numerics_name(v->num),
@@ -1502,6 +1543,26 @@ static void bench_free(bench *b) {
     gguf_close(b->f);
 }
 
+/* --synthetic: the model's layout as a GGUF without weight data (a sparse
+ * file: metadata only), in $TMPDIR (default /tmp); the backend makes the
+ * weights when the model is loaded. */
+static int write_synthetic(opts *o) {
+    const char *dir = getenv("TMPDIR");
+    snprintf(o->syn_path, sizeof o->syn_path, "%s/ds4-synthetic-XXXXXX", dir && *dir ? dir : "/tmp");
+    const int fd = mkstemp(o->syn_path);
+    if (fd < 0) return tool_fail(CMD, "%s: %s", o->syn_path, strerror(errno));
+    close(fd);
+    snprintf(o->model_label, sizeof o->model_label, "synthetic %s, seed %llu", o->synthetic,
+             (unsigned long long)o->seed);
+    ds4_error err = { 0 };
+    fprintf(stderr, "ds4server bench: %s: layout in %s\n", o->model_label, o->syn_path);
+    if (ds4_synth_write(o->syn_path, o->syn_scale, o->syn_quant, o->seed, NULL, true, &err)) {
+        unlink(o->syn_path);
+        return tool_fail(CMD, "%s", err.message);
+    }
+    return 0;
+}
+
 int tool_bench(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--ops")) return bench_ops_main(argc - 1, argv + 1);
     bench *b = calloc(1, sizeof *b);
@@ -1518,10 +1579,15 @@ int tool_bench(int argc, char **argv) {
     opts *o = &b->o;
     ds4_error err = { 0 };
     double t0 = tool_now();
-    if (gguf_open(o->model, &b->f, &err)) {
+    if (o->synthetic && (rc = write_synthetic(o))) goto done;
+    if (!o->synthetic) snprintf(o->model_label, sizeof o->model_label, "%s", o->model);
+    const char *path = o->synthetic ? o->syn_path : o->model;
+    if (gguf_open(path, &b->f, &err)) {
         rc = tool_fail(CMD, "%s", err.message);
+        if (o->synthetic) unlink(o->syn_path);
         goto done;
     }
+    if (o->synthetic) unlink(o->syn_path); /* the mapping stays; nothing is left behind */
     const double open_s = tool_now() - t0;
     /* fail now, not after a long run, when an output cannot be written */
     const char *outs[2] = { o->json, o->md };
@@ -1538,7 +1604,7 @@ int tool_bench(int argc, char **argv) {
     A->num = o->num;
     A->threads = o->threads;
     b->n_var = 1; /* from here bench_free releases what the variants own */
-    fprintf(stderr, "ds4server bench: loading %s on %s\n", o->model, A->backend);
+    fprintf(stderr, "ds4server bench: loading %s on %s\n", o->model_label, A->backend);
     if ((rc = load_variant(b, A))) goto done;
     A->load.open_s = open_s;
     b->cfg = ds4_model_config(A->m);
@@ -1556,7 +1622,7 @@ int tool_bench(int argc, char **argv) {
             B->be = NULL;
             B->m = NULL;
             b->n_var = 2;
-            fprintf(stderr, "ds4server bench: loading %s on %s (variant B)\n", o->model, B->backend);
+            fprintf(stderr, "ds4server bench: loading %s on %s (variant B)\n", o->model_label, B->backend);
             if ((rc = load_variant(b, B))) goto done;
         }
         b->n_var = 2;

@@ -79,7 +79,7 @@ static void weight_make(test_weight *tw, const char *name, uint32_t type, int64_
     tw->data = malloc((size_t)(rb * n_rows));
     if (!t || rb <= 0 || !tw->data) abort();
     for (int64_t r = 0; r < n_rows; r++) t->quantize_row(src + r * n_in, (uint8_t *)tw->data + r * rb, n_in);
-    tw->w = (ds4_weight){ name, type, { n_in, n_rows, 1, 1 }, rb, tw->data, NULL };
+    tw->w = (ds4_weight){ name, type, { n_in, n_rows, 1, 1 }, rb, tw->data, NULL, NULL };
 }
 
 static void weight_free(test_weight *tw) { free(tw->data); }
@@ -674,7 +674,7 @@ static void test_matmul_f16_all_values(void) {
         if ((bits & 0x7c00u) != 0x7c00u) h[k++] = (uint16_t)bits;
     CHECK(k == n_in * n_w);
     for (int64_t j = 0; j < n_in; j++) x[j * n_in + j] = 1.0f;
-    ds4_weight w = { "f16", DS4_TYPE_F16, { n_in, n_w, 1, 1 }, n_in * 2, h, NULL };
+    ds4_weight w = { "f16", DS4_TYPE_F16, { n_in, n_w, 1, 1 }, n_in * 2, h, NULL, NULL };
     for (int num = 0; num < 2; num++) {
         be->ops->matmul(be, &w, 0, n_w, x, n_in, out, n_w, n_in, num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4);
         int bad = 0;
@@ -1703,7 +1703,7 @@ static void test_bench_matmul(void) {
         int64_t rb;
         void *data = random_blocks(shapes[s].type, shapes[s].n_in, shapes[s].n_out, &rb);
         ds4_weight w = { ds4_type_name(shapes[s].type), shapes[s].type, { shapes[s].n_in, shapes[s].n_out, 1, 1 }, rb,
-                         data, NULL };
+                         data, NULL, NULL };
         for (int num = 0; num < 2; num++)
             for (int nt = 1; nt <= 2; nt++) {
                 ds4_backend *be = new_backend(nt);

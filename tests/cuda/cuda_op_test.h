@@ -226,7 +226,7 @@ static op_weight *op_weight_make(op_pair *p, const char *name, uint32_t type, in
     const size_t total = (size_t)(rb * ne1 * ne2);
     w->bytes = malloc(total ? total : 1);
     memcpy(w->bytes, bytes, total);
-    ds4_weight base = { name, type, { ne0, ne1, ne2, 1 }, rb, w->bytes, NULL };
+    ds4_weight base = { name, type, { ne0, ne1, ne2, 1 }, rb, w->bytes, NULL, NULL };
     w->c = base;
     w->g = base;
     ds4_error err = { 0 };

@@ -637,7 +637,7 @@ static void test_attention_ops_errors(void) {
     float sv[64];
     for (int i = 0; i < 64; i++) sv[i] = (float)i;
     op_weight *sinks = op_weight_floats(&p, "sinks", DS4_TYPE_F32, 8, 1, 1, sv);
-    ds4_weight bogus = { "bogus", 1000, { 64, 1, 1, 1 }, 0, NULL, NULL }; /* a type nobody can read */
+    ds4_weight bogus = { "bogus", 1000, { 64, 1, 1, 1 }, 0, NULL, NULL, NULL }; /* a type nobody can read */
     struct {
         int64_t heads, dim, n_a, n_b;
         int sinks; /* 0 NULL, 1 ok, 2 bogus */

@@ -192,7 +192,7 @@ static void test_weight_bind_errors(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
     uint8_t bytes[64] = { 0 };
-    ds4_weight w = { "bad", DS4_TYPE_F32, { 16, 1, 1, 1 }, 60, bytes, NULL }; /* row_bytes wrong */
+    ds4_weight w = { "bad", DS4_TYPE_F32, { 16, 1, 1, 1 }, 60, bytes, NULL, NULL }; /* row_bytes wrong */
     ds4_error err = { 0 };
     CHECK(p.gpu->ops->bind_weight(p.gpu, &w, &err) == DS4_ERR_INVALID);
     CHECK(strstr(err.message, "bad") != NULL);
@@ -211,7 +211,7 @@ static void test_weight_bind_errors(void) {
     const int64_t n = (int64_t)40 << 20; /* 160 MiB of F32 */
     float *big = malloc((size_t)n * sizeof *big);
     for (int64_t i = 0; i < n; i++) big[i] = (float)(i % 1000003);
-    ds4_weight wb = { "big", DS4_TYPE_F32, { 1 << 20, 40, 1, 1 }, 4 << 20, big, NULL };
+    ds4_weight wb = { "big", DS4_TYPE_F32, { 1 << 20, 40, 1, 1 }, 4 << 20, big, NULL, NULL };
     CHECK(p.gpu->ops->bind_weight(p.gpu, &wb, &err) == DS4_OK);
     float *back = malloc((size_t)n * sizeof *back);
     p.gpu->ops->download(p.gpu, back, wb.device, n);
@@ -220,6 +220,67 @@ static void test_weight_bind_errors(void) {
     p.gpu->ops->release_weight(p.gpu, &wb);
     free(big);
     free(back);
+    op_pair_close(&p);
+}
+
+/* Synthetic weights: the device makes exactly the bytes the CPU makes from
+ * the same fill (every type of the generator, sizes that are not a whole
+ * number of kernel blocks), the weight counts as bound device memory, and
+ * an integer table is made on the host. A fill of another type is refused. */
+static void test_bind_synthetic(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_Q8_0, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K,
+                               DS4_TYPE_IQ2_XXS };
+    ds4_error err = { 0 };
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
+        const ds4_type_traits *t = ds4_type_traits_get(types[k]);
+        const int64_t n = 512, rows = 333; /* 333 rows: the last kernel block is partial */
+        ds4_fill f;
+        memset(&f, 0, sizeof f);
+        f.stream = 0x1234567ull + k;
+        f.type = types[k];
+        f.block_bytes = t->block_bytes;
+        f.block_elems = t->block_elems;
+        f.center = 0.25f;
+        f.half = 0.5f;
+        f.f16_exp = 14;
+        f.d16[0] = 0x2000;
+        f.d16[1] = 0x1c00;
+        ds4_weight wc = { "synthetic", types[k], { n, rows, 1, 1 }, ds4_type_row_bytes(types[k], n), NULL, NULL, NULL };
+        ds4_weight wg = wc;
+        CHECK(p.cpu->ops->bind_synthetic(p.cpu, &wc, &f, &err) == DS4_OK);
+        CHECK_MSG(p.gpu->ops->bind_synthetic(p.gpu, &wg, &f, &err) == DS4_OK, "%s: %s", t->name, err.message);
+        if (!wc.host || !wg.device) continue;
+        const size_t bytes = (size_t)(wc.row_bytes * rows);
+        CHECK(ds4_cuda_backend_weight_bytes(p.gpu) == bytes);
+        uint8_t *back = malloc(bytes + 16);
+        p.gpu->ops->download(p.gpu, (float *)back, wg.device, (int64_t)(bytes / 4));
+        op_expect_ok(&p);
+        CHECK_MSG(memcmp(back, wc.host, bytes) == 0, "%s: device bytes differ from the host's", t->name);
+        free(back);
+        p.cpu->ops->release_weight(p.cpu, &wc);
+        p.gpu->ops->release_weight(p.gpu, &wg);
+        CHECK(ds4_cuda_backend_weight_bytes(p.gpu) == 0);
+    }
+    ds4_fill ids;
+    memset(&ids, 0, sizeof ids);
+    ids.stream = 99;
+    ids.type = DS4_TYPE_I32;
+    ids.block_bytes = 4;
+    ids.block_elems = 1;
+    ids.id_mod = 16;
+    ids.id_per_row = 6;
+    ds4_weight wi = { "ids", DS4_TYPE_I32, { 6, 100, 1, 1 }, 24, NULL, NULL, NULL };
+    CHECK(p.gpu->ops->bind_synthetic(p.gpu, &wi, &ids, &err) == DS4_OK);
+    CHECK(wi.host != NULL && wi.owned == wi.host && wi.device == NULL);
+    p.gpu->ops->release_weight(p.gpu, &wi);
+    CHECK(wi.host == NULL && wi.owned == NULL);
+    ds4_fill bad = ids;
+    bad.type = DS4_TYPE_Q8_0;
+    ds4_weight wq = { "mismatch", DS4_TYPE_F32, { 64, 2, 1, 1 }, 256, NULL, NULL, NULL };
+    CHECK(p.gpu->ops->bind_synthetic(p.gpu, &wq, &bad, &err) == DS4_ERR_INVALID);
+    CHECK(strstr(err.message, "mismatch") != NULL && wq.device == NULL);
     op_pair_close(&p);
 }
 
@@ -236,7 +297,7 @@ static void test_backend_names(void) {
 static const test_case TESTS[] = {
     TEST_ENTRY(test_memory),   TEST_ENTRY(test_add_and_rows), TEST_ENTRY(test_embed),
     TEST_ENTRY(test_rmsnorm),  TEST_ENTRY(test_rounding),     TEST_ENTRY(test_weight_bind_errors),
-    TEST_ENTRY(test_backend_names), { 0 },
+    TEST_ENTRY(test_bind_synthetic), TEST_ENTRY(test_backend_names), { 0 },
 };
 
 int main(int argc, char **argv) { return test_main(argc, argv, TESTS); }

@@ -100,7 +100,28 @@ static ds4_status cpu_bind_weight(ds4_backend *be, ds4_weight *w, ds4_error *err
     return DS4_OK;
 }
 
-static void cpu_release_weight(ds4_backend *be, ds4_weight *w) { w->device = NULL; }
+static ds4_status cpu_bind_synthetic(ds4_backend *be, ds4_weight *w, const ds4_fill *fill, ds4_error *err) {
+    void *buf = ds4_fill_host_bytes(w, fill, "cpu backend", err);
+    if (!buf) return err->status;
+    w->host = buf;
+    w->owned = buf;
+    ds4_status st = cpu_bind_weight(be, w, err);
+    if (st) {
+        free(buf);
+        w->owned = NULL;
+        w->host = NULL;
+    }
+    return st;
+}
+
+static void cpu_release_weight(ds4_backend *be, ds4_weight *w) {
+    w->device = NULL;
+    if (w->owned) {
+        if (w->host == w->owned) w->host = NULL;
+        free(w->owned);
+        w->owned = NULL;
+    }
+}
 
 const float *cpu_weight_vector(const ds4_weight *w, int64_t n, float *scratch) {
     if (w->type == DS4_TYPE_F32) return w->host;
@@ -235,6 +256,7 @@ static const ds4_backend_ops CPU_OPS = {
     .copy = cpu_copy,
     .fill = cpu_fill,
     .bind_weight = cpu_bind_weight,
+    .bind_synthetic = cpu_bind_synthetic,
     .release_weight = cpu_release_weight,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,

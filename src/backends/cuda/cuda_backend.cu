@@ -396,10 +396,12 @@ static ds4_status upload_bytes(cuda_backend *cb, void *dst, const void *src, siz
     return DS4_OK;
 }
 
-static ds4_status cuda_bind_weight(ds4_backend *be, ds4_weight *w, ds4_error *err) {
-    cuda_backend *cb = cuda_impl(be);
+/* What binding any weight checks: a type this backend computes with (or an
+ * integer table, kept on the host), whole rows, a size that fits; *bytes is
+ * its device size (0 for integer tables). */
+static ds4_status weight_fits(const ds4_weight *w, size_t *bytes, ds4_error *err) {
     const char *name = cuda_wname(w);
-    w->device = NULL;
+    *bytes = 0;
     const ds4_type_traits *t = ds4_type_traits_get(w->type);
     if (!t || (!t->dequant_row && !is_integer_type(w->type)))
         return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "cuda backend: weight %s has type %s, which it cannot compute "
@@ -414,23 +416,39 @@ static ds4_status cuda_bind_weight(ds4_backend *be, ds4_weight *w, ds4_error *er
         return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s (%s, %lld per row) has row_bytes %lld, "
                              "not %lld", name, t->name, (long long)w->ne[0], (long long)w->row_bytes,
                              (long long)expect);
-    if (!w->host) return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s has no data", name);
     const int64_t rows = cuda_weight_rows(w);
     if (rows < 0 || (rows > 0 && w->row_bytes > INT64_MAX / rows))
         return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s is too large", name);
-    const size_t bytes = (size_t)(w->row_bytes * rows);
-    void *d = NULL;
-    cudaError_t e = cudaMalloc(&d, bytes ? bytes : 1);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        size_t free_b = 0, total_b = 0;
-        (void)cudaMemGetInfo(&free_b, &total_b);
-        (void)cudaGetLastError();
-        return ds4_error_set(err, DS4_ERR_NOMEM, "cuda backend: out of device memory for weight %s (%.1f MiB; %.1f "
-                             "GiB already bound, %.1f GiB free)", name, (double)bytes / 1048576.0,
-                             (double)cb->weight_bytes / 1073741824.0, (double)free_b / 1073741824.0);
-    }
-    ds4_status st = upload_bytes(cb, d, w->host, bytes, err);
+    *bytes = (size_t)(w->row_bytes * rows);
+    return DS4_OK;
+}
+
+/* Device memory for a weight of `bytes`, or DS4_ERR_NOMEM saying how much is held and free. */
+static ds4_status weight_alloc(cuda_backend *cb, const char *name, size_t bytes, void **d, ds4_error *err) {
+    *d = NULL;
+    cudaError_t e = cudaMalloc(d, bytes ? bytes : 1);
+    if (e == cudaSuccess) return DS4_OK;
+    (void)cudaGetLastError();
+    *d = NULL;
+    size_t free_b = 0, total_b = 0;
+    (void)cudaMemGetInfo(&free_b, &total_b);
+    (void)cudaGetLastError();
+    return ds4_error_set(err, DS4_ERR_NOMEM, "cuda backend: out of device memory for weight %s (%.1f MiB; %.1f "
+                         "GiB already bound, %.1f GiB free)", name, (double)bytes / 1048576.0,
+                         (double)cb->weight_bytes / 1073741824.0, (double)free_b / 1073741824.0);
+}
+
+static ds4_status cuda_bind_weight(ds4_backend *be, ds4_weight *w, ds4_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const char *name = cuda_wname(w);
+    w->device = NULL;
+    size_t bytes;
+    ds4_status st = weight_fits(w, &bytes, err);
+    if (st || is_integer_type(w->type)) return st;
+    if (!w->host) return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: weight %s has no data", name);
+    void *d;
+    if ((st = weight_alloc(cb, name, bytes, &d, err))) return st;
+    st = upload_bytes(cb, d, w->host, bytes, err);
     if (st) {
         cudaFree(d);
         return ds4_error_prefix(err, "cuda backend: uploading weight %s", name);
@@ -441,7 +459,57 @@ static ds4_status cuda_bind_weight(ds4_backend *be, ds4_weight *w, ds4_error *er
     return DS4_OK;
 }
 
+/* Blocks [0, n_blocks) of a synthetic weight, one per thread. */
+static __global__ void synth_fill_kernel(ds4_fill f, int64_t n_blocks, uint8_t *dst) {
+    cuda_grid_wait();
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks; b += step)
+        ds4_fill_block(&f, b, dst + b * f.block_bytes);
+}
+
+/* Synthetic weights are made where they are kept: blocks on the device by
+ * synth_fill_kernel (nothing crosses the bus), integer tables on the host. */
+static ds4_status cuda_bind_synthetic(ds4_backend *be, ds4_weight *w, const ds4_fill *fill, ds4_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const char *name = cuda_wname(w);
+    w->device = NULL;
+    size_t bytes;
+    ds4_status st = weight_fits(w, &bytes, err);
+    if (st) return st;
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    if (!fill || fill->type != w->type || !ds4_fill_type_ok(w->type) || fill->block_bytes != t->block_bytes)
+        return ds4_error_set(err, DS4_ERR_INVALID, "cuda backend: synthetic weight %s (%s) does not match its fill",
+                             name, ds4_type_name(w->type));
+    if (is_integer_type(w->type)) {
+        void *buf = ds4_fill_host_bytes(w, fill, "cuda backend", err);
+        if (!buf) return err->status;
+        w->host = buf;
+        w->owned = buf;
+        return DS4_OK;
+    }
+    void *d;
+    if ((st = weight_alloc(cb, name, bytes, &d, err))) return st;
+    const int64_t n_blocks = (int64_t)(bytes / (size_t)t->block_bytes);
+    const int64_t grid = n_blocks / 256 + 1 < 16384 ? n_blocks / 256 + 1 : 16384;
+    if (!cuda_launch(be, "synth_fill_kernel", synth_fill_kernel, (unsigned)grid, 256, 0, *fill, n_blocks,
+                     (uint8_t *)d) ||
+        !CUDA_OK(be, cudaStreamSynchronize(cb->stream)) || cuda_failed(be)) {
+        cudaFree(d);
+        if (!cuda_take_error(be, err)) ds4_error_set(err, DS4_ERR_DEVICE, "the synthetic fill kernel failed");
+        return ds4_error_prefix(err, "cuda backend: making synthetic weight %s", name);
+    }
+    w->device = d;
+    cb->weight_bytes += bytes;
+    note_peak(cb);
+    return DS4_OK;
+}
+
 static void cuda_release_weight(ds4_backend *be, ds4_weight *w) {
+    if (w->owned) {
+        if (w->host == w->owned) w->host = NULL;
+        free(w->owned);
+        w->owned = NULL;
+    }
     if (!w->device) return;
     cuda_backend *cb = cuda_impl(be);
     (void)cuda_sync(be);
@@ -740,6 +808,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .copy = cuda_copy,
     .fill = cuda_fill,
     .bind_weight = cuda_bind_weight,
+    .bind_synthetic = cuda_bind_synthetic,
     .release_weight = cuda_release_weight,
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,

@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "core/quant.h"
+#include "models/deepseek4/ds4_synth.h"
 
 #define EVAL_CHUNK 256 /* tokens per layer-major pass (bounds scratch memory) */
 
@@ -142,7 +143,13 @@ static void shape_str(const uint64_t *ne, uint32_t n, char *buf, size_t cap) {
     if (o < cap) snprintf(buf + o, cap - o, "]");
 }
 
-static ds4_status bind_one(ds4_model *m, const ds4_tensor_spec *spec, uint32_t q2_type, ds4_error *err) {
+/* Synthetic weights (ds4_model_load_synthetic): the seed they are drawn from. */
+typedef struct synth_src {
+    uint64_t seed;
+} synth_src;
+
+static ds4_status bind_one(ds4_model *m, const ds4_tensor_spec *spec, int64_t index, uint32_t q2_type,
+                           const synth_src *syn, ds4_error *err) {
     const gguf_tensor *t = gguf_find_tensor(m->file, spec->name);
     if (!t) {
         if (strstr(spec->name, "exp_probs_b")) return DS4_OK; /* optional: no selection bias */
@@ -169,7 +176,17 @@ static ds4_status bind_one(ds4_model *m, const ds4_tensor_spec *spec, uint32_t q
     w->host = t->data;
     w->device = NULL;
     m->bound[m->n_bound++] = w;
-    ds4_status st = m->be->ops->bind_weight(m->be, w, err);
+    ds4_status st;
+    if (syn) {
+        ds4_fill fill;
+        st = ds4_synth_fill_for(spec, w->type, &m->cfg, syn->seed, index, &fill, err);
+        if (!st && !m->be->ops->bind_synthetic)
+            st = ds4_error_set(err, DS4_ERR_UNSUPPORTED, "the %s backend cannot make synthetic weights",
+                               m->be->ops->name);
+        if (!st) st = m->be->ops->bind_synthetic(m->be, w, &fill, err);
+    } else {
+        st = m->be->ops->bind_weight(m->be, w, err);
+    }
     if (st) {
         m->n_bound--; /* not bound: nothing to release */
         free(name);
@@ -204,8 +221,22 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
     return DS4_OK;
 }
 
+static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn fn, void *ctx, const synth_src *syn,
+                             ds4_model **out, ds4_error *err);
+
 ds4_status ds4_model_load_progress(gguf_file *file, ds4_backend *be, ds4_model_load_fn fn, void *ctx,
                                    ds4_model **out, ds4_error *err) {
+    return load_model(file, be, fn, ctx, NULL, out, err);
+}
+
+ds4_status ds4_model_load_synthetic(gguf_file *file, ds4_backend *be, uint64_t seed, ds4_model_load_fn fn,
+                                    void *ctx, ds4_model **out, ds4_error *err) {
+    const synth_src syn = { seed };
+    return load_model(file, be, fn, ctx, &syn, out, err);
+}
+
+static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn fn, void *ctx, const synth_src *syn,
+                             ds4_model **out, ds4_error *err) {
     *out = NULL;
     ds4_status ops_st = check_ops(be, err);
     if (ops_st) return ops_st;
@@ -240,7 +271,7 @@ ds4_status ds4_model_load_progress(gguf_file *file, ds4_backend *be, ds4_model_l
         if (t) total += (int64_t)t->n_bytes;
     }
     for (int64_t i = 0; i < n && !st; i++) {
-        st = bind_one(m, &specs[i], q2[i].type, err);
+        st = bind_one(m, &specs[i], i, q2[i].type, syn, err);
         const gguf_tensor *t = fn && !st ? gguf_find_tensor(file, specs[i].name) : NULL;
         if (t) {
             done += (int64_t)t->n_bytes;

@@ -79,6 +79,14 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers);
 typedef void (*ds4_model_load_fn)(void *ctx, int64_t done, int64_t total);
 ds4_status ds4_model_load_progress(gguf_file *file, ds4_backend *be, ds4_model_load_fn fn, void *ctx,
                                    ds4_model **out, ds4_error *err);
+/* As ds4_model_load_progress, but the weights' bytes are not read from the
+ * file: the backend makes them itself (bind_synthetic) from `seed`, tensor
+ * by tensor, with the file's names, types and shapes. For benchmarks of
+ * models of the real size without a file of their weights: the file may be
+ * one written with no weight data (ds4_synth_write with `zero`). The same
+ * seed gives the same weights on every backend. */
+ds4_status ds4_model_load_synthetic(gguf_file *file, ds4_backend *be, uint64_t seed, ds4_model_load_fn fn,
+                                    void *ctx, ds4_model **out, ds4_error *err);
 
 /* ---- state as bytes (DS4's session payload, spec 4.3) ------------------ */
 

@@ -118,6 +118,28 @@ static float role_value(rng *r, const ds4_tensor_spec *t) {
     }
 }
 
+/* The f16 scale fields (d, dmin) of a quantised block type whose values
+ * should spread like normal(0, 1/fan_in): |value| of IQ2_XXS ~ d * (0.5 +
+ * s) / 4 * 25 with s ~ 7.5; Q2_K value = d*sc*q - dmin*m with sc, m ~ 7.5, q
+ * ~ 1.5; Q4_K the same with sc, m up to 63, q ~ 7.5; Q8_0 d * q with q
+ * uniform over the codes (|q| ~ 74 rms). */
+static void block_scales(uint32_t type, int64_t fan_in, uint16_t d16[2]) {
+    const float sd = 1.0f / sqrtf((float)(fan_in > 0 ? fan_in : 1));
+    d16[0] = d16[1] = 0;
+    switch (type) {
+    case DS4_TYPE_IQ2_XXS: d16[0] = ds4_f32_to_f16(sd / 50.0f); break;
+    case DS4_TYPE_Q2_K:
+        d16[0] = ds4_f32_to_f16(sd / 6.0f);
+        d16[1] = ds4_f32_to_f16(sd / 10.0f);
+        break;
+    case DS4_TYPE_Q4_K:
+        d16[0] = ds4_f32_to_f16(sd / 120.0f);
+        d16[1] = ds4_f32_to_f16(sd / 60.0f);
+        break;
+    case DS4_TYPE_Q8_0: d16[0] = ds4_f32_to_f16(sd / 74.0f); break;
+    }
+}
+
 /* Fill one row of a 2/4-bit expert type with random valid blocks whose
  * values spread like normal(0, 1/fan_in). */
 static void random_blocks(rng *r, uint32_t type, uint8_t *row, int64_t row_bytes, int64_t fan_in) {
@@ -125,30 +147,61 @@ static void random_blocks(rng *r, uint32_t type, uint8_t *row, int64_t row_bytes
         uint64_t v = rng_next(r);
         memcpy(row + i, &v, (size_t)(row_bytes - i < 8 ? row_bytes - i : 8));
     }
-    const float sd = 1.0f / sqrtf((float)fan_in);
+    uint16_t d16[2];
+    block_scales(type, fan_in, d16);
     const int64_t bb = ds4_type_traits_get(type)->block_bytes;
     for (int64_t b = 0; b < row_bytes / bb; b++) {
         uint8_t *blk = row + b * bb;
-        uint16_t d, dmin;
         switch (type) {
-        case DS4_TYPE_IQ2_XXS: /* |value| ~ d * (0.5 + s) / 4 * 25 with s ~ 7.5 */
-            d = ds4_f32_to_f16(sd / 50.0f);
-            memcpy(blk, &d, 2);
+        case DS4_TYPE_IQ2_XXS: memcpy(blk, &d16[0], 2); break;
+        case DS4_TYPE_Q2_K:
+            memcpy(blk + 80, &d16[0], 2);
+            memcpy(blk + 82, &d16[1], 2);
             break;
-        case DS4_TYPE_Q2_K: /* value = d*sc*q - dmin*m, sc, m ~ 7.5, q ~ 1.5 */
-            d = ds4_f32_to_f16(sd / 6.0f);
-            dmin = ds4_f32_to_f16(sd / 10.0f);
-            memcpy(blk + 80, &d, 2);
-            memcpy(blk + 82, &dmin, 2);
-            break;
-        case DS4_TYPE_Q4_K: /* value = d*sc*q - dmin*m, sc, m up to 63, q ~ 7.5 */
-            d = ds4_f32_to_f16(sd / 120.0f);
-            dmin = ds4_f32_to_f16(sd / 60.0f);
-            memcpy(blk, &d, 2);
-            memcpy(blk + 2, &dmin, 2);
-            break;
+        case DS4_TYPE_Q4_K: memcpy(blk, d16, 4); break;
         }
     }
+}
+
+ds4_status ds4_synth_fill_for(const ds4_tensor_spec *t, uint32_t type, const ds4_config *cfg, uint64_t seed,
+                              int64_t index, ds4_fill *f, ds4_error *err) {
+    memset(f, 0, sizeof *f);
+    const ds4_type_traits *tr = ds4_type_traits_get(type);
+    if (!tr || !ds4_fill_type_ok(type) || (type == DS4_TYPE_I32) != (t->role == DS4_ROLE_TID2EID))
+        return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "synthetic weights: %s cannot be made as %s", t->name,
+                             ds4_type_name(type));
+    f->stream = ds4_fill_mix(seed * 0x100000001B3ULL ^ (uint64_t)(index + 1) * 0x9E3779B97F4A7C15ULL);
+    f->type = type;
+    f->block_bytes = tr->block_bytes;
+    f->block_elems = tr->block_elems;
+    /* the roles' centres and spreads (uniform: half = sqrt(3) standard deviations) */
+    const float k = 1.7320508f;
+    const float sd = 1.0f / sqrtf((float)(t->fan_in > 0 ? t->fan_in : 1));
+    switch (t->role) {
+    case DS4_ROLE_NORM: f->center = 1.0f, f->half = 0.1f * k; break;
+    case DS4_ROLE_HC_SCALE: f->center = 1.0f, f->half = 0.5f; break;
+    case DS4_ROLE_HC_BASE: f->half = 0.5f * k; break;
+    case DS4_ROLE_SINK: f->half = k; break;
+    case DS4_ROLE_BIAS: f->half = 0.05f * k; break;
+    case DS4_ROLE_APE: f->half = 0.5f * k; break;
+    case DS4_ROLE_EMBEDDING: f->half = k; break;
+    default: f->half = sd * k; break;
+    }
+    if (type == DS4_TYPE_F16) {
+        if (f->center != 0.0f)
+            return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "synthetic weights: %s is F16 but centred away from 0",
+                                 t->name);
+        f->f16_exp = (int32_t)((ds4_f32_to_f16(f->half) >> 10) & 0x1f);
+    }
+    if (type == DS4_TYPE_I32) {
+        f->id_mod = cfg->n_expert;
+        f->id_per_row = (int32_t)t->ne[0];
+        if (f->id_per_row < 1 || f->id_per_row > f->id_mod)
+            return ds4_error_set(err, DS4_ERR_INVALID, "synthetic weights: %s has rows of %d ids of %d experts",
+                                 t->name, f->id_per_row, f->id_mod);
+    }
+    block_scales(type, t->fan_in, f->d16);
+    return DS4_OK;
 }
 
 /* One row of tensor t into buf: its own random stream (seed, tensor, row),

@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "core/synth_fill.h"
 #include "models/deepseek4/ds4_config.h"
 
 /* Write `path` (atomically) with the layout of the preset `scale` in the
@@ -13,5 +14,12 @@
  * `zero` writes no weight data (a sparse file of zeros). */
 ds4_status ds4_synth_write(const char *path, ds4_scale scale, ds4_quant_scheme quant, uint64_t seed,
                            const char *tokenizer, bool zero, ds4_error *err);
+
+/* How a backend fills tensor t (stored as `type`, entry `index` of the
+ * layout) of a synthetic model drawn from `seed` (see core/synth_fill.h):
+ * values sized by the tensor's role, as the file writer above sizes them.
+ * DS4_ERR_UNSUPPORTED for a type the generator cannot make. */
+ds4_status ds4_synth_fill_for(const ds4_tensor_spec *t, uint32_t type, const ds4_config *cfg, uint64_t seed,
+                              int64_t index, ds4_fill *f, ds4_error *err);
 
 #endif
