@@ -353,6 +353,61 @@ static void test_memory_ops(void) {
     ds4_backend_destroy(be);
 }
 
+/* bind_synthetic: the weight's bytes are every block of the fill, held by
+ * the backend (w->owned, w->host) until release_weight frees them; a fill
+ * that does not suit the weight (another type, a block size of another
+ * type, a type the generator cannot make) is refused, naming the weight. */
+static void test_bind_synthetic(void) {
+    ds4_backend *be = new_backend(1);
+    ds4_error err = { 0 };
+    const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_Q8_0, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K,
+                               DS4_TYPE_IQ2_XXS };
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
+        const ds4_type_traits *t = ds4_type_traits_get(types[k]);
+        ds4_fill f;
+        memset(&f, 0, sizeof f);
+        f.stream = 77 + k;
+        f.type = types[k];
+        f.block_bytes = t->block_bytes;
+        f.block_elems = t->block_elems;
+        f.half = 0.5f;
+        f.f16_exp = 14;
+        f.d16[0] = 0x2000;
+        f.d16[1] = 0x1c00;
+        ds4_weight w = { "blk.0.synthetic.weight", types[k], { 512, 3, 1, 1 }, ds4_type_row_bytes(types[k], 512),
+                         NULL, NULL, NULL };
+        CHECK(be->ops->bind_synthetic(be, &w, &f, &err) == DS4_OK);
+        CHECK(w.host != NULL && w.owned == w.host && w.device == NULL);
+        if (!w.host) continue;
+        const int64_t bytes = w.row_bytes * 3;
+        uint8_t *want = malloc((size_t)bytes);
+        for (int64_t b = 0; b < bytes / t->block_bytes; b++) ds4_fill_block(&f, b, want + b * t->block_bytes);
+        CHECK_MSG(memcmp(want, w.host, (size_t)bytes) == 0, "%s", t->name);
+        free(want);
+        float x[512], y[3];
+        fill_normal(x, 512, 1.0);
+        be->ops->matmul(be, &w, 0, 3, x, 512, y, 3, 1, DS4_NUMERICS_DS4); /* it computes like any weight */
+        CHECK(take_error(be, NULL, 0) == DS4_OK && isfinite(y[0]) && isfinite(y[2]));
+        be->ops->release_weight(be, &w);
+        CHECK(w.host == NULL && w.owned == NULL);
+    }
+    ds4_fill f;
+    memset(&f, 0, sizeof f);
+    f.type = DS4_TYPE_Q8_0;
+    f.block_bytes = 34;
+    f.block_elems = 32;
+    ds4_weight w = { "blk.0.mismatch.weight", DS4_TYPE_Q4_K, { 256, 1, 1, 1 }, 144, NULL, NULL, NULL };
+    CHECK(be->ops->bind_synthetic(be, &w, &f, &err) == DS4_ERR_INVALID && !w.owned && !w.host);
+    CHECK(strstr(err.message, "blk.0.mismatch.weight") != NULL);
+    f.type = DS4_TYPE_Q4_K; /* the right type, another type's block size */
+    CHECK(be->ops->bind_synthetic(be, &w, &f, &err) == DS4_ERR_INVALID);
+    ds4_weight w5 = { "blk.0.q5.weight", DS4_TYPE_Q5_K, { 256, 1, 1, 1 }, 176, NULL, NULL, NULL };
+    f.type = DS4_TYPE_Q5_K;
+    f.block_bytes = 176;
+    CHECK(be->ops->bind_synthetic(be, &w5, &f, &err) == DS4_ERR_INVALID);
+    ds4_backend_destroy(be);
+}
+
 static void test_bind_weight(void) {
     ds4_backend *be = new_backend(1);
     ds4_error err = { 0 };
@@ -363,12 +418,12 @@ static void test_bind_weight(void) {
     tw.w.device = (void *)1;
     CHECK(be->ops->bind_weight(be, &tw.w, &err) == DS4_OK && tw.w.device == NULL);
     be->ops->release_weight(be, &tw.w);
-    ds4_weight q40 = { "blk.1.ffn_down.weight", DS4_TYPE_Q4_0, { 64, 1, 1, 1 }, 36, tw.data, NULL };
+    ds4_weight q40 = { "blk.1.ffn_down.weight", DS4_TYPE_Q4_0, { 64, 1, 1, 1 }, 36, tw.data, NULL, NULL };
     CHECK(be->ops->bind_weight(be, &q40, &err) == DS4_ERR_UNSUPPORTED);
     CHECK(strstr(err.message, "blk.1.ffn_down.weight") && strstr(err.message, "Q4_0"));
     /* integer tables (tid2eid) bind: the model reads them from host memory */
     int32_t ids[12] = { 0 };
-    ds4_weight i32 = { "blk.0.ffn_gate_tid2eid.weight", DS4_TYPE_I32, { 6, 2, 1, 1 }, 24, ids, NULL };
+    ds4_weight i32 = { "blk.0.ffn_gate_tid2eid.weight", DS4_TYPE_I32, { 6, 2, 1, 1 }, 24, ids, NULL, NULL };
     CHECK(be->ops->bind_weight(be, &i32, &err) == DS4_OK);
     ds4_weight bad_rb = tw.w;
     bad_rb.row_bytes = 35;
@@ -651,7 +706,7 @@ static void test_matmul_q8_0_ties(void) {
         w[j].d = ds4_f32_to_f16(1.0f);
         w[j].qs[j] = 1;
     }
-    ds4_weight wt = { "onehot", DS4_TYPE_Q8_0, { 32, 32, 1, 1 }, 34, w, NULL };
+    ds4_weight wt = { "onehot", DS4_TYPE_Q8_0, { 32, 32, 1, 1 }, 34, w, NULL, NULL };
     float x[32] = { 127.0f, 2.5f, -3.5f, 0.5f, 1.5f, -0.5f, 126.5f, 3.4f, -127.0f }, out[32];
     be->ops->matmul(be, &wt, 0, 32, x, 32, out, 32, 1, DS4_NUMERICS_DS4);
     const float want[9] = { 127, 2, -4, 0, 2, -0.0f, 126, 3, -127 };
@@ -689,7 +744,7 @@ static void test_matmul_f16_all_values(void) {
     /* inf and NaN weights propagate. */
     uint16_t special[2] = { 0x7c00u, 0x7e00u };
     float one = 1.0f, y[2];
-    ds4_weight ws = { "f16-special", DS4_TYPE_F16, { 1, 2, 1, 1 }, 2, special, NULL };
+    ds4_weight ws = { "f16-special", DS4_TYPE_F16, { 1, 2, 1, 1 }, 2, special, NULL, NULL };
     be->ops->matmul(be, &ws, 0, 2, &one, 1, y, 2, 1, DS4_NUMERICS_DS4);
     CHECK(isinf(y[0]) && y[0] > 0 && isnan(y[1]));
     expect_no_error(be);
@@ -783,7 +838,7 @@ static void test_matmul_grouped_errors(void) {
         CHECK_EQ_INT(written, 0);
     }
     /* a type without a dequantiser; an unbound weight */
-    ds4_weight q40 = { "blk.1.q40.weight", DS4_TYPE_Q4_0, { 64, 4, 1, 1 }, 36, tw.data, NULL };
+    ds4_weight q40 = { "blk.1.q40.weight", DS4_TYPE_Q4_0, { 64, 4, 1, 1 }, 36, tw.data, NULL, NULL };
     be->ops->matmul_grouped(be, &q40, 2, 2, x, 128, out, 4, 1, nm);
     CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_UNSUPPORTED && strstr(msg, "blk.1.q40.weight"));
     ds4_weight unbound = tw.w;
@@ -1543,8 +1598,8 @@ static void test_moe(void) {
      * form: an int32 array in a float buffer): an error naming the op, the
      * id, the range and the weight. */
     const int32_t bad[2][3] = { { 4, 5, 0 }, { -1, 1, 0 } };
-    ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL };
-    ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL };
+    ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL, NULL };
+    ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL, NULL };
     int32_t *dev_sel = (int32_t *)be1->ops->alloc(be1, n_used);
     float *dev_w = be1->ops->alloc(be1, n_used);
     be1->ops->upload(be1, dev_w, wts, n_used);
@@ -1632,8 +1687,8 @@ static void test_moe_rows(void) {
         weight_free(&up);
         weight_free(&down);
     }
-    ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL };
-    ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL };
+    ds4_weight fake = { "w", DS4_TYPE_F32, { dim, n_ff, n_expert, 1 }, dim * 4, gsrc, NULL, NULL };
+    ds4_weight fake_down = { "d", DS4_TYPE_F32, { n_ff, dim, n_expert, 1 }, n_ff * 4, dsrc, NULL, NULL };
     /* n_used 0: every row zero */
     for (int64_t i = 0; i < 3 * dim; i++) out[i] = NAN;
     be1->ops->moe(be1, &fake, &fake, &fake_down, x, sel, wts, 0, limit, out, 3, DS4_NUMERICS_DS4);
@@ -1738,6 +1793,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_op_table),
     TEST_ENTRY(test_memory_ops),
     TEST_ENTRY(test_bind_weight),
+    TEST_ENTRY(test_bind_synthetic),
     TEST_ENTRY(test_embed),
     TEST_ENTRY(test_rmsnorm),
     TEST_ENTRY(test_add_weight_row),
