@@ -40,8 +40,9 @@ def md_ops(data, path, out):
     bw = (data.get("bandwidth") or {}).get("gbps")
     out.append(f"## Weight products on their own (`{md_cell(os.path.basename(path))}`)\n")
     src = (data.get("bandwidth") or {}).get("source")
+    commit = f"`{md_cell(data['commit'])}`" if data.get("commit") else "not recorded"
     out.append(f"- backend {md_cell(data.get('backend'))}, numerics {md_cell(data.get('numerics'))}, commit "
-               f"`{md_cell(data.get('commit'))}`, widths / {data.get('div')}, dense weights rotated over "
+               f"{commit}, widths / {data.get('div')}, dense weights rotated over "
                f"{data.get('rotate_mib')} MiB")
     out.append(f"- bandwidth: {fmt(bw, '.1f')} GB/s ({md_cell(src)})\n")
     out.append("| product | weight | shape (in x out) | rows | us/call | p95 us | GB/s | of bandwidth |")
@@ -58,11 +59,15 @@ def md_ops(data, path, out):
         if "skipped" in o:
             out.append(f"{head} skipped: {md_cell(o['skipped'])} | | | |")
             continue
-        pc = o.get("per_call", {})
+        pc = o.get("per_call") or {}
         share = o.get("of_bandwidth")
         share_s = fmt(100 * share, ".0f") + "%" if isinstance(share, (int, float)) else "-"
-        out.append(f"{head} {fmt(pc.get('median_s', float('nan')) * 1e6, '.2f')} | "
-                   f"{fmt(pc.get('p95_s', float('nan')) * 1e6, '.2f')} | {fmt(o.get('gbps'), '.0f')} | {share_s} |")
+
+        def us(key):
+            v = pc.get(key)
+            return fmt(v * 1e6, ".2f") if isinstance(v, (int, float)) else "-"
+
+        out.append(f"{head} {us('median_s')} | {us('p95_s')} | {fmt(o.get('gbps'), '.0f')} | {share_s} |")
     out.append("")
 
 

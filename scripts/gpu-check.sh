@@ -34,7 +34,9 @@
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds a short
 #                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
-#                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table
+#                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table;
+#                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
+#                               device in about a second) instead of writing and loading the file
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -186,9 +188,14 @@ full_stage() {
 # a per-kernel GPU time table from Nsight Systems when it is installed.
 perf_stage() {
     local m="$SHM/full-q2.gguf" out="${OUT:-$TMP}"
-    full_model || return
+    local model=(-m "$m")
+    if [ "${BENCH_SYNTHETIC:-0}" = 1 ]; then
+        model=(--synthetic deepseek4-full-q2) # weights made on the device: no file to write or read
+    else
+        full_model || return
+    fi
     section "bench full q2 (ctx ${BENCH_CTX:-2048}, prefill ${BENCH_PREFILL:-1,128})"
-    if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx "${BENCH_CTX:-2048}" \
+    if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda --ctx "${BENCH_CTX:-2048}" \
         --prefill "${BENCH_PREFILL:-1,128}" --gen "${BENCH_GEN:-64}" --repeat "${BENCH_REPEAT:-3}" --warmup 1 \
         --ttft "${BENCH_TTFT:-512}" ${BENCH_BATCH:+--batch "$BENCH_BATCH"} --json "$out/bench.json" \
         --md "$out/bench.md"; then
@@ -199,7 +206,7 @@ perf_stage() {
     local v
     for v in ${PERF_AB:-}; do
         section "decode with $v"
-        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench -m "$m" --backend cuda --ctx "${AB_CTX:-256}" \
+        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda --ctx "${AB_CTX:-256}" \
             --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 --json "$out/bench-${v%%=*}.json" \
             --md "$out/bench-${v%%=*}.md"; then
             record "bench full q2 ($v)" PASS
@@ -209,7 +216,7 @@ perf_stage() {
     done
     local nsys
     nsys=$(command -v nsys 2>/dev/null || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n1)
-    if [ -n "$nsys" ]; then
+    if [ -n "$nsys" ] && [ -s "$m" ]; then
         section "nsys: 4 prompt tokens + 32 greedy"
         if timeout "$STEP_TIMEOUT" "$nsys" profile -t cuda -o "$TMP/decode" --force-overwrite true \
             build/cuda/ds4server logits -m "$m" --backend cuda --tokens 1,2,3,4 --greedy 32 >/dev/null &&
@@ -219,6 +226,8 @@ perf_stage() {
         else
             record "nsys kernel table" "FAIL"
         fi
+    elif [ -n "$nsys" ]; then
+        record "nsys kernel table" "SKIP (no model file: BENCH_SYNTHETIC=1)"
     else
         record "nsys kernel table" "SKIP (nsys not installed)"
     fi

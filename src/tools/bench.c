@@ -116,8 +116,7 @@ static double t_crit_975(int64_t df) {
 static void fill_tokens(int32_t *t, int64_t n, uint64_t seed, int64_t V) {
     uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
     for (int64_t i = 0; i < n; i++) {
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        t[i] = (int32_t)(x % (uint64_t)V);
+        t[i] = (int32_t)(bench_rng_next(&x) % (uint64_t)V);
     }
 }
 
@@ -166,12 +165,7 @@ typedef struct opts {
 
 static const char *numerics_name(ds4_numerics n) { return n == DS4_NUMERICS_DS4 ? "ds4" : "reference"; }
 
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "ds4server " CMD ": ");
-    fprintf(stderr, fmt, arg ? arg : "");
-    fprintf(stderr, " (see ds4server bench --help)\n");
-    return 2;
-}
+static int usage_error(const char *fmt, const char *arg) { return bench_usage_error(CMD, "bench", fmt, arg); }
 
 static void print_help(void) {
     printf("usage: ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference]\n"
@@ -292,12 +286,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--seed")) {
             if (!bench_parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
-            char *end;
-            errno = 0;
-            double x = strtod(v, &end);
-            if (errno || *end || !*v || !(x > 0) || !isfinite(x))
+            if (!bench_parse_positive(v, &o->bandwidth))
                 return usage_error("--bandwidth must be a positive number of GB/s, not '%s'", v);
-            o->bandwidth = x;
         } else if (!strcmp(a, "--ab")) {
             const char *eq = strchr(v, '=');
             if (!eq || !eq[1]) return usage_error("--ab takes KEY=VALUE (backend, numerics or threads), not '%s'", v);

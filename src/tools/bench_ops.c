@@ -23,8 +23,10 @@
  * random values, repeated), uploaded through bind_weight. A real token
  * reads each weight once, from memory, so the weights rotate: a dense
  * weight is bound in as many copies as make --rotate-mib MiB (default 512,
- * ten times the H200's L2), and the routed experts rotate by their ids
- * (every call another seeded choice of six). One sample is a step of
+ * ten times the H200's L2; each copy its own host buffer on a backend that
+ * computes from host memory), and the routed experts rotate by their ids
+ * (every call another seeded choice of six per row; with several rows the
+ * bytes count the distinct experts of a call, on average). One sample is a step of
  * `calls` products (at least every copy once) between step_begin and
  * step_end; on the CUDA backend that step is one CUDA graph and the
  * sample is its device time (events), on the CPU the wall time. Per call:
@@ -101,6 +103,7 @@ typedef struct op_result {
     int64_t n_in, n_out, rows, experts; /* widths after --div */
     int64_t copies, calls;
     double bytes; /* weight bytes read per call */
+    double experts_read; /* moe: distinct experts per call, on average */
     dvec samples; /* seconds per call */
     stats st;
     char timing[16]; /* "graph" (device events) or "wall" */
@@ -108,10 +111,7 @@ typedef struct op_result {
 } op_result;
 
 static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "ds4server " CMD ": ");
-    fprintf(stderr, fmt, arg ? arg : "");
-    fprintf(stderr, " (see ds4server bench --ops --help)\n");
-    return 2;
+    return bench_usage_error(CMD, "bench --ops", fmt, arg);
 }
 
 static void print_help(void) {
@@ -180,23 +180,17 @@ static int parse_opts(int argc, char **argv, opts *o) {
             if (!bench_parse_i64(v, 1, 1 << 20, &o->bw_mib))
                 return usage_error("--bandwidth-mib must be 1..1048576, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
-            char *end;
-            errno = 0;
-            double x = strtod(v, &end);
-            if (errno || *end || !(x > 0) || !isfinite(x))
+            if (!bench_parse_positive(v, &o->bandwidth))
                 return usage_error("--bandwidth must be a positive number of GB/s, not '%s'", v);
-            o->bandwidth = x;
         } else return usage_error("unknown option '%s'", a);
     }
+    bool any = !o->only;
+    for (int k = 0; k < N_SPECS && !any; k++) any = strstr(SPECS[k].name, o->only) != NULL;
+    if (!any) return usage_error("--only '%s' names no product", o->only);
     return 0;
 }
 
 /* ------------------------------------------------------------ weights */
-
-static uint64_t rng_next(uint64_t *x) {
-    *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
-    return *x;
-}
 
 /* Host bytes of `n_rows` rows of `n` elements of `type`: DISTINCT_ROWS rows
  * quantised from seeded values in [-1, 1), repeated. NULL (reason set)
@@ -223,7 +217,7 @@ static uint8_t *make_rows(uint32_t type, int64_t n, int64_t n_rows, uint64_t see
     uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
     const int64_t distinct = n_rows < DISTINCT_ROWS ? n_rows : DISTINCT_ROWS;
     for (int64_t r = 0; r < distinct; r++) {
-        for (int64_t i = 0; i < n; i++) src[i] = (float)((double)(rng_next(&x) >> 11) / 4503599627370496.0 - 1.0);
+        for (int64_t i = 0; i < n; i++) src[i] = (float)((double)(bench_rng_next(&x) >> 11) / 4503599627370496.0 - 1.0);
         uint8_t *dst = buf + r * rb;
         if (type == DS4_TYPE_F32) memcpy(dst, src, (size_t)rb);
         else if (type == DS4_TYPE_F16)
@@ -327,9 +321,17 @@ static bool upload_seeded(ds4_backend *be, float *dst, int64_t n, uint64_t seed)
     float *h = malloc((size_t)n * sizeof *h);
     if (!h) return false;
     uint64_t x = seed * 0xD1B54A32D192ED03ULL + 1;
-    for (int64_t i = 0; i < n; i++) h[i] = (float)((double)(rng_next(&x) >> 11) / 4503599627370496.0 - 0.5);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)((double)(bench_rng_next(&x) >> 11) / 4503599627370496.0 - 0.5);
     be->ops->upload(be, dst, h, n);
     free(h);
+    return true;
+}
+
+/* An error from setting a product up (an upload, say) skips it. */
+static bool setup_failed(ds4_backend *be, op_result *r) {
+    ds4_error e = { 0 };
+    if (!be->ops->take_error(be, &e)) return false;
+    snprintf(r->skipped, REASON, "setting up: %s", e.message);
     return true;
 }
 
@@ -343,7 +345,15 @@ static void take_samples(bench_ops *b, op_result *r, void (*run)(void *, int64_t
             break;
         }
         if (k >= b->o.warmup) {
-            bench_dvec_push(&r->samples, s / (double)r->calls);
+            if (r->timing[0] && strcmp(r->timing, timing)) {
+                snprintf(r->skipped, REASON, "samples timed two ways (%s and %s): a step was cut short", r->timing,
+                         timing);
+                break;
+            }
+            if (!bench_dvec_push(&r->samples, s / (double)r->calls)) {
+                snprintf(r->skipped, REASON, "out of memory for the samples");
+                break;
+            }
             snprintf(r->timing, sizeof r->timing, "%s", timing);
         }
     }
@@ -380,8 +390,21 @@ static void run_dense(bench_ops *b, op_result *r) {
         goto done;
     }
     for (; bound < r->copies; bound++) {
-        weight_init(&d.w[bound], sp->name, sp->type, r->n_in, total_rows, 1, rb, host);
+        /* a backend that computes from host memory (the CPU: no device
+         * copy) needs a buffer per copy, or every copy is the same bytes */
+        const void *src = host;
+        if (bound > 0 && !d.w[0].device) {
+            uint8_t *own = malloc((size_t)wbytes);
+            if (!own) {
+                snprintf(r->skipped, REASON, "out of memory for copy %lld of the weight", (long long)bound);
+                goto done;
+            }
+            memcpy(own, host, (size_t)wbytes);
+            src = own;
+        }
+        weight_init(&d.w[bound], sp->name, sp->type, r->n_in, total_rows, 1, rb, src);
         if (be->ops->bind_weight(be, &d.w[bound], &err)) {
+            if (src != host) free((void *)src);
             snprintf(r->skipped, REASON, "binding copy %lld: %s", (long long)bound, err.message);
             goto done;
         }
@@ -391,9 +414,14 @@ static void run_dense(bench_ops *b, op_result *r) {
         snprintf(r->skipped, REASON, "out of memory for the activation");
         goto done;
     }
+    if (setup_failed(be, r)) goto done;
     take_samples(b, r, dense_call, &d, d.out);
 done:
-    for (int64_t i = 0; i < bound; i++) be->ops->release_weight(be, &d.w[i]);
+    for (int64_t i = 0; i < bound; i++) {
+        const void *own = d.w[i].host != host ? d.w[i].host : NULL;
+        be->ops->release_weight(be, &d.w[i]);
+        free((void *)own);
+    }
     free(d.w);
     if (d.x) be->ops->free(be, d.x);
     if (d.out) be->ops->free(be, d.out);
@@ -415,7 +443,6 @@ static void run_moe(bench_ops *b, op_result *r) {
     float *hw = NULL;
     ds4_error err = { 0 };
     if (!h_d) goto done;
-    r->bytes = (double)MOE_USED * r->rows * ((double)rb_gu * n_ff * 2 + (double)rb_d * dim);
     r->calls = 64;
     r->copies = 1;
     weight_init(&gate, "ffn_gate_exps", sp->type, dim, n_ff, ne, rb_gu, h_gu);
@@ -449,7 +476,7 @@ static void run_moe(bench_ops *b, op_result *r) {
             int32_t e;
             bool dup;
             do {
-                e = (int32_t)(rng_next(&x) % (uint64_t)ne);
+                e = (int32_t)(bench_rng_next(&x) % (uint64_t)ne);
                 dup = false;
                 for (int q = 0; q < k; q++) dup |= hsel[s + q] == e;
             } while (dup);
@@ -458,6 +485,19 @@ static void run_moe(bench_ops *b, op_result *r) {
         }
     be->ops->upload(be, m.sel, (const float *)hsel, n_sel);
     be->ops->upload(be, m.wts, hw, n_sel);
+    /* bytes: the distinct experts of a call (rows may pick the same one), on average */
+    double distinct = 0;
+    for (int64_t c = 0; c < r->calls; c++) {
+        const int32_t *cs = hsel + c * m.per_call;
+        for (int64_t i = 0; i < m.per_call; i++) {
+            bool seen = false;
+            for (int64_t j = 0; j < i && !seen; j++) seen = cs[j] == cs[i];
+            distinct += !seen;
+        }
+    }
+    r->experts_read = distinct / (double)r->calls;
+    r->bytes = r->experts_read * ((double)rb_gu * n_ff * 2 + (double)rb_d * dim);
+    if (setup_failed(be, r)) goto done;
     take_samples(b, r, moe_call, &m, m.out);
 done:
     if (bg) be->ops->release_weight(be, &gate);
@@ -537,6 +577,7 @@ static void run_small(bench_ops *b, op_result *r) {
         snprintf(r->skipped, REASON, "out of memory for the activations");
         goto done;
     }
+    if (setup_failed(be, r)) goto done;
     take_samples(b, r, small_call, &c, c.out);
 done:
     if (bf) be->ops->release_weight(be, &fn);
@@ -579,7 +620,7 @@ static void write_md(FILE *f, const bench_ops *b) {
         const double g = gbps_of(r);
         fprintf(f, "| %s | %s | %s | %lld | %.2f | %.2f | %.0f | ", sp->name, type, shape, (long long)r->rows,
                 r->st.median * 1e6, r->st.p95 * 1e6, g);
-        if (b->bw_gbps > 0) fprintf(f, "%.0f%% |\n", 100.0 * g / b->bw_gbps);
+        if (b->bw_gbps > 0 && isfinite(g)) fprintf(f, "%.0f%% |\n", 100.0 * g / b->bw_gbps);
         else fprintf(f, "- |\n");
     }
     if (b->bw_gbps > 0)
@@ -604,6 +645,9 @@ static int write_json(const bench_ops *b, const char *path) {
     fputs(b->o.bandwidth > 0 ? "\"given\"" : b->bw_measured ? "\"measured\"" : "null", f);
     fputs(", \"samples\": ", f);
     bench_json_samples(f, &b->bw_samples);
+    fputs(", \"reason\": ", f);
+    if (b->bw_gbps > 0 || !b->bw_reason[0]) fputs("null", f);
+    else bench_json_str(f, b->bw_reason);
     fputs("},\n  \"ops\": [", f);
     for (int i = 0; i < b->n_res; i++) {
         const op_result *r = &b->res[i];
@@ -612,8 +656,11 @@ static int write_json(const bench_ops *b, const char *path) {
         bench_json_str(f, sp->name);
         static const char *const kinds[] = { "matmul", "matmul_grouped", "moe", "hc_pre", "rmsnorm" };
         fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"", kinds[sp->kind], ds4_type_name(sp->type));
-        if (sp->kind == OP_MOE)
-            fprintf(f, ", \"down_type\": \"%s\", \"used\": %d", ds4_type_name(sp->down_type), MOE_USED);
+        if (sp->kind == OP_MOE) {
+            fprintf(f, ", \"down_type\": \"%s\", \"used\": %d, \"experts_read\": ", ds4_type_name(sp->down_type),
+                    MOE_USED);
+            bench_json_num(f, r->experts_read);
+        }
         fprintf(f, ", \"n_in\": %lld, \"n_out\": %lld, \"groups\": %lld, \"experts\": %lld, \"rows\": %lld",
                 (long long)r->n_in, (long long)r->n_out, (long long)sp->n_groups, (long long)r->experts,
                 (long long)r->rows);

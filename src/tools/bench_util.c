@@ -136,6 +136,28 @@ void bench_json_stats_s(FILE *f, const stats *s) {
     bench_json_num(f, s->mean);
 }
 
+bool bench_parse_positive(const char *s, double *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    const double x = strtod(s, &end);
+    if (errno || *end || !(x > 0) || !isfinite(x)) return false;
+    *out = x;
+    return true;
+}
+
+uint64_t bench_rng_next(uint64_t *x) {
+    *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
+    return *x;
+}
+
+int bench_usage_error(const char *cmd, const char *help, const char *fmt, const char *arg) {
+    fprintf(stderr, "ds4server %s: ", cmd);
+    fprintf(stderr, fmt, arg ? arg : "");
+    fprintf(stderr, " (see ds4server %s --help)\n", help);
+    return 2;
+}
+
 bool bench_copy_bandwidth(ds4_backend *be, int64_t mib, int rounds, dvec *samples, char *reason, size_t cap) {
     const int64_t n = mib * 1024 * 256; /* floats */
     const int64_t bytes = n * 4;

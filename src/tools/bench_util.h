@@ -35,6 +35,14 @@ bool bench_parse_u64(const char *s, uint64_t *out);
  * ascending, duplicates dropped). */
 bool bench_parse_list(const char *s, int64_t lo, int64_t hi, int64_t *out, int *n_out);
 
+/* A positive finite number (a bandwidth in GB/s): the whole string. */
+bool bench_parse_positive(const char *s, double *out);
+/* The seeded xorshift64 stream of the benches: the next value of *x. */
+uint64_t bench_rng_next(uint64_t *x);
+/* "ds4server CMD: " + fmt (with arg) + " (see ds4server HELP --help)" on
+ * stderr; returns 2, the exit status of a usage error. */
+int bench_usage_error(const char *cmd, const char *help, const char *fmt, const char *arg);
+
 /* A JSON string; a finite double or null; an array of samples; the
  * "n", "median_s", "p95_s", "min_s", "max_s", "mean_s" members of a stats
  * (no braces). */

@@ -10,6 +10,7 @@ and that scripts/bench_report.py turns the JSON into Markdown and a
 well-formed SVG.
 """
 import json
+import os
 import math
 import re
 import subprocess
@@ -459,7 +460,11 @@ def test_ops_bench(tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     d = json.loads(js.read_text())
     assert [(o["name"], o["rows"]) for o in d["ops"]] == [("experts q2", 1), ("experts q2", 3)]
-    assert d["ops"][1]["bytes"] == 3 * d["ops"][0]["bytes"] and d["ops"][0]["used"] == 6
+    one, three = d["ops"]
+    assert one["used"] == 6 and one["experts_read"] == 6  # six distinct experts per row
+    assert 6 < three["experts_read"] <= 16  # three rows of six picks among 16 experts: some shared
+    per_expert = one["bytes"] / 6
+    assert close(three["bytes"], three["experts_read"] * per_expert, 1e-9)
 
 
 def test_report_ops(sweep, tmp_path):
@@ -488,7 +493,33 @@ def test_report_ops(sweep, tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--div", "3"], ["--rows", "0"], ["--repeat", "x"], ["--bogus", "1"],
-                                  ["--backend", "tpu"], ["--bandwidth", "-1"]])
+                                  ["--backend", "tpu"], ["--bandwidth", "-1"], ["--only", "no-such-product"]])
 def test_ops_bench_bad_options(args):
     r = ds4("bench", "--ops", *args)
     assert r.returncode == 2 and b"bench --ops" in r.stderr, (args, r.stderr.decode())
+
+
+def test_synthetic_model(tmp_path):
+    """--synthetic: no weight file; the layout goes to $TMPDIR as a GGUF
+    without weight data, removed once open, and the backend makes the
+    weights. The report names the synthetic model and its seed; a bad name,
+    or a file and a synthetic model together, is a usage error."""
+    js = tmp_path / "s.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    r = subprocess.run([str(ROOT / "build" / "ds4server"), "bench", "--synthetic", "deepseek4-tiny-q2", "--ctx", "8",
+                        "--prefill", "1", "--gen", "2", "--repeat", "1", "--ttft", "0", "--bandwidth", "10",
+                        "--seed", "3", "--json", str(js)], capture_output=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert list(tmp.iterdir()) == []
+    d = json.loads(js.read_text())
+    m = d["provenance"]["model"]
+    assert m["path"] == "synthetic deepseek4-tiny-q2, seed 3" and m["synthetic"] == "deepseek4-tiny-q2"
+    assert m["n_layer"] == 5 and m["n_vocab"] == 1024
+    assert d["decode"][0]["tokens_per_s"] > 0 and d["load"]["bytes_bound"] > 0
+    for args in (["--synthetic", "deepseek4-huge-q2"], ["--synthetic", "deepseek4-tiny-q3"],
+                 ["--synthetic", "llama-tiny-q2"], ["--synthetic", "deepseek4-tiny-q2", "-m", str(js)]):
+        r = ds4("bench", *args, "--ctx", "8")
+        assert r.returncode == 2, (args, r.stderr.decode())
+    assert b"one of them" in r.stderr

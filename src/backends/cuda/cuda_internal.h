@@ -287,7 +287,7 @@ int cuda_check_tag(ds4_backend *be, const char *name);
 static inline cuda_dev_error *cuda_dev_error_of(ds4_backend *be) { return ((cuda_backend *)be->impl)->dev_error; }
 
 #define CUDA_SMEM_DEFAULT (48 * 1024)   /* dynamic shared memory usable without opting in */
-#define CUDA_SMEM_STATIC_RESERVE 1024    /* static shared memory of the kernels, at most */
+#define CUDA_SMEM_STATIC_RESERVE 2048    /* static shared memory of the kernels, at most (matvec: 2 KiB) */
 /* Allow `kernel` `bytes` of dynamic shared memory on this backend's device:
  * free below 48 KiB, else opt in up to the device's limit. false (error
  * recorded, naming op and width) when too large. */

@@ -5,11 +5,12 @@
  * Why a separate family: in decode every weight byte is read once per token
  * and the products are bandwidth-bound. The general kernels of
  * cuda_matmul.cu read each quantised block with byte-sized loads straight
- * into the lanes that decode it; here each warp instead streams its part of
- * a weight row through shared memory with 16-byte loads (32 lanes x 16 B =
- * 512 contiguous bytes per instruction, up to 2 KB in flight per warp while
- * the previous stage is being decoded), then decodes from shared memory,
- * where the odd block sizes (34, 66, 84 bytes) cost nothing.
+ * into the lanes that decode it; here each warp instead streams its weight
+ * rows through a ring of MV_NST stages in shared memory with 16-byte
+ * cp.async copies (32 lanes x 16 B = 512 contiguous bytes per instruction;
+ * two stages of 2,176 bytes in flight while the third is decoded), then
+ * decodes from shared memory, where the odd block sizes (34, 66, 84 bytes)
+ * cost nothing.
  *
  * Arithmetic is that of cuda_matmul.cu's DS4 kinds, block for block:
  *   float weights (F32/F16/BF16): float products and float sums (per-lane
@@ -26,10 +27,12 @@
  * Layout: a weight row is cut into P parts (P warps per output; for small
  * outputs P > 1 splits the row so enough warps are in flight), a part into
  * stages of whole "units" (the fewest blocks whose bytes are a multiple of
- * 16, so every stage starts 16-byte aligned). A thread block holds 8 / P
- * outputs (or one for the expert-summing MoE down product, where the parts
- * are the experts). Partial sums meet in shared memory in part order, so
- * results are deterministic.
+ * 16, so every stage starts 16-byte aligned). When a warp holds whole rows
+ * (P = 1, or the expert-summing MoE down product, whose parts are the
+ * experts) it streams rpw consecutive rows back to back, so short rows keep
+ * stages in flight; a thread block holds 8 / P warps' rows (rpb * rpw
+ * outputs). Partial sums meet in shared memory in part order, so results
+ * are deterministic.
  *
  * IQ2_XXS decodes through two tables in shared memory: the 256 grid entries
  * expanded to eight magnitude bytes, and the 128 sign patterns (with their
@@ -49,6 +52,8 @@
 #define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
 #define MV_MAX_RPW 8         /* rows per warp (short rows: a warp streams several) */
 #define MV_MIN_WARPS 8192    /* give warps more rows only while at least this many remain */
+static_assert(MV_WARPS * MV_MAX_RPW * CUDA_MV_MAX_ROWS * sizeof(float) <= CUDA_SMEM_STATIC_RESERVE,
+              "the per-row sums (static shared memory) fit the reserve cuda_allow_dynamic_smem assumes");
 #define FULL_MASK 0xffffffffu
 
 /* DS4's Q8_0 activation block (as in cuda_matmul.cu). */
