@@ -288,7 +288,8 @@ static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool
 }
 
 /* Every n_rows in {1, 3, 37}; full range with tight strides and a sub-range
- * with strides wider than the data; a row of several blocks and a large one. */
+ * with strides wider than the data; a row of several blocks and a large one;
+ * products of tens of thousands of short rows. */
 static void check_matmul_type(uint32_t type) {
     OPEN_PAIR(p);
     const ds4_type_traits *t = ds4_type_traits_get(type);
@@ -314,6 +315,12 @@ static void check_matmul_type(uint32_t type) {
     matmul_case(&p, type, 4096, 300, false, 7, 200, 5, 4100, 256, false);
     matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
+    /* many short rows: warps stream 2 (16391 outputs) and 8 (70001) rows
+     * each, the last warp of each product with fewer; an offset range with
+     * several activation rows and wide strides */
+    matmul_case(&p, type, 256, 16391, false, 0, 16391, 1, 256, 16391, false);
+    matmul_case(&p, type, 256, 70001, false, 0, 70001, 2, 256, 70001, false);
+    matmul_case(&p, type, 256, 40000, false, 9, 33000, 5, 300, 33005, false);
     op_pair_close(&p);
 }
 
@@ -572,6 +579,8 @@ static void check_matmul_grouped_type(uint32_t type) {
     grouped_case(&p, type, 8, 4096, 300, 0, 37, 8 * 4096, 8 * 300, false);
     grouped_case(&p, type, 8, 4096, 100, 3, 5, 8 * 4096 + 64, 8 * 100 + 7, false);
     grouped_case(&p, type, 1, 4096, 200, 0, 3, 4096, 200, false);
+    /* groups of an odd 2051 rows with two rows per warp: warps that straddle two groups */
+    grouped_case(&p, type, 8, 256, 2051, 0, 1, 8 * 256, 8 * 2051, false);
     if (!is_float_type(type)) grouped_case(&p, type, 8, bl, 16, 0, 37, 8 * bl, 8 * 16, true);
     op_pair_close(&p);
 }
