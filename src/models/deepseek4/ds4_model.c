@@ -359,7 +359,7 @@ ds4_status ds4_state_create(ds4_model *m, int64_t n_ctx, ds4_state **out, ds4_er
     bool ok = s->layers != NULL;
     for (int l = 0; ok && l < c->n_layer; l++) {
         layer_state *L = &s->layers[l];
-        L->window = be->ops->alloc(be, (int64_t)c->sliding_window * c->head_dim);
+        L->window = be->ops->alloc(be, 2 * (int64_t)c->sliding_window * c->head_dim);
         ok = L->window != NULL;
         int r = c->compress_ratio[l];
         if (ok && r) ok = compressor_init(be, &L->attn, r, c->head_dim, n_ctx);
@@ -457,15 +457,34 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
 
 /* ------------------------------------------------------------ sublayers */
 
-/* Append one raw KV row to the sliding window (oldest row dropped when full). */
-static void window_push(ds4_backend *be, const ds4_config *c, layer_state *L, const float *row) {
+/* Where the next raw KV row of the window goes: the oldest row is dropped
+ * when the window is full, and the live rows move to the buffer's front
+ * when the next one would not fit (they cannot overlap their new place:
+ * W - 1 rows at most, from row W + 1 on). window_commit then counts it. */
+static float *window_slot(ds4_backend *be, const ds4_config *c, layer_state *L) {
     const int64_t D = c->head_dim, W = c->sliding_window;
     if (L->n_window == W) {
-        be->ops->copy(be, L->window, L->window + D, (W - 1) * D); /* overlapping: memmove semantics */
+        L->win_start++;
         L->n_window--;
     }
-    be->ops->copy(be, L->window + L->n_window * D, row, D);
-    L->n_window++;
+    if (L->win_start + L->n_window == 2 * W) {
+        if (L->n_window > 0) be->ops->copy(be, L->window, ds4_window_rows(L, D), L->n_window * D);
+        L->win_start = 0;
+    }
+    return L->window + (L->win_start + L->n_window) * D;
+}
+
+static void window_commit(layer_state *L) { L->n_window++; }
+
+/* Append one raw KV row to the sliding window (oldest row dropped when full). */
+static void window_push(ds4_backend *be, const ds4_config *c, layer_state *L, const float *row) {
+    be->ops->copy(be, window_slot(be, c, L), row, c->head_dim);
+    window_commit(L);
+}
+
+/* The state row a compressor keeps the token at position p's projections in. */
+static int64_t comp_state_row(const compressor_state *cs, int64_t p) {
+    return cs->ratio == 4 ? 4 + p % 4 : p % cs->ratio;
 }
 
 /* One compressor step for the token at position p (spec 3.5). kv_cur and
@@ -479,10 +498,14 @@ static void compressor_step(ds4_model *m, int l, int64_t t, compressor_state *cs
     const int64_t width = cs->coff * cs->dim;
     be->ops->add_weight_row(be, sc_cur, ape, p % ratio, 1);
     TAP(is_index ? "idx_comp_score" : "comp_score", l, t, sc_cur, width);
-    int64_t r = ratio == 4 ? 4 + p % 4 : p % ratio;
-    be->ops->copy(be, cs->state_kv + r * width, kv_cur, width);
-    be->ops->copy(be, cs->state_sc + r * width, sc_cur, width);
+    /* a single decoded token's projections were written to their state row (no copy) */
+    const int64_t r = comp_state_row(cs, p);
+    if (kv_cur != cs->state_kv + r * width) be->ops->copy(be, cs->state_kv + r * width, kv_cur, width);
+    if (sc_cur != cs->state_sc + r * width) be->ops->copy(be, cs->state_sc + r * width, sc_cur, width);
     if ((p + 1) % ratio != 0) return;
+    /* the emitted row is made in place when there is room for it */
+    const bool kept = cs->n_rows < cs->cap;
+    if (kept) row = cs->rows + cs->n_rows * cs->dim;
     be->ops->compressor_pool(be, cs->state_kv, cs->state_sc, ratio, cs->dim, row);
     TAP(is_index ? "idx_comp_pool" : "comp_pool", l, t, row, cs->dim);
     be->ops->rmsnorm(be, row, norm, m->cfg.rms_eps, row, 1, cs->dim);
@@ -497,10 +520,7 @@ static void compressor_step(ds4_model *m, int l, int64_t t, compressor_state *cs
         be->ops->round_f16(be, row, cs->dim);
         TAP(is_index ? "idx_comp_f16" : "comp_f16", l, t, row, cs->dim);
     }
-    if (cs->n_rows < cs->cap) {
-        be->ops->copy(be, cs->rows + cs->n_rows * cs->dim, row, cs->dim);
-        cs->n_rows++;
-    }
+    if (kept) cs->n_rows++;
     if (ratio == 4) { /* the current window becomes the previous one */
         be->ops->copy(be, cs->state_kv, cs->state_kv + 4 * width, 4 * width);
         be->ops->copy(be, cs->state_sc, cs->state_sc + 4 * width, 4 * width);
@@ -535,32 +555,49 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_head_norm", l, -1, s->q, n * nh * D);
     be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
     TAP("q_rope", l, -1, s->q, n * nh * D);
+    /* One decoded token of one state writes its KV row and compressor
+     * projections straight into the state (window slot, compressor state
+     * rows); a chunk or a batch of states goes through the scratch rows. */
+    const bool direct = n == 1;
+    layer_state *L0 = &rs[0]->layers[l];
+    const int64_t cw = (ratio == 4 ? 2 : 1) * D, iw = 2 * c->idx_head_dim;
+    float *kv = direct ? window_slot(be, c, L0) : s->kv;
+    float *ckv = s->ckv, *csc = s->csc, *ikv = s->ikv, *isc = s->isc;
+    if (direct && ratio) {
+        const int64_t r = comp_state_row(&L0->attn, pos[0]);
+        ckv = L0->attn.state_kv + r * cw;
+        csc = L0->attn.state_sc + r * cw;
+    }
+    if (direct && ratio == 4) {
+        const int64_t r = comp_state_row(&L0->index, pos[0]);
+        ikv = L0->index.state_kv + r * iw;
+        isc = L0->index.state_sc + r * iw;
+    }
     /* kv: projection, norm, RoPE, FP8 */
-    be->ops->matmul(be, &W->kv, 0, D, s->a, H, s->kv, D, n, num);
-    TAP("kv", l, -1, s->kv, n * D);
-    be->ops->rmsnorm(be, s->kv, &W->kv_norm, c->rms_eps, s->kv, n, D);
-    TAP("kv_norm", l, -1, s->kv, n * D);
-    be->ops->rope_tail(be, s->kv, n, 1, D, pos, rope, false);
-    TAP("kv_rope", l, -1, s->kv, n * D);
+    be->ops->matmul(be, &W->kv, 0, D, s->a, H, kv, D, n, num);
+    TAP("kv", l, -1, kv, n * D);
+    be->ops->rmsnorm(be, kv, &W->kv_norm, c->rms_eps, kv, n, D);
+    TAP("kv_norm", l, -1, kv, n * D);
+    be->ops->rope_tail(be, kv, n, 1, D, pos, rope, false);
+    TAP("kv_rope", l, -1, kv, n * D);
     if (num == DS4_NUMERICS_DS4) {
-        be->ops->round_fp8_kv(be, s->kv, n, D, c->n_rot);
-        TAP("kv_fp8", l, -1, s->kv, n * D);
-        be->ops->round_f16(be, s->kv, n * D); /* stored F16-rounded (CPU semantics) */
-        TAP("kv_f16", l, -1, s->kv, n * D);
+        be->ops->round_fp8_kv(be, kv, n, D, c->n_rot);
+        TAP("kv_fp8", l, -1, kv, n * D);
+        be->ops->round_f16(be, kv, n * D); /* stored F16-rounded (CPU semantics) */
+        TAP("kv_f16", l, -1, kv, n * D);
     }
     /* compressor and indexer projections, batched */
-    const int64_t cw = (ratio == 4 ? 2 : 1) * D, iw = 2 * c->idx_head_dim;
     if (ratio) {
-        be->ops->matmul(be, &W->comp_kv, 0, cw, s->a, H, s->ckv, cw, n, num);
-        TAP("comp_kv", l, -1, s->ckv, n * cw);
-        be->ops->matmul(be, &W->comp_gate, 0, cw, s->a, H, s->csc, cw, n, num);
-        TAP("comp_gate", l, -1, s->csc, n * cw);
+        be->ops->matmul(be, &W->comp_kv, 0, cw, s->a, H, ckv, cw, n, num);
+        TAP("comp_kv", l, -1, ckv, n * cw);
+        be->ops->matmul(be, &W->comp_gate, 0, cw, s->a, H, csc, cw, n, num);
+        TAP("comp_gate", l, -1, csc, n * cw);
     }
     if (ratio == 4) {
-        be->ops->matmul(be, &W->idx_kv, 0, iw, s->a, H, s->ikv, iw, n, num);
-        TAP("idx_comp_kv", l, -1, s->ikv, n * iw);
-        be->ops->matmul(be, &W->idx_gate, 0, iw, s->a, H, s->isc, iw, n, num);
-        TAP("idx_comp_gate", l, -1, s->isc, n * iw);
+        be->ops->matmul(be, &W->idx_kv, 0, iw, s->a, H, ikv, iw, n, num);
+        TAP("idx_comp_kv", l, -1, ikv, n * iw);
+        be->ops->matmul(be, &W->idx_gate, 0, iw, s->a, H, isc, iw, n, num);
+        TAP("idx_comp_gate", l, -1, isc, n * iw);
         be->ops->matmul(be, &W->idx_proj, 0, c->idx_n_head, s->a, H, s->iw, c->idx_n_head, n, num);
         TAP("idx_proj", l, -1, s->iw, n * c->idx_n_head);
     }
@@ -568,12 +605,13 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     for (int64_t t = 0; t < n; t++) {
         const int64_t p = pos[t];
         layer_state *L = &rs[t]->layers[l];
-        window_push(be, c, L, s->kv + t * D);
+        if (direct) window_commit(L);
+        else window_push(be, c, L, kv + t * D);
         if (ratio)
-            compressor_step(m, l, t, &L->attn, &W->comp_ape, &W->comp_norm, false, s->ckv + t * cw, s->csc + t * cw,
-                            p, s->crow, num);
+            compressor_step(m, l, t, &L->attn, &W->comp_ape, &W->comp_norm, false, ckv + t * cw, csc + t * cw, p,
+                            s->crow, num);
         if (ratio == 4)
-            compressor_step(m, l, t, &L->index, &W->idx_ape, &W->idx_norm, true, s->ikv + t * iw, s->isc + t * iw, p,
+            compressor_step(m, l, t, &L->index, &W->idx_ape, &W->idx_norm, true, ikv + t * iw, isc + t * iw, p,
                             s->crow, num);
         const int32_t *sel = NULL; /* backend memory */
         const int64_t n_rows_b = ratio ? L->attn.n_rows : 0;
@@ -600,7 +638,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
             sel = (const int32_t *)s->topk;
             n_b = c->idx_top_k;
         }
-        be->ops->attention(be, s->q + t * nh * D, nh, D, L->window, L->n_window, ratio ? L->attn.rows : NULL,
+        be->ops->attention(be, s->q + t * nh * D, nh, D, ds4_window_rows(L, D), L->n_window, ratio ? L->attn.rows : NULL,
                            n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
         TAP("attention", l, t, s->attn + t * nh * D, nh * D);
     }

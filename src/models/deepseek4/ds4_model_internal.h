@@ -45,10 +45,17 @@ typedef struct compressor_state {
 } compressor_state;
 
 typedef struct layer_state {
-    float *window; /* [W, D] raw KV rows in position order (oldest first) */
-    int64_t n_window;
+    /* [2W, D]: the live raw KV rows in position order (oldest first) are rows
+     * win_start .. win_start + n_window - 1; new rows go after them, and when
+     * they reach the end the live rows move to the front (one copy every W
+     * tokens, not a shift of the whole window every token) */
+    float *window;
+    int64_t n_window, win_start;
     compressor_state attn, index;
 } layer_state;
+
+/* The first live row of a layer's window. */
+static inline float *ds4_window_rows(const layer_state *L, int64_t dim) { return L->window + L->win_start * dim; }
 
 struct ds4_state {
     ds4_model *model;

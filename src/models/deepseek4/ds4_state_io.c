@@ -100,7 +100,7 @@ ds4_status ds4_state_save_payload(const ds4_state *s, const int32_t *tokens, int
     for (int l = 0; l < c->n_layer; l++) {
         const layer_state *L = &s->layers[l];
         /* the window holds min(pos, W) rows, oldest first: the last `live` of them */
-        put_floats(be, &w, L->window + (L->n_window - live) * (int64_t)g.dim, (int64_t)live * g.dim);
+        put_floats(be, &w, ds4_window_rows(L, g.dim) + (L->n_window - live) * (int64_t)g.dim, (int64_t)live * g.dim);
         if (c->compress_ratio[l]) {
             put_floats(be, &w, L->attn.rows, L->attn.n_rows * g.dim);
             put_floats(be, &w, L->attn.state_kv, compressor_image(&L->attn));
@@ -141,6 +141,7 @@ void ds4_state_reset(ds4_state *s) {
     for (int l = 0; l < c->n_layer; l++) {
         layer_state *L = &s->layers[l];
         L->n_window = 0;
+        L->win_start = 0;
         compressor_state *cs[2] = { &L->attn, &L->index };
         for (int k = 0; k < 2; k++) {
             if (!cs[k]->state_kv) continue;
@@ -214,7 +215,7 @@ ds4_status ds4_state_load_payload(ds4_state *s, const uint8_t *data, int64_t siz
     ds4_state_reset(s);
     for (int l = 0; !st && l < c->n_layer; l++) {
         layer_state *L = &s->layers[l];
-        bool ok = get_floats(be, &r, L->window, (int64_t)live * g.dim);
+        bool ok = get_floats(be, &r, L->window, (int64_t)live * g.dim); /* reset: win_start 0 */
         L->n_window = live;
         if (ok && c->compress_ratio[l]) {
             L->attn.n_rows = n_comp[l];
