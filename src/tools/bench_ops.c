@@ -13,11 +13,12 @@
  * a quick run): the Q8_0 projections of attention, shared expert and head,
  * the F16 router, compressor and indexer projections, and the routed
  * experts of the q2 and q4 files (six of 256); and, for the cost of a short
- * kernel inside a step, the hyper-connection pre-mix and an RMSNorm. Each
- * is the backend op the model calls (matmul, matmul_grouped, moe, hc_pre,
- * rmsnorm), with --rows activation rows (1 = one stream; more = batched
- * decode); bytes are those of the weights and, for the two small ops, of
- * the activations read and written.
+ * kernel inside a step, the hyper-connection pre-mix, an RMSNorm and the
+ * floor: a fill of one float per row. Each is the backend op the model
+ * calls (matmul, matmul_grouped, moe, hc_pre, rmsnorm, fill), with --rows
+ * activation rows (1 = one stream; more = batched decode); bytes are those
+ * of the weights and, for the small ops, of the activations read and
+ * written.
  *
  * Weights hold valid quantised data (a few rows quantised from seeded
  * random values, repeated), uploaded through bind_weight. A real token
@@ -53,7 +54,7 @@
 #define MOE_USED 6
 #define MOE_EXPERTS 256
 
-typedef enum op_kind { OP_MATMUL, OP_GROUPED, OP_MOE, OP_HC_PRE, OP_RMSNORM } op_kind;
+typedef enum op_kind { OP_MATMUL, OP_GROUPED, OP_MOE, OP_HC_PRE, OP_RMSNORM, OP_FILL } op_kind;
 
 /* One product: W [n_in, n_out] (grouped: n_groups blocks of n_out rows,
  * each on its own n_in slice of x; moe: gate/up [n_in, n_out, experts],
@@ -84,6 +85,8 @@ static const op_spec SPECS[] = {
     /* two small ops of every layer, for the cost of a short kernel in a step */
     { "hc_pre", OP_HC_PRE, DS4_TYPE_F16, 0, 4 * 4096, 24, 1 },
     { "rmsnorm", OP_RMSNORM, DS4_TYPE_F32, 0, 4096, 1, 1 },
+    /* the floor: the smallest op there is (one float per row filled) */
+    { "fill", OP_FILL, DS4_TYPE_F32, 0, 1, 1, 1 },
 };
 #define N_SPECS ((int)(sizeof SPECS / sizeof SPECS[0]))
 
@@ -591,6 +594,32 @@ done:
     be->ops->take_error(be, &err);
 }
 
+typedef struct fill_ctx {
+    float *out;
+    int64_t rows;
+    ds4_backend *be;
+} fill_ctx;
+
+static void fill_call(void *p, int64_t call) {
+    fill_ctx *c = p;
+    c->be->ops->fill(c->be, c->out, (float)call, c->rows);
+}
+
+/* The cost of an op that does nearly nothing (a fill of `rows` floats),
+ * 256 calls a step: what any kernel of a step costs at least. */
+static void run_fill(bench_ops *b, op_result *r) {
+    fill_ctx c = { NULL, r->rows, b->be };
+    r->copies = 1;
+    r->calls = 256;
+    r->bytes = (double)r->rows * 4;
+    c.out = b->be->ops->alloc(b->be, r->rows);
+    if (!c.out) snprintf(r->skipped, REASON, "out of memory for %lld floats", (long long)r->rows);
+    else if (!setup_failed(b->be, r)) take_samples(b, r, fill_call, &c, c.out);
+    if (c.out) b->be->ops->free(b->be, c.out);
+    ds4_error err = { 0 };
+    b->be->ops->take_error(b->be, &err);
+}
+
 /* ------------------------------------------------------------ output */
 
 static double gbps_of(const op_result *r) { return r->st.n && r->st.median > 0 ? r->bytes / r->st.median / 1e9 : NAN; }
@@ -654,7 +683,7 @@ static int write_json(const bench_ops *b, const char *path) {
         const op_spec *sp = r->spec;
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
         bench_json_str(f, sp->name);
-        static const char *const kinds[] = { "matmul", "matmul_grouped", "moe", "hc_pre", "rmsnorm" };
+        static const char *const kinds[] = { "matmul", "matmul_grouped", "moe", "hc_pre", "rmsnorm", "fill" };
         fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"", kinds[sp->kind], ds4_type_name(sp->type));
         if (sp->kind == OP_MOE) {
             fprintf(f, ", \"down_type\": \"%s\", \"used\": %d, \"experts_read\": ", ds4_type_name(sp->down_type),
@@ -725,12 +754,15 @@ int bench_ops_main(int argc, char **argv) {
             r->n_in = sp->n_in / o->div > 256 ? sp->n_in / o->div : 256;
             r->n_out = sp->n_out / o->div > 0 ? sp->n_out / o->div : 1;
             if (sp->kind == OP_MOE && r->n_out < 256) r->n_out = 256; /* the down product's input */
-            if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM) r->n_out = sp->n_out; /* mix entries, 1 */
+            if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM || sp->kind == OP_FILL)
+                r->n_out = sp->n_out; /* mix entries, 1 */
+            if (sp->kind == OP_FILL) r->n_in = 1;
             r->experts = sp->kind == OP_MOE ? (MOE_EXPERTS / o->div > MOE_USED ? MOE_EXPERTS / o->div : MOE_USED + 2)
                                             : 0;
             fprintf(stderr, "ds4server " CMD ": %s, %lld row%s\n", sp->name, (long long)r->rows, r->rows > 1 ? "s" : "");
             if (sp->kind == OP_MOE) run_moe(&b, r);
             else if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM) run_small(&b, r);
+            else if (sp->kind == OP_FILL) run_fill(&b, r);
             else run_dense(&b, r);
         }
     }
