@@ -195,8 +195,6 @@ static void print_help(void) {
            "  ds4server bench --ops [...] times the model's weight products one by one (--ops --help).\n");
 }
 
-static bool valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
-
 /* "deepseek4-SCALE-QUANT": the layout of `ds4server synth --scale SCALE --quant QUANT`. */
 static bool parse_synthetic(const char *v, ds4_scale *scale, ds4_quant_scheme *quant) {
     static const struct { const char *name; ds4_scale scale; } scales[] = {
@@ -224,8 +222,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->repeat = 5;
     o->warmup = 1;
     o->ttft = 2048;
-    long nproc = sysconf(_SC_NPROCESSORS_ONLN);
-    o->threads = nproc > 0 ? nproc : 1;
+    o->threads = bench_default_threads();
     o->chunk = 2048;
     o->bw_mib = 1024;
     o->seed = 1;
@@ -237,11 +234,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
     memcpy(o->prefill, dpre, sizeof dpre);
     const int64_t BIG = (int64_t)1 << 30;
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return -1;
-        if (strncmp(a, "-", 1)) return usage_error("unexpected argument '%s'", a);
-        if (!v) return usage_error("option %s needs a value", a);
-        i++;
+        const char *a, *v;
+        const int next = bench_next_option(argc, argv, &i, CMD, "bench", &a, &v);
+        if (next) return next;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--synthetic")) {
             if (!parse_synthetic(v, &o->syn_scale, &o->syn_quant))
@@ -251,12 +246,11 @@ static int parse_opts(int argc, char **argv, opts *o) {
         else if (!strcmp(a, "--json")) o->json = v;
         else if (!strcmp(a, "--md")) o->md = v;
         else if (!strcmp(a, "--backend")) {
-            if (!valid_backend(v)) return usage_error("--backend must be cpu or cuda, not '%s'", v);
+            if (!bench_valid_backend(v)) return usage_error("--backend must be cpu or cuda, not '%s'", v);
             snprintf(o->backend, sizeof o->backend, "%s", v);
         } else if (!strcmp(a, "--numerics")) {
-            if (!strcmp(v, "ds4")) o->num = DS4_NUMERICS_DS4;
-            else if (!strcmp(v, "reference")) o->num = DS4_NUMERICS_REFERENCE;
-            else return usage_error("--numerics must be ds4 or reference, not '%s'", v);
+            if (!bench_parse_numerics(v, &o->num))
+                return usage_error("--numerics must be ds4 or reference, not '%s'", v);
         } else if (!strcmp(a, "--ctx")) {
             if (!bench_parse_list(v, 1, BIG, o->ctx, &o->n_ctx))
                 return usage_error("--ctx takes a comma-separated list of positive positions, not '%s'", v);
@@ -295,7 +289,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             const char *val = eq + 1;
             o->ab_arg = v;
             if (klen == 7 && !strncmp(v, "backend", 7)) {
-                if (!valid_backend(val)) return usage_error("--ab backend= must be cpu or cuda, not '%s'", val);
+                if (!bench_valid_backend(val)) return usage_error("--ab backend= must be cpu or cuda, not '%s'", val);
                 o->ab = AB_BACKEND;
             } else if (klen == 8 && !strncmp(v, "numerics", 8)) {
                 if (strcmp(val, "ds4") && strcmp(val, "reference"))

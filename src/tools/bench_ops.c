@@ -40,7 +40,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "backends/backend.h"
 #include "core/quant.h"
@@ -144,21 +143,17 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->rotate_mib = 512;
     o->bw_mib = 1024;
     o->seed = 1;
-    long nproc = sysconf(_SC_NPROCESSORS_ONLN);
-    o->threads = nproc > 0 ? nproc : 1;
+    o->threads = bench_default_threads();
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return -1;
-        if (strncmp(a, "-", 1)) return usage_error("unexpected argument '%s'", a);
-        if (!v) return usage_error("option %s needs a value", a);
-        i++;
+        const char *a, *v;
+        const int next = bench_next_option(argc, argv, &i, CMD, "bench --ops", &a, &v);
+        if (next) return next;
         if (!strcmp(a, "--backend")) {
-            if (strcmp(v, "cpu") && strcmp(v, "cuda")) return usage_error("--backend must be cpu or cuda, not '%s'", v);
+            if (!bench_valid_backend(v)) return usage_error("--backend must be cpu or cuda, not '%s'", v);
             snprintf(o->backend, sizeof o->backend, "%s", v);
         } else if (!strcmp(a, "--numerics")) {
-            if (!strcmp(v, "ds4")) o->num = DS4_NUMERICS_DS4;
-            else if (!strcmp(v, "reference")) o->num = DS4_NUMERICS_REFERENCE;
-            else return usage_error("--numerics must be ds4 or reference, not '%s'", v);
+            if (!bench_parse_numerics(v, &o->num))
+                return usage_error("--numerics must be ds4 or reference, not '%s'", v);
         } else if (!strcmp(a, "--rows")) {
             if (!bench_parse_list(v, 1, 64, o->rows, &o->n_rows))
                 return usage_error("--rows must be a list of 1..64, not '%s'", v);
@@ -220,7 +215,7 @@ static uint8_t *make_rows(uint32_t type, int64_t n, int64_t n_rows, uint64_t see
     uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
     const int64_t distinct = n_rows < DISTINCT_ROWS ? n_rows : DISTINCT_ROWS;
     for (int64_t r = 0; r < distinct; r++) {
-        for (int64_t i = 0; i < n; i++) src[i] = (float)((double)(bench_rng_next(&x) >> 11) / 4503599627370496.0 - 1.0);
+        for (int64_t i = 0; i < n; i++) src[i] = (float)(2.0 * bench_rng_uniform(&x) - 1.0);
         uint8_t *dst = buf + r * rb;
         if (type == DS4_TYPE_F32) memcpy(dst, src, (size_t)rb);
         else if (type == DS4_TYPE_F16)
@@ -324,7 +319,7 @@ static bool upload_seeded(ds4_backend *be, float *dst, int64_t n, uint64_t seed)
     float *h = malloc((size_t)n * sizeof *h);
     if (!h) return false;
     uint64_t x = seed * 0xD1B54A32D192ED03ULL + 1;
-    for (int64_t i = 0; i < n; i++) h[i] = (float)((double)(bench_rng_next(&x) >> 11) / 4503599627370496.0 - 0.5);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)(2.0 * bench_rng_uniform(&x) - 0.5);
     be->ops->upload(be, dst, h, n);
     free(h);
     return true;

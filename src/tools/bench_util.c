@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tools/bench_util.h"
 #include "tools/tools.h"
@@ -136,6 +137,32 @@ void bench_json_stats_s(FILE *f, const stats *s) {
     bench_json_num(f, s->mean);
 }
 
+int bench_next_option(int argc, char **argv, int *i, const char *cmd, const char *help, const char **opt,
+                      const char **val) {
+    const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) return -1;
+    if (strncmp(a, "-", 1)) return bench_usage_error(cmd, help, "unexpected argument '%s'", a);
+    if (!v) return bench_usage_error(cmd, help, "option %s needs a value", a);
+    (*i)++;
+    *opt = a;
+    *val = v;
+    return 0;
+}
+
+int64_t bench_default_threads(void) {
+    const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
+    return nproc > 0 ? nproc : 1;
+}
+
+bool bench_valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
+
+bool bench_parse_numerics(const char *v, ds4_numerics *num) {
+    if (!strcmp(v, "ds4")) *num = DS4_NUMERICS_DS4;
+    else if (!strcmp(v, "reference")) *num = DS4_NUMERICS_REFERENCE;
+    else return false;
+    return true;
+}
+
 bool bench_parse_positive(const char *s, double *out) {
     if (!s || !*s) return false;
     char *end;
@@ -150,6 +177,8 @@ uint64_t bench_rng_next(uint64_t *x) {
     *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
     return *x;
 }
+
+double bench_rng_uniform(uint64_t *x) { return (double)(bench_rng_next(x) >> 11) / 9007199254740992.0; }
 
 int bench_usage_error(const char *cmd, const char *help, const char *fmt, const char *arg) {
     fprintf(stderr, "ds4server %s: ", cmd);

@@ -35,10 +35,24 @@ bool bench_parse_u64(const char *s, uint64_t *out);
  * ascending, duplicates dropped). */
 bool bench_parse_list(const char *s, int64_t lo, int64_t hi, int64_t *out, int *n_out);
 
+/* The next "--option VALUE" of argv from *i (which moves past both): 0 with
+ * *opt and *val set, -1 for --help / -h, or 2 after a usage error (an
+ * argument that is not an option, an option without a value). */
+int bench_next_option(int argc, char **argv, int *i, const char *cmd, const char *help, const char **opt,
+                      const char **val);
+/* Worker threads by default: the online cores (at least 1). */
+int64_t bench_default_threads(void);
+/* "cpu" or "cuda". */
+bool bench_valid_backend(const char *v);
+/* "ds4" or "reference" into *num. */
+bool bench_parse_numerics(const char *v, ds4_numerics *num);
+
 /* A positive finite number (a bandwidth in GB/s): the whole string. */
 bool bench_parse_positive(const char *s, double *out);
-/* The seeded xorshift64 stream of the benches: the next value of *x. */
+/* The seeded xorshift64 stream of the benches: the next value of *x, and
+ * the next as a double in [0, 1) (53 bits). */
 uint64_t bench_rng_next(uint64_t *x);
+double bench_rng_uniform(uint64_t *x);
 /* "ds4server CMD: " + fmt (with arg) + " (see ds4server HELP --help)" on
  * stderr; returns 2, the exit status of a usage error. */
 int bench_usage_error(const char *cmd, const char *help, const char *fmt, const char *arg);
