@@ -236,8 +236,8 @@ static void test_decode_step_waits(void) {
  * what launching every kernel directly computes (the same kernels with the
  * same arguments in the same order: the logits are equal bit for bit), and
  * the graphs are replayed rather than rebuilt (a step shape changes only
- * when a compressor emits a row, the window fills or the indexer starts
- * selecting). The tokens start inside the window and cross the point where
+ * when a compressor emits a row, the window fills, the window's rows move
+ * to the front of their buffer or the indexer starts selecting). The tokens start inside the window and cross the point where
  * the ratio-4 layers' indexer starts to select.
  */
 static void test_graph_replay_matches_direct(void) {
