@@ -37,6 +37,9 @@
 #                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table;
 #                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
 #                               device in about a second) instead of writing and loading the file
+#                     kernels   ncu (Nsight Compute) times each kernel of one decoded token of the
+#                               synthetic full-size q2 model at context KERN_CTX (default 2048), table
+#                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -233,6 +236,32 @@ perf_stage() {
     fi
 }
 
+# One decoded token kernel by kernel, with Nsight Compute: every kernel of
+# decoded token 2 at context KERN_CTX (default 2048) of the synthetic
+# full-size q2 model, each timed on its own (no clock or cache control), then
+# summed by kernel (scripts/ncu_table.py; raw CSV and table to $OUT).
+kernels_stage() {
+    local out="${OUT:-$TMP}" ncu
+    ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n1)
+    if [ -z "$ncu" ]; then
+        record "ncu kernel table" "SKIP (ncu not installed)"
+        return
+    fi
+    section "ncu: decoded token 2 at context ${KERN_CTX:-2048}"
+    if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum -f -o "$TMP/token" \
+        build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda --ctx "${KERN_CTX:-2048}" \
+        --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2 >"$TMP/ncu-bench.log" 2>&1 &&
+        "$ncu" -i "$TMP/token.ncu-rep" --csv --page raw >"$out/ncu-token.csv" &&
+        python3 scripts/ncu_table.py "$out/ncu-token.csv" >"$out/ncu-token.md"; then
+        head -n 45 "$out/ncu-token.md"
+        record "ncu kernel table" PASS
+    else
+        tail -n 20 "$TMP/ncu-bench.log"
+        record "ncu kernel table" "FAIL"
+    fi
+}
+
 # Each weight product on its own: `bench --ops` (no model file needed).
 ops_stage() {
     local out="${OUT:-$TMP}" v
@@ -321,9 +350,10 @@ main() {
     local b log rc counts name envs
     has_stage unit || bins_to_test=()
     # second runs: the session tests with every launch direct (no recorded
-    # steps), the attention tests with every top-k through the device-wide sort
+    # steps), the attention tests with every top-k through the device-wide sort,
+    # the HC tests with the two-kernel path (partial + finish) for every row count
     for b in "${bins_to_test[@]}" $(has_stage unit && [ -x build/cuda/tests/test_cuda_session ] &&
-        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention"); do
+        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_HC_FUSED=0:build/cuda/tests/test_cuda_hc_ffn"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then
@@ -350,6 +380,7 @@ main() {
     if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
     if has_stage ops && [ -x build/cuda/ds4server ]; then ops_stage; fi
     if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
+    if has_stage kernels && [ -x build/cuda/ds4server ]; then kernels_stage; fi
 
     if ! has_stage sanitize; then
         :

@@ -63,6 +63,14 @@ void ds4_backend_kernel_times_reset(ds4_backend *be) {
 #endif
 }
 
+void ds4_backend_profiler_range(ds4_backend *be, bool on) {
+    if (!be) return;
+#ifdef DS4_WITH_CUDA
+    if (strcmp(be->ops->name, "cuda") == 0) ds4_cuda_backend_profiler_range(be, on);
+#endif
+    (void)on;
+}
+
 void ds4_backend_counters_get(ds4_backend *be, ds4_backend_counters *out) {
     memset(out, 0, sizeof *out);
     if (!be) return;

@@ -302,6 +302,11 @@ typedef struct ds4_kernel_time {
  * when timing is off or the backend has none). Waits for the device. */
 int ds4_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);
 void ds4_backend_kernel_times_reset(ds4_backend *be);
+/* Open (on) or close the backend's profiler range once the work queued so
+ * far is done: CUDA brackets it with cudaProfilerStart/Stop, for external
+ * profilers whose capture starts off (ncu --profile-from-start off); the
+ * CPU backend has none (a no-op). */
+void ds4_backend_profiler_range(ds4_backend *be, bool on);
 
 /* The host bytes of synthetic weight w made from `fill` (every block, in a
  * malloc'd buffer the caller frees); NULL with err set (naming `who`) when

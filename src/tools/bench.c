@@ -156,6 +156,7 @@ typedef struct opts {
     int n_ctx, n_prefill, n_batch;
     int64_t batch_ctx;
     int64_t gen, repeat, warmup, ttft, threads, chunk, bw_mib;
+    int64_t profile_token; /* --profile-token N: decoded token N of the first frontier in the profiler range (0: none) */
     uint64_t seed;
     double bandwidth; /* GB/s given, 0 = measure */
     ab_key ab;
@@ -173,6 +174,7 @@ static void print_help(void) {
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
            "                       [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]\n"
+           "                       [--profile-token N]\n"
            "  Measures model load (and the first upload), prefill tokens/s at each --prefill size\n"
            "  (fresh state each sample), time to first token for a --ttft-token prompt (0: skip),\n"
            "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
@@ -184,6 +186,10 @@ static void print_help(void) {
            "  --batch LIST      batched decode: for each count N, N streams (each prefilled with its own\n"
            "                    --batch-ctx tokens, default 128) decode --gen tokens together, one\n"
            "                    step for all of them; aggregate and per-stream tokens/s, step latency\n"
+           "  --profile-token N decoded token N (1 = the first) of the first --ctx frontier runs inside the\n"
+           "                    backend's profiler range (CUDA: cudaProfilerStart/Stop), so an external\n"
+           "                    profiler started with its capture off times that one step, e.g.\n"
+           "                    ncu --profile-from-start off ds4server bench ... --profile-token 2\n"
            "  --bandwidth GBPS  memory bandwidth for the roofline; default: the backend's copy op\n"
            "                    timed on a --bandwidth-mib buffer (default 1024 MiB)\n"
            "  --ab KEY=VALUE    A/B mode: B is the command line with KEY (backend, numerics, threads)\n"
@@ -277,6 +283,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
             if (!bench_parse_i64(v, 1, BIG, &o->chunk)) return usage_error("--chunk must be a positive token count, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth-mib")) {
             if (!bench_parse_i64(v, 1, 1 << 20, &o->bw_mib)) return usage_error("--bandwidth-mib must be 1..1048576, not '%s'", v);
+        } else if (!strcmp(a, "--profile-token")) {
+            if (!bench_parse_i64(v, 1, 1000000, &o->profile_token))
+                return usage_error("--profile-token must be a decoded token 1..1000000, not '%s'", v);
         } else if (!strcmp(a, "--seed")) {
             if (!bench_parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
@@ -639,13 +648,17 @@ static int run_prefill(bench *b) {
 
 /* n greedy steps from `next` on st: per-token seconds into d (may be NULL),
  * the total into *total. */
+/* n greedy steps from `next`; step `profile` (1-based, 0: none) runs inside
+ * the backend's profiler range. */
 static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t next, int64_t n, dvec *d, double *total,
-                               ds4_error *err) {
+                               int64_t profile, ds4_error *err) {
     const int64_t V = b->cfg->n_vocab;
     double sum = 0;
     for (int64_t g = 0; g < n; g++) {
+        if (g + 1 == profile) ds4_backend_profiler_range(v->be, true);
         double t0 = tool_now();
         ds4_status s = ds4_model_eval(v->m, st, &next, 1, v->num, b->logits, false, err);
+        if (g + 1 == profile) ds4_backend_profiler_range(v->be, false);
         if (s) return s;
         next = ds4_sample_argmax(b->logits, V);
         double dt = tool_now() - t0;
@@ -678,7 +691,7 @@ static int run_decode(bench *b) {
         int64_t steps = b->o.warmup * (gen < 16 ? gen : 16);
         ds4_status s = ds4_state_create(v->m, steps + 2, &w, &err);
         if (!s) s = ds4_model_eval(v->m, w, b->tokens, 1, v->num, b->logits, false, &err);
-        if (!s) s = decode_steps(b, v, w, ds4_sample_argmax(b->logits, b->cfg->n_vocab), steps, NULL, NULL, &err);
+        if (!s) s = decode_steps(b, v, w, ds4_sample_argmax(b->logits, b->cfg->n_vocab), steps, NULL, NULL, 0, &err);
         ds4_state_free(w);
         if (s) {
             if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode warm-up: %s", err.message);
@@ -699,7 +712,7 @@ static int run_decode(bench *b) {
     }
     int64_t pos = 0;
     int32_t next = b->tokens[0];
-    bool dead = false;
+    bool dead = false, profile_first = true;
     for (int i = 0; i <= last; i++) {
         decode_row *r = &b->decode[i];
         if (r->skipped) continue;
@@ -722,7 +735,8 @@ static int run_decode(bench *b) {
         ds4_backend_counters c0, c1;
         ds4_backend_kernel_times_reset(v->be);
         ds4_backend_counters_get(v->be, &c0);
-        if (!s) s = decode_steps(b, v, st, next, gen, &r->s, NULL, &err);
+        if (!s) s = decode_steps(b, v, st, next, gen, &r->s, NULL, profile_first ? b->o.profile_token : 0, &err);
+        profile_first = false;
         ds4_backend_counters_get(v->be, &c1);
         if (!s) {
             const int nk = ds4_backend_kernel_times(v->be, b->kernels, KERNELS_MAX);
@@ -787,7 +801,7 @@ static ds4_status ab_sample(bench *b, variant *v, bool decode, int64_t size, dou
     ds4_state *st = NULL;
     ds4_status s = ds4_state_create(v->m, size + b->o.gen, &st, err);
     if (!s) s = eval_range(b, v, st, 0, size, err);
-    if (!s) s = decode_steps(b, v, st, ds4_sample_argmax(b->logits, b->cfg->n_vocab), b->o.gen, NULL, secs, err);
+    if (!s) s = decode_steps(b, v, st, ds4_sample_argmax(b->logits, b->cfg->n_vocab), b->o.gen, NULL, secs, 0, err);
     if (!s) *tps = (double)b->o.gen / *secs;
     ds4_state_free(st);
     return s;

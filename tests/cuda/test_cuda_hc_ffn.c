@@ -155,6 +155,8 @@ static void test_hc_pre_small(void) {
     check_hc_pre(&p, 64, 37, DS4_TYPE_F16);
     check_hc_pre(&p, 64, 5, DS4_TYPE_BF16);
     check_hc_pre(&p, 3, 9, DS4_TYPE_F32); /* a state narrower than the block */
+    /* more rows than the one-kernel path has counters for (4096): partial + finish kernels */
+    check_hc_pre(&p, 64, 4097, DS4_TYPE_F16);
     op_pair_close(&p);
 }
 
@@ -223,6 +225,7 @@ static void test_hc_head(void) {
     check_hc_head(&p, 4096, 1, DS4_TYPE_F16);
     check_hc_head(&p, 4096, 37, DS4_TYPE_F32);
     check_hc_head(&p, 4096, 3, DS4_TYPE_BF16);
+    check_hc_head(&p, 64, 4100, DS4_TYPE_F32); /* past the counters: two kernels */
     op_pair_close(&p);
 }
 

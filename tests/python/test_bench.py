@@ -40,7 +40,7 @@ def sweep(model, tmp_path_factory):
     # the tiny model's context is 4096: the 8192 frontier and prefill must be skipped
     r = ds4("bench", "-m", model, "--ctx", "16,40,8192", "--prefill", "1,8,24,8192", "--gen", "4",
             "--repeat", str(REPEAT), "--warmup", "1", "--ttft", "16", "--threads", "2", "--bandwidth-mib", "16",
-            "--chunk", "12", "--json", js, "--md", md)
+            "--chunk", "12", "--profile-token", "2", "--json", js, "--md", md)
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
     return r, json.loads(js.read_text()), js, md
 
@@ -298,6 +298,8 @@ def test_ab_frontier_beyond_context(model, tmp_path):
     ["--batch", "2,x"],
     ["--batch-ctx", "0"],
     ["--seed", "-3"],
+    ["--profile-token", "0"],
+    ["--profile-token", "x"],
     ["--frobnicate", "1"],
     ["stray"],
 ])
@@ -526,3 +528,26 @@ def test_synthetic_model(tmp_path):
         r = ds4("bench", *args, "--ctx", "8")
         assert r.returncode == 2, (args, r.stderr.decode())
     assert b"one of them" in r.stderr
+
+
+def test_ncu_table(tmp_path):
+    """scripts/ncu_table.py sums an ncu raw CSV by kernel, in the units row's unit,
+    after any log lines, and refuses a file without the duration column."""
+    raw = tmp_path / "raw.csv"
+    raw.write_text('==PROF== Connected to process 1\n'
+                   '"ID","Kernel Name","Grid Size","gpu__time_duration.sum"\n'
+                   '"","","","usecond"\n'
+                   '"0","mv_kernel","(1, 1, 1)","2.5"\n'
+                   '"1","rmsnorm","(1, 1, 1)","1,000.5"\n'
+                   '"2","mv_kernel","(1, 1, 1)","3.5"\n')
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(raw)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert out.startswith("3 kernels, 1006.5 us in all"), out
+    rows = [l for l in out.splitlines() if l.startswith("| `")]
+    assert rows[0].startswith("| `rmsnorm` | 1 | 1000.5 | 1000.50 |"), rows
+    assert rows[1].startswith("| `mv_kernel` | 2 | 6.0 | 3.00 |"), rows
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"ID","Kernel Name"\n"0","k"\n')
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(bad)], capture_output=True)
+    assert r.returncode != 0 and b"no 'Kernel Name'" in r.stderr

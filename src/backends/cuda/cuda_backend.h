@@ -115,6 +115,8 @@ const char *ds4_cuda_backend_last_break(const ds4_backend *be);
 /* Kernel timing (DS4_CUDA_PROFILE=1 at creation): see ds4_backend_kernel_times. */
 int ds4_cuda_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);
 void ds4_cuda_backend_kernel_times_reset(ds4_backend *be);
+/* cudaProfilerStart (on) / cudaProfilerStop after the stream drains. */
+void ds4_cuda_backend_profiler_range(ds4_backend *be, bool on);
 
 #ifdef __cplusplus
 }

@@ -15,10 +15,13 @@
  * terms at real size) are float sums, as on the CPU (DS4's F16-weight
  * numerics), reduced as a tree rather than the CPU's 8 sequential lanes.
  *
- * Layout. hc_pre / hc_head: a partial kernel spreads each row's state over
- * blocks of 256 values (squares and mix dots per block), then one block per
- * row combines them, one thread does the small sigmoid/Sinkhorn math, and the
- * block writes the weighted sum of the streams. hc_post and swiglu are elementwise,
+ * Layout. hc_pre / hc_head: each row's state is spread over blocks of 256
+ * values (squares and mix dots per block); the row's last block to finish
+ * (a per-row counter) combines them, one warp does the small
+ * sigmoid/Sinkhorn math, and the block writes the weighted sum of the
+ * streams: one kernel per call. Past CUDA_HC_COUNTERS rows (or with
+ * DS4_CUDA_HC_FUSED=0) a second kernel does the combining, spread over
+ * several blocks per row. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
  * logit vector for its top-k; it writes the selection and the weights
  * straight into the caller's device buffers (nothing waits for them).
@@ -213,12 +216,13 @@ struct hc_part {
     float dot[HC_MAX_MIX];
 };
 
-static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
-    cuda_grid_wait();
+/* Block (row, chunk) of a partial pass: the chunk's sum of squares and its
+ * raw mix dots fn[k] . X[row] over HC_CHUNK elements, to part[row][chunk]. */
+static __device__ void hc_partial_block(const hc_args &a, int n_mix, hc_part *part, int64_t row, int64_t chunk,
+                                        int64_t n_chunks) {
     __shared__ double red_d[HC_THREADS / 32];
     __shared__ float red_f[HC_THREADS / 32][HC_MIX_CHUNK];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
-    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t i = chunk * HC_CHUNK + threadIdx.x;
     const float x = i < hc_dim ? a.X[row * hc_dim + i] : 0.0f;
@@ -245,26 +249,28 @@ static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a
     }
 }
 
+/* Slice `slice` of `n_slices` of row `row`'s finish: combine the row's
+ * partials (read through L2: in the one-kernel path other blocks of this
+ * grid wrote them), mix, split, and write the slice of the weighted sum
+ * (and, from slice 0, post and comb). */
 template <bool HEAD>
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
-    cuda_grid_wait();
+static __device__ void hc_finish_block(const hc_args &a, int n_mix, int64_t n_chunks, const hc_part *part,
+                                       int64_t row, int64_t slice, int64_t n_slices) {
     __shared__ float mix[HC_MAX_MIX];
     __shared__ float w[HC_MAX_STREAMS];
     __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
     __shared__ float post_s[HC_MAX_STREAMS];
     __shared__ float rms_scale_s;
+    __shared__ double red_d[HC_THREADS / 32];
     const int n = a.n_hc;
     const int64_t hc_dim = (int64_t)n * a.dim;
-    const int64_t row = blockIdx.x;
     const float *X = a.X + row * hc_dim;
     const hc_part *pr = part + row * n_chunks;
     /* the chunks' partial sums, spread over the block (a fixed shape, so the
      * order is the same every run): squares in double over all threads,
      * each mix entry over one warp's lanes */
     double ss_part = 0.0;
-    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
-    __shared__ double red_d[HC_THREADS / 32];
+    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += __ldcg(&pr[c].ss);
     const double ss = block_sum_double(ss_part, red_d);
     if (threadIdx.x == 0)
         rms_scale_s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
@@ -273,7 +279,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         for (int k = warp; k < n_mix; k += HC_THREADS / 32) {
             float s = 0.0f;
-            for (int64_t c = lane; c < n_chunks; c += 32) s += pr[c].dot[k];
+            for (int64_t c = lane; c < n_chunks; c += 32) s += __ldcg(&pr[c].dot[k]);
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             if (lane == 0) mix[k] = __fmul_rn(s, rms_scale_s);
         }
@@ -292,13 +298,13 @@ static __global__ void __launch_bounds__(HC_THREADS)
         }
     }
     __syncthreads();
-    if (!HEAD && blockIdx.y == 0) {
+    if (!HEAD && slice == 0) {
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
         for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
     float *out = a.out + row * a.dim;
-    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
-    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    const int64_t per = (a.dim + n_slices - 1) / n_slices;
+    const int64_t i0 = slice * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
     for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
@@ -306,9 +312,44 @@ static __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
-/* Launch the partial and finishing kernels for n_rows rows. */
+static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
+    cuda_grid_wait();
+    hc_partial_block(a, n_mix, part, blockIdx.x, blockIdx.y, gridDim.y);
+}
+
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
+    cuda_grid_wait();
+    hc_finish_block<HEAD>(a, n_mix, n_chunks, part, blockIdx.x, blockIdx.y, gridDim.y);
+}
+
+/* The one-kernel path: every block (row, chunk) writes its partial, and the
+ * row's last block to finish (a per-row counter, reset by that block for the
+ * next launch) combines them and writes the whole row. The fences order the
+ * partial writes before the count, and the count before the reads. */
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS) hc_fused_kernel(hc_args a, int n_mix, hc_part *part, unsigned *done) {
+    cuda_grid_wait();
+    __shared__ bool last;
+    const int64_t row = blockIdx.x, n_chunks = gridDim.y;
+    hc_partial_block(a, n_mix, part, row, blockIdx.y, n_chunks);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&done[row], 1u) == (unsigned)(n_chunks - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    hc_finish_block<HEAD>(a, n_mix, n_chunks, part, row, 0, 1);
+    if (threadIdx.x == 0) done[row] = 0u;
+}
+
+/* Launch the HC kernels for n_rows rows: one kernel while the rows fit the
+ * backend's counters (DS4_CUDA_HC_FUSED=0: always two), else a partial and
+ * a finishing kernel. */
 template <bool HEAD>
 static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what) {
+    static const bool fused = cuda_env_flag("DS4_CUDA_HC_FUSED", true);
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
     const int64_t n_chunks = (hc_dim + HC_CHUNK - 1) / HC_CHUNK;
     if (n_chunks > 65535) {
@@ -317,9 +358,12 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     }
     hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
     if (!part) return;
-    if (!cuda_launch(be, what, hc_partial_kernel, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_THREADS, 0, a, n_mix,
-                     part))
+    const dim3 grid((unsigned)n_rows, (unsigned)n_chunks);
+    if (fused && n_rows <= CUDA_HC_COUNTERS) {
+        (void)cuda_launch(be, what, hc_fused_kernel<HEAD>, grid, HC_THREADS, 0, a, n_mix, part, cuda_impl(be)->hc_done);
         return;
+    }
+    if (!cuda_launch(be, what, hc_partial_kernel, grid, HC_THREADS, 0, a, n_mix, part)) return;
     /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_profiler_api.h>
+
 #include "backends/cuda/cuda_internal.h"
 
 #define CUDA_ARENA_BYTES ((size_t)1 << 20) /* a 256-row batched step uploads about 250 KB */
@@ -229,6 +231,12 @@ extern "C" void ds4_cuda_backend_kernel_times_reset(ds4_backend *be) {
     if (!p) return;
     cuda_profile_collect(be);
     p->n_keys = 0;
+}
+
+extern "C" void ds4_cuda_backend_profiler_range(ds4_backend *be, bool on) {
+    if (!cuda_sync(be)) return;
+    const cudaError_t e = on ? cudaProfilerStart() : cudaProfilerStop();
+    if (e != cudaSuccess) (void)cudaGetLastError(); /* no profiler attached is not an error of the run */
 }
 
 /* ------------------------------------------------------------------------ */

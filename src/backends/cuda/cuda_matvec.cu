@@ -18,9 +18,10 @@
  *   Q8_0 weights: DS4's Q8_0 activation blocks (codes and scales of a row
  *     apart, see cuda_matvec.h); per 32-block the exact int8 dot (one lane
  *     per block), then the CPU's block term (f16(w.d) * x.d) * isum;
- *   Q2_K, Q4_K, IQ2_XXS, Q8_K weights: Q8_K activations; per 256-block the
- *     exact integer sums over the warp (sum_j sc_j isub_j, sum_j m_j bsub_j)
- *     and the CPU's float block term.
+ *   Q2_K, Q4_K, IQ2_XXS, Q8_K weights: Q8_K activations; four 256-blocks per
+ *     warp step, 32 elements per lane; per block the exact integer sums over
+ *     its eight lanes (sum_j sc_j isub_j, sum_j m_j bsum_j, the latter from
+ *     the activation's bsums) and the CPU's float block term.
  * So each block term is the CPU's bit for bit and only the order of the
  * float sum over blocks differs (the same freedom the general kernels take).
  *
@@ -37,7 +38,8 @@
  * IQ2_XXS decodes through two tables in shared memory: the 256 grid entries
  * expanded to eight magnitude bytes, and the 128 sign patterns (with their
  * parity bit) expanded to eight 0x00/0xff bytes; a signed code is then
- * (mag ^ mask) - mask per byte, four at a time.
+ * (mag ^ mask) + (mask & 1) per byte, four at a time (no carry leaves a
+ * byte: the grid's 2-bit codes are 0..2, magnitudes 8, 25, 43, never 0).
  */
 #include <stdint.h>
 #include <string.h>
@@ -278,116 +280,140 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
     }
 }
 
-/* Q8_K-activation types: the codes of elements 8 lane .. 8 lane + 7 of a
- * block as two words of int8, their sub-block multipliers (scale, min). */
+/* Q8_K-activation types: lane `sub` (0..7) of a block's eight lanes holds
+ * its elements 32 sub .. 32 sub + 31 as eight words of int8 codes, with the
+ * multipliers (scale, min) of their two 16-element halves. */
 template <uint32_t T> struct mvq;
 
 template <> struct mvq<DS4_TYPE_Q2_K> {
     static constexpr bool HAS_MIN = true;
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *, int &w0, int &w1,
-                                                 int &mul, int &mmul) {
-        const int h = lane >> 4, s = (lane & 15) >> 2, l0 = (lane & 3) * 8;
-        const uint8_t *qs = blk + 16 + 32 * h + l0; /* 4-byte aligned */
-        w0 = (ld_s32(qs) >> (2 * s)) & 0x03030303;
-        w1 = (ld_s32(qs + 4) >> (2 * s)) & 0x03030303;
-        const int sc = blk[lane >> 1];
-        mul = sc & 15;
-        mmul = sc >> 4;
+    /* elements 32 i + l = 128 h + 32 s + l: bits 2s of qs[32 h + l]; sub-blocks 2i, 2i + 1 */
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+                                                 int (&mul)[2], int (&mmul)[2]) {
+        const int h = sub >> 2, s = sub & 3;
+        const uint8_t *qs = blk + 16 + 32 * h; /* 4-byte aligned */
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = (ld_s32(qs + 4 * k) >> (2 * s)) & 0x03030303;
+        const int sa = blk[2 * sub], sb = blk[2 * sub + 1];
+        mul[0] = sa & 15, mul[1] = sb & 15;
+        mmul[0] = sa >> 4, mmul[1] = sb >> 4;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
         const float dall = __fmul_rn(yd, cuda_f16_to_f32(*(const uint16_t *)(blk + 80)));
         const float dmin = __fmul_rn(yd, cuda_f16_to_f32(*(const uint16_t *)(blk + 82)));
         return __fsub_rn(__fmul_rn(dall, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
     }
-    static __device__ __forceinline__ float finish(float s) { return s; }
 };
 
 template <> struct mvq<DS4_TYPE_Q4_K> {
     static constexpr bool HAS_MIN = true;
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *, int &w0, int &w1,
-                                                 int &mul, int &mmul) {
-        const int j = lane >> 2, l0 = (lane & 3) * 8;
-        const uint2 v = *(const uint2 *)(blk + 16 + 32 * (j >> 1) + l0); /* 8-byte aligned */
-        const int shift = 4 * (j & 1);
-        w0 = (int)((v.x >> shift) & 0x0f0f0f0fu);
-        w1 = (int)((v.y >> shift) & 0x0f0f0f0fu);
-        unpack_scale_min_k4(blk + 4, j, &mul, &mmul);
+    /* sub-block j = sub: nibble 4 (j % 2) of qs[32 (j / 2) + l] */
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+                                                 int (&mul)[2], int (&mmul)[2]) {
+        const uint4 *qs = (const uint4 *)(blk + 16 + 32 * (sub >> 1)); /* 16-byte aligned (144-byte blocks) */
+        const uint4 a = qs[0], b = qs[1];
+        const uint32_t v[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+        const int shift = 4 * (sub & 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = (int)((v[k] >> shift) & 0x0f0f0f0fu);
+        int sc, m;
+        unpack_scale_min_k4(blk + 4, sub, &sc, &m);
+        mul[0] = mul[1] = sc;
+        mmul[0] = mmul[1] = m;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
         const float d = __fmul_rn(cuda_f16_to_f32(*(const uint16_t *)blk), yd);
         const float dmin = __fmul_rn(cuda_f16_to_f32(*(const uint16_t *)(blk + 2)), yd);
         return __fsub_rn(__fmul_rn(d, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
     }
-    static __device__ __forceinline__ float finish(float s) { return s; }
 };
 
 template <> struct mvq<DS4_TYPE_IQ2_XXS> {
     static constexpr bool HAS_MIN = false;
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *tab, int &w0,
-                                                 int &w1, int &mul, int &mmul) {
-        const int ib = lane >> 2, l = lane & 3;
-        const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * ib; /* 2-byte aligned */
+    /* sub-block ib = sub: four grid entries (aux0's bytes), their 7-bit sign
+     * patterns and the 4-bit scale (aux1). A signed code byte is
+     * (mag ^ mask) + (mask & 1): the two's complement negation where the
+     * mask is 0xff, with no carry out of the byte since no magnitude is 0. */
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
+                                                 int (&mul)[2], int (&mmul)[2]) {
+        const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * sub; /* 2-byte aligned */
         const uint32_t aux0 = (uint32_t)qs[0] | ((uint32_t)qs[1] << 16);
         const uint32_t aux1 = (uint32_t)qs[2] | ((uint32_t)qs[3] << 16);
-        const uint32_t *mag = tab->mag[(aux0 >> (8 * l)) & 255u];
-        const uint32_t *sg = tab->sign[(aux1 >> (7 * l)) & 127u];
-        w0 = (int)__vsub4(mag[0] ^ sg[0], sg[0]);
-        w1 = (int)__vsub4(mag[1] ^ sg[1], sg[1]);
-        mul = 2 * (int)(aux1 >> 28) + 1;
-        mmul = 0;
+#pragma unroll
+        for (int l = 0; l < 4; l++) {
+            const uint2 mag = *(const uint2 *)tab->mag[(aux0 >> (8 * l)) & 255u];
+            const uint2 sg = *(const uint2 *)tab->sign[(aux1 >> (7 * l)) & 127u];
+            w[2 * l] = (int)((mag.x ^ sg.x) + (sg.x & 0x01010101u));
+            w[2 * l + 1] = (int)((mag.y ^ sg.y) + (sg.y & 0x01010101u));
+        }
+        mul[0] = mul[1] = 2 * (int)(aux1 >> 28) + 1;
+        mmul[0] = mmul[1] = 0;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int) {
         return __fmul_rn(__fmul_rn(cuda_f16_to_f32(*(const uint16_t *)blk), yd), __int2float_rn(isum));
     }
-    static __device__ __forceinline__ float finish(float s) { return __fmul_rn(0.125f, s); }
 };
 
 template <> struct mvq<DS4_TYPE_Q8_K> {
     static constexpr bool HAS_MIN = false;
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int lane, const iq2_tables *, int &w0, int &w1,
-                                                 int &mul, int &mmul) {
-        const uint8_t *qs = blk + 4 + 8 * lane; /* 4-byte aligned */
-        w0 = ld_s32(qs);
-        w1 = ld_s32(qs + 4);
-        mul = 1;
-        mmul = 0;
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+                                                 int (&mul)[2], int (&mmul)[2]) {
+        const uint8_t *qs = blk + 4 + 32 * sub; /* 4-byte aligned */
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = ld_s32(qs + 4 * k);
+        mul[0] = mul[1] = 1;
+        mmul[0] = mmul[1] = 0;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int) {
         return __fmul_rn(__int2float_rn(isum), __fmul_rn(*(const float *)blk, yd));
     }
-    static __device__ __forceinline__ float finish(float s) { return s; }
 };
 
-/* One 256-block per warp step; the integer sums over the warp are exact,
- * lane 0 adds the CPU's block term. */
+/* Four 256-blocks per warp step, eight lanes each (lane = 8 block + sub).
+ * A block's integer sums (sum_j sc_j isub_j, sum_j m_j bsum_j) are exact
+ * whichever lanes add them; its first lane adds the CPU's block term. */
 template <uint32_t T, int ROWS>
 static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t gb0,
                                                  const ds4_block_q8_K *x, int64_t x_stride, int n_rows,
                                                  const iq2_tables *tab, float (&acc)[ROWS]) {
     typedef mvq<T> K;
-    const int lane = threadIdx.x & 31;
-    for (int b = 0; b < n_blocks; b++) {
-        const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * b;
-        int w0, w1, mul, mmul;
-        K::codes(blk, lane, tab, w0, w1, mul, mmul);
+    const int lane = threadIdx.x & 31, sub = lane & 7;
+    for (int b0 = 0; b0 < n_blocks; b0 += 4) {
+        const int b = b0 + (lane >> 3);
+        const bool mine = b < n_blocks;
+        const int bb = mine ? b : b0; /* lanes past the end decode a real block and add nothing */
+        const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * bb;
+        int w[8], mul[2], mmul[2];
+        K::codes(blk, sub, tab, w, mul, mmul);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (r < n_rows) {
-                const ds4_block_q8_K *y = x + r * x_stride + gb0 + b;
-                const int *q8 = (const int *)(y->qs + 8 * lane);
-                const int x0 = q8[0], x1 = q8[1];
-                const int isum = __reduce_add_sync(FULL_MASK, mul * __dp4a(w1, x1, __dp4a(w0, x0, 0)));
+                const ds4_block_q8_K *y = x + r * x_stride + gb0 + bb;
+                const int *q8 = (const int *)(y->qs + 32 * sub); /* 4-byte aligned */
+                int lo = 0, hi = 0;
+#pragma unroll
+                for (int k = 0; k < 4; k++) lo = __dp4a(w[k], q8[k], lo);
+#pragma unroll
+                for (int k = 4; k < 8; k++) hi = __dp4a(w[k], q8[k], hi);
+                int isum = mine ? mul[0] * lo + mul[1] * hi : 0;
                 int summs = 0;
-                if (K::HAS_MIN)
-                    summs = __reduce_add_sync(FULL_MASK, mmul * __dp4a(x1, 0x01010101, __dp4a(x0, 0x01010101, 0)));
-                if (lane == 0) acc[r] = __fadd_rn(acc[r], K::term(blk, y->d, isum, summs));
+                if (K::HAS_MIN) {
+                    const uint32_t bs = *(const uint32_t *)(y->bsums + 2 * sub); /* bsums 2 sub, 2 sub + 1 */
+                    summs = mine ? mmul[0] * (int)(int16_t)(bs & 0xffffu) + mmul[1] * (int)(int16_t)(bs >> 16) : 0;
+                }
+#pragma unroll
+                for (int off = 4; off > 0; off >>= 1) {
+                    isum += __shfl_xor_sync(FULL_MASK, isum, off);
+                    if (K::HAS_MIN) summs += __shfl_xor_sync(FULL_MASK, summs, off);
+                }
+                if (mine && sub == 0) acc[r] = __fadd_rn(acc[r], K::term(blk, y->d, isum, summs));
             }
         }
     }
 }
 
 template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s) {
-    if constexpr (T == DS4_TYPE_IQ2_XXS) return mvq<T>::finish(s);
+    if constexpr (T == DS4_TYPE_IQ2_XXS) return __fmul_rn(0.125f, s);
     else return s;
 }
 
