@@ -155,8 +155,8 @@ static void test_hc_pre_small(void) {
     check_hc_pre(&p, 64, 37, DS4_TYPE_F16);
     check_hc_pre(&p, 64, 5, DS4_TYPE_BF16);
     check_hc_pre(&p, 3, 9, DS4_TYPE_F32); /* a state narrower than the block */
-    /* more rows than the one-kernel path has counters for (4096): partial + finish kernels */
-    check_hc_pre(&p, 64, 4097, DS4_TYPE_F16);
+    check_hc_pre(&p, 36, 3, DS4_TYPE_F16); /* 144 values: the last thread's eight straddle no row end, rows 8-aligned */
+    check_hc_pre(&p, 33, 3, DS4_TYPE_F16); /* 132 values: element-wise loads (rows not 16-byte aligned) */
     op_pair_close(&p);
 }
 
@@ -225,7 +225,7 @@ static void test_hc_head(void) {
     check_hc_head(&p, 4096, 1, DS4_TYPE_F16);
     check_hc_head(&p, 4096, 37, DS4_TYPE_F32);
     check_hc_head(&p, 4096, 3, DS4_TYPE_BF16);
-    check_hc_head(&p, 64, 4100, DS4_TYPE_F32); /* past the counters: two kernels */
+    check_hc_head(&p, 33, 5, DS4_TYPE_BF16); /* element-wise loads */
     op_pair_close(&p);
 }
 

@@ -578,7 +578,14 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
 #define NORM_THREADS 256
 
 /* One block per row: sum of squares in double (block reduction), then
- * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps). */
+ * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps).
+ * Rows of at most NORM_CACHED floats that start 16-byte aligned (CACHED)
+ * are read once, with every load in flight before the sum waits on one,
+ * and kept in registers for the scaling; other rows are read twice. */
+#define NORM_VEC 4 /* float4 loads per thread of a cached row */
+#define NORM_CACHED (NORM_THREADS * 4 * NORM_VEC)
+
+template <bool CACHED>
 __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t dim) {
     cuda_grid_wait();
@@ -587,21 +594,49 @@ rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t di
     const float *xr = x + r * dim;
     float *yr = out + r * dim;
     double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) ss += (double)xr[i] * (double)xr[i];
+    float4 v[NORM_VEC];
+    if (CACHED) {
+#pragma unroll
+        for (int k = 0; k < NORM_VEC; k++) {
+            const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+            v[k] = i < dim ? *(const float4 *)(xr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_VEC; k++)
+            ss += (double)v[k].x * (double)v[k].x + (double)v[k].y * (double)v[k].y +
+                  (double)v[k].z * (double)v[k].z + (double)v[k].w * (double)v[k].w;
+    } else {
+        for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) ss += (double)xr[i] * (double)xr[i];
+    }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, o);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
     __syncthreads();
     if (threadIdx.x < 32) {
-        double v = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-        if (threadIdx.x == 0) part[0] = v;
+        double t = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0;
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_down_sync(0xffffffffu, t, o);
+        if (threadIdx.x == 0) part[0] = t;
     }
     __syncthreads();
     const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(part[0] / (double)dim), eps)));
+    if (CACHED) { /* x is in registers: out may be x */
+#pragma unroll
+        for (int k = 0; k < NORM_VEC; k++) {
+            const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+            if (i >= dim) continue;
+            float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
+                                   __fmul_rn(v[k].w, scale));
+            if (w) {
+                y.x = __fmul_rn(y.x, w[i]), y.y = __fmul_rn(y.y, w[i + 1]);
+                y.z = __fmul_rn(y.z, w[i + 2]), y.w = __fmul_rn(y.w, w[i + 3]);
+            }
+            *(float4 *)(yr + i) = y;
+        }
+        return;
+    }
     __syncthreads(); /* every thread has read part[0] before any row is written (out may be x) */
     for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) {
-        const float v = __fmul_rn(xr[i], scale);
-        yr[i] = w ? __fmul_rn(v, w[i]) : v;
+        const float t = __fmul_rn(xr[i], scale);
+        yr[i] = w ? __fmul_rn(t, w[i]) : t;
     }
 }
 
@@ -622,7 +657,9 @@ static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, f
         cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: %lld rows", (long long)n_rows);
         return;
     }
-    (void)cuda_launch(be, "rmsnorm_kernel", rmsnorm_kernel, (unsigned)n_rows, NORM_THREADS, 0, x, wv, eps, out, dim);
+    const bool cached = dim % 4 == 0 && dim <= NORM_CACHED && (uintptr_t)x % 16 == 0 && (uintptr_t)out % 16 == 0;
+    (void)cuda_launch(be, "rmsnorm_kernel", cached ? rmsnorm_kernel<true> : rmsnorm_kernel<false>, (unsigned)n_rows,
+                      NORM_THREADS, 0, x, wv, eps, out, dim);
 }
 
 __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
@@ -871,8 +908,6 @@ extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4
     DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->dev_error, sizeof *cb->dev_error), err, fail);
     DS4_CUDA_TRY(st, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, cb->stream), err, fail);
     DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->dev_error_host, sizeof *cb->dev_error_host), err, fail);
-    DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->hc_done, CUDA_HC_COUNTERS * sizeof *cb->hc_done), err, fail);
-    DS4_CUDA_TRY(st, cudaMemsetAsync(cb->hc_done, 0, CUDA_HC_COUNTERS * sizeof *cb->hc_done, cb->stream), err, fail);
     if ((st = cuda_launch_init(cb, err)) != DS4_OK) goto fail;
     memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
     {
@@ -908,7 +943,6 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
     cudaFree(cb->ring_dev);
     if (cb->ring_lap) cudaEventDestroy(cb->ring_lap);
     cudaFree(cb->dev_error);
-    cudaFree(cb->hc_done);
     cudaFreeHost(cb->dev_error_host);
     if (cb->dl_host) cudaFreeHost(cb->dl_host);
     if (cb->upload) cudaStreamDestroy(cb->upload);

@@ -15,13 +15,11 @@
  * terms at real size) are float sums, as on the CPU (DS4's F16-weight
  * numerics), reduced as a tree rather than the CPU's 8 sequential lanes.
  *
- * Layout. hc_pre / hc_head: each row's state is spread over blocks of 256
- * values (squares and mix dots per block); the row's last block to finish
- * (a per-row counter) combines them, one warp does the small
- * sigmoid/Sinkhorn math, and the block writes the weighted sum of the
- * streams: one kernel per call. Past CUDA_HC_COUNTERS rows (or with
- * DS4_CUDA_HC_FUSED=0) a second kernel does the combining, spread over
- * several blocks per row. hc_post and swiglu are elementwise,
+ * Layout. hc_pre / hc_head: a partial kernel spreads each row's state over
+ * blocks of 512 values (squares and mix dots per block, every weight load
+ * of a block in flight at once), then up to 32 blocks per row combine them,
+ * one warp does the small sigmoid/Sinkhorn math, and each block writes its
+ * slice of the weighted sum of the streams. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
  * logit vector for its top-k; it writes the selection and the weights
  * straight into the caller's device buffers (nothing waits for them).
@@ -46,7 +44,6 @@
 #define ROUTER_THREADS 256
 
 static_assert(HC_THREADS % 32 == 0 && HC_THREADS <= 1024, "whole warps");
-static_assert(HC_MIX_CHUNK <= HC_THREADS, "one reducing thread per chunk entry");
 
 /* Blocks for n elements at EW_THREADS each, capped (the kernels stride). */
 static unsigned ew_blocks(int64_t n) {
@@ -187,12 +184,136 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
     if (mine) C[lane] = v;
 }
 
+/* Two kernels per call, so that one token's 16384-wide state is spread over
+ * many blocks (a single block per row left the GPU idle in decode). */
+#define HC_PART_THREADS 64  /* threads per partial block */
+#define HC_PER_THREAD 8     /* consecutive state values per partial thread */
+#define HC_CHUNK (HC_PART_THREADS * HC_PER_THREAD) /* values of the flattened state per partial block */
+#define HC_FINISH_SLICES 32 /* finishing blocks per row, at most */
+#define HC_FINISH_BATCH 4   /* mix entries per warp whose partial loads are in flight together */
+
+static_assert(HC_MIX_CHUNK <= HC_PART_THREADS, "one reducing thread per chunk entry");
+
+struct hc_part {
+    double ss;
+    float dot[HC_MAX_MIX];
+};
+
+/* The eight floats i .. i + 7 of a row (two 16-byte loads; the caller
+ * checks alignment). */
+static __device__ __forceinline__ void hc_load8(const void *row, int64_t i, float (&v)[8]) {
+    const float4 a = ((const float4 *)row)[i / 4], b = ((const float4 *)row)[i / 4 + 1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
 /*
- * Two kernels per call, so that one token's 16384-wide state is spread over
- * many blocks (a single block per row left the GPU idle in decode):
- *
- * hc_partial_kernel, block (row r, chunk c) over HC_CHUNK elements of X[r]:
+ * hc_partial_kernel, block (row r, chunk c): HC_PART_THREADS threads of
+ * HC_PER_THREAD consecutive elements each, so a block covers HC_CHUNK
+ * values of X[r]:
  *   part[r][c] = { sum of squares (double), raw dots fn[k] . X[r] (float) }
+ * Every weight load of a pass over HC_MIX_CHUNK mix rows is issued before
+ * any sum waits on one (16-byte loads when the rows allow, VEC), so a pass
+ * costs one memory latency, not one per mix row.
+ */
+template <uint32_t T, bool VEC>
+static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
+    cuda_grid_wait();
+    __shared__ double red_d[HC_PART_THREADS / 32];
+    __shared__ float red_f[HC_PART_THREADS / 32][HC_MIX_CHUNK];
+    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
+    const float *X = a.X + row * hc_dim;
+    float x[HC_PER_THREAD];
+    if (VEC) {
+        if (i0 < hc_dim) hc_load8(X, i0, x);
+        else
+#pragma unroll
+            for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
+    } else {
+#pragma unroll
+        for (int j = 0; j < HC_PER_THREAD; j++) x[j] = i0 + j < hc_dim ? X[i0 + j] : 0.0f;
+    }
+    double sq = 0.0;
+#pragma unroll
+    for (int j = 0; j < HC_PER_THREAD; j++) sq += (double)x[j] * (double)x[j];
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
+    if (lane == 0) red_d[warp] = sq;
+    hc_part *out = part + row * n_chunks + chunk;
+    for (int k0 = 0; k0 < n_mix; k0 += HC_MIX_CHUNK) {
+        const int kc = n_mix - k0 < HC_MIX_CHUNK ? n_mix - k0 : HC_MIX_CHUNK;
+        const uint8_t *fn0 = (const uint8_t *)a.fn + (int64_t)k0 * a.fn_row_bytes;
+        float d[HC_MIX_CHUNK];
+        if constexpr (VEC && T != DS4_TYPE_F32) {
+            /* all the pass's 16-byte weight loads first, then the sums */
+            uint4 raw[HC_MIX_CHUNK];
+            const bool in = i0 < hc_dim;
+#pragma unroll
+            for (int k = 0; k < HC_MIX_CHUNK; k++)
+                raw[k] = k < kc && in ? __ldg((const uint4 *)(fn0 + k * a.fn_row_bytes) + i0 / 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int k = 0; k < HC_MIX_CHUNK; k++) {
+                const uint32_t hw[4] = { raw[k].x, raw[k].y, raw[k].z, raw[k].w };
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float lo, hi;
+                    if constexpr (T == DS4_TYPE_F16) {
+                        lo = cuda_f16_to_f32((uint16_t)(hw[j] & 0xffffu));
+                        hi = cuda_f16_to_f32((uint16_t)(hw[j] >> 16));
+                    } else {
+                        lo = __uint_as_float(hw[j] << 16);
+                        hi = __uint_as_float(hw[j] & 0xffff0000u);
+                    }
+                    s = fmaf(lo, x[2 * j], s);
+                    s = fmaf(hi, x[2 * j + 1], s);
+                }
+                d[k] = s;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < HC_MIX_CHUNK; k++) {
+                float f[HC_PER_THREAD];
+                const void *fr = fn0 + k * a.fn_row_bytes;
+                if (VEC) {
+                    if (k < kc && i0 < hc_dim) hc_load8(fr, i0, f);
+                    else
+#pragma unroll
+                        for (int j = 0; j < HC_PER_THREAD; j++) f[j] = 0.0f;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < HC_PER_THREAD; j++)
+                        f[j] = k < kc && i0 + j < hc_dim ? cuda_load_float(fr, T, i0 + j) : 0.0f;
+                }
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < HC_PER_THREAD; j++) s = fmaf(f[j], x[j], s);
+                d[k] = s;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < HC_MIX_CHUNK; k++) {
+            float v = d[k];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+            if (lane == 0) red_f[warp][k] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < kc) {
+            float s = 0.0f;
+            for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) s += red_f[wi][threadIdx.x];
+            out->dot[k0 + threadIdx.x] = s;
+        }
+        if (k0 == 0 && threadIdx.x == 0) {
+            double ss = 0.0;
+            for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[wi];
+            out->ss = ss;
+        }
+        __syncthreads(); /* red_f is reused by the next pass */
+    }
+}
+
+/*
  * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
  * (cheap, identical) split below and writes its slice of out[r], so the
  * weighted sum is spread over the row's blocks instead of looping in one:
@@ -206,82 +327,47 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
  * dots instead differs by float rounding only (well inside the tolerance of
  * a 16384-term float sum in another order).
  */
-#define HC_CHUNK 256 /* elements of the flattened state per partial block (one per thread) */
-#define HC_FINISH_SLICES 32 /* finishing blocks per row, at most */
-
-static_assert(HC_CHUNK == HC_THREADS, "one element per thread in a partial block");
-
-struct hc_part {
-    double ss;
-    float dot[HC_MAX_MIX];
-};
-
-/* Block (row, chunk) of a partial pass: the chunk's sum of squares and its
- * raw mix dots fn[k] . X[row] over HC_CHUNK elements, to part[row][chunk]. */
-static __device__ void hc_partial_block(const hc_args &a, int n_mix, hc_part *part, int64_t row, int64_t chunk,
-                                        int64_t n_chunks) {
-    __shared__ double red_d[HC_THREADS / 32];
-    __shared__ float red_f[HC_THREADS / 32][HC_MIX_CHUNK];
-    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t i = chunk * HC_CHUNK + threadIdx.x;
-    const float x = i < hc_dim ? a.X[row * hc_dim + i] : 0.0f;
-    const double ss = block_sum_double((double)x * (double)x, red_d);
-    hc_part *out = part + row * n_chunks + chunk;
-    if (threadIdx.x == 0) out->ss = ss;
-    for (int k0 = 0; k0 < n_mix; k0 += HC_MIX_CHUNK) {
-        const int kc = n_mix - k0 < HC_MIX_CHUNK ? n_mix - k0 : HC_MIX_CHUNK;
-        const uint8_t *fn0 = (const uint8_t *)a.fn + (int64_t)k0 * a.fn_row_bytes;
-#pragma unroll
-        for (int k = 0; k < HC_MIX_CHUNK; k++) {
-            float v = k < kc && i < hc_dim ? __fmul_rn(cuda_load_float(fn0 + k * a.fn_row_bytes, a.fn_type, i), x)
-                                           : 0.0f;
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-            if (lane == 0) red_f[warp][k] = v;
-        }
-        __syncthreads();
-        if (threadIdx.x < kc) {
-            float s = 0.0f;
-            for (int wi = 0; wi < HC_THREADS / 32; wi++) s += red_f[wi][threadIdx.x];
-            out->dot[k0 + threadIdx.x] = s;
-        }
-        __syncthreads(); /* red_f is reused by the next pass */
-    }
-}
-
-/* Slice `slice` of `n_slices` of row `row`'s finish: combine the row's
- * partials (read through L2: in the one-kernel path other blocks of this
- * grid wrote them), mix, split, and write the slice of the weighted sum
- * (and, from slice 0, post and comb). */
 template <bool HEAD>
-static __device__ void hc_finish_block(const hc_args &a, int n_mix, int64_t n_chunks, const hc_part *part,
-                                       int64_t row, int64_t slice, int64_t n_slices) {
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
+    cuda_grid_wait();
     __shared__ float mix[HC_MAX_MIX];
     __shared__ float w[HC_MAX_STREAMS];
     __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
     __shared__ float post_s[HC_MAX_STREAMS];
-    __shared__ float rms_scale_s;
     __shared__ double red_d[HC_THREADS / 32];
     const int n = a.n_hc;
     const int64_t hc_dim = (int64_t)n * a.dim;
+    const int64_t row = blockIdx.x;
     const float *X = a.X + row * hc_dim;
     const hc_part *pr = part + row * n_chunks;
     /* the chunks' partial sums, spread over the block (a fixed shape, so the
      * order is the same every run): squares in double over all threads,
-     * each mix entry over one warp's lanes */
+     * each mix entry over one warp's lanes, HC_FINISH_BATCH entries' loads
+     * in flight at once */
     double ss_part = 0.0;
-    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += __ldcg(&pr[c].ss);
-    const double ss = block_sum_double(ss_part, red_d);
-    if (threadIdx.x == 0)
-        rms_scale_s = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
-    __syncthreads();
+    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
+    const double ss = block_sum_double(ss_part, red_d); /* every thread has it */
+    const float rms_scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        for (int k = warp; k < n_mix; k += HC_THREADS / 32) {
-            float s = 0.0f;
-            for (int64_t c = lane; c < n_chunks; c += 32) s += __ldcg(&pr[c].dot[k]);
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) mix[k] = __fmul_rn(s, rms_scale_s);
+        constexpr int NW = HC_THREADS / 32;
+        for (int k0 = warp; k0 < n_mix; k0 += NW * HC_FINISH_BATCH) {
+            float s[HC_FINISH_BATCH];
+#pragma unroll
+            for (int b = 0; b < HC_FINISH_BATCH; b++) {
+                const int k = k0 + b * NW;
+                s[b] = 0.0f;
+                if (k < n_mix)
+                    for (int64_t c = lane; c < n_chunks; c += 32) s[b] += pr[c].dot[k];
+            }
+#pragma unroll
+            for (int b = 0; b < HC_FINISH_BATCH; b++)
+                for (int o = 16; o > 0; o >>= 1) s[b] += __shfl_xor_sync(0xffffffffu, s[b], o);
+            if (lane == 0)
+#pragma unroll
+                for (int b = 0; b < HC_FINISH_BATCH; b++)
+                    if (k0 + b * NW < n_mix) mix[k0 + b * NW] = __fmul_rn(s[b], rms_scale);
         }
     }
     __syncthreads();
@@ -298,13 +384,13 @@ static __device__ void hc_finish_block(const hc_args &a, int n_mix, int64_t n_ch
         }
     }
     __syncthreads();
-    if (!HEAD && slice == 0) {
+    if (!HEAD && blockIdx.y == 0) {
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
         for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
     float *out = a.out + row * a.dim;
-    const int64_t per = (a.dim + n_slices - 1) / n_slices;
-    const int64_t i0 = slice * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
     for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
@@ -312,44 +398,21 @@ static __device__ void hc_finish_block(const hc_args &a, int n_mix, int64_t n_ch
     }
 }
 
-static __global__ void __launch_bounds__(HC_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
-    cuda_grid_wait();
-    hc_partial_block(a, n_mix, part, blockIdx.x, blockIdx.y, gridDim.y);
+typedef void (*hc_partial_fn)(hc_args, int, hc_part *);
+
+template <bool VEC> static hc_partial_fn hc_partial_for(uint32_t type) {
+    switch (type) {
+    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC>;
+    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC>;
+    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC>;
+    }
 }
 
-template <bool HEAD>
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
-    cuda_grid_wait();
-    hc_finish_block<HEAD>(a, n_mix, n_chunks, part, blockIdx.x, blockIdx.y, gridDim.y);
-}
-
-/* The one-kernel path: every block (row, chunk) writes its partial, and the
- * row's last block to finish (a per-row counter, reset by that block for the
- * next launch) combines them and writes the whole row. The fences order the
- * partial writes before the count, and the count before the reads. */
-template <bool HEAD>
-static __global__ void __launch_bounds__(HC_THREADS) hc_fused_kernel(hc_args a, int n_mix, hc_part *part, unsigned *done) {
-    cuda_grid_wait();
-    __shared__ bool last;
-    const int64_t row = blockIdx.x, n_chunks = gridDim.y;
-    hc_partial_block(a, n_mix, part, row, blockIdx.y, n_chunks);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&done[row], 1u) == (unsigned)(n_chunks - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    hc_finish_block<HEAD>(a, n_mix, n_chunks, part, row, 0, 1);
-    if (threadIdx.x == 0) done[row] = 0u;
-}
-
-/* Launch the HC kernels for n_rows rows: one kernel while the rows fit the
- * backend's counters (DS4_CUDA_HC_FUSED=0: always two), else a partial and
- * a finishing kernel. */
+/* Launch the partial and finishing kernels for n_rows rows. The partial
+ * kernel takes 16-byte loads when every row of X and fn starts 16-byte
+ * aligned and a thread's eight values never straddle the end. */
 template <bool HEAD>
 static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what) {
-    static const bool fused = cuda_env_flag("DS4_CUDA_HC_FUSED", true);
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
     const int64_t n_chunks = (hc_dim + HC_CHUNK - 1) / HC_CHUNK;
     if (n_chunks > 65535) {
@@ -358,12 +421,12 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     }
     hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
     if (!part) return;
-    const dim3 grid((unsigned)n_rows, (unsigned)n_chunks);
-    if (fused && n_rows <= CUDA_HC_COUNTERS) {
-        (void)cuda_launch(be, what, hc_fused_kernel<HEAD>, grid, HC_THREADS, 0, a, n_mix, part, cuda_impl(be)->hc_done);
+    const bool vec = hc_dim % HC_PER_THREAD == 0 && a.fn_row_bytes % 16 == 0 && (uintptr_t)a.fn % 16 == 0 &&
+                     (uintptr_t)a.X % 16 == 0;
+    const hc_partial_fn partial = vec ? hc_partial_for<true>(a.fn_type) : hc_partial_for<false>(a.fn_type);
+    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_PART_THREADS, 0, a, n_mix,
+                     part))
         return;
-    }
-    if (!cuda_launch(be, what, hc_partial_kernel, grid, HC_THREADS, 0, a, n_mix, part)) return;
     /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;

@@ -168,16 +168,12 @@ typedef struct cuda_backend {
     size_t peak_bytes;   /* highest device memory in use seen (cudaMemGetInfo) */
     ds4_backend_counters counters; /* launches, copies, syncs (cuda_count_*) */
     cuda_dev_error *dev_error;      /* device: bad indices found by kernels */
-    unsigned *hc_done;              /* device, CUDA_HC_COUNTERS zeros: per-row block counters of the HC kernels */
     cuda_dev_error *dev_error_host; /* pinned: where take_error reads it */
     void *dl_host;                  /* pinned staging of download */
     size_t dl_cap;
     char check_names[CUDA_CHECK_NAMES][CUDA_CHECK_NAME_MAX]; /* cuda_check_tag's names */
     int n_check_names;
 } cuda_backend;
-
-/* Rows the one-kernel HC path can count (cuda_hc_ffn.cu; more rows take two kernels). */
-#define CUDA_HC_COUNTERS 4096
 
 static inline cuda_backend *cuda_impl(ds4_backend *be) { return (cuda_backend *)be->impl; }
 static inline cudaStream_t cuda_stream(ds4_backend *be) { return cuda_impl(be)->stream; }

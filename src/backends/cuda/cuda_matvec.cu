@@ -35,13 +35,14 @@
  * outputs). Partial sums meet in shared memory in part order, so results
  * are deterministic.
  *
- * IQ2_XXS decodes through two tables in shared memory: the 256 grid entries
- * expanded to eight magnitude bytes, and the 128 sign patterns (with their
- * parity bit) expanded to eight 0x00/0xff bytes; a signed code is then
- * (mag ^ mask) + (mask & 1) per byte, four at a time (no carry leaves a
- * byte: the grid's 2-bit codes are 0..2, magnitudes 8, 25, 43, never 0).
+ * IQ2_XXS decodes through a table in shared memory, the 256 grid entries
+ * expanded to eight magnitude bytes; the signs are spread to bytes by
+ * arithmetic and applied as (mag ^ 0xff * bit) + bit per byte, four at a
+ * time (no carry leaves a byte: the grid's 2-bit codes are 0..2,
+ * magnitudes 8, 25, 43, never 0).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backends/cuda/cuda_internal.h"
@@ -124,8 +125,7 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
 /* ------------------------------------------------------------------------ */
 
 struct iq2_tables {
-    uint32_t mag[256][2];  /* grid entry -> 8 magnitude bytes (8, 25, 43) */
-    uint32_t sign[128][2]; /* 7 sign bits -> 8 bytes of 0x00 / 0xff (bit 7: parity) */
+    uint32_t mag[256][2]; /* grid entry -> 8 magnitude bytes (8, 25, 43) */
 };
 
 static constexpr iq2_tables make_iq2_tables() {
@@ -137,13 +137,6 @@ static constexpr iq2_tables make_iq2_tables() {
             const uint32_t mag = code == 0 ? 8u : code == 1 ? 25u : code == 2 ? 43u : 0u;
             t.mag[g][i / 4] |= mag << (8 * (i % 4));
         }
-    }
-    for (int v = 0; v < 128; v++) {
-        int par = 0;
-        for (int i = 0; i < 7; i++) par ^= (v >> i) & 1;
-        const uint32_t bits = (uint32_t)v | ((uint32_t)par << 7);
-        for (int i = 0; i < 8; i++)
-            if ((bits >> i) & 1u) t.sign[v][i / 4] |= 0xffu << (8 * (i % 4));
     }
     return t;
 }
@@ -331,9 +324,13 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
 template <> struct mvq<DS4_TYPE_IQ2_XXS> {
     static constexpr bool HAS_MIN = false;
     /* sub-block ib = sub: four grid entries (aux0's bytes), their 7-bit sign
-     * patterns and the 4-bit scale (aux1). A signed code byte is
-     * (mag ^ mask) + (mask & 1): the two's complement negation where the
-     * mask is 0xff, with no carry out of the byte since no magnitude is 0. */
+     * patterns and the 4-bit scale (aux1). A group's eight sign bits (the
+     * seven stored, then their parity) are spread to one 0/1 byte per weight
+     * by a multiply (the four shifted copies of a nibble never overlap);
+     * a signed code byte is then (mag ^ 0xff * bit) + bit: the two's
+     * complement negation where the bit is set, with no carry out of the
+     * byte since no magnitude is 0. Only the magnitudes are looked up in
+     * shared memory (random lookups there conflict on banks). */
     static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * sub; /* 2-byte aligned */
@@ -342,9 +339,12 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
 #pragma unroll
         for (int l = 0; l < 4; l++) {
             const uint2 mag = *(const uint2 *)tab->mag[(aux0 >> (8 * l)) & 255u];
-            const uint2 sg = *(const uint2 *)tab->sign[(aux1 >> (7 * l)) & 127u];
-            w[2 * l] = (int)((mag.x ^ sg.x) + (sg.x & 0x01010101u));
-            w[2 * l + 1] = (int)((mag.y ^ sg.y) + (sg.y & 0x01010101u));
+            const uint32_t s7 = (aux1 >> (7 * l)) & 127u;
+            const uint32_t bits = s7 | ((uint32_t)(__popc(s7) & 1) << 7);
+            const uint32_t b0 = ((bits & 15u) * 0x00204081u) & 0x01010101u;
+            const uint32_t b1 = ((bits >> 4) * 0x00204081u) & 0x01010101u;
+            w[2 * l] = (int)((mag.x ^ (b0 * 0xffu)) + b0);
+            w[2 * l + 1] = (int)((mag.y ^ (b1 * 0xffu)) + b1);
         }
         mul[0] = mul[1] = 2 * (int)(aux1 >> 28) + 1;
         mmul[0] = mmul[1] = 0;
@@ -638,14 +638,23 @@ static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_sl
     return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
 }
 
+/* MV_MIN_WARPS, or DS4_CUDA_MV_MIN_WARPS=N (64..1048576) for measurements. */
+static int64_t mv_min_warps(void) {
+    const char *v = getenv("DS4_CUDA_MV_MIN_WARPS");
+    char *end = NULL;
+    const long long n = v && *v ? strtoll(v, &end, 10) : 0;
+    return end && *end == 0 && n >= 64 && n <= 1048576 ? (int64_t)n : MV_MIN_WARPS;
+}
+
 /* Rows per warp when a warp holds whole rows (no K split): double while at
  * least MV_MIN_WARPS warps would remain of n_warps, so short rows stream
  * back to back (DS4_CUDA_MV_RPW=0: one row per warp). */
 static int rows_per_warp(bool whole_rows, int64_t n_warps) {
     static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
+    static const int64_t min_warps = mv_min_warps();
     int r = 1;
     if (!whole_rows || !multi) return 1;
-    while (r < MV_MAX_RPW && n_warps / (2 * r) >= MV_MIN_WARPS) r *= 2;
+    while (r < MV_MAX_RPW && n_warps / (2 * r) >= min_warps) r *= 2;
     return r;
 }
 
