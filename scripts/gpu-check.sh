@@ -275,7 +275,7 @@ ops_stage() {
     for v in ${OPS_AB:-}; do
         section "bench --ops with $v"
         if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
-            --repeat 3 ${OPS_ARGS:-} --json "$out/ops-${v%%=*}.json" --md "$out/ops-${v%%=*}.md"; then
+            --repeat 3 ${OPS_ARGS:-} --json "$out/ops-${v//[^A-Za-z0-9_]/_}.json" --md "$out/ops-${v//[^A-Za-z0-9_]/_}.md"; then
             record "bench --ops ($v)" PASS
         else
             record "bench --ops ($v)" "FAIL (exit $?)"

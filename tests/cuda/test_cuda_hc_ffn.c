@@ -98,8 +98,9 @@ static void compare_hc_rows(const char *what, op_pair *p, op_buf b, int64_t n_ro
 /* hc_pre                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static void check_hc_pre(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_type) {
-    const int n = 4;
+/* n streams: 4 (the model's: the split in registers), 2..5 (one warp),
+ * more (one thread). */
+static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint32_t fn_type) {
     const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
     const int64_t hc_dim = n * dim, n_mix = (2 + n) * n;
     float *hfn = op_rand(hc_dim * n_mix, 1.0 / sqrt((double)hc_dim)); /* mix ~ N(0, 1) */
@@ -120,8 +121,8 @@ static void check_hc_pre(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_ty
     op_expect_ok(p);
     const double tol = hc_tol(hc_dim);
     char what[96];
-    snprintf(what, sizeof what, "hc_pre x_out (dim %lld, %lld rows, %s)", (long long)dim, (long long)n_rows,
-             ds4_type_name(fn_type));
+    snprintf(what, sizeof what, "hc_pre x_out (%d streams, dim %lld, %lld rows, %s)", n, (long long)dim,
+             (long long)n_rows, ds4_type_name(fn_type));
     compare_hc_rows(what, p, x_out, n_rows, dim, tol);
     check_guard(what, p, x_out, n_rows * dim, dim);
     snprintf(what, sizeof what, "hc_pre post (dim %lld, %lld rows, %s)", (long long)dim, (long long)n_rows,
@@ -146,6 +147,10 @@ static void check_hc_pre(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_ty
     free(hX);
 }
 
+static void check_hc_pre(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_type) {
+    check_hc_pre_n(p, 4, dim, n_rows, fn_type);
+}
+
 static void test_hc_pre_small(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
@@ -157,6 +162,9 @@ static void test_hc_pre_small(void) {
     check_hc_pre(&p, 3, 9, DS4_TYPE_F32); /* a state narrower than the block */
     check_hc_pre(&p, 36, 3, DS4_TYPE_F16); /* 144 values: the last thread's eight straddle no row end, rows 8-aligned */
     check_hc_pre(&p, 33, 3, DS4_TYPE_F16); /* 132 values: element-wise loads (rows not 16-byte aligned) */
+    check_hc_pre_n(&p, 3, 64, 5, DS4_TYPE_F16); /* the split over one warp */
+    check_hc_pre_n(&p, 5, 40, 2, DS4_TYPE_F32);
+    check_hc_pre_n(&p, 7, 64, 3, DS4_TYPE_F16); /* the split on one thread; 63 mix rows, a partial last group */
     op_pair_close(&p);
 }
 

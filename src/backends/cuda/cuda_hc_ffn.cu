@@ -16,10 +16,11 @@
  * numerics), reduced as a tree rather than the CPU's 8 sequential lanes.
  *
  * Layout. hc_pre / hc_head: a partial kernel spreads each row's state over
- * blocks of 512 values (squares and mix dots per block, every weight load
- * of a block in flight at once), then up to 32 blocks per row combine them,
- * one warp does the small sigmoid/Sinkhorn math, and each block writes its
- * slice of the weighted sum of the streams. hc_post and swiglu are elementwise,
+ * blocks of 1024 values and four mix rows each (squares and mix dots per
+ * block), then up to 32 blocks per row combine them, one warp does the
+ * small sigmoid/Sinkhorn math (in registers, every lane the whole split,
+ * for the model's four streams), and each block writes its slice of the
+ * weighted sum of the streams. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
  * logit vector for its top-k; it writes the selection and the weights
  * straight into the caller's device buffers (nothing waits for them).
@@ -38,7 +39,6 @@
 #define HC_THREADS 256               /* threads per row block (8 warps) */
 #define HC_MAX_STREAMS 16            /* n_hc limit, as the CPU's */
 #define HC_MAX_MIX ((2 + HC_MAX_STREAMS) * HC_MAX_STREAMS)
-#define HC_MIX_CHUNK 24              /* mix dot products per pass over the state (n_hc 4: all 24 in one) */
 #define EW_THREADS 256               /* elementwise kernels */
 #define EW_MAX_BLOCKS 65536          /* grid cap; the kernels stride over the rest */
 #define ROUTER_THREADS 256
@@ -184,132 +184,176 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
     if (mine) C[lane] = v;
 }
 
+/* hc_split_one for a compile-time stream count, every value in registers
+ * (the model's n_hc is 4): the CPU's operations in the CPU's order, so the
+ * results are hc_split_one's bit for bit, but the rows' (and columns')
+ * sums, quotients and products are independent chains the GPU overlaps,
+ * and nothing is shuffled or shared. Every thread that calls it gets the
+ * whole split. */
+template <int N>
+static __device__ __forceinline__ void hc_split_regs(const hc_args &a, const float *mix, float (&pre)[N],
+                                                     float (&post)[N], float (&C)[N * N]) {
+    const float eps = a.eps;
+    const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
+    const float sc1 = cuda_load_float(a.scale, a.scale_type, 1);
+    const float sc2 = cuda_load_float(a.scale, a.scale_type, 2);
+    float base[(2 + N) * N];
+#pragma unroll
+    for (int k = 0; k < (2 + N) * N; k++) base[k] = cuda_load_float(a.base, a.base_type, k);
+#pragma unroll
+    for (int s = 0; s < N; s++) {
+        pre[s] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[s], sc0), base[s])), eps);
+        post[s] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[N + s], sc1), base[N + s])));
+    }
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < N; c++) {
+            const int k = 2 * N + r * N + c;
+            C[r * N + c] = __fadd_rn(__fmul_rn(mix[k], sc2), base[k]);
+            if (C[r * N + c] > m) m = C[r * N + c];
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int c = 0; c < N; c++) {
+            C[r * N + c] = cuda_expf(__fsub_rn(C[r * N + c], m));
+            sum = __fadd_rn(sum, C[r * N + c]);
+        }
+        const float inv = __fdiv_rn(1.0f, sum);
+#pragma unroll
+        for (int c = 0; c < N; c++) C[r * N + c] = __fadd_rn(__fmul_rn(C[r * N + c], inv), eps);
+    }
+    for (int iter = 0; iter < a.iters; iter++) {
+        if (iter > 0) {
+#pragma unroll
+            for (int r = 0; r < N; r++) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int c = 0; c < N; c++) sum = __fadd_rn(sum, C[r * N + c]);
+                const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+#pragma unroll
+                for (int c = 0; c < N; c++) C[r * N + c] = __fmul_rn(C[r * N + c], inv);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < N; c++) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int r = 0; r < N; r++) sum = __fadd_rn(sum, C[r * N + c]);
+            const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+#pragma unroll
+            for (int r = 0; r < N; r++) C[r * N + c] = __fmul_rn(C[r * N + c], inv);
+        }
+    }
+}
+
 /* Two kernels per call, so that one token's 16384-wide state is spread over
  * many blocks (a single block per row left the GPU idle in decode). */
-#define HC_PART_THREADS 64  /* threads per partial block */
+#define HC_PART_THREADS 128 /* threads per partial block */
 #define HC_PER_THREAD 8     /* consecutive state values per partial thread */
 #define HC_CHUNK (HC_PART_THREADS * HC_PER_THREAD) /* values of the flattened state per partial block */
+#define HC_PART_K 4         /* mix rows per partial block */
 #define HC_FINISH_SLICES 32 /* finishing blocks per row, at most */
 #define HC_FINISH_BATCH 4   /* mix entries per warp whose partial loads are in flight together */
-
-static_assert(HC_MIX_CHUNK <= HC_PART_THREADS, "one reducing thread per chunk entry");
 
 struct hc_part {
     double ss;
     float dot[HC_MAX_MIX];
 };
 
-/* The eight floats i .. i + 7 of a row (two 16-byte loads; the caller
- * checks alignment). */
-static __device__ __forceinline__ void hc_load8(const void *row, int64_t i, float (&v)[8]) {
-    const float4 a = ((const float4 *)row)[i / 4], b = ((const float4 *)row)[i / 4 + 1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+/* The eight values i .. i + 7 of a float-typed row as floats (16-byte
+ * loads; the caller checks alignment). */
+template <uint32_t T> static __device__ __forceinline__ void hc_load8(const void *row, int64_t i, float (&v)[8]) {
+    if constexpr (T == DS4_TYPE_F32) {
+        const float4 a = ((const float4 *)row)[i / 4], b = ((const float4 *)row)[i / 4 + 1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+        const uint4 h = __ldg((const uint4 *)row + i / 8);
+        const uint32_t hw[4] = { h.x, h.y, h.z, h.w };
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if constexpr (T == DS4_TYPE_F16) {
+                v[2 * j] = cuda_f16_to_f32((uint16_t)(hw[j] & 0xffffu));
+                v[2 * j + 1] = cuda_f16_to_f32((uint16_t)(hw[j] >> 16));
+            } else {
+                v[2 * j] = __uint_as_float(hw[j] << 16);
+                v[2 * j + 1] = __uint_as_float(hw[j] & 0xffff0000u);
+            }
+        }
+    }
 }
 
 /*
- * hc_partial_kernel, block (row r, chunk c): HC_PART_THREADS threads of
- * HC_PER_THREAD consecutive elements each, so a block covers HC_CHUNK
- * values of X[r]:
- *   part[r][c] = { sum of squares (double), raw dots fn[k] . X[r] (float) }
- * Every weight load of a pass over HC_MIX_CHUNK mix rows is issued before
- * any sum waits on one (16-byte loads when the rows allow, VEC), so a pass
- * costs one memory latency, not one per mix row.
+ * hc_partial_kernel, block (row r, chunk c, mix group g): HC_PART_THREADS
+ * threads of HC_PER_THREAD consecutive values each (a block covers HC_CHUNK
+ * values of X[r]) against mix rows k = HC_PART_K g .. HC_PART_K g + 3:
+ *   part[r][c].dot[k] = raw dot fn[k] . X[r] over the chunk (float)
+ *   part[r][c].ss     = the chunk's sum of squares (double; group 0 only)
+ * A thread's few loads are all in flight at once (16-byte loads when the
+ * rows allow, VEC) and there are many short warps: the pass costs about one
+ * memory latency.
  */
 template <uint32_t T, bool VEC>
 static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
     cuda_grid_wait();
     __shared__ double red_d[HC_PART_THREADS / 32];
-    __shared__ float red_f[HC_PART_THREADS / 32][HC_MIX_CHUNK];
+    __shared__ float red_f[HC_PART_THREADS / 32][HC_PART_K];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
     const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
+    const int k0 = (int)blockIdx.z * HC_PART_K;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
+    const bool in = i0 < hc_dim;
     const float *X = a.X + row * hc_dim;
-    float x[HC_PER_THREAD];
+    float x[HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
     if (VEC) {
-        if (i0 < hc_dim) hc_load8(X, i0, x);
-        else
+        if (in) hc_load8<DS4_TYPE_F32>(X, i0, x);
 #pragma unroll
-            for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
+        for (int k = 0; k < HC_PART_K; k++)
+            if (in && k0 + k < n_mix) hc_load8<T>((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, i0, f[k]);
     } else {
 #pragma unroll
         for (int j = 0; j < HC_PER_THREAD; j++) x[j] = i0 + j < hc_dim ? X[i0 + j] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < HC_PART_K; k++)
+#pragma unroll
+            for (int j = 0; j < HC_PER_THREAD; j++)
+                f[k][j] = k0 + k < n_mix && i0 + j < hc_dim
+                              ? cuda_load_float((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, T, i0 + j)
+                              : 0.0f;
     }
-    double sq = 0.0;
+    if (VEC && !in) {
 #pragma unroll
-    for (int j = 0; j < HC_PER_THREAD; j++) sq += (double)x[j] * (double)x[j];
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
-    if (lane == 0) red_d[warp] = sq;
+        for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < HC_PART_K; k++) {
+        float d = 0.0f;
+        if (!VEC || (in && k0 + k < n_mix))
+#pragma unroll
+            for (int j = 0; j < HC_PER_THREAD; j++) d = fmaf(f[k][j], x[j], d);
+        for (int o = 16; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffffu, d, o);
+        if (lane == 0) red_f[warp][k] = d;
+    }
+    if (blockIdx.z == 0) {
+        double sq = 0.0;
+#pragma unroll
+        for (int j = 0; j < HC_PER_THREAD; j++) sq += (double)x[j] * (double)x[j];
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
+        if (lane == 0) red_d[warp] = sq;
+    }
+    __syncthreads();
     hc_part *out = part + row * n_chunks + chunk;
-    for (int k0 = 0; k0 < n_mix; k0 += HC_MIX_CHUNK) {
-        const int kc = n_mix - k0 < HC_MIX_CHUNK ? n_mix - k0 : HC_MIX_CHUNK;
-        const uint8_t *fn0 = (const uint8_t *)a.fn + (int64_t)k0 * a.fn_row_bytes;
-        float d[HC_MIX_CHUNK];
-        if constexpr (VEC && T != DS4_TYPE_F32) {
-            /* all the pass's 16-byte weight loads first, then the sums */
-            uint4 raw[HC_MIX_CHUNK];
-            const bool in = i0 < hc_dim;
-#pragma unroll
-            for (int k = 0; k < HC_MIX_CHUNK; k++)
-                raw[k] = k < kc && in ? __ldg((const uint4 *)(fn0 + k * a.fn_row_bytes) + i0 / 8) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int k = 0; k < HC_MIX_CHUNK; k++) {
-                const uint32_t hw[4] = { raw[k].x, raw[k].y, raw[k].z, raw[k].w };
-                float s = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    float lo, hi;
-                    if constexpr (T == DS4_TYPE_F16) {
-                        lo = cuda_f16_to_f32((uint16_t)(hw[j] & 0xffffu));
-                        hi = cuda_f16_to_f32((uint16_t)(hw[j] >> 16));
-                    } else {
-                        lo = __uint_as_float(hw[j] << 16);
-                        hi = __uint_as_float(hw[j] & 0xffff0000u);
-                    }
-                    s = fmaf(lo, x[2 * j], s);
-                    s = fmaf(hi, x[2 * j + 1], s);
-                }
-                d[k] = s;
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < HC_MIX_CHUNK; k++) {
-                float f[HC_PER_THREAD];
-                const void *fr = fn0 + k * a.fn_row_bytes;
-                if (VEC) {
-                    if (k < kc && i0 < hc_dim) hc_load8(fr, i0, f);
-                    else
-#pragma unroll
-                        for (int j = 0; j < HC_PER_THREAD; j++) f[j] = 0.0f;
-                } else {
-#pragma unroll
-                    for (int j = 0; j < HC_PER_THREAD; j++)
-                        f[j] = k < kc && i0 + j < hc_dim ? cuda_load_float(fr, T, i0 + j) : 0.0f;
-                }
-                float s = 0.0f;
-#pragma unroll
-                for (int j = 0; j < HC_PER_THREAD; j++) s = fmaf(f[j], x[j], s);
-                d[k] = s;
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < HC_MIX_CHUNK; k++) {
-            float v = d[k];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-            if (lane == 0) red_f[warp][k] = v;
-        }
-        __syncthreads();
-        if (threadIdx.x < kc) {
-            float s = 0.0f;
-            for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) s += red_f[wi][threadIdx.x];
-            out->dot[k0 + threadIdx.x] = s;
-        }
-        if (k0 == 0 && threadIdx.x == 0) {
-            double ss = 0.0;
-            for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[wi];
-            out->ss = ss;
-        }
-        __syncthreads(); /* red_f is reused by the next pass */
+    if (threadIdx.x < HC_PART_K && k0 + (int)threadIdx.x < n_mix) {
+        float t = 0.0f;
+        for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) t += red_f[wi][threadIdx.x];
+        out->dot[k0 + threadIdx.x] = t;
+    }
+    if (blockIdx.z == 0 && threadIdx.x == 0) {
+        double ss = 0.0;
+        for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[wi];
+        out->ss = ss;
     }
 }
 
@@ -371,7 +415,20 @@ static __global__ void __launch_bounds__(HC_THREADS)
         }
     }
     __syncthreads();
-    if (!HEAD && n * n <= 32) {
+    if (!HEAD && n == 4) {
+        if (threadIdx.x < 32) { /* one warp: its lanes compute the same split, lanes 0..3 keep a part */
+            float pre[4], post[4], Cr[16];
+            hc_split_regs<4>(a, mix, pre, post, Cr);
+            if (threadIdx.x < 4) {
+#pragma unroll
+                for (int s = 0; s < 4; s++)
+                    if (s == (int)threadIdx.x) w[s] = pre[s], post_s[s] = post[s];
+#pragma unroll
+                for (int j = 0; j < 16; j++)
+                    if (j / 4 == (int)threadIdx.x) C[j] = Cr[j];
+            }
+        }
+    } else if (!HEAD && n * n <= 32) {
         if (threadIdx.x < 32) hc_split_warp(a, mix, w, post_s, C);
     } else if (threadIdx.x == 0) {
         if (HEAD) {
@@ -424,8 +481,9 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     const bool vec = hc_dim % HC_PER_THREAD == 0 && a.fn_row_bytes % 16 == 0 && (uintptr_t)a.fn % 16 == 0 &&
                      (uintptr_t)a.X % 16 == 0;
     const hc_partial_fn partial = vec ? hc_partial_for<true>(a.fn_type) : hc_partial_for<false>(a.fn_type);
-    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks), HC_PART_THREADS, 0, a, n_mix,
-                     part))
+    const unsigned groups = (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
+    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
+                     n_mix, part))
         return;
     /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;

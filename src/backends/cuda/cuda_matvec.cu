@@ -42,7 +42,6 @@
  * magnitudes 8, 25, 43, never 0).
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "backends/cuda/cuda_internal.h"
@@ -638,23 +637,14 @@ static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_sl
     return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
 }
 
-/* MV_MIN_WARPS, or DS4_CUDA_MV_MIN_WARPS=N (64..1048576) for measurements. */
-static int64_t mv_min_warps(void) {
-    const char *v = getenv("DS4_CUDA_MV_MIN_WARPS");
-    char *end = NULL;
-    const long long n = v && *v ? strtoll(v, &end, 10) : 0;
-    return end && *end == 0 && n >= 64 && n <= 1048576 ? (int64_t)n : MV_MIN_WARPS;
-}
-
 /* Rows per warp when a warp holds whole rows (no K split): double while at
  * least MV_MIN_WARPS warps would remain of n_warps, so short rows stream
  * back to back (DS4_CUDA_MV_RPW=0: one row per warp). */
 static int rows_per_warp(bool whole_rows, int64_t n_warps) {
     static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
-    static const int64_t min_warps = mv_min_warps();
     int r = 1;
     if (!whole_rows || !multi) return 1;
-    while (r < MV_MAX_RPW && n_warps / (2 * r) >= min_warps) r *= 2;
+    while (r < MV_MAX_RPW && n_warps / (2 * r) >= MV_MIN_WARPS) r *= 2;
     return r;
 }
 
