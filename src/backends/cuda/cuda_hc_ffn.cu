@@ -188,8 +188,9 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
  * (the model's n_hc is 4): the CPU's operations in the CPU's order, so the
  * results are hc_split_one's bit for bit, but the rows' (and columns')
  * sums, quotients and products are independent chains the GPU overlaps,
- * and nothing is shuffled or shared. Every thread that calls it gets the
- * whole split. */
+ * and nothing is shuffled or shared. The CPU's 1 / x is __frcp_rn(x): both
+ * are the correctly rounded reciprocal, and the intrinsic's path is the
+ * shorter. Every thread that calls it gets the whole split. */
 template <int N>
 static __device__ __forceinline__ void hc_split_regs(const hc_args &a, const float *mix, float (&pre)[N],
                                                      float (&post)[N], float (&C)[N * N]) {
@@ -220,7 +221,7 @@ static __device__ __forceinline__ void hc_split_regs(const hc_args &a, const flo
             C[r * N + c] = cuda_expf(__fsub_rn(C[r * N + c], m));
             sum = __fadd_rn(sum, C[r * N + c]);
         }
-        const float inv = __fdiv_rn(1.0f, sum);
+        const float inv = __frcp_rn(sum);
 #pragma unroll
         for (int c = 0; c < N; c++) C[r * N + c] = __fadd_rn(__fmul_rn(C[r * N + c], inv), eps);
     }
@@ -231,7 +232,7 @@ static __device__ __forceinline__ void hc_split_regs(const hc_args &a, const flo
                 float sum = 0.0f;
 #pragma unroll
                 for (int c = 0; c < N; c++) sum = __fadd_rn(sum, C[r * N + c]);
-                const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+                const float inv = __frcp_rn(__fadd_rn(sum, eps));
 #pragma unroll
                 for (int c = 0; c < N; c++) C[r * N + c] = __fmul_rn(C[r * N + c], inv);
             }
@@ -241,7 +242,7 @@ static __device__ __forceinline__ void hc_split_regs(const hc_args &a, const flo
             float sum = 0.0f;
 #pragma unroll
             for (int r = 0; r < N; r++) sum = __fadd_rn(sum, C[r * N + c]);
-            const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+            const float inv = __frcp_rn(__fadd_rn(sum, eps));
 #pragma unroll
             for (int r = 0; r < N; r++) C[r * N + c] = __fmul_rn(C[r * N + c], inv);
         }
