@@ -98,8 +98,8 @@ static void compare_hc_rows(const char *what, op_pair *p, op_buf b, int64_t n_ro
 /* hc_pre                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* n streams: 4 (the model's: the split in registers), 2..5 (one warp),
- * more (one thread). */
+/* n streams: up to 5 (the model's 4 among them) the split runs on one
+ * warp, past that on one thread. */
 static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint32_t fn_type) {
     const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
     const int64_t hc_dim = n * dim, n_mix = (2 + n) * n;

@@ -18,8 +18,7 @@
  * Layout. hc_pre / hc_head: a partial kernel spreads each row's state over
  * blocks of 1024 values and four mix rows each (squares and mix dots per
  * block), then up to 32 blocks per row combine them, one warp does the
- * small sigmoid/Sinkhorn math (in registers, every lane the whole split,
- * for the model's four streams), and each block writes its slice of the
+ * small sigmoid/Sinkhorn math, and each block writes its slice of the
  * weighted sum of the streams. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
  * logit vector for its top-k; it writes the selection and the weights
@@ -182,71 +181,6 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
         v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
     }
     if (mine) C[lane] = v;
-}
-
-/* hc_split_one for a compile-time stream count, every value in registers
- * (the model's n_hc is 4): the CPU's operations in the CPU's order, so the
- * results are hc_split_one's bit for bit, but the rows' (and columns')
- * sums, quotients and products are independent chains the GPU overlaps,
- * and nothing is shuffled or shared. The CPU's 1 / x is __frcp_rn(x): both
- * are the correctly rounded reciprocal, and the intrinsic's path is the
- * shorter. Every thread that calls it gets the whole split. */
-template <int N>
-static __device__ __forceinline__ void hc_split_regs(const hc_args &a, const float *mix, float (&pre)[N],
-                                                     float (&post)[N], float (&C)[N * N]) {
-    const float eps = a.eps;
-    const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
-    const float sc1 = cuda_load_float(a.scale, a.scale_type, 1);
-    const float sc2 = cuda_load_float(a.scale, a.scale_type, 2);
-    float base[(2 + N) * N];
-#pragma unroll
-    for (int k = 0; k < (2 + N) * N; k++) base[k] = cuda_load_float(a.base, a.base_type, k);
-#pragma unroll
-    for (int s = 0; s < N; s++) {
-        pre[s] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[s], sc0), base[s])), eps);
-        post[s] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[N + s], sc1), base[N + s])));
-    }
-#pragma unroll
-    for (int r = 0; r < N; r++) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < N; c++) {
-            const int k = 2 * N + r * N + c;
-            C[r * N + c] = __fadd_rn(__fmul_rn(mix[k], sc2), base[k]);
-            if (C[r * N + c] > m) m = C[r * N + c];
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int c = 0; c < N; c++) {
-            C[r * N + c] = cuda_expf(__fsub_rn(C[r * N + c], m));
-            sum = __fadd_rn(sum, C[r * N + c]);
-        }
-        const float inv = __frcp_rn(sum);
-#pragma unroll
-        for (int c = 0; c < N; c++) C[r * N + c] = __fadd_rn(__fmul_rn(C[r * N + c], inv), eps);
-    }
-    for (int iter = 0; iter < a.iters; iter++) {
-        if (iter > 0) {
-#pragma unroll
-            for (int r = 0; r < N; r++) {
-                float sum = 0.0f;
-#pragma unroll
-                for (int c = 0; c < N; c++) sum = __fadd_rn(sum, C[r * N + c]);
-                const float inv = __frcp_rn(__fadd_rn(sum, eps));
-#pragma unroll
-                for (int c = 0; c < N; c++) C[r * N + c] = __fmul_rn(C[r * N + c], inv);
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < N; c++) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int r = 0; r < N; r++) sum = __fadd_rn(sum, C[r * N + c]);
-            const float inv = __frcp_rn(__fadd_rn(sum, eps));
-#pragma unroll
-            for (int r = 0; r < N; r++) C[r * N + c] = __fmul_rn(C[r * N + c], inv);
-        }
-    }
 }
 
 /* Two kernels per call, so that one token's 16384-wide state is spread over
@@ -416,20 +350,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
         }
     }
     __syncthreads();
-    if (!HEAD && n == 4) {
-        if (threadIdx.x < 32) { /* one warp: its lanes compute the same split, lanes 0..3 keep a part */
-            float pre[4], post[4], Cr[16];
-            hc_split_regs<4>(a, mix, pre, post, Cr);
-            if (threadIdx.x < 4) {
-#pragma unroll
-                for (int s = 0; s < 4; s++)
-                    if (s == (int)threadIdx.x) w[s] = pre[s], post_s[s] = post[s];
-#pragma unroll
-                for (int j = 0; j < 16; j++)
-                    if (j / 4 == (int)threadIdx.x) C[j] = Cr[j];
-            }
-        }
-    } else if (!HEAD && n * n <= 32) {
+    if (!HEAD && n * n <= 32) {
         if (threadIdx.x < 32) hc_split_warp(a, mix, w, post_s, C);
     } else if (threadIdx.x == 0) {
         if (HEAD) {
