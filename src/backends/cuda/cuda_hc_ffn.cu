@@ -204,18 +204,7 @@ template <uint32_t T> static __device__ __forceinline__ void hc_load8(const void
         const float4 a = ((const float4 *)row)[i / 4], b = ((const float4 *)row)[i / 4 + 1];
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     } else {
-        const uint4 h = __ldg((const uint4 *)row + i / 8);
-        const uint32_t hw[4] = { h.x, h.y, h.z, h.w };
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if constexpr (T == DS4_TYPE_F16) {
-                v[2 * j] = cuda_f16_to_f32((uint16_t)(hw[j] & 0xffffu));
-                v[2 * j + 1] = cuda_f16_to_f32((uint16_t)(hw[j] >> 16));
-            } else {
-                v[2 * j] = __uint_as_float(hw[j] << 16);
-                v[2 * j + 1] = __uint_as_float(hw[j] & 0xffff0000u);
-            }
-        }
+        cuda_half8_to_f32<T>(__ldg((const uint4 *)row + i / 8), v);
     }
 }
 

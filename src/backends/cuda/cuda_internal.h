@@ -371,6 +371,20 @@ static __device__ __forceinline__ float cuda_f16_to_f32(uint16_t h) {
     return __uint_as_float(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13));
 }
 static __device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+/* Eight F16 (T = DS4_TYPE_F16) or BF16 values of one 16-byte word, as floats, in order. */
+template <uint32_t T> static __device__ __forceinline__ void cuda_half8_to_f32(uint4 h, float (&v)[8]) {
+    const uint32_t hw[4] = { h.x, h.y, h.z, h.w };
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if constexpr (T == DS4_TYPE_F16) {
+            v[2 * j] = cuda_f16_to_f32((uint16_t)(hw[j] & 0xffffu));
+            v[2 * j + 1] = cuda_f16_to_f32((uint16_t)(hw[j] >> 16));
+        } else {
+            v[2 * j] = __uint_as_float(hw[j] << 16);
+            v[2 * j + 1] = __uint_as_float(hw[j] & 0xffff0000u);
+        }
+    }
+}
 
 /* Element i of a float-typed (F32/F16/BF16) weight or vector at device p. */
 static __device__ __forceinline__ float cuda_load_float(const void *p, uint32_t type, int64_t i) {

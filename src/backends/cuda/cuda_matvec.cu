@@ -190,18 +190,7 @@ static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_bloc
             const float4 a = *(const float4 *)(sw + 32 * c), b = *(const float4 *)(sw + 32 * c + 16);
             wv[0] = a.x, wv[1] = a.y, wv[2] = a.z, wv[3] = a.w, wv[4] = b.x, wv[5] = b.y, wv[6] = b.z, wv[7] = b.w;
         } else {
-            const uint4 h = *(const uint4 *)(sw + 16 * c);
-            const uint32_t hw[4] = { h.x, h.y, h.z, h.w };
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                if constexpr (T == DS4_TYPE_F16) {
-                    wv[2 * i] = cuda_f16_to_f32((uint16_t)(hw[i] & 0xffffu));
-                    wv[2 * i + 1] = cuda_f16_to_f32((uint16_t)(hw[i] >> 16));
-                } else {
-                    wv[2 * i] = __uint_as_float(hw[i] << 16);
-                    wv[2 * i + 1] = __uint_as_float(hw[i] & 0xffff0000u);
-                }
-            }
+            cuda_half8_to_f32<T>(*(const uint4 *)(sw + 16 * c), wv);
         }
         const int64_t e0 = (gb0 + c) * 8;
 #pragma unroll
