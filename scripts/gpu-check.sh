@@ -242,7 +242,7 @@ perf_stage() {
 # summed by kernel (scripts/ncu_table.py; raw CSV and table to $OUT).
 kernels_stage() {
     local out="${OUT:-$TMP}" ncu
-    ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n1)
+    ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n1)
     if [ -z "$ncu" ]; then
         record "ncu kernel table" "SKIP (ncu not installed)"
         return

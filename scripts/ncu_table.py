@@ -29,19 +29,16 @@ def load(path):
     name_i, time_i = header.index("Kernel Name"), header.index("gpu__time_duration.sum")
     body = rows[h + 1:]
     scale = 1e-3  # ncu's default unit for durations is nanoseconds
-    if body and body[0][time_i] in SCALE:  # the units row
+    if body and len(body[0]) > time_i and body[0][time_i] in SCALE:  # the units row
         scale = SCALE[body[0][time_i]]
         body = body[1:]
-    out = []
+    out, skipped = [], 0
     for r in body:
-        if len(r) <= max(name_i, time_i):
-            continue
         try:
-            us = float(r[time_i].replace(",", "")) * scale
-        except ValueError:
-            raise SystemExit(f"ncu_table: {path}: duration '{r[time_i]}' is not a number")
-        out.append((r[name_i], us))
-    return out
+            out.append((r[name_i], float(r[time_i].replace(",", "")) * scale))
+        except (IndexError, ValueError):  # a short row, or no figure (ncu writes n/a)
+            skipped += 1
+    return out, skipped
 
 
 def main(argv):
@@ -49,11 +46,14 @@ def main(argv):
     top = 40
     if "--top" in args:
         i = args.index("--top")
-        top = int(args[i + 1])
+        try:
+            top = int(args[i + 1])
+        except (IndexError, ValueError):
+            raise SystemExit("ncu_table: --top takes a number of kernels")
         del args[i:i + 2]
     if len(args) != 1:
         raise SystemExit(__doc__.strip().splitlines()[2])
-    kernels = load(args[0])
+    kernels, skipped = load(args[0])
     if not kernels:
         raise SystemExit(f"ncu_table: {args[0]}: no kernels")
     agg = {}
@@ -61,7 +61,8 @@ def main(argv):
         n, t = agg.get(name, (0, 0.0))
         agg[name] = (n + 1, t + us)
     total = sum(t for _, t in agg.values())
-    print(f"{len(kernels)} kernels, {total:.1f} us in all (each timed on its own)\n")
+    left = f"; {skipped} rows without a duration left out" if skipped else ""
+    print(f"{len(kernels)} kernels, {total:.1f} us in all (each timed on its own){left}\n")
     print("| kernel | launches | total us | us/launch | share |")
     print("|---|---:|---:|---:|---:|")
     for name, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:

@@ -317,6 +317,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
         }
     }
     if (!o->model == !o->synthetic) return usage_error("give a model: -m FILE or --synthetic NAME (one of them)%s", NULL);
+    if (o->profile_token && (o->ab || o->profile_token > o->gen))
+        return usage_error("--profile-token must name one of the --gen decoded tokens of a sweep (not with --ab)%s",
+                           NULL);
     const char *bk[2] = { o->backend, o->ab == AB_BACKEND ? o->ab_value : NULL };
     for (int k = 0; k < 2; k++)
         if (bk[k] && !ds4_backend_compiled(bk[k]))
@@ -647,9 +650,9 @@ static int run_prefill(bench *b) {
 }
 
 /* n greedy steps from `next` on st: per-token seconds into d (may be NULL),
- * the total into *total. */
-/* n greedy steps from `next`; step `profile` (1-based, 0: none) runs inside
- * the backend's profiler range. */
+ * the total into *total; step `profile` (1-based, 0: none) runs inside the
+ * backend's profiler range (its time, and the two waits for the device
+ * around it, count in the samples like any step's). */
 static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t next, int64_t n, dvec *d, double *total,
                                int64_t profile, ds4_error *err) {
     const int64_t V = b->cfg->n_vocab;

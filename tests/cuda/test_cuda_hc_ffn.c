@@ -161,7 +161,7 @@ static void test_hc_pre_small(void) {
     check_hc_pre(&p, 64, 5, DS4_TYPE_BF16);
     check_hc_pre(&p, 3, 9, DS4_TYPE_F32); /* a state narrower than the block */
     check_hc_pre(&p, 36, 3, DS4_TYPE_F16); /* 144 values: the last thread's eight straddle no row end, rows 8-aligned */
-    check_hc_pre(&p, 33, 3, DS4_TYPE_F16); /* 132 values: element-wise loads (rows not 16-byte aligned) */
+    check_hc_pre(&p, 33, 3, DS4_TYPE_F16); /* 132 values, not a multiple of 8: element-wise loads */
     check_hc_pre_n(&p, 3, 64, 5, DS4_TYPE_F16); /* the split over one warp */
     check_hc_pre_n(&p, 5, 40, 2, DS4_TYPE_F32);
     check_hc_pre_n(&p, 7, 64, 3, DS4_TYPE_F16); /* the split on one thread; 63 mix rows, a partial last group */

@@ -300,6 +300,8 @@ def test_ab_frontier_beyond_context(model, tmp_path):
     ["--seed", "-3"],
     ["--profile-token", "0"],
     ["--profile-token", "x"],
+    ["--gen", "4", "--profile-token", "5"],  # past the decoded tokens
+    ["--profile-token", "1", "--ab", "threads=1"],
     ["--frobnicate", "1"],
     ["stray"],
 ])
@@ -551,3 +553,13 @@ def test_ncu_table(tmp_path):
     bad.write_text('"ID","Kernel Name"\n"0","k"\n')
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(bad)], capture_output=True)
     assert r.returncode != 0 and b"no 'Kernel Name'" in r.stderr
+    # rows without a number (ncu writes n/a) are left out and counted, short rows too
+    odd = tmp_path / "odd.csv"
+    odd.write_text('"ID","Kernel Name","gpu__time_duration.sum"\n"","","nsecond"\n'
+                   '"0","k","2000"\n"1","k","n/a"\n"2"\n')
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(odd)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().startswith("1 kernels, 2.0 us in all"), r.stdout.decode()
+    assert b"2 rows without a duration left out" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(raw), "--top"], capture_output=True)
+    assert r.returncode != 0 and b"--top" in r.stderr

@@ -581,7 +581,9 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
  * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps).
  * Rows of at most NORM_CACHED floats that start 16-byte aligned (CACHED)
  * are read once, with every load in flight before the sum waits on one,
- * and kept in registers for the scaling; other rows are read twice. */
+ * and kept in registers for the scaling; other rows are read twice. The
+ * two paths add the squares in different orders (either differs from the
+ * CPU's only in that). */
 #define NORM_VEC 4 /* float4 loads per thread of a cached row */
 #define NORM_CACHED (NORM_THREADS * 4 * NORM_VEC)
 

@@ -13,13 +13,15 @@
  * reductions differ only in summation order: the RMS of the flattened state
  * is summed in double as on the CPU; the HC mix dot products (fn . f, 16384
  * terms at real size) are float sums, as on the CPU (DS4's F16-weight
- * numerics), reduced as a tree rather than the CPU's 8 sequential lanes.
+ * numerics), reduced as a tree rather than the CPU's 8 sequential lanes,
+ * each thread's eight terms as fused multiply-adds.
  *
  * Layout. hc_pre / hc_head: a partial kernel spreads each row's state over
  * blocks of 1024 values and four mix rows each (squares and mix dots per
  * block), then up to 32 blocks per row combine them, one warp does the
- * small sigmoid/Sinkhorn math, and each block writes its slice of the
- * weighted sum of the streams. hc_post and swiglu are elementwise,
+ * small sigmoid/Sinkhorn math (one thread for hc_head and for more than 5
+ * streams), and each block writes its slice of the weighted sum of the
+ * streams. hc_post and swiglu are elementwise,
  * grid-stride. The router is one block for one token: it needs the whole
  * logit vector for its top-k; it writes the selection and the weights
  * straight into the caller's device buffers (nothing waits for them).
