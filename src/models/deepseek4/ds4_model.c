@@ -38,6 +38,14 @@
         if (m->tap) m->tap(m->tap_ctx, (name), (layer), (token), (buf), (n), false);    \
     } while (0)
 
+/* TAP of rows t0 .. t0 + rows - 1 of a batched result, one tap per token. */
+#define TAP_ROWS(name, layer, t0, rows, buf, width)                                     \
+    do {                                                                                \
+        if (m->tap)                                                                     \
+            for (int64_t u_ = 0; u_ < (rows); u_++)                                     \
+                TAP(name, layer, (t0) + u_, (buf) + u_ * (width), (width));             \
+    } while (0)
+
 /* Integer results (expert ids, selected rows: n int32 in the backend buffer
  * `buf`) pass through the hook as host floats (exact below 2^24) and go
  * back rounded. Only with a hook set: the bit patterns come down through the
@@ -402,7 +410,7 @@ typedef struct eval_scratch {
     float *kv;          /* [n, D] */
     float *ckv, *csc;   /* compressor projections [n, 2*D] */
     float *ikv, *isc;   /* indexer compressor projections [n, 2*id] */
-    float *iq, *iw;     /* indexer query [ih*id] and weights [n, ih] */
+    float *iq, *iw;     /* indexer queries [n, ih*id] and weights [n, ih] */
     float *iscores;     /* [n_ctx/4 + 2] */
     float *crow;        /* one pooled row [max(D, id)] */
     float *attn;        /* attention output [n, nh*D] */
@@ -439,7 +447,7 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
                         &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits, &s->sel, &s->sel_w, &s->topk };
     const int64_t sizes[] = { n * hcH, n * hcH, n * H, n * H, n * c->n_hc, n * c->n_hc * c->n_hc, n * c->q_lora,
                               n * c->n_head * D, n * D, n * 2 * D, n * 2 * D, n * 2 * c->idx_head_dim,
-                              n * 2 * c->idx_head_dim, (int64_t)c->idx_n_head * c->idx_head_dim,
+                              n * 2 * c->idx_head_dim, n * c->idx_n_head * c->idx_head_dim,
                               n * c->idx_n_head, n_ctx / 4 + 2, crow,
                               n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, n * H,
                               n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab,
@@ -601,7 +609,10 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         be->ops->matmul(be, &W->idx_proj, 0, c->idx_n_head, s->a, H, s->iw, c->idx_n_head, n, num);
         TAP("idx_proj", l, -1, s->iw, n * c->idx_n_head);
     }
-    /* token by token: state updates and attention */
+    /* token by token: state updates and attention; the indexer queries of
+     * the rows from the first that needs them on are made in one batch */
+    const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
+    bool iq_made = false;
     for (int64_t t = 0; t < n; t++) {
         const int64_t p = pos[t];
         layer_state *L = &rs[t]->layers[l];
@@ -617,19 +628,23 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         const int64_t n_rows_b = ratio ? L->attn.n_rows : 0;
         int64_t n_b = n_rows_b;
         if (ratio == 4 && n_b > c->idx_top_k) {
-            const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
-            be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, s->iq, ih * id, 1, num);
-            TAP("idx_q", l, t, s->iq, ih * id);
-            be->ops->rope_tail(be, s->iq, 1, ih, id, &pos[t], rope, false);
-            TAP("idx_q_rope", l, t, s->iq, ih * id);
-            if (num == DS4_NUMERICS_DS4) {
-                be->ops->indexer_qat(be, s->iq, ih, id);
-                TAP("idx_q_qat", l, t, s->iq, ih * id);
+            if (!iq_made) { /* rows t .. n-1 (later rows have at least as many compressed rows) */
+                const int64_t m_rows = n - t;
+                float *iq = s->iq + t * ih * id;
+                be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, iq, ih * id, m_rows, num);
+                TAP_ROWS("idx_q", l, t, m_rows, iq, ih * id);
+                be->ops->rope_tail(be, iq, m_rows, ih, id, &pos[t], rope, false);
+                TAP_ROWS("idx_q_rope", l, t, m_rows, iq, ih * id);
+                if (num == DS4_NUMERICS_DS4) {
+                    be->ops->indexer_qat(be, iq, m_rows * ih, id);
+                    TAP_ROWS("idx_q_qat", l, t, m_rows, iq, ih * id);
+                }
+                iq_made = true;
             }
             /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
             const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
-            be->ops->indexer_scores(be, s->iq, s->iw + t * ih, wscale, ih, id, L->index.rows, L->index.n_rows,
-                                    s->iscores);
+            be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, L->index.rows,
+                                    L->index.n_rows, s->iscores);
             TAP("idx_scores", l, t, s->iscores, L->index.n_rows);
             /* both compressors emit a row every 4 tokens: the indexer's rows
              * number the attention compressor's rows */
