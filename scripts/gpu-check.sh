@@ -238,8 +238,10 @@ perf_stage() {
 
 # One decoded token kernel by kernel, with Nsight Compute: every kernel of
 # decoded token 2 at context KERN_CTX (default 2048) of the synthetic
-# full-size q2 model, each timed on its own (no clock or cache control), then
-# summed by kernel (scripts/ncu_table.py; raw CSV and table to $OUT).
+# full-size q2 model, each timed on its own (no clock or cache control) with
+# the bytes it moved to and from device memory, then summed by kernel
+# (scripts/ncu_table.py; raw CSV and table to $OUT; with the perf stage's
+# bench.json, each kernel's share of the measured bandwidth).
 kernels_stage() {
     local out="${OUT:-$TMP}" ncu
     ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n1)
@@ -248,12 +250,18 @@ kernels_stage() {
         return
     fi
     section "ncu: decoded token 2 at context ${KERN_CTX:-2048}"
+    local bw=()
+    if [ -s "$out/bench.json" ]; then # the copy bandwidth the perf stage measured: a roofline share per kernel
+        bw=(--bandwidth "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["bandwidth"]["gbps"])' \
+            "$out/bench.json" 2>/dev/null)")
+        [ "${bw[1]}" = "" ] && bw=()
+    fi
     if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
-        --metrics gpu__time_duration.sum -f -o "$TMP/token" \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$TMP/token" \
         build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda --ctx "${KERN_CTX:-2048}" \
         --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2 >"$TMP/ncu-bench.log" 2>&1 &&
         "$ncu" -i "$TMP/token.ncu-rep" --csv --page raw >"$out/ncu-token.csv" &&
-        python3 scripts/ncu_table.py "$out/ncu-token.csv" >"$out/ncu-token.md"; then
+        python3 scripts/ncu_table.py "$out/ncu-token.csv" "${bw[@]}" >"$out/ncu-token.md"; then
         head -n 45 "$out/ncu-token.md"
         record "ncu kernel table" PASS
     else

@@ -563,3 +563,19 @@ def test_ncu_table(tmp_path):
     assert b"2 rows without a duration left out" in r.stdout
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(raw), "--top"], capture_output=True)
     assert r.returncode != 0 and b"--top" in r.stderr
+    # DRAM bytes (in their units) give bytes per launch and the rate, --bandwidth its share
+    mem = tmp_path / "mem.csv"
+    mem.write_text('"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"\n'
+                   '"","","Mbyte","Kbyte","usecond"\n'
+                   '"0","mv","4","0","2"\n"1","mv","4","0","2"\n"2","norm","0.001","1","1"\n')
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(mem), "--bandwidth", "4000"],
+                       capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert "3 kernels, 5.0 us in all" in out and "0.008 GB to and from device memory, 1600 GB/s, 40.0% of 4000" in out, out
+    rows = [l for l in out.splitlines() if l.startswith("| `")]
+    assert rows[0] == "| `mv` | 2 | 4.0 | 2.00 | 80.0% | 4.000 | 2000 | 50% |", rows
+    assert rows[1] == "| `norm` | 1 | 1.0 | 1.00 | 20.0% | 0.002 | 2 | 0% |", rows
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(mem), "--bandwidth", "0"],
+                       capture_output=True)
+    assert r.returncode != 0 and b"--bandwidth" in r.stderr
