@@ -427,6 +427,8 @@ typedef struct eval_scratch {
     float *sel_w;       /* routing weights [n, k] */
     float *topk;        /* selected compressed rows, int32 [top_k] */
     int32_t *hash_ids;  /* host: hash layers' expert ids [n, k] */
+    int64_t *n_comp;    /* host: compressed rows each row's attention sees [n] */
+    int64_t *n_index;   /* host: indexer rows each row's indexer sees [n] */
 } scratch;
 
 static void scratch_free(ds4_backend *be, scratch *s) {
@@ -435,6 +437,8 @@ static void scratch_free(ds4_backend *be, scratch *s) {
                       s->g, s->u, s->h, s->logits, s->sel, s->sel_w, s->topk };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be, bufs[i]);
     free(s->hash_ids);
+    free(s->n_comp);
+    free(s->n_index);
 }
 
 static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64_t n_ctx, bool all_logits,
@@ -459,6 +463,9 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
     }
     s->hash_ids = malloc((size_t)(n * c->n_expert_used > 0 ? n * c->n_expert_used : 1) * sizeof *s->hash_ids);
     ok &= s->hash_ids != NULL;
+    s->n_comp = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->n_comp);
+    s->n_index = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->n_index);
+    ok &= s->n_comp && s->n_index;
     if (!ok) scratch_free(be, s);
     return ok;
 }
@@ -495,22 +502,15 @@ static int64_t comp_state_row(const compressor_state *cs, int64_t p) {
     return cs->ratio == 4 ? 4 + p % 4 : p % cs->ratio;
 }
 
-/* One compressor step for the token at position p (spec 3.5). kv_cur and
- * sc_cur are this token's projections (width coff*dim); on a window end the
- * pooled, normalised, rotated and rounded row is appended. */
-static void compressor_step(ds4_model *m, int l, int64_t t, compressor_state *cs, const ds4_weight *ape,
-                            const ds4_weight *norm, bool is_index, const float *kv_cur, float *sc_cur, int64_t p,
-                            float *row, ds4_numerics num) {
+/* The window end at position p (spec 3.5): the state rows are pooled into
+ * a row that is normalised, rotated and rounded, and appended (or made in
+ * `row` and dropped when the rows are full); a ratio-4 compressor's current
+ * window then becomes the previous one. t is the batch row (for the taps). */
+static void compressor_emit(ds4_model *m, int l, int64_t t, compressor_state *cs, const ds4_weight *norm,
+                            bool is_index, int64_t p, float *row, ds4_numerics num) {
     ds4_backend *be = m->be;
     const int ratio = cs->ratio;
     const int64_t width = cs->coff * cs->dim;
-    be->ops->add_weight_row(be, sc_cur, ape, p % ratio, 1);
-    TAP(is_index ? "idx_comp_score" : "comp_score", l, t, sc_cur, width);
-    /* a single decoded token's projections were written to their state row (no copy) */
-    const int64_t r = comp_state_row(cs, p);
-    if (kv_cur != cs->state_kv + r * width) be->ops->copy(be, cs->state_kv + r * width, kv_cur, width);
-    if (sc_cur != cs->state_sc + r * width) be->ops->copy(be, cs->state_sc + r * width, sc_cur, width);
-    if ((p + 1) % ratio != 0) return;
     /* the emitted row is made in place when there is room for it */
     const bool kept = cs->n_rows < cs->cap;
     if (kept) row = cs->rows + cs->n_rows * cs->dim;
@@ -532,6 +532,43 @@ static void compressor_step(ds4_model *m, int l, int64_t t, compressor_state *cs
     if (ratio == 4) { /* the current window becomes the previous one */
         be->ops->copy(be, cs->state_kv, cs->state_kv + 4 * width, 4 * width);
         be->ops->copy(be, cs->state_sc, cs->state_sc + 4 * width, 4 * width);
+    }
+}
+
+/* One compressor (the attention's, or with is_index the indexer's) over
+ * the batch (spec 3.5): row t's projections kv + t * width, sc + t * width
+ * (width = coff * dim) for position pos[t] of state rs[t]. Each score row
+ * gets its position's APE row; the rows of a run of consecutive positions
+ * of one state inside one window go to their (consecutive) state rows in
+ * one copy per buffer; a window end emits. n_rows[t] gets the compressed
+ * rows row t's attention sees (its own window's, if it ends one, among
+ * them): rows are only appended, so the attention of every row can follow
+ * once the whole batch has gone through. */
+static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
+                            const ds4_weight *norm, const float *kv, float *sc, const int32_t *pos, int64_t n,
+                            float *row, ds4_numerics num, int64_t *n_rows) {
+    ds4_backend *be = m->be;
+    int64_t run = 0; /* first row of the run not yet stored */
+    for (int64_t t = 0; t < n; t++) {
+        layer_state *L = &rs[t]->layers[l];
+        compressor_state *cs = is_index ? &L->index : &L->attn;
+        const int ratio = cs->ratio;
+        const int64_t width = cs->coff * cs->dim, p = pos[t];
+        float *sc_t = sc + t * width;
+        be->ops->add_weight_row(be, sc_t, ape, p % ratio, 1);
+        TAP(is_index ? "idx_comp_score" : "comp_score", l, t, sc_t, width);
+        const bool window_end = (p + 1) % ratio == 0;
+        if (window_end || t + 1 == n || rs[t + 1] != rs[t] || pos[t + 1] != p + 1) {
+            /* rows run .. t: consecutive positions of one window, so consecutive state rows */
+            const int64_t r = comp_state_row(cs, pos[run]), k = t + 1 - run;
+            float *dkv = cs->state_kv + r * width, *dsc = cs->state_sc + r * width;
+            /* a single decoded token's projections were written to their state row (no copy) */
+            if (kv + run * width != dkv) be->ops->copy(be, dkv, kv + run * width, k * width);
+            if (sc + run * width != dsc) be->ops->copy(be, dsc, sc + run * width, k * width);
+            if (window_end) compressor_emit(m, l, t, cs, norm, is_index, p, row, num);
+            run = t + 1;
+        }
+        n_rows[t] = cs->n_rows;
     }
 }
 
@@ -609,23 +646,21 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         be->ops->matmul(be, &W->idx_proj, 0, c->idx_n_head, s->a, H, s->iw, c->idx_n_head, n, num);
         TAP("idx_proj", l, -1, s->iw, n * c->idx_n_head);
     }
-    /* token by token: state updates and attention; the indexer queries of
-     * the rows from the first that needs them on are made in one batch */
+    /* the compressors over the whole batch, then token by token: window
+     * push, indexer and attention; the indexer queries of the rows from the
+     * first that needs them on are made in one batch */
     const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
     bool iq_made = false;
+    if (ratio)
+        compressor_pass(m, rs, l, false, &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow, num, s->n_comp);
+    if (ratio == 4)
+        compressor_pass(m, rs, l, true, &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow, num, s->n_index);
     for (int64_t t = 0; t < n; t++) {
-        const int64_t p = pos[t];
         layer_state *L = &rs[t]->layers[l];
         if (direct) window_commit(L);
         else window_push(be, c, L, kv + t * D);
-        if (ratio)
-            compressor_step(m, l, t, &L->attn, &W->comp_ape, &W->comp_norm, false, ckv + t * cw, csc + t * cw, p,
-                            s->crow, num);
-        if (ratio == 4)
-            compressor_step(m, l, t, &L->index, &W->idx_ape, &W->idx_norm, true, ikv + t * iw, isc + t * iw, p,
-                            s->crow, num);
         const int32_t *sel = NULL; /* backend memory */
-        const int64_t n_rows_b = ratio ? L->attn.n_rows : 0;
+        const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
         int64_t n_b = n_rows_b;
         if (ratio == 4 && n_b > c->idx_top_k) {
             if (!iq_made) { /* rows t .. n-1 (later rows have at least as many compressed rows) */
@@ -644,11 +679,11 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
             /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
             const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
             be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, L->index.rows,
-                                    L->index.n_rows, s->iscores);
-            TAP("idx_scores", l, t, s->iscores, L->index.n_rows);
+                                    s->n_index[t], s->iscores);
+            TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
             /* both compressors emit a row every 4 tokens: the indexer's rows
              * number the attention compressor's rows */
-            be->ops->top_k(be, s->iscores, L->index.n_rows, c->idx_top_k, (int32_t *)s->topk);
+            be->ops->top_k(be, s->iscores, s->n_index[t], c->idx_top_k, (int32_t *)s->topk);
             tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
             sel = (const int32_t *)s->topk;
             n_b = c->idx_top_k;
