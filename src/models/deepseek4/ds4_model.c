@@ -491,12 +491,6 @@ static float *window_slot(ds4_backend *be, const ds4_config *c, layer_state *L) 
 
 static void window_commit(layer_state *L) { L->n_window++; }
 
-/* Append one raw KV row to the sliding window (oldest row dropped when full). */
-static void window_push(ds4_backend *be, const ds4_config *c, layer_state *L, const float *row) {
-    be->ops->copy(be, window_slot(be, c, L), row, c->head_dim);
-    window_commit(L);
-}
-
 /* The state row a compressor keeps the token at position p's projections in. */
 static int64_t comp_state_row(const compressor_state *cs, int64_t p) {
     return cs->ratio == 4 ? 4 + p % 4 : p % cs->ratio;
@@ -655,42 +649,65 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         compressor_pass(m, rs, l, false, &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow, num, s->n_comp);
     if (ratio == 4)
         compressor_pass(m, rs, l, true, &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow, num, s->n_index);
-    for (int64_t t = 0; t < n; t++) {
-        layer_state *L = &rs[t]->layers[l];
-        if (direct) window_commit(L);
-        else window_push(be, c, L, kv + t * D);
-        const int32_t *sel = NULL; /* backend memory */
-        const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
-        int64_t n_b = n_rows_b;
-        if (ratio == 4 && n_b > c->idx_top_k) {
-            if (!iq_made) { /* rows t .. n-1 (later rows have at least as many compressed rows) */
-                const int64_t m_rows = n - t;
-                float *iq = s->iq + t * ih * id;
-                be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, iq, ih * id, m_rows, num);
-                TAP_ROWS("idx_q", l, t, m_rows, iq, ih * id);
-                be->ops->rope_tail(be, iq, m_rows, ih, id, &pos[t], rope, false);
-                TAP_ROWS("idx_q_rope", l, t, m_rows, iq, ih * id);
-                if (num == DS4_NUMERICS_DS4) {
-                    be->ops->indexer_qat(be, iq, m_rows * ih, id);
-                    TAP_ROWS("idx_q_qat", l, t, m_rows, iq, ih * id);
-                }
-                iq_made = true;
-            }
-            /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
-            const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
-            be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, L->index.rows,
-                                    s->n_index[t], s->iscores);
-            TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
-            /* both compressors emit a row every 4 tokens: the indexer's rows
-             * number the attention compressor's rows */
-            be->ops->top_k(be, s->iscores, s->n_index[t], c->idx_top_k, (int32_t *)s->topk);
-            tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
-            sel = (const int32_t *)s->topk;
-            n_b = c->idx_top_k;
+    const int64_t Wn = c->sliding_window;
+    for (int64_t t0 = 0; t0 < n;) {
+        /* a run of rows of one state at consecutive positions whose window
+         * slots follow one another (the window does not move in between):
+         * their KV rows go into the window in one copy, then each row
+         * attends with the window as it stood after its own row (the rows
+         * after it lie past the end of that view) */
+        layer_state *Lr = &rs[t0]->layers[l];
+        int64_t t1 = t0 + 1;
+        if (direct) {
+            window_commit(Lr);
+        } else {
+            float *slot = window_slot(be, c, Lr);
+            const int64_t first = Lr->win_start + Lr->n_window;
+            while (t1 < n && rs[t1] == rs[t0] && pos[t1] == pos[t1 - 1] + 1 && first + (t1 - t0) < 2 * Wn) t1++;
+            be->ops->copy(be, slot, kv + t0 * D, (t1 - t0) * D);
+            window_commit(Lr);
         }
-        be->ops->attention(be, s->q + t * nh * D, nh, D, ds4_window_rows(L, D), L->n_window, ratio ? L->attn.rows : NULL,
-                           n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
-        TAP("attention", l, t, s->attn + t * nh * D, nh * D);
+        for (int64_t t = t0; t < t1; t++) {
+            layer_state *L = &rs[t]->layers[l];
+            if (t > t0) { /* what window_slot does for the next slot when the window does not move */
+                if (L->n_window == Wn) L->win_start++, L->n_window--;
+                window_commit(L);
+            }
+            const int32_t *sel = NULL; /* backend memory */
+            const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
+            int64_t n_b = n_rows_b;
+            if (ratio == 4 && n_b > c->idx_top_k) {
+                if (!iq_made) { /* rows t .. n-1 (a later row of the same state has at least as many compressed
+                                 * rows; a row of another state may not need its query) */
+                    const int64_t m_rows = n - t;
+                    float *iq = s->iq + t * ih * id;
+                    be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, iq, ih * id, m_rows, num);
+                    TAP_ROWS("idx_q", l, t, m_rows, iq, ih * id);
+                    be->ops->rope_tail(be, iq, m_rows, ih, id, &pos[t], rope, false);
+                    TAP_ROWS("idx_q_rope", l, t, m_rows, iq, ih * id);
+                    if (num == DS4_NUMERICS_DS4) {
+                        be->ops->indexer_qat(be, iq, m_rows * ih, id);
+                        TAP_ROWS("idx_q_qat", l, t, m_rows, iq, ih * id);
+                    }
+                    iq_made = true;
+                }
+                /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
+                const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
+                be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, L->index.rows,
+                                        s->n_index[t], s->iscores);
+                TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
+                /* both compressors emit a row every 4 tokens: the indexer's rows
+                 * number the attention compressor's rows */
+                be->ops->top_k(be, s->iscores, s->n_index[t], c->idx_top_k, (int32_t *)s->topk);
+                tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
+                sel = (const int32_t *)s->topk;
+                n_b = c->idx_top_k;
+            }
+            be->ops->attention(be, s->q + t * nh * D, nh, D, ds4_window_rows(L, D), L->n_window, ratio ? L->attn.rows : NULL,
+                               n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
+            TAP("attention", l, t, s->attn + t * nh * D, nh * D);
+        }
+        t0 = t1;
     }
     be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
     TAP("attn_rope_inv", l, -1, s->attn, n * nh * D);
