@@ -100,3 +100,19 @@ void *ds4_fill_host_bytes(const ds4_weight *w, const ds4_fill *fill, const char 
     for (int64_t b = 0; b < n_blocks; b++) ds4_fill_block(fill, b, buf + b * t->block_bytes);
     return buf;
 }
+
+bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const int64_t *a_off, const int64_t *a_n,
+                              const int64_t *b_n, ds4_error *err) {
+    if (n < 0 || (n > 0 && (!a_off || !a_n || !b_n || !q || !out))) {
+        ds4_error_set(err, DS4_ERR_INVALID, "attention_rows: %lld rows (a NULL array or buffer)", (long long)n);
+        return false;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        if (a_off[r] < 0 || a_n[r] < 0 || b_n[r] < 0) {
+            ds4_error_set(err, DS4_ERR_INVALID, "attention_rows: row %lld: %lld rows from %lld, %lld compressed rows",
+                          (long long)r, (long long)a_n[r], (long long)a_off[r], (long long)b_n[r]);
+            return false;
+        }
+    }
+    return true;
+}

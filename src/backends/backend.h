@@ -181,6 +181,14 @@ typedef struct ds4_backend_ops {
     void (*attention)(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a,
                       int64_t n_a, const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
                       const ds4_weight *sinks, float *out);
+    /* n query rows, row r exactly as `attention` with q + r * n_heads * dim,
+     * the a_n[r] rows of rows_a from row a_off[r], the first b_n[r] rows of
+     * rows_b (no selection) and out + r * n_heads * dim: the rows of a
+     * prefill run, each with its own view of one state's window and
+     * compressed rows. a_off, a_n, b_n: host arrays of n. */
+    void (*attention_rows)(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                           const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                           const int64_t *b_n, const ds4_weight *sinks, float *out);
 
     /* ---- compressor (spec 3.5) ---------------------------------------- */
     /* Per-dimension softmax-gated pooling over the compressor state.
@@ -313,6 +321,11 @@ void ds4_backend_profiler_range(ds4_backend *be, bool on);
  * the fill does not suit w's type and shape or memory is short. For the
  * backends' bind_synthetic. */
 void *ds4_fill_host_bytes(const ds4_weight *w, const ds4_fill *fill, const char *who, ds4_error *err);
+
+/* attention_rows' view arrays and buffers, as both backends check them:
+ * false with the message in err (status DS4_ERR_INVALID). */
+bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const int64_t *a_off, const int64_t *a_n,
+                              const int64_t *b_n, ds4_error *err);
 
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */

@@ -1228,6 +1228,49 @@ static void test_attention(void) {
     ds4_backend_destroy(be1);
     ds4_backend_destroy(be2);
 }
+/* attention_rows: each row exactly what attention gives for it (a view of
+ * the window rows from a_off, b_n compressed rows, no selection), empty views
+ * included; bad views and NULL arrays are errors that name the op. */
+static void test_attention_rows(void) {
+    ds4_backend *be = new_backend(2);
+    enum { N = 7 };
+    const int64_t heads = 4, dim = 64, n_win = 20, n_comp = 11;
+    const int64_t a_off[N] = { 0, 1, 2, 3, 4, 10, 19 }, a_n[N] = { 0, 3, 6, 9, 12, 10, 1 };
+    const int64_t b_n[N] = { 0, 0, 4, 5, 11, 11, 2 };
+    float *q = fvec(N * heads * dim), *a = fvec(n_win * dim), *b = fvec(n_comp * dim), sinks[4];
+    float *out = fvec(N * heads * dim), *one = fvec(heads * dim);
+    fill_normal(q, N * heads * dim, 1.0);
+    fill_normal(a, n_win * dim, 1.0);
+    fill_normal(b, n_comp * dim, 1.0);
+    fill_normal(sinks, heads, 2.0);
+    test_weight ws;
+    weight_make(&ws, "attn_sinks", DS4_TYPE_F32, heads, 1, sinks);
+    be->ops->attention_rows(be, q, N, heads, dim, a, a_off, a_n, b, b_n, &ws.w, out);
+    expect_no_error(be);
+    for (int r = 0; r < N; r++) {
+        be->ops->attention(be, q + r * heads * dim, heads, dim, a + a_off[r] * dim, a_n[r], b, b_n[r], NULL, b_n[r],
+                           &ws.w, one);
+        CHECK_MSG(memcmp(out + r * heads * dim, one, (size_t)(heads * dim) * sizeof *one) == 0, "row %d", r);
+    }
+    expect_no_error(be);
+    char msg[DS4_ERROR_MSG_MAX];
+    const int64_t bad_n[N] = { 0, 3, -1, 9, 12, 10, 1 };
+    be->ops->attention_rows(be, q, N, heads, dim, a, a_off, bad_n, b, b_n, &ws.w, out);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "attention_rows") && strstr(msg, "row 2"), "%s", msg);
+    be->ops->attention_rows(be, q, N, heads, dim, a, NULL, a_n, b, b_n, &ws.w, out);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "attention_rows") && strstr(msg, "NULL"), "%s", msg);
+    be->ops->attention_rows(be, q, 0, heads, dim, a, NULL, NULL, b, NULL, &ws.w, out); /* no rows: nothing to do */
+    expect_no_error(be);
+    weight_free(&ws);
+    free(q);
+    free(a);
+    free(b);
+    free(out);
+    free(one);
+    ds4_backend_destroy(be);
+}
 
 static void test_compressor_pool(void) {
     ds4_backend *be = new_backend(1);
@@ -1808,6 +1851,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_hc_post),
     TEST_ENTRY(test_hc_head),
     TEST_ENTRY(test_attention),
+    TEST_ENTRY(test_attention_rows),
     TEST_ENTRY(test_compressor_pool),
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_top_k),

@@ -272,6 +272,7 @@ static const ds4_backend_ops CPU_OPS = {
     .hc_post = cpu_hc_post,
     .hc_head = cpu_hc_head,
     .attention = cpu_attention,
+    .attention_rows = cpu_attention_rows,
     .compressor_pool = cpu_compressor_pool,
     .indexer_scores = cpu_indexer_scores,
     .top_k = cpu_top_k,

@@ -168,6 +168,9 @@ void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *st
 void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale, int64_t n_heads,
                         int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
+void cpu_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                        const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                        const int64_t *b_n, const ds4_weight *sinks, float *out);
 void cpu_router(ds4_backend *be, const float *logits, int64_t n_expert, const ds4_weight *bias,
                 const int32_t *hash_ids, int n_used, bool normalise, float scale, int32_t *sel_out,
                 float *weight_out, int64_t n_rows);

@@ -417,6 +417,24 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
                       sink_type, out);
 }
 
+/* The rows of a run one after another through cuda_attention (the same
+ * kernels, so each row is what a single-row call gives); a kernel over all
+ * the rows at once is the next step for prefill. */
+void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                         const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                         const int64_t *b_n, const ds4_weight *sinks, float *out) {
+    if (cuda_failed(be)) return;
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_attention_rows_valid(n, q, out, a_off, a_n, b_n, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    for (int64_t r = 0; r < n && !cuda_failed(be); r++)
+        cuda_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL, a_n[r],
+                       rows_b, b_n[r], NULL, b_n[r], sinks, out + r * n_heads * dim);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Compressor pooling (spec 3.5.4)                                           */
 /* ------------------------------------------------------------------------ */

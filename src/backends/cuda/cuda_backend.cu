@@ -863,6 +863,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .hc_post = cuda_hc_post,
     .hc_head = cuda_hc_head,
     .attention = cuda_attention,
+    .attention_rows = cuda_attention_rows,
     .compressor_pool = cuda_compressor_pool,
     .indexer_scores = cuda_indexer_scores,
     .top_k = cuda_top_k,

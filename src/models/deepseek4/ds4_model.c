@@ -13,10 +13,14 @@
  * then the HC head merge, the output norm and the LM head.
  *
  * A batch is processed layer-major. The dense projections, the router and
- * the routed experts run over the whole batch (each token's row on its own);
- * the parts that read or write the per-layer state (KV window, compressors,
- * indexer, attention) run token by token in order, so a batch computes
- * exactly what single-token decoding computes.
+ * the routed experts run over the whole batch (each token's row on its own).
+ * The parts that read or write the per-layer state keep each token's view:
+ * the compressors run over the batch in position order, recording how many
+ * compressed rows each token sees; a run of a state's tokens goes into the
+ * KV window in one copy while the window does not move, each token's view
+ * of it recorded; then the run's tokens attend (in one attention_rows call
+ * up to the first that needs the indexer's selection, then one by one). So
+ * a batch computes exactly what single-token decoding computes.
  */
 #include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_model_internal.h"
@@ -429,6 +433,7 @@ typedef struct eval_scratch {
     int32_t *hash_ids;  /* host: hash layers' expert ids [n, k] */
     int64_t *n_comp;    /* host: compressed rows each row's attention sees [n] */
     int64_t *n_index;   /* host: indexer rows each row's indexer sees [n] */
+    int64_t *win_off, *win_n; /* host: each row's view of its window (first row, rows) [n] */
 } scratch;
 
 static void scratch_free(ds4_backend *be, scratch *s) {
@@ -439,6 +444,8 @@ static void scratch_free(ds4_backend *be, scratch *s) {
     free(s->hash_ids);
     free(s->n_comp);
     free(s->n_index);
+    free(s->win_off);
+    free(s->win_n);
 }
 
 static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64_t n_ctx, bool all_logits,
@@ -465,7 +472,9 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
     ok &= s->hash_ids != NULL;
     s->n_comp = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->n_comp);
     s->n_index = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->n_index);
-    ok &= s->n_comp && s->n_index;
+    s->win_off = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->win_off);
+    s->win_n = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->win_n);
+    ok &= s->n_comp && s->n_index && s->win_off && s->win_n;
     if (!ok) scratch_free(be, s);
     return ok;
 }
@@ -647,6 +656,8 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     bool iq_made = false;
     if (ratio)
         compressor_pass(m, rs, l, false, &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow, num, s->n_comp);
+    else
+        for (int64_t t = 0; t < n; t++) s->n_comp[t] = 0;
     if (ratio == 4)
         compressor_pass(m, rs, l, true, &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow, num, s->n_index);
     const int64_t Wn = c->sliding_window;
@@ -667,12 +678,27 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
             be->ops->copy(be, slot, kv + t0 * D, (t1 - t0) * D);
             window_commit(Lr);
         }
-        for (int64_t t = t0; t < t1; t++) {
-            layer_state *L = &rs[t]->layers[l];
+        for (int64_t t = t0; t < t1; t++) { /* each row's view of the window */
             if (t > t0) { /* what window_slot does for the next slot when the window does not move */
-                if (L->n_window == Wn) L->win_start++, L->n_window--;
-                window_commit(L);
+                if (Lr->n_window == Wn) Lr->win_start++, Lr->n_window--;
+                window_commit(Lr);
             }
+            s->win_off[t] = Lr->win_start;
+            s->win_n[t] = Lr->n_window;
+        }
+        /* the rows before the first that needs the indexer's selection (a
+         * later row of the run sees at least as many compressed rows) attend
+         * in one call, every compressed row they see taking part */
+        int64_t tb = t0;
+        while (tb < t1 && !(ratio == 4 && s->n_comp[tb] > c->idx_top_k)) tb++;
+        if (tb > t0) {
+            be->ops->attention_rows(be, s->q + t0 * nh * D, tb - t0, nh, D, Lr->window, s->win_off + t0,
+                                    s->win_n + t0, ratio ? Lr->attn.rows : NULL, s->n_comp + t0, &W->sinks,
+                                    s->attn + t0 * nh * D);
+            TAP_ROWS("attention", l, t0, tb - t0, s->attn + t0 * nh * D, nh * D);
+        }
+        for (int64_t t = tb; t < t1; t++) {
+            layer_state *L = &rs[t]->layers[l];
             const int32_t *sel = NULL; /* backend memory */
             const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
             int64_t n_b = n_rows_b;
@@ -703,8 +729,8 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                 sel = (const int32_t *)s->topk;
                 n_b = c->idx_top_k;
             }
-            be->ops->attention(be, s->q + t * nh * D, nh, D, ds4_window_rows(L, D), L->n_window, ratio ? L->attn.rows : NULL,
-                               n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
+            be->ops->attention(be, s->q + t * nh * D, nh, D, L->window + s->win_off[t] * D, s->win_n[t],
+                               ratio ? L->attn.rows : NULL, n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
             TAP("attention", l, t, s->attn + t * nh * D, nh * D);
         }
         t0 = t1;
