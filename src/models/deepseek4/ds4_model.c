@@ -481,16 +481,21 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
 
 /* ------------------------------------------------------------ sublayers */
 
+/* A full window drops its oldest row (before the next one is added). */
+static void window_drop_full(const ds4_config *c, layer_state *L) {
+    if (L->n_window == c->sliding_window) {
+        L->win_start++;
+        L->n_window--;
+    }
+}
+
 /* Where the next raw KV row of the window goes: the oldest row is dropped
  * when the window is full, and the live rows move to the buffer's front
  * when the next one would not fit (they cannot overlap their new place:
  * W - 1 rows at most, from row W + 1 on). window_commit then counts it. */
 static float *window_slot(ds4_backend *be, const ds4_config *c, layer_state *L) {
     const int64_t D = c->head_dim, W = c->sliding_window;
-    if (L->n_window == W) {
-        L->win_start++;
-        L->n_window--;
-    }
+    window_drop_full(c, L);
     if (L->win_start + L->n_window == 2 * W) {
         if (L->n_window > 0) be->ops->copy(be, L->window, ds4_window_rows(L, D), L->n_window * D);
         L->win_start = 0;
@@ -680,7 +685,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         }
         for (int64_t t = t0; t < t1; t++) { /* each row's view of the window */
             if (t > t0) { /* what window_slot does for the next slot when the window does not move */
-                if (Lr->n_window == Wn) Lr->win_start++, Lr->n_window--;
+                window_drop_full(c, Lr);
                 window_commit(Lr);
             }
             s->win_off[t] = Lr->win_start;
@@ -697,8 +702,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                                     s->attn + t0 * nh * D);
             TAP_ROWS("attention", l, t0, tb - t0, s->attn + t0 * nh * D, nh * D);
         }
-        for (int64_t t = tb; t < t1; t++) {
-            layer_state *L = &rs[t]->layers[l];
+        for (int64_t t = tb; t < t1; t++) { /* the run's state: Lr */
             const int32_t *sel = NULL; /* backend memory */
             const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
             int64_t n_b = n_rows_b;
@@ -719,7 +723,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                 }
                 /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
                 const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
-                be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, L->index.rows,
+                be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, Lr->index.rows,
                                         s->n_index[t], s->iscores);
                 TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
                 /* both compressors emit a row every 4 tokens: the indexer's rows
@@ -729,8 +733,8 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                 sel = (const int32_t *)s->topk;
                 n_b = c->idx_top_k;
             }
-            be->ops->attention(be, s->q + t * nh * D, nh, D, L->window + s->win_off[t] * D, s->win_n[t],
-                               ratio ? L->attn.rows : NULL, n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
+            be->ops->attention(be, s->q + t * nh * D, nh, D, Lr->window + s->win_off[t] * D, s->win_n[t],
+                               ratio ? Lr->attn.rows : NULL, n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
             TAP("attention", l, t, s->attn + t * nh * D, nh * D);
         }
         t0 = t1;
