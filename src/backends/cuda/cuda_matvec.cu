@@ -485,44 +485,50 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
      * issue commits a group (an empty one past the end), so the group count
      * stays uniform and wait<MV_NST - 2> always means "stage s is in". */
     uint8_t *ring = (uint8_t *)(smem + warp * MV_NST * (MV_STAGE / 16));
-    const int64_t n_units = u1 - u0;
-    const int64_t spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
-    const int64_t total = n_valid * spr;
+    /* 32-bit counters, advanced step by step (no division in the loop): a
+     * part has at most a few thousand units, a warp at most MV_MAX_RPW rows */
+    const int n_units = (int)(u1 - u0);
+    const int spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
+    const int total = n_valid * spr;
     const uint8_t *wbase = a.w[z] + wrow0 * a.row_bytes + u0 * G::UNIT_BYTES;
-    auto issue = [&](int64_t s) {
-        if (s < total) {
-            const int64_t j = s / spr, k = s - j * spr;
-            const int64_t first = k * G::STAGE_UNITS;
-            const int cnt = (int)(n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS);
-            const uint8_t *src = wbase + j * a.row_bytes + first * G::UNIT_BYTES;
-            uint8_t *dst = ring + (int)(s % MV_NST) * MV_STAGE;
+    int is_s = 0, is_j = 0, is_k = 0, is_slot = 0; /* the next stage to issue: index, row, stage in row, buffer */
+    auto issue = [&]() {
+        if (is_s < total) {
+            const int first = is_k * G::STAGE_UNITS;
+            const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
+            const uint8_t *src = wbase + (int64_t)is_j * a.row_bytes + first * G::UNIT_BYTES;
+            uint8_t *dst = ring + is_slot * MV_STAGE;
             const int n16 = cnt * G::UNIT_BYTES / 16;
             for (int idx = lane; idx < n16; idx += 32) cp_async16(dst + 16 * idx, src + 16 * idx, true);
+            if (++is_k == spr) is_k = 0, is_j++;
+            if (++is_slot == MV_NST) is_slot = 0;
         }
+        is_s++;
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < MV_NST - 1; s++) issue(s);
+    for (int s = 0; s < MV_NST - 1; s++) issue();
 
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    int64_t j = 0, k = 0; /* row and stage within the row of stage s */
-    /* the activation of row j: act_j (float and Q8_K rows), or the split
-     * Q8_0 row `act` from block blk_j (the group's first) */
+    int j = 0, k = 0, slot = 0; /* row, stage within the row and buffer of stage s */
+    /* the activation of row j: act_j (float rows), or the split quantised
+     * row `act` from block blk_j (the group's first) */
     const uint8_t *act_j = act;
     int64_t blk_j = 0;
     if (a.group_rows && n_valid) {
         blk_j = (o_first / a.group_rows) * a.act_group_stride;
         act_j = act + blk_j * act_unit;
     }
-    for (int64_t s = 0; s < total; s++) {
+    for (int s = 0; s < total; s++) {
         cp_async_wait<MV_NST - 2>();
         __syncwarp();
-        issue(s + MV_NST - 1);
-        const int64_t first = k * G::STAGE_UNITS;
-        const int cnt = (int)(n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS);
-        const uint8_t *sw = ring + (int)(s % MV_NST) * MV_STAGE;
+        issue();
+        const int first = k * G::STAGE_UNITS;
+        const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
+        const uint8_t *sw = ring + slot * MV_STAGE;
+        if (++slot == MV_NST) slot = 0;
         const int n_blocks = cnt * G::UNIT;
         const int64_t gb0 = (u0 + first) * G::UNIT; /* first block of the stage within the row */
         if constexpr (mv_float(T))
