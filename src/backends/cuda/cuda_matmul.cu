@@ -97,7 +97,7 @@ struct mm_args {
  * bsums of 16, d = 1/iscale.
  */
 __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
-                                                         ds4_block_q8_K *__restrict__ out) {
+                                                         ds4_block_q8_K *__restrict__ out, int split) {
     cuda_grid_wait();
     __shared__ float s_a[8];
     __shared__ int s_i[8];
@@ -130,22 +130,37 @@ __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict
     }
     __syncthreads();
     const float m = s_m;
-    ds4_block_q8_K *y = out + blockIdx.x;
+    /* where this block's codes, bsums and d go: interleaved blocks, or the
+     * split layout of cuda_matvec.h (per row: codes, then d, then bsums) */
+    int8_t *qs;
+    int16_t *bsums;
+    float *dp;
+    if (split) {
+        uint8_t *base = (uint8_t *)out + row * nb * (int64_t)sizeof(ds4_block_q8_K);
+        qs = (int8_t *)(base + ib * DS4_QK_K);
+        dp = (float *)(base + nb * DS4_QK_K) + ib;
+        bsums = (int16_t *)(base + nb * (DS4_QK_K + 4)) + ib * (DS4_QK_K / 16);
+    } else {
+        ds4_block_q8_K *y = out + blockIdx.x;
+        qs = y->qs;
+        bsums = y->bsums;
+        dp = &y->d;
+    }
     if (m == 0.0f) {
-        y->qs[t] = 0;
-        if (t < 16) y->bsums[t] = 0;
-        if (t == 0) y->d = 0.0f;
+        qs[t] = 0;
+        if (t < 16) bsums[t] = 0;
+        if (t == 0) *dp = 0.0f;
         return;
     }
     const float iscale = __fdiv_rn(-127.0f, m);
     int q = __float2int_rn(__fmul_rn(iscale, v));
     q = q > 127 ? 127 : q < -128 ? -128 : q;
-    y->qs[t] = (int8_t)q;
+    qs[t] = (int8_t)q;
     int s = q;
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
-    if ((t & 15) == 0) y->bsums[t >> 4] = (int16_t)s;
-    if (t == 0) y->d = __fdiv_rn(1.0f, iscale);
+    if ((t & 15) == 0) bsums[t >> 4] = (int16_t)s;
+    if (t == 0) *dp = __fdiv_rn(1.0f, iscale);
 }
 
 /* DS4's Q8_0 activations, one warp per 32-block: d = amax / 127 (float),
@@ -583,14 +598,14 @@ static size_t act_bytes(mm_mode mode, int64_t n, int64_t n_rows) {
 static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
 
 /* Quantise n_rows rows of n floats (x_stride apart) into dst for `mode`,
- * n / block elements per row; Q8_0 in the matvec kernels' split layout when
- * for_mv. Float kinds: nothing to do (act = x). */
+ * n / block elements per row; Q8_0 and Q8_K in the matvec kernels' split
+ * layouts when for_mv. Float kinds: nothing to do (act = x). */
 static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t x_stride, int64_t n, int64_t n_rows,
                           void *dst, bool for_mv) {
     if (mode == MM_Q8_K) {
         const int64_t nb = n / DS4_QK_K;
         return cuda_launch(be, "quant_q8_K_kernel", quant_q8_K_kernel, (unsigned)(nb * n_rows), 256, 0, x, x_stride,
-                           nb, (ds4_block_q8_K *)dst);
+                           nb, (ds4_block_q8_K *)dst, for_mv ? 1 : 0);
     }
     if (mode == MM_Q8_0) {
         const int64_t nb = n / DS4_QK8_0, total = nb * n_rows;

@@ -171,6 +171,7 @@ struct mv_args {
     int rpb;             /* warps' row sets per thread block (rows per block: rpb * rpw) */
     int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
+    int act_aligned;      /* Q8_K: every activation row starts 16-byte aligned (codes in 16-byte loads) */
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
@@ -359,34 +360,51 @@ template <> struct mvq<DS4_TYPE_Q8_K> {
 
 /* Four 256-blocks per warp step, eight lanes each (lane = 8 block + sub).
  * A block's integer sums (sum_j sc_j isub_j, sum_j m_j bsum_j) are exact
- * whichever lanes add them; its first lane adds the CPU's block term. */
+ * whichever lanes add them; its first lane adds the CPU's block term.
+ * Activations in the split layout (cuda_matvec.h): row r at x + r
+ * row_bytes holds x_blocks blocks' codes, then their d, then their bsums;
+ * b0 is the stage's first block within the row. With `aligned` (every row
+ * 16-byte aligned) a lane's 32 codes are two 16-byte loads, a warp's four
+ * blocks one contiguous kilobyte. */
 template <uint32_t T, int ROWS>
-static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t gb0,
-                                                 const ds4_block_q8_K *x, int64_t x_stride, int n_rows,
+static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
+                                                 int64_t row_bytes, int64_t x_blocks, int n_rows, bool aligned,
                                                  const iq2_tables *tab, float (&acc)[ROWS]) {
     typedef mvq<T> K;
     const int lane = threadIdx.x & 31, sub = lane & 7;
-    for (int b0 = 0; b0 < n_blocks; b0 += 4) {
-        const int b = b0 + (lane >> 3);
+    for (int s0 = 0; s0 < n_blocks; s0 += 4) {
+        const int b = s0 + (lane >> 3);
         const bool mine = b < n_blocks;
-        const int bb = mine ? b : b0; /* lanes past the end decode a real block and add nothing */
+        const int bb = mine ? b : s0; /* lanes past the end decode a real block and add nothing */
         const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * bb;
         int w[8], mul[2], mmul[2];
         K::codes(blk, sub, tab, w, mul, mmul);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (r < n_rows) {
-                const ds4_block_q8_K *y = x + r * x_stride + gb0 + bb;
-                const int *q8 = (const int *)(y->qs + 32 * sub); /* 4-byte aligned */
+                const uint8_t *xr = x + r * row_bytes;
+                const int64_t xb = b0 + bb;
+                const uint8_t *q8 = xr + xb * DS4_QK_K + 32 * sub;
+                int xq[8];
+                if (aligned) {
+                    const int4 qa = ((const int4 *)q8)[0], qb = ((const int4 *)q8)[1];
+                    xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
+                    xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; k++) xq[k] = ld_s32(q8 + 4 * k);
+                }
                 int lo = 0, hi = 0;
 #pragma unroll
-                for (int k = 0; k < 4; k++) lo = __dp4a(w[k], q8[k], lo);
+                for (int k = 0; k < 4; k++) lo = __dp4a(w[k], xq[k], lo);
 #pragma unroll
-                for (int k = 4; k < 8; k++) hi = __dp4a(w[k], q8[k], hi);
+                for (int k = 4; k < 8; k++) hi = __dp4a(w[k], xq[k], hi);
                 int isum = mine ? mul[0] * lo + mul[1] * hi : 0;
                 int summs = 0;
                 if (K::HAS_MIN) {
-                    const uint32_t bs = *(const uint32_t *)(y->bsums + 2 * sub); /* bsums 2 sub, 2 sub + 1 */
+                    /* bsums 2 sub, 2 sub + 1 of block xb: one aligned word */
+                    const uint32_t bs =
+                        *(const uint32_t *)(xr + x_blocks * (DS4_QK_K + 4) + (xb * 16 + 2 * sub) * 2);
                     summs = mine ? mmul[0] * (int)(int16_t)(bs & 0xffffu) + mmul[1] * (int)(int16_t)(bs >> 16) : 0;
                 }
 #pragma unroll
@@ -394,7 +412,10 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
                     isum += __shfl_xor_sync(FULL_MASK, isum, off);
                     if (K::HAS_MIN) summs += __shfl_xor_sync(FULL_MASK, summs, off);
                 }
-                if (mine && sub == 0) acc[r] = __fadd_rn(acc[r], K::term(blk, y->d, isum, summs));
+                if (mine && sub == 0) {
+                    const float yd = ((const float *)(xr + x_blocks * DS4_QK_K))[xb];
+                    acc[r] = __fadd_rn(acc[r], K::term(blk, yd, isum, summs));
+                }
             }
         }
     }
@@ -464,44 +485,50 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
      * issue commits a group (an empty one past the end), so the group count
      * stays uniform and wait<MV_NST - 2> always means "stage s is in". */
     uint8_t *ring = (uint8_t *)(smem + warp * MV_NST * (MV_STAGE / 16));
-    const int64_t n_units = u1 - u0;
-    const int64_t spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
-    const int64_t total = n_valid * spr;
+    /* 32-bit counters, advanced step by step (no division in the loop): a
+     * part has at most a few thousand units, a warp at most MV_MAX_RPW rows */
+    const int n_units = (int)(u1 - u0);
+    const int spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
+    const int total = n_valid * spr;
     const uint8_t *wbase = a.w[z] + wrow0 * a.row_bytes + u0 * G::UNIT_BYTES;
-    auto issue = [&](int64_t s) {
-        if (s < total) {
-            const int64_t j = s / spr, k = s - j * spr;
-            const int64_t first = k * G::STAGE_UNITS;
-            const int cnt = (int)(n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS);
-            const uint8_t *src = wbase + j * a.row_bytes + first * G::UNIT_BYTES;
-            uint8_t *dst = ring + (int)(s % MV_NST) * MV_STAGE;
+    int is_s = 0, is_j = 0, is_k = 0, is_slot = 0; /* the next stage to issue: index, row, stage in row, buffer */
+    auto issue = [&]() {
+        if (is_s < total) {
+            const int first = is_k * G::STAGE_UNITS;
+            const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
+            const uint8_t *src = wbase + (int64_t)is_j * a.row_bytes + first * G::UNIT_BYTES;
+            uint8_t *dst = ring + is_slot * MV_STAGE;
             const int n16 = cnt * G::UNIT_BYTES / 16;
             for (int idx = lane; idx < n16; idx += 32) cp_async16(dst + 16 * idx, src + 16 * idx, true);
+            if (++is_k == spr) is_k = 0, is_j++;
+            if (++is_slot == MV_NST) is_slot = 0;
         }
+        is_s++;
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < MV_NST - 1; s++) issue(s);
+    for (int s = 0; s < MV_NST - 1; s++) issue();
 
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    int64_t j = 0, k = 0; /* row and stage within the row of stage s */
-    /* the activation of row j: act_j (float and Q8_K rows), or the split
-     * Q8_0 row `act` from block blk_j (the group's first) */
+    int j = 0, k = 0, slot = 0; /* row, stage within the row and buffer of stage s */
+    /* the activation of row j: act_j (float rows), or the split quantised
+     * row `act` from block blk_j (the group's first) */
     const uint8_t *act_j = act;
     int64_t blk_j = 0;
     if (a.group_rows && n_valid) {
         blk_j = (o_first / a.group_rows) * a.act_group_stride;
         act_j = act + blk_j * act_unit;
     }
-    for (int64_t s = 0; s < total; s++) {
+    for (int s = 0; s < total; s++) {
         cp_async_wait<MV_NST - 2>();
         __syncwarp();
-        issue(s + MV_NST - 1);
-        const int64_t first = k * G::STAGE_UNITS;
-        const int cnt = (int)(n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS);
-        const uint8_t *sw = ring + (int)(s % MV_NST) * MV_STAGE;
+        issue();
+        const int first = k * G::STAGE_UNITS;
+        const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
+        const uint8_t *sw = ring + slot * MV_STAGE;
+        if (++slot == MV_NST) slot = 0;
         const int n_blocks = cnt * G::UNIT;
         const int64_t gb0 = (u0 + first) * G::UNIT; /* first block of the stage within the row */
         if constexpr (mv_float(T))
@@ -509,7 +536,8 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
         else if constexpr (T == DS4_TYPE_Q8_0)
             stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, a.act_blocks, n_rows, acc);
         else
-            stage_q8k<T, ROWS>(sw, n_blocks, gb0, (const ds4_block_q8_K *)act_j, a.act_stride, n_rows, tab, acc);
+            stage_q8k<T, ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
+                               a.act_aligned != 0, tab, acc);
         if (++k == spr) { /* row j done: its lane sum, then the next row */
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
@@ -605,7 +633,7 @@ static bool mv_allow_smem(ds4_backend *be) {
 
 /* Launch with blocks of parts * rpb warps over n_out outputs (gridDim.y
  * expert slots, gridDim.z matrices). */
-static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_slots, int n_mats) {
+static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, int n_mats) {
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
     const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
@@ -617,6 +645,14 @@ static bool mv_launch(ds4_backend *be, uint32_t type, const mv_args &a, int n_sl
         return false;
     }
     const mv_fn fn = mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows);
+    if (act_kind_for(type) == CUDA_MV_Q8_K) {
+        /* a row's codes start at its base (groups are whole 256-byte blocks
+         * in): the bases, rows or expert slots (act_stride) and tokens
+         * (act_token_stride) of 292-byte blocks apart, must be 16-byte aligned */
+        const int64_t bb = (int64_t)sizeof(ds4_block_q8_K);
+        a.act_aligned = (uintptr_t)a.act[0] % 16 == 0 && (uintptr_t)a.act[1] % 16 == 0 &&
+                        (a.act_stride * bb) % 16 == 0 && (a.act_token_stride * bb) % 16 == 0;
+    }
     if (!fn) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
         return false;

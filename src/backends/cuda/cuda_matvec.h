@@ -15,8 +15,9 @@
 /* How the activations are given: float rows, DS4's Q8_0 activations or Q8_K
  * blocks. Q8_0 rows are in the split layout: a row of nb blocks (nb = the
  * row stride in blocks) holds the nb x 32 int8 codes, then the nb float
- * scales (36 nb bytes, as many as nb interleaved blocks); group offsets and
- * strides still count blocks. */
+ * scales (36 nb bytes, as many as nb interleaved blocks); Q8_K rows
+ * likewise: the nb x 256 codes, the nb float d, then the nb x 16 int16
+ * bsums (292 nb bytes). Group offsets and strides still count blocks. */
 typedef enum cuda_mv_act { CUDA_MV_FLOAT, CUDA_MV_Q8_0, CUDA_MV_Q8_K } cuda_mv_act;
 
 #define CUDA_MV_MAX_ROWS 8  /* activation rows per launch */
