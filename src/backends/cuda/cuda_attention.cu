@@ -290,6 +290,109 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     for (int64_t i = tid; i < dim; i += ATT_THREADS) out[2 + i] = acc[i];
 }
 
+/* The model's shape (dim 512, heads in groups of MQA_HG): every head reads
+ * the same key/value rows, so a block takes MQA_HG heads of one split and
+ * each row is read once for all of them (the kernel above reads it once per
+ * head). Per head the float operations are those of attention_partial_kernel
+ * in the same order (the dot over lanes then the warp tree, the running max,
+ * the rescaled sums), so the partials are the same bit for bit. Thread h <
+ * MQA_HG keeps head h's max and denominator; every thread keeps its dims of
+ * the accumulators of all MQA_HG heads in registers. */
+#define MQA_DIM 512
+#define MQA_HG 8                       /* heads per block */
+#define MQA_DPT (MQA_DIM / ATT_THREADS) /* dims per thread */
+#define MQA_MIN_ROWS 32                 /* fewest rows worth a split of their own */
+static_assert(MQA_DIM % ATT_THREADS == 0 && MQA_DIM % 32 == 0, "whole dims per thread and lane");
+static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thread");
+
+static __global__ void __launch_bounds__(ATT_THREADS)
+    attention_mqa_kernel(const float *__restrict__ q, att_rows rows, int64_t n, int64_t rows_per_split,
+                         float kq_scale, float *__restrict__ part) {
+    cuda_grid_wait();
+    __shared__ float qs[MQA_HG][MQA_DIM];
+    __shared__ float s_tile[MQA_HG][ATT_TILE];
+    __shared__ float w_tile[MQA_HG][ATT_TILE];
+    __shared__ float sh_m_new[MQA_HG], sh_rescale[MQA_HG];
+    __shared__ const float *row_tile[ATT_TILE];
+    const int64_t g = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < MQA_HG * MQA_DIM; i += ATT_THREADS) qs[i / MQA_DIM][i % MQA_DIM] = q[g * MQA_HG * MQA_DIM + i];
+    float acc[MQA_HG][MQA_DPT];
+#pragma unroll
+    for (int h = 0; h < MQA_HG; h++)
+#pragma unroll
+        for (int d = 0; d < MQA_DPT; d++) acc[h][d] = 0.0f;
+    float m = -INFINITY, den = 0.0f; /* head tid's, in threads tid < MQA_HG */
+    __syncthreads();
+    const int64_t r0 = split * rows_per_split;
+    const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
+    for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
+        const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
+        for (int j = warp; j < nt; j += ATT_WARPS) {
+            const float *row = att_row(rows, t0 + j); /* the same for the whole warp */
+            float rv[MQA_DIM / 32];
+#pragma unroll
+            for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? row[lane + 32 * k] : 0.0f;
+#pragma unroll
+            for (int h = 0; h < MQA_HG; h++) {
+                float d = 0.0f;
+                if (row) {
+#pragma unroll
+                    for (int k = 0; k < MQA_DIM / 32; k++) d = fmaf(qs[h][lane + 32 * k], rv[k], d);
+                    d = warp_sum(d);
+                }
+                if (lane == 0) s_tile[h][j] = row ? d * kq_scale : -INFINITY;
+            }
+            if (lane == 0) row_tile[j] = row ? row : qs[0]; /* a bad row weighs 0; it points in bounds */
+        }
+        __syncthreads();
+        if (tid < MQA_HG) {
+            float tile_max = -INFINITY;
+            for (int j = 0; j < nt; j++) tile_max = fmaxf(tile_max, s_tile[tid][j]);
+            const float m_new = fmaxf(m, tile_max);
+            sh_m_new[tid] = m_new;
+            sh_rescale[tid] = m == -INFINITY ? 0.0f : expf(m - m_new);
+        }
+        __syncthreads();
+        {
+            const int h = tid / ATT_TILE, j = tid % ATT_TILE;
+            if (j < nt) w_tile[h][j] = s_tile[h][j] == -INFINITY ? 0.0f : expf(s_tile[h][j] - sh_m_new[h]);
+        }
+        __syncthreads();
+        if (tid < MQA_HG) {
+            float wsum = 0.0f;
+            for (int j = 0; j < nt; j++) wsum += w_tile[tid][j];
+            den = den * sh_rescale[tid] + wsum;
+            m = sh_m_new[tid];
+        }
+#pragma unroll
+        for (int d = 0; d < MQA_DPT; d++) {
+            const int i = tid + d * ATT_THREADS;
+            float a[MQA_HG];
+#pragma unroll
+            for (int h = 0; h < MQA_HG; h++) a[h] = acc[h][d] * sh_rescale[h];
+            for (int j = 0; j < nt; j++) {
+                const float r = row_tile[j][i];
+#pragma unroll
+                for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
+            }
+#pragma unroll
+            for (int h = 0; h < MQA_HG; h++) acc[h][d] = a[h];
+        }
+        __syncthreads(); /* the tile arrays are refilled next */
+    }
+#pragma unroll
+    for (int h = 0; h < MQA_HG; h++) {
+        float *out = part + ((g * MQA_HG + h) * n_splits + split) * (MQA_DIM + 2);
+        if (tid == h) {
+            out[0] = m;
+            out[1] = den;
+        }
+#pragma unroll
+        for (int d = 0; d < MQA_DPT; d++) out[2 + tid + d * ATT_THREADS] = acc[h][d];
+    }
+}
+
 static __global__ void __launch_bounds__(ATT_THREADS)
     attention_combine_kernel(const float *__restrict__ part, int64_t n_splits, int64_t dim, const void *sinks,
                              uint32_t sinks_type, float *__restrict__ out) {
@@ -364,13 +467,18 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
     }
     if (cuda_failed(be)) return;
 
-    /* splits: enough blocks to fill the GPU, at least ATT_MIN_ROWS rows each,
-     * a whole number of tiles each */
+    /* splits: enough blocks to fill the GPU, at least ATT_MIN_ROWS rows each
+     * (MQA_MIN_ROWS for the shared-row kernel, whose blocks take MQA_HG
+     * heads), a whole number of tiles each */
+    static const bool mqa_on = cuda_env_flag("DS4_CUDA_ATT_MQA", true);
+    const bool mqa = mqa_on && dim == MQA_DIM && n_heads % MQA_HG == 0;
     const int64_t n = n_a + n_b;
     int64_t n_splits = 0, rows_per_split = 0;
     if (n > 0) {
-        const int64_t want = (ATT_TARGET_BLOCKS + n_heads - 1) / n_heads;
-        const int64_t by_rows = (n + ATT_MIN_ROWS - 1) / ATT_MIN_ROWS;
+        const int64_t blocks_per_split = mqa ? n_heads / MQA_HG : n_heads;
+        const int64_t want = (ATT_TARGET_BLOCKS + blocks_per_split - 1) / blocks_per_split;
+        const int64_t min_rows = mqa ? MQA_MIN_ROWS : ATT_MIN_ROWS;
+        const int64_t by_rows = (n + min_rows - 1) / min_rows;
         n_splits = want < by_rows ? want : by_rows;
         if (n_splits < 1) n_splits = 1;
         rows_per_split = (n + n_splits - 1) / n_splits;
@@ -407,10 +515,17 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         rows.err = cuda_dev_error_of(be);
         rows.tag = idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1;
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
-        const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
-        if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q, rows,
-                         n, rows_per_split, kq_scale, scratch))
-            return;
+        if (mqa) {
+            const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits);
+            if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, n,
+                             rows_per_split, kq_scale, scratch))
+                return;
+        } else {
+            const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
+            if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q,
+                             rows, n, rows_per_split, kq_scale, scratch))
+                return;
+        }
     }
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, (unsigned)n_heads, ATT_THREADS,
                       (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim, sink_ptr,
