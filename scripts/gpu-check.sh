@@ -360,7 +360,7 @@ main() {
     # second runs: the session tests with every launch direct (no recorded
     # steps), the attention tests with every top-k through the device-wide sort
     for b in "${bins_to_test[@]}" $(has_stage unit && [ -x build/cuda/tests/test_cuda_session ] &&
-        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention"); do
+        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then

@@ -290,6 +290,125 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     for (int64_t i = tid; i < dim; i += ATT_THREADS) out[2 + i] = acc[i];
 }
 
+/* The model's shape (dim 512, heads in groups of MQA_HG): every head reads
+ * the same key/value rows, so a block takes MQA_HG heads of one split and
+ * each row is read once for all of them (the kernel above reads it once per
+ * head). Per head the float operations are those of attention_partial_kernel
+ * in the same order (the dot over lanes then the warp tree, the running max,
+ * the rescaled sums), so the partials are the same bit for bit. Thread h <
+ * MQA_HG keeps head h's max and denominator; every thread keeps its dims of
+ * the accumulators of all MQA_HG heads in registers. */
+#define MQA_DIM 512
+#define MQA_HG 8                       /* heads per block */
+#define MQA_DPT (MQA_DIM / ATT_THREADS) /* dims per thread */
+#define MQA_MIN_ROWS 32                 /* fewest rows worth a split of their own */
+static_assert(MQA_DIM % ATT_THREADS == 0 && MQA_DIM % 32 == 0, "whole dims per thread and lane");
+static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thread");
+
+/* One query row's view for attention_rows: window rows from a_off (a_n of
+ * them), the first b_n rows of rows_b. */
+struct att_view {
+    int64_t a_off, a_n, b_n;
+};
+
+static __global__ void __launch_bounds__(ATT_THREADS)
+    attention_mqa_kernel(const float *__restrict__ q, att_rows rows, int64_t n, int64_t rows_per_split,
+                         float kq_scale, float *__restrict__ part, const att_view *__restrict__ views) {
+    cuda_grid_wait();
+    if (views) { /* query row blockIdx.z of a run, its own view (attention_rows) */
+        const att_view v = views[blockIdx.z];
+        const int64_t n_heads = (int64_t)gridDim.x * MQA_HG;
+        rows.a += v.a_off * MQA_DIM;
+        rows.n_a = v.a_n;
+        rows.n_rows_b = v.b_n;
+        n = v.a_n + v.b_n;
+        q += blockIdx.z * n_heads * MQA_DIM;
+        part += blockIdx.z * n_heads * gridDim.y * (MQA_DIM + 2);
+    }
+    __shared__ float qs[MQA_HG][MQA_DIM];
+    __shared__ float s_tile[MQA_HG][ATT_TILE];
+    __shared__ float w_tile[MQA_HG][ATT_TILE];
+    __shared__ float sh_m_new[MQA_HG], sh_rescale[MQA_HG];
+    __shared__ const float *row_tile[ATT_TILE];
+    const int64_t g = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < MQA_HG * MQA_DIM; i += ATT_THREADS) qs[i / MQA_DIM][i % MQA_DIM] = q[g * MQA_HG * MQA_DIM + i];
+    float acc[MQA_HG][MQA_DPT];
+#pragma unroll
+    for (int h = 0; h < MQA_HG; h++)
+#pragma unroll
+        for (int d = 0; d < MQA_DPT; d++) acc[h][d] = 0.0f;
+    float m = -INFINITY, den = 0.0f; /* head tid's, in threads tid < MQA_HG */
+    __syncthreads();
+    const int64_t r0 = split * rows_per_split;
+    const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
+    for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
+        const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
+        for (int j = warp; j < nt; j += ATT_WARPS) {
+            const float *row = att_row(rows, t0 + j); /* the same for the whole warp */
+            float rv[MQA_DIM / 32];
+#pragma unroll
+            for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? row[lane + 32 * k] : 0.0f;
+#pragma unroll
+            for (int h = 0; h < MQA_HG; h++) {
+                float d = 0.0f;
+                if (row) {
+#pragma unroll
+                    for (int k = 0; k < MQA_DIM / 32; k++) d = fmaf(qs[h][lane + 32 * k], rv[k], d);
+                    d = warp_sum(d);
+                }
+                if (lane == 0) s_tile[h][j] = row ? d * kq_scale : -INFINITY;
+            }
+            if (lane == 0) row_tile[j] = row ? row : qs[0]; /* a bad row weighs 0; it points in bounds */
+        }
+        __syncthreads();
+        if (tid < MQA_HG) {
+            float tile_max = -INFINITY;
+            for (int j = 0; j < nt; j++) tile_max = fmaxf(tile_max, s_tile[tid][j]);
+            const float m_new = fmaxf(m, tile_max);
+            sh_m_new[tid] = m_new;
+            sh_rescale[tid] = m == -INFINITY ? 0.0f : expf(m - m_new);
+        }
+        __syncthreads();
+        {
+            const int h = tid / ATT_TILE, j = tid % ATT_TILE;
+            if (j < nt) w_tile[h][j] = s_tile[h][j] == -INFINITY ? 0.0f : expf(s_tile[h][j] - sh_m_new[h]);
+        }
+        __syncthreads();
+        if (tid < MQA_HG) {
+            float wsum = 0.0f;
+            for (int j = 0; j < nt; j++) wsum += w_tile[tid][j];
+            den = den * sh_rescale[tid] + wsum;
+            m = sh_m_new[tid];
+        }
+#pragma unroll
+        for (int d = 0; d < MQA_DPT; d++) {
+            const int i = tid + d * ATT_THREADS;
+            float a[MQA_HG];
+#pragma unroll
+            for (int h = 0; h < MQA_HG; h++) a[h] = acc[h][d] * sh_rescale[h];
+            for (int j = 0; j < nt; j++) {
+                const float r = row_tile[j][i];
+#pragma unroll
+                for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
+            }
+#pragma unroll
+            for (int h = 0; h < MQA_HG; h++) acc[h][d] = a[h];
+        }
+        __syncthreads(); /* the tile arrays are refilled next */
+    }
+#pragma unroll
+    for (int h = 0; h < MQA_HG; h++) {
+        float *out = part + ((g * MQA_HG + h) * n_splits + split) * (MQA_DIM + 2);
+        if (tid == h) {
+            out[0] = m;
+            out[1] = den;
+        }
+#pragma unroll
+        for (int d = 0; d < MQA_DPT; d++) out[2 + tid + d * ATT_THREADS] = acc[h][d];
+    }
+}
+
 static __global__ void __launch_bounds__(ATT_THREADS)
     attention_combine_kernel(const float *__restrict__ part, int64_t n_splits, int64_t dim, const void *sinks,
                              uint32_t sinks_type, float *__restrict__ out) {
@@ -298,6 +417,8 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     __shared__ float sh_inv;
     const int64_t h = blockIdx.x;
     const int64_t stride = dim + 2;
+    part += blockIdx.y * (int64_t)gridDim.x * n_splits * stride; /* query row y of attention_rows */
+    out += blockIdx.y * (int64_t)gridDim.x * dim;
     const float *ph = part + h * n_splits * stride;
     const float sink = cuda_load_float(sinks, sinks_type, h);
     float M = sink;
@@ -328,6 +449,42 @@ static __global__ void __launch_bounds__(ATT_THREADS)
 static bool weight_has_dequant(const ds4_weight *w) {
     const ds4_type_traits *t = ds4_type_traits_get(w->type);
     return t && t->dequant_row && t->block_elems > 0 && w->ne[0] % t->block_elems == 0;
+}
+
+/* The shared-row kernel suits the shape (DS4_CUDA_ATT_MQA=0: never). */
+static bool mqa_shape(int64_t n_heads, int64_t dim) {
+    static const bool on = cuda_env_flag("DS4_CUDA_ATT_MQA", true);
+    return on && dim == MQA_DIM && n_heads > 0 && n_heads % MQA_HG == 0;
+}
+
+/* The sink logits as the kernels read them: the weight itself when
+ * float-typed, else dequantised into `tail` (sinks->ne[0] floats of the
+ * caller's scratch). false with the error recorded. */
+static bool att_sink_values(ds4_backend *be, const ds4_weight *sinks, float *tail, const void **ptr, uint32_t *type) {
+    *ptr = sinks->device;
+    *type = sinks->type;
+    if (cuda_is_float_type(sinks->type)) return true;
+    if (!cuda_dequant_weight_rows(be, sinks->type, sinks->device, tail, 1, sinks->ne[0], "attention: sinks"))
+        return false;
+    *ptr = tail;
+    *type = DS4_TYPE_F32;
+    return true;
+}
+
+/* Splits of n rows for blocks_per_split blocks each: enough blocks to fill
+ * the GPU, at least min_rows rows each, a whole number of tiles each. */
+static void att_splits(int64_t n, int64_t blocks_per_split, int64_t min_rows, int64_t *n_splits, int64_t *per_split) {
+    *n_splits = 0;
+    *per_split = 0;
+    if (n <= 0) return;
+    const int64_t want = (ATT_TARGET_BLOCKS + blocks_per_split - 1) / blocks_per_split;
+    const int64_t by_rows = (n + min_rows - 1) / min_rows;
+    int64_t ns = want < by_rows ? want : by_rows;
+    if (ns < 1) ns = 1;
+    int64_t rps = (n + ns - 1) / ns;
+    rps = (rps + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+    *n_splits = (n + rps - 1) / rps;
+    *per_split = rps;
 }
 
 void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim, const float *rows_a, int64_t n_a,
@@ -364,34 +521,22 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
     }
     if (cuda_failed(be)) return;
 
-    /* splits: enough blocks to fill the GPU, at least ATT_MIN_ROWS rows each,
-     * a whole number of tiles each */
+    /* splits: enough blocks to fill the GPU, at least ATT_MIN_ROWS rows each
+     * (MQA_MIN_ROWS for the shared-row kernel, whose blocks take MQA_HG
+     * heads), a whole number of tiles each */
+    const bool mqa = mqa_shape(n_heads, dim);
     const int64_t n = n_a + n_b;
-    int64_t n_splits = 0, rows_per_split = 0;
-    if (n > 0) {
-        const int64_t want = (ATT_TARGET_BLOCKS + n_heads - 1) / n_heads;
-        const int64_t by_rows = (n + ATT_MIN_ROWS - 1) / ATT_MIN_ROWS;
-        n_splits = want < by_rows ? want : by_rows;
-        if (n_splits < 1) n_splits = 1;
-        rows_per_split = (n + n_splits - 1) / n_splits;
-        rows_per_split = (rows_per_split + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
-        n_splits = (n + rows_per_split - 1) / rows_per_split;
-    }
+    int64_t n_splits, rows_per_split;
+    att_splits(n, mqa ? n_heads / MQA_HG : n_heads, mqa ? MQA_MIN_ROWS : ATT_MIN_ROWS, &n_splits, &rows_per_split);
     const size_t part_floats = (size_t)n_heads * (size_t)n_splits * (size_t)(dim + 2);
     const bool sinks_float = cuda_is_float_type(sinks->type);
     const size_t sink_floats = sinks_float ? 0 : (size_t)sinks->ne[0];
     float *scratch = (float *)cuda_scratch(be, CUDA_SCRATCH_ATTN, (part_floats + sink_floats) * sizeof(float));
     if (!scratch) return;
 
-    const void *sink_ptr = sinks->device;
-    uint32_t sink_type = sinks->type;
-    if (!sinks_float) { /* a block-quantised sink vector: dequantise it first */
-        float *d_sinks = scratch + part_floats;
-        if (!cuda_dequant_weight_rows(be, sinks->type, sinks->device, d_sinks, 1, sinks->ne[0], "attention: sinks"))
-            return;
-        sink_ptr = d_sinks;
-        sink_type = DS4_TYPE_F32;
-    }
+    const void *sink_ptr;
+    uint32_t sink_type;
+    if (!att_sink_values(be, sinks, scratch + part_floats, &sink_ptr, &sink_type)) return;
 
     if (n > 0) {
         const size_t smem = 2 * (size_t)dim * sizeof(float);
@@ -407,19 +552,29 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         rows.err = cuda_dev_error_of(be);
         rows.tag = idx_b && n_b > 0 ? cuda_check_tag(be, sinks->name) : -1;
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
-        const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
-        if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q, rows,
-                         n, rows_per_split, kq_scale, scratch))
-            return;
+        if (mqa) {
+            const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits);
+            if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, n,
+                             rows_per_split, kq_scale, scratch, (const att_view *)NULL))
+                return;
+        } else {
+            const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
+            if (!cuda_launch(be, "attention_partial_kernel", attention_partial_kernel, grid, ATT_THREADS, smem, q,
+                             rows, n, rows_per_split, kq_scale, scratch))
+                return;
+        }
     }
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, (unsigned)n_heads, ATT_THREADS,
                       (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim, sink_ptr,
                       sink_type, out);
 }
 
-/* The rows of a run one after another through cuda_attention (the same
- * kernels, so each row is what a single-row call gives); a kernel over all
- * the rows at once is the next step for prefill. */
+/* The rows of a run: for the model's shape (dim 512, heads in groups of
+ * 8) and more than one row, one launch of the shared-row kernel over all of
+ * them (grid z = query row, each row's view uploaded as control data; every
+ * row split as the longest one is, so a short row's later splits are empty)
+ * and one combine over all rows. Other shapes, and single rows (the decode
+ * step), go through cuda_attention row by row. */
 void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                          const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                          const int64_t *b_n, const ds4_weight *sinks, float *out) {
@@ -430,9 +585,57 @@ void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_h
         cuda_fail(be, err.status, "%s", err.message);
         return;
     }
-    for (int64_t r = 0; r < n && !cuda_failed(be); r++)
-        cuda_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL, a_n[r],
-                       rows_b, b_n[r], NULL, b_n[r], sinks, out + r * n_heads * dim);
+    int64_t longest = 0;
+    bool need_a = false, need_b = false;
+    for (int64_t r = 0; r < n; r++) {
+        if (a_n[r] + b_n[r] > longest) longest = a_n[r] + b_n[r];
+        need_a |= a_n[r] > 0;
+        need_b |= b_n[r] > 0;
+    }
+    const bool batched = n > 1 && n <= 65535 && mqa_shape(n_heads, dim) && sinks && sinks->device &&
+                         weight_has_dequant(sinks) && sinks->ne[0] >= n_heads &&
+                         (cuda_is_float_type(sinks->type) || ds4_cuda_dequant_supported(sinks->type)) &&
+                         (!need_a || rows_a) && (!need_b || rows_b);
+    if (!batched) { /* (cuda_attention reports what does not suit) */
+        for (int64_t r = 0; r < n && !cuda_failed(be); r++)
+            cuda_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL,
+                           a_n[r], rows_b, b_n[r], NULL, b_n[r], sinks, out + r * n_heads * dim);
+        return;
+    }
+    att_view *hv = (att_view *)malloc((size_t)n * sizeof *hv);
+    if (!hv) {
+        cuda_fail(be, DS4_ERR_NOMEM, "attention_rows: out of memory for %lld views", (long long)n);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ a_off[r], a_n[r], b_n[r] };
+    const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
+    free(hv);
+    if (!views) return;
+    int64_t n_splits, rows_per_split;
+    att_splits(longest, n_heads / MQA_HG, MQA_MIN_ROWS, &n_splits, &rows_per_split);
+    if (n_splits < 1) n_splits = 1, rows_per_split = ATT_TILE; /* no rows anywhere: empty partials */
+    const size_t part_floats = (size_t)n * (size_t)n_heads * (size_t)n_splits * (size_t)(dim + 2);
+    const size_t sink_floats = cuda_is_float_type(sinks->type) ? 0 : (size_t)sinks->ne[0];
+    float *scratch = (float *)cuda_scratch(be, CUDA_SCRATCH_ATTN, (part_floats + sink_floats) * sizeof(float));
+    if (!scratch) return;
+    const void *sink_ptr;
+    uint32_t sink_type;
+    if (!att_sink_values(be, sinks, scratch + part_floats, &sink_ptr, &sink_type)) return;
+    att_rows rows;
+    memset(&rows, 0, sizeof rows); /* padding too: recorded steps compare argument bytes */
+    rows.a = rows_a;
+    rows.b = rows_b;
+    rows.dim = dim;
+    rows.err = cuda_dev_error_of(be);
+    rows.tag = -1;
+    const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
+    const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits, (unsigned)n);
+    if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, longest,
+                     rows_per_split, kq_scale, scratch, views))
+        return;
+    (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
+                      ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim,
+                      sink_ptr, sink_type, out);
 }
 
 /* ------------------------------------------------------------------------ */

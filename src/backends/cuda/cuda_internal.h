@@ -53,6 +53,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_MOE_ACT,      /* cuda_matmul.cu */
     CUDA_SCRATCH_ATTN,         /* cuda_attention.cu */
     CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions */
+    CUDA_SCRATCH_ATTN_ROWS,    /* cuda_attention.cu: attention_rows' per-row views */
     CUDA_SCRATCH_TOPK_A,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_B,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_D,       /* cuda_attention.cu */
