@@ -255,6 +255,11 @@ typedef struct ds4_backend_ops {
      * submits what it recorded so far first. */
     void (*step_begin)(ds4_backend *be);
     void (*step_end)(ds4_backend *be);
+    /* A point inside a step (the model: after each layer) where the backend
+     * may submit what it recorded so far and go on recording the rest, so
+     * the device starts while the host is still recording. Optional (NULL);
+     * semantics are unchanged. */
+    void (*step_mark)(ds4_backend *be);
 
     /* ---- errors ------------------------------------------------------ */
     /* The ops above return nothing; an op that cannot run (bad shapes or
@@ -285,6 +290,7 @@ typedef struct ds4_backend_counters {
     uint64_t syncs;     /* host waits for the device */
     uint64_t wait_ns;   /* host time spent in those waits */
     uint64_t graphs;       /* recorded steps launched as graphs */
+    uint64_t graph_launches; /* graphs launched (a step submitted in segments launches several) */
     uint64_t graph_builds; /* graphs instantiated (a step shape not cached) */
     uint64_t node_updates; /* graph nodes whose parameters were set anew */
     uint64_t step_breaks;  /* recorded steps cut short (the rest ran unrecorded) */

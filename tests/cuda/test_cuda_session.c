@@ -252,9 +252,12 @@ static void test_graph_replay_matches_direct(void) {
         int32_t *t = random_tokens(n_pre + n_dec);
         float *direct = malloc((size_t)(n_dec * vocab) * sizeof *direct);
         float *graph = malloc((size_t)(n_dec * vocab) * sizeof *graph);
-        for (int pass = 0; pass < 2; pass++) {
-            ds4_cuda_backend_set_graphs(be, pass == 1);
-            float *out = pass ? graph : direct;
+        float *seg = malloc((size_t)(n_dec * vocab) * sizeof *seg);
+        /* pass 0: direct launches; 1: one graph per step; 2: steps in segments */
+        for (int pass = 0; pass < 3 && direct && graph && seg; pass++) {
+            ds4_cuda_backend_set_graphs(be, pass > 0);
+            ds4_cuda_backend_set_segments(be, pass == 2);
+            float *out = pass == 0 ? direct : pass == 1 ? graph : seg;
             ds4_state *st = NULL;
             CHECK_MSG(ds4_state_create(m, 512, &st, &err) == DS4_OK, "%s", err.message);
             if (!st) break;
@@ -266,28 +269,43 @@ static void test_graph_replay_matches_direct(void) {
                               DS4_OK, "%s", err.message);
             ds4_backend_counters_get(be, &c1);
             const uint64_t graphs = c1.graphs - c0.graphs, builds = c1.graph_builds - c0.graph_builds;
-            fprintf(stderr, "  %s: %lld steps, %llu graph launches, %llu built, %llu node updates, %llu launches, "
-                    "%llu cut short (last: %s)\n", pass ? "graphs" : "direct", (long long)n_dec,
-                    (unsigned long long)graphs, (unsigned long long)builds,
+            const uint64_t glaunch = c1.graph_launches - c0.graph_launches;
+            fprintf(stderr, "  %s: %lld steps, %llu as graphs, %llu graph launches, %llu built, %llu node updates, "
+                    "%llu launches, %llu cut short (last: %s)\n",
+                    pass == 0 ? "direct" : pass == 1 ? "graphs" : "segments", (long long)n_dec,
+                    (unsigned long long)graphs, (unsigned long long)glaunch, (unsigned long long)builds,
                     (unsigned long long)(c1.node_updates - c0.node_updates),
                     (unsigned long long)(c1.launches - c0.launches),
                     (unsigned long long)(c1.step_breaks - c0.step_breaks), ds4_cuda_backend_last_break(be));
             if (pass == 0) {
-                CHECK(graphs == 0 && builds == 0);
+                CHECK(graphs == 0 && builds == 0 && glaunch == 0);
             } else {
                 CHECK_MSG(graphs == (uint64_t)n_dec, "%llu of %lld steps ran as graphs", (unsigned long long)graphs,
                           (long long)n_dec);
-                CHECK_MSG(builds * 4 <= (uint64_t)n_dec, "%llu graphs built for %lld steps: not replayed",
-                          (unsigned long long)builds, (long long)n_dec);
+                /* one graph per step, or (segments; more than one layer) several */
+                if (pass == 1 || c->n_layer < 2)
+                    CHECK_MSG(glaunch == graphs, "%llu graph launches for %llu steps", (unsigned long long)glaunch,
+                              (unsigned long long)graphs);
+                else
+                    CHECK_MSG(glaunch >= 2 * graphs, "%llu graph launches for %llu steps of %d layers: not segmented",
+                              (unsigned long long)glaunch, (unsigned long long)graphs, (int)c->n_layer);
+                CHECK_MSG(builds * 4 <= glaunch, "%llu graphs built for %llu launches: not replayed",
+                          (unsigned long long)builds, (unsigned long long)glaunch);
             }
             ds4_state_free(st);
         }
-        int64_t first = -1;
-        for (int64_t i = 0; i < n_dec * vocab && first < 0; i++)
-            if (memcmp(&direct[i], &graph[i], sizeof(float)) != 0) first = i;
-        CHECK_MSG(first < 0, "graph replay differs from direct launches at step %lld, logit %lld: %.9g vs %.9g",
-                  first < 0 ? 0LL : (long long)(first / vocab), first < 0 ? 0LL : (long long)(first % vocab),
-                  first < 0 ? 0.0 : (double)direct[first], first < 0 ? 0.0 : (double)graph[first]);
+        for (int pass = 1; pass < 3 && direct && graph && seg; pass++) {
+            const float *other = pass == 1 ? graph : seg;
+            int64_t first = -1;
+            for (int64_t i = 0; i < n_dec * vocab && first < 0; i++)
+                if (memcmp(&direct[i], &other[i], sizeof(float)) != 0) first = i;
+            CHECK_MSG(first < 0, "%s differ from direct launches at step %lld, logit %lld: %.9g vs %.9g",
+                      pass == 1 ? "graphs" : "segmented graphs", first < 0 ? 0LL : (long long)(first / vocab),
+                      first < 0 ? 0LL : (long long)(first % vocab), first < 0 ? 0.0 : (double)direct[first],
+                      first < 0 ? 0.0 : (double)other[first]);
+        }
+        ds4_cuda_backend_set_segments(be, 1);
+        free(seg);
         free(direct);
         free(graph);
         free(t);
@@ -400,8 +418,41 @@ static void test_step_break_keeps_order(void) {
     }
     ds4_backend_counters c;
     ds4_backend_counters_get(be, &c);
-    CHECK_MSG(c.graphs == 3 && c.graph_builds == 1, "%llu graph launches, %llu built (3 and 1 expected)",
-              (unsigned long long)c.graphs, (unsigned long long)c.graph_builds);
+    CHECK_MSG(c.graphs == 3 && c.graph_builds == 1 && c.graph_launches == 3,
+              "%llu steps as graphs, %llu graph launches, %llu built (3, 3 and 1 expected)",
+              (unsigned long long)c.graphs, (unsigned long long)c.graph_launches, (unsigned long long)c.graph_builds);
+    /* a step in segments: marks 1 and 3 cut it (marks 2 and 4 do not), a
+     * download after the cuts submits the rest; every value as in program
+     * order, and the three segments' graphs are replayed the next rounds */
+    ds4_cuda_backend_set_segments(be, 1);
+    for (int round = 0; round < 3; round++) {
+        ds4_backend_counters s0, s1;
+        ds4_backend_counters_get(be, &s0);
+        o->step_begin(be);
+        o->fill(be, a, (float)round, n);
+        o->step_mark(be); /* 1: cut */
+        o->fill(be, b, 1.0f, n);
+        o->add(be, a, b, a, n); /* a = round + 1 */
+        o->step_mark(be); /* 2 */
+        o->add(be, a, a, b, n); /* b = 2 round + 2 */
+        o->step_mark(be); /* 3: cut */
+        o->add(be, a, b, a, n); /* a = 3 round + 3 */
+        o->step_mark(be); /* 4 */
+        o->step_end(be);
+        ds4_backend_counters_get(be, &s1);
+        o->download(be, h, a, n);
+        int bad = 0;
+        for (int64_t i = 0; i < n; i++) bad += h[i] != 3.0f * (float)round + 3.0f;
+        o->download(be, h, b, n);
+        for (int64_t i = 0; i < n; i++) bad += h[i] != 2.0f * (float)round + 2.0f;
+        CHECK_MSG(bad == 0, "segmented step %d: %d wrong values", round, bad);
+        CHECK_MSG(s1.graph_launches - s0.graph_launches == 3 && s1.graphs - s0.graphs == 1 &&
+                      s1.graph_builds - s0.graph_builds == (round == 0 ? 3u : 0u),
+                  "segmented step %d: %llu graph launches, %llu steps, %llu built", round,
+                  (unsigned long long)(s1.graph_launches - s0.graph_launches),
+                  (unsigned long long)(s1.graphs - s0.graphs),
+                  (unsigned long long)(s1.graph_builds - s0.graph_builds));
+    }
     CHECK(o->take_error(be, &err) == DS4_OK);
     free(h);
     o->free(be, a);

@@ -872,6 +872,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .moe = cuda_moe,
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
+    .step_mark = cuda_step_mark,
     .take_error = cuda_take_error,
 };
 

@@ -108,6 +108,11 @@ void ds4_cuda_backend_counters(const ds4_backend *be, ds4_backend_counters *out)
  * with only the changed parameters set anew. The results are the same
  * either way, bit for bit. Takes effect at the next step_begin. */
 void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
+/* Recorded steps submitted in segments at the model's marks (on by default;
+ * DS4_CUDA_SEGMENTS=0 makes off the default) or as one graph per step. The
+ * results are the same either way, bit for bit. Takes effect at the next
+ * mark. */
+void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
 /* Why the most recent cut of a recorded step happened (the step's ops from
  * there on ran unrecorded: a host wait, an allocation, a library call), or
  * "none" when no step was ever cut short. */

@@ -222,7 +222,6 @@ template <uint32_t T> static __device__ __forceinline__ void hc_load8(const void
  */
 template <uint32_t T, bool VEC>
 static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
-    cuda_grid_wait();
     __shared__ double red_d[HC_PART_THREADS / 32];
     __shared__ float red_f[HC_PART_THREADS / 32][HC_PART_K];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
@@ -233,14 +232,13 @@ static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_a
     const bool in = i0 < hc_dim;
     const float *X = a.X + row * hc_dim;
     float x[HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
+    /* the mix weights first: constant during a step, so their loads are in
+     * flight before the wait for the kernel before (which wrote X) */
     if (VEC) {
-        if (in) hc_load8<DS4_TYPE_F32>(X, i0, x);
 #pragma unroll
         for (int k = 0; k < HC_PART_K; k++)
             if (in && k0 + k < n_mix) hc_load8<T>((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, i0, f[k]);
     } else {
-#pragma unroll
-        for (int j = 0; j < HC_PER_THREAD; j++) x[j] = i0 + j < hc_dim ? X[i0 + j] : 0.0f;
 #pragma unroll
         for (int k = 0; k < HC_PART_K; k++)
 #pragma unroll
@@ -248,6 +246,13 @@ static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_a
                 f[k][j] = k0 + k < n_mix && i0 + j < hc_dim
                               ? cuda_load_float((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, T, i0 + j)
                               : 0.0f;
+    }
+    cuda_grid_wait();
+    if (VEC) {
+        if (in) hc_load8<DS4_TYPE_F32>(X, i0, x);
+    } else {
+#pragma unroll
+        for (int j = 0; j < HC_PER_THREAD; j++) x[j] = i0 + j < hc_dim ? X[i0 + j] : 0.0f;
     }
     if (VEC && !in) {
 #pragma unroll

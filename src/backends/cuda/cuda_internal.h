@@ -83,7 +83,9 @@ typedef enum cuda_check_code {
 #define CUDA_CHECK_NAMES 256 /* distinct weight names a backend keeps for these messages */
 #define CUDA_CHECK_NAME_MAX 96
 
-#define CUDA_GRAPH_CACHE 8 /* executable graphs kept (one per step shape: which compressors emit a row) */
+/* executable graphs kept: one per segment of each step shape (which
+ * compressors emit a row), see cuda_launch.cu */
+#define CUDA_GRAPH_CACHE 48
 
 /* One recorded launch of a step (cuda_launch.cu): a kernel with its
  * argument bytes (in the step's byte pool), or a device copy or memset. */
@@ -120,8 +122,8 @@ typedef struct cuda_graph_rec {
     cuda_node_log log;        /* what the graph runs now */
     cudaGraph_t graph;
     cudaGraphNode_t *gnodes;  /* graph node of each log entry */
-    cudaGraphNode_t arena_node; /* the step's control upload */
-    size_t arena_bytes;
+    cudaGraphNode_t arena_node; /* the segment's control upload */
+    size_t arena_off, arena_bytes; /* the arena bytes it copies */
     cudaGraphExec_t exec;
     uint64_t last_use;
 } cuda_graph_rec;
@@ -151,6 +153,11 @@ typedef struct cuda_backend {
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
+    bool segments;  /* a step may be submitted in segments at its marks (DS4_CUDA_SEGMENTS=0: one graph) */
+    int seg;        /* segments of this step submitted so far */
+    int seg_marks;  /* step_mark calls in this step so far */
+    size_t seg_arena0; /* arena offset where the current segment's control data starts */
+    bool seg_timed;    /* graph_t0 was recorded before this step's first segment */
     const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
     cuda_node_log log;
     cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
@@ -158,7 +165,7 @@ typedef struct cuda_backend {
     uint8_t *arena_host, *arena_dev;
     size_t arena_used;
     cudaEvent_t arena_done; /* the last copy out of arena_host */
-    cudaEvent_t graph_t0, graph_t1; /* around the last graph launch (timing) */
+    cudaEvent_t graph_t0, graph_t1; /* around the last step's graph launches (timing) */
     bool graph_timed;               /* graph_t0/t1 hold a launch not yet counted */
     uint64_t step_t0;               /* host clock at step_begin */
     struct cuda_profiler *prof;     /* kernel timing (DS4_CUDA_PROFILE=1), else NULL */
@@ -268,6 +275,7 @@ bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes);
 /* step_begin / step_end, and the recording state's teardown. */
 void cuda_step_begin(ds4_backend *be);
 void cuda_step_end(ds4_backend *be);
+void cuda_step_mark(ds4_backend *be);
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
 /* Kernel timing: fold the finished launches into the per-kernel totals
  * (waits for the last one). */

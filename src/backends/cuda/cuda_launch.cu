@@ -5,7 +5,7 @@
  * cuda_copy_d2d / cuda_memset_d. Outside a recorded step these go straight
  * onto the backend's stream. Between step_begin and step_end (a decoded
  * token) they are appended to the step's log instead, with their argument
- * bytes, and step_end runs the log as one CUDA graph:
+ * bytes, and step_end runs the log as one CUDA graph (or in segments, below):
  *
  *   - the log's shape (the sequence of kinds and kernels) names a cached
  *     executable graph; when one exists, only the nodes whose parameters
@@ -20,6 +20,16 @@
  * graph's first node copies the part in use to the device. The same shape
  * puts the same data at the same offsets, so the kernels' pointers into it
  * repeat from step to step and do not need updating.
+ *
+ * Segments: the model marks points of a step (step_mark, after each layer)
+ * where it may be submitted in parts. At marks 1, 3, 7, 15, 31, ... what was
+ * recorded since the last cut is launched as a graph of its own, and
+ * recording goes on into the next segment, so the device starts on the
+ * first layer while the host records the rest (recording a layer takes
+ * far less time than running it). Each segment is a graph of its own shape
+ * (its index is part of the shape) with its own piece of the arena; the
+ * segments run in stream order, as the unsegmented step would.
+ * DS4_CUDA_SEGMENTS=0 submits every step as one graph.
  *
  * Anything that must see the stream in program order in the middle of a
  * step (a host wait, an allocation, a library call that launches on its
@@ -52,14 +62,16 @@ static void log_free(cuda_node_log *l) {
     memset(l, 0, sizeof *l);
 }
 
-static void log_clear(cuda_node_log *l) {
+static void key_mix(cuda_node_log *l, uint64_t v) {
+    for (int i = 0; i < 8; i++) l->key = (l->key ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+}
+
+/* An empty log; seg > 0 (a later segment of a step) is part of its shape. */
+static void log_clear(cuda_node_log *l, int seg = 0) {
     l->n = 0;
     l->pool_used = 0;
     l->key = 0xcbf29ce484222325ULL;
-}
-
-static void key_mix(cuda_node_log *l, uint64_t v) {
-    for (int i = 0; i < 8; i++) l->key = (l->key ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ULL;
+    if (seg > 0) key_mix(l, 0x5e6d000000000000ULL + (uint64_t)seg);
 }
 
 /* A new entry (zeroed), or NULL when memory ran out (error recorded). */
@@ -274,13 +286,14 @@ static bool direct_entry(ds4_backend *be, const cuda_node_log *l, const cuda_nod
     return CUDA_OK(be, cudaMemsetAsync(e->dst, e->value, e->bytes, s));
 }
 
-/* The arena's bytes so far onto the stream (before the entries that read
- * them), then the recorded entries in order. */
+/* The current segment's arena bytes onto the stream (before the entries
+ * that read them), then its recorded entries in order. */
 static void submit_direct(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
-    if (cb->arena_used > 0) {
-        if (CUDA_OK(be, cudaMemcpyAsync(cb->arena_dev, cb->arena_host, cb->arena_used, cudaMemcpyHostToDevice,
-                                        cb->stream)))
+    if (cb->arena_used > cb->seg_arena0) {
+        const size_t a0 = cb->seg_arena0;
+        if (CUDA_OK(be, cudaMemcpyAsync(cb->arena_dev + a0, cb->arena_host + a0, cb->arena_used - a0,
+                                        cudaMemcpyHostToDevice, cb->stream)))
             (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
     }
     for (int i = 0; i < cb->log.n && !cuda_failed(be); i++) (void)direct_entry(be, &cb->log, &cb->log.nodes[i]);
@@ -392,6 +405,10 @@ void cuda_step_begin(ds4_backend *be) {
     cb->in_step = true;
     cb->recording = true;
     cb->arena_used = 0;
+    cb->seg = 0;
+    cb->seg_marks = 0;
+    cb->seg_arena0 = 0;
+    cb->seg_timed = false;
     cb->step_t0 = cuda_now_ns();
     log_clear(&cb->log);
 }
@@ -440,7 +457,8 @@ static cudaMemsetParams memset_params(const cuda_node *e) {
 }
 
 /* Build and instantiate a graph of the log into g (freed first). */
-static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_bytes) {
+static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_off,
+                        size_t arena_bytes) {
     cuda_backend *cb = cuda_impl(be);
     graph_rec_free(g);
     g->gnodes = (cudaGraphNode_t *)malloc((size_t)(l->n > 0 ? l->n : 1) * sizeof *g->gnodes);
@@ -453,14 +471,17 @@ static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log 
         graph_rec_free(g);
         return false;
     }
-    /* the arena copy first (at least 16 bytes, so the node always exists),
+    /* the arena copy first (the segment's piece, at least 16 bytes, so the
+     * node always exists: bytes past the piece are rewritten by the later
+     * segment that uses them before anything reads them),
      * then the entries as a chain in log order: a kernel after a kernel is
      * its programmatic dependent (its launch overlaps the end of the one
      * before, which it waits for in cuda_grid_wait), anything else a plain
      * dependent */
+    g->arena_off = arena_off;
     g->arena_bytes = arena_bytes;
-    bool ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->arena_node, g->graph, NULL, 0, cb->arena_dev, cb->arena_host,
-                                                   arena_bytes, cudaMemcpyHostToDevice));
+    bool ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->arena_node, g->graph, NULL, 0, cb->arena_dev + arena_off,
+                                                   cb->arena_host + arena_off, arena_bytes, cudaMemcpyHostToDevice));
     for (int i = 0; ok && i < l->n; i++) {
         const cuda_node *e = &g->log.nodes[i];
         if (e->kind == CUDA_NODE_KERNEL) {
@@ -520,12 +541,15 @@ static bool dim3_eq(dim3 a, dim3 b) { return a.x == b.x && a.y == b.y && a.z == 
 /* Set the parameters of every node of g that differ from the log's, so g
  * runs exactly the log. false when CUDA refused one (nothing is recorded:
  * the caller builds the graph anew instead). */
-static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_bytes) {
+static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log *l, size_t arena_off,
+                         size_t arena_bytes) {
     cuda_backend *cb = cuda_impl(be);
-    if (arena_bytes != g->arena_bytes) {
-        if (cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->arena_node, cb->arena_dev, cb->arena_host, arena_bytes,
+    if (arena_off != g->arena_off || arena_bytes != g->arena_bytes) {
+        if (cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->arena_node, cb->arena_dev + arena_off,
+                                               cb->arena_host + arena_off, arena_bytes,
                                                cudaMemcpyHostToDevice) != cudaSuccess)
             return false;
+        g->arena_off = arena_off;
         g->arena_bytes = arena_bytes;
         cb->counters.node_updates++;
     }
@@ -567,32 +591,49 @@ static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log
     return true;
 }
 
-static void step_end_recorded(ds4_backend *be);
+static void segment_submit(ds4_backend *be);
 
 void cuda_step_end(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (!cb->in_step) return;
     cb->in_step = false;
-    if (cb->recording) step_end_recorded(be); /* else broken off: the rest ran directly */
+    if (cb->recording) { /* else broken off: the rest ran directly */
+        cb->recording = false;
+        if (cb->log.n > 0 || cb->seg == 0 || cb->arena_used > cb->seg_arena0) segment_submit(be);
+    }
+    if (cb->seg > 0) cb->counters.graphs++;
+    if (cb->seg_timed) cb->graph_timed = cudaEventRecord(cb->graph_t1, cb->stream) == cudaSuccess;
+    cb->seg_timed = false;
     cb->counters.step_host_ns += cuda_now_ns() - cb->step_t0;
 }
 
-static void step_end_recorded(ds4_backend *be) {
+void cuda_step_mark(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
-    cb->recording = false;
+    if (!cb->recording || !cb->segments) return;
+    cb->seg_marks++;
+    if ((cb->seg_marks & (cb->seg_marks + 1)) == 0 && cb->log.n > 0) segment_submit(be); /* marks 2^k - 1 */
+}
+
+/* Launch what was recorded since the last cut as a graph (the cached one of
+ * its shape, updated, or a new one) and start the next segment. */
+static void segment_submit(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
     if (cuda_failed(be)) { /* the evaluation failed: its error is reported, nothing runs */
-        log_clear(&cb->log);
+        log_clear(&cb->log, cb->seg);
         return;
     }
-    const size_t arena_bytes = cb->arena_used > 16 ? cb->arena_used : 16;
+    /* this segment's piece of the arena, at least 16 bytes (within the arena) */
+    size_t arena_off = cb->seg_arena0, arena_bytes = cb->arena_used > arena_off ? cb->arena_used - arena_off : 0;
+    if (arena_bytes < 16) arena_bytes = 16;
+    if (arena_off + arena_bytes > CUDA_ARENA_BYTES) arena_off = CUDA_ARENA_BYTES - arena_bytes;
     cuda_graph_rec *g = graph_find(cb, &cb->log);
     bool ok = true;
-    if (g && !graph_update(be, g, &cb->log, arena_bytes)) {
+    if (g && !graph_update(be, g, &cb->log, arena_off, arena_bytes)) {
         /* an update CUDA refused: this shape is built anew, once a launch of
          * the old graph that may still run has finished */
         (void)cudaGetLastError();
         cb->counters.syncs++;
-        ok = CUDA_OK(be, cudaStreamSynchronize(cb->stream)) && graph_build(be, g, &cb->log, arena_bytes);
+        ok = CUDA_OK(be, cudaStreamSynchronize(cb->stream)) && graph_build(be, g, &cb->log, arena_off, arena_bytes);
     } else if (!g) {
         /* a free slot, else the least recently used graph makes room (a
          * launch of it may still run: wait for the stream first) */
@@ -610,22 +651,25 @@ static void step_end_recorded(ds4_backend *be) {
         } else {
             ok = true;
         }
-        ok = ok && graph_build(be, g, &cb->log, arena_bytes);
+        ok = ok && graph_build(be, g, &cb->log, arena_off, arena_bytes);
     }
     if (ok && g->exec) {
         g->last_use = ++cb->graph_clock;
-        const bool timed = !cb->graph_timed && cudaEventRecord(cb->graph_t0, cb->stream) == cudaSuccess;
+        const bool timed = cb->seg == 0 && !cb->graph_timed && cudaEventRecord(cb->graph_t0, cb->stream) == cudaSuccess;
         ok = CUDA_OK(be, cudaGraphLaunch(g->exec, cb->stream));
         if (ok) {
-            cb->counters.graphs++;
+            cb->seg++;
+            cb->counters.graph_launches++;
             (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
-            if (timed) cb->graph_timed = cudaEventRecord(cb->graph_t1, cb->stream) == cudaSuccess;
+            if (timed) cb->seg_timed = true; /* graph_t1 is recorded at step_end */
         }
     }
-    log_clear(&cb->log);
+    cb->seg_arena0 = cb->arena_used;
+    log_clear(&cb->log, cb->seg);
 }
 
 extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
+extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_impl(be)->segments = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
     const char *w = ((const cuda_backend *)be->impl)->last_break;
@@ -635,6 +679,7 @@ extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->graphs_on = cuda_env_flag("DS4_CUDA_GRAPH", true);
     cb->pdl = cuda_env_flag("DS4_CUDA_PDL", true);
+    cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);

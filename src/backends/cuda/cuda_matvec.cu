@@ -172,6 +172,7 @@ struct mv_args {
     int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
     int act_aligned;      /* Q8_K: every activation row starts 16-byte aligned (codes in 16-byte loads) */
+    int early;            /* plain rows: first weight stages issued before waiting for the kernel before */
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
@@ -431,7 +432,12 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
 /* ------------------------------------------------------------------------ */
 
 template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
-    cuda_grid_wait();
+    /* Plain weight rows do not depend on the kernel before (weights are
+     * constant during a step): the first stages are issued before waiting
+     * for it (programmatic launch), so their loads overlap its tail. Rows
+     * picked by expert ids (the router's output) wait first. */
+    const bool early = a.sel == NULL && a.early;
+    if (!early) cuda_grid_wait();
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
@@ -508,6 +514,7 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
     };
 #pragma unroll
     for (int s = 0; s < MV_NST - 1; s++) issue();
+    if (early) cuda_grid_wait(); /* the activations and outputs are the kernel before's */
 
     float acc[ROWS];
 #pragma unroll
@@ -658,6 +665,8 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         return false;
     }
     if (!mv_allow_smem(be)) return false;
+    static const bool early = cuda_env_flag("DS4_CUDA_MV_EARLY", true);
+    a.early = early;
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
     return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
 }

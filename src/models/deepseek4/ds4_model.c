@@ -834,6 +834,7 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
     for (int l = 0; l < n_layer; l++) {
         attention_sublayer(m, rs, l, s, pos, n, num);
         ffn_sublayer(m, l, s, tokens, n, num);
+        if (step && be->ops->step_mark) be->ops->step_mark(be); /* the device may start on the layers so far */
     }
     /* head: only the rows whose logits are wanted */
     int64_t first = all_logits ? 0 : n - 1, rows = n - first;
