@@ -116,3 +116,27 @@ bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const
     }
     return true;
 }
+
+bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows, ds4_error *err) {
+    if (n < 1 || n > DS4_PRODUCTS_MAX || !p || n_rows < 0 || (n_rows > 0 && !x)) {
+        ds4_error_set(err, DS4_ERR_INVALID, "matmul_multi: %d products (1 to %d) of %lld rows%s", n, DS4_PRODUCTS_MAX,
+                      (long long)n_rows, n_rows > 0 && !x ? " of a NULL input" : "");
+        return false;
+    }
+    const int64_t n_in = p[0].w ? p[0].w->ne[0] : 0;
+    for (int j = 0; j < n; j++) {
+        const ds4_weight *w = p[j].w;
+        const int64_t rows = w ? w->ne[1] * w->ne[2] * w->ne[3] : 0;
+        if (!w || w->ne[0] != n_in || p[j].n_out < 0 || p[j].n_out > rows || (p[j].n_out > 0 && n_rows > 0 && !p[j].out) ||
+            (n_rows > 1 && (x_stride < n_in || p[j].out_stride < p[j].n_out))) {
+            ds4_error_set(err, DS4_ERR_INVALID,
+                          "matmul_multi: product %d: weight %s [%lld x %lld rows], %lld outputs (stride %lld), %lld x "
+                          "rows of %lld (stride %lld)%s",
+                          j, w && w->name ? w->name : "(none)", w ? (long long)w->ne[0] : 0LL, (long long)rows,
+                          (long long)p[j].n_out, (long long)p[j].out_stride, (long long)n_rows, (long long)n_in,
+                          (long long)x_stride, p[j].n_out > 0 && n_rows > 0 && !p[j].out ? ", NULL output" : "");
+            return false;
+        }
+    }
+    return true;
+}

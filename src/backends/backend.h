@@ -42,6 +42,16 @@
 extern "C" {
 #endif
 
+/* One product of matmul_multi: out[r][o] = W[o] . x[r] for o < n_out (the
+ * first n_out rows of W), out rows out_stride apart. */
+typedef struct ds4_product {
+    const struct ds4_weight *w;
+    int64_t n_out;
+    float *out;
+    int64_t out_stride;
+} ds4_product;
+#define DS4_PRODUCTS_MAX 8 /* products of one matmul_multi call */
+
 typedef enum ds4_numerics {
     DS4_NUMERICS_DS4 = 0,       /* DS4's rounding steps (the default) */
     DS4_NUMERICS_REFERENCE = 1, /* float32 throughout */
@@ -131,6 +141,15 @@ typedef struct ds4_backend_ops {
      * weight type with a dequantiser; numerics as described at the top. */
     void (*matmul)(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x,
                    int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
+    /* Several products of one input x [n_rows, n_in], x_stride apart: for
+     * j < n, exactly matmul(p[j].w, 0, p[j].n_out, x, x_stride, p[j].out,
+     * p[j].out_stride, n_rows, num), in any order (the outputs overlap
+     * neither x nor each other). Every p[j].w has rows of n_in = p[0].w->ne[0]
+     * elements; 1 <= n <= DS4_PRODUCTS_MAX. A device backend may quantise x
+     * once for all of them and run the products of one weight type in one
+     * launch (which may sum in another order than separate calls). */
+    void (*matmul_multi)(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride,
+                         int64_t n_rows, ds4_numerics num);
     /* Grouped product over the first n_groups * n_out rows of W (rows of
      * n_in = W->ne[0] elements); for g < n_groups, o < n_out, r < n_rows:
      *   out[r][g*n_out + o] = sum_i W[g*n_out + o][i] * x[r][g*n_in + i],
@@ -332,6 +351,12 @@ void *ds4_fill_host_bytes(const ds4_weight *w, const ds4_fill *fill, const char 
  * false with the message in err (status DS4_ERR_INVALID). */
 bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const int64_t *a_off, const int64_t *a_n,
                               const int64_t *b_n, ds4_error *err);
+
+/* matmul_multi's arguments as both backends check them (the count, every
+ * weight present with p[0]'s row length, outputs within the weights and
+ * not NULL, strides for several rows): false with the message in err
+ * (DS4_ERR_INVALID). Weight types are each backend's to check. */
+bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows, ds4_error *err);
 
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */

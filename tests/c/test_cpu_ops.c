@@ -323,10 +323,10 @@ static void test_op_table(void) {
     const ds4_backend_ops *o = be->ops;
     CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->bind_weight &&
           o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->round_f16 &&
-          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->rope_tail && o->hc_pre &&
+          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
           o->router && o->swiglu && o->moe && o->take_error);
-    CHECK(!o->step_begin && !o->step_end);
+    CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     ds4_backend_destroy(be);
 }
 
@@ -799,6 +799,92 @@ static void test_matmul_grouped(void) {
     free(want);
     ds4_backend_destroy(be1);
     ds4_backend_destroy(be2);
+}
+
+/* matmul_multi equals its products' matmul calls bit for bit (types mixed,
+ * both numerics, 1, 3 and 20 rows, strides wider than the data, a product
+ * of no outputs); bad arguments or an unusable weight in any product record
+ * an error and write nothing. */
+static void test_matmul_multi(void) {
+    const int64_t n_in = 256, x_stride = n_in + 3, max_rows = 20;
+    const uint32_t types[] = { DS4_TYPE_Q8_0, DS4_TYPE_F16, DS4_TYPE_Q2_K, DS4_TYPE_F32, DS4_TYPE_IQ2_XXS };
+    const int64_t n_outs[] = { 9, 17, 0, 5, 12 };
+    enum { NP = 5 };
+    ds4_backend *be = new_backend(2);
+    test_weight tw[NP];
+    float *src = fvec(n_in * 20), *x = fvec(max_rows * x_stride);
+    fill_normal(src, n_in * 20, 0.05);
+    fill_normal(x, max_rows * x_stride, 1.0);
+    float *out[NP], *want[NP];
+    for (int j = 0; j < NP; j++) {
+        weight_make(&tw[j], ds4_type_name(types[j]), types[j], n_in, 20, src);
+        out[j] = fvec(max_rows * (n_outs[j] + 2));
+        want[j] = fvec(max_rows * (n_outs[j] + 2));
+    }
+    static const int64_t ROWS[] = { 1, 3, 20 };
+    for (int num = 0; num < 2; num++) {
+        const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        for (size_t ri = 0; ri < 3; ri++) {
+            const int64_t n_rows = ROWS[ri];
+            ds4_product p[NP];
+            for (int j = 0; j < NP; j++) {
+                for (int64_t i = 0; i < max_rows * (n_outs[j] + 2); i++) out[j][i] = want[j][i] = -7.0f;
+                p[j] = (ds4_product){ &tw[j].w, n_outs[j], out[j], n_outs[j] + 2 };
+                be->ops->matmul(be, &tw[j].w, 0, n_outs[j], x, x_stride, want[j], n_outs[j] + 2, n_rows, nm);
+            }
+            be->ops->matmul_multi(be, p, NP, x, x_stride, n_rows, nm);
+            expect_no_error(be);
+            for (int j = 0; j < NP; j++)
+                CHECK_MSG(memcmp(out[j], want[j], (size_t)(max_rows * (n_outs[j] + 2)) * sizeof(float)) == 0,
+                          "product %d (%s) %s, %lld rows", j, ds4_type_name(types[j]), num ? "reference" : "ds4",
+                          (long long)n_rows);
+        }
+    }
+    /* errors: nothing written anywhere */
+    char msg[DS4_ERROR_MSG_MAX];
+    ds4_weight q40 = { "blk.1.q40.weight", DS4_TYPE_Q4_0, { 256, 20, 1, 1 }, 144, tw[0].data, NULL, NULL };
+    ds4_weight unbound = tw[1].w;
+    unbound.host = NULL;
+    test_weight narrow;
+    weight_make(&narrow, "blk.0.narrow.weight", DS4_TYPE_Q8_0, 128, 20, src);
+    for (int c = 0; c < 9; c++) {
+        ds4_product p[NP];
+        for (int j = 0; j < NP; j++) {
+            for (int64_t i = 0; i < max_rows * (n_outs[j] + 2); i++) out[j][i] = -7.0f;
+            p[j] = (ds4_product){ &tw[j].w, n_outs[j], out[j], n_outs[j] + 2 };
+        }
+        int n = NP;
+        int64_t rows = 3, xs = x_stride;
+        ds4_status want_st = DS4_ERR_INVALID;
+        const char *name = NULL;
+        switch (c) {
+        case 0: n = 0; break;
+        case 1: n = DS4_PRODUCTS_MAX + 1; break;
+        case 2: p[3].w = &narrow.w, name = "blk.0.narrow.weight"; break; /* another row length */
+        case 3: p[4].n_out = 21; break;                                 /* past the weight's 20 rows */
+        case 4: p[1].out_stride = 16; break;                            /* out rows overlap */
+        case 5: xs = n_in - 1; break;                                   /* x rows overlap */
+        case 6: p[4].out = NULL; break;
+        case 7: p[4].w = &q40, want_st = DS4_ERR_UNSUPPORTED, name = "blk.1.q40.weight"; break;
+        case 8: p[3].w = &unbound, name = ds4_type_name(types[1]); break;
+        }
+        be->ops->matmul_multi(be, p, n, x, xs, rows, DS4_NUMERICS_DS4);
+        CHECK_MSG(take_error(be, msg, sizeof msg) == want_st, "case %d: %s", c, msg);
+        CHECK_MSG(strstr(msg, "matmul_multi") && (!name || strstr(msg, name)), "case %d: %s", c, msg);
+        int written = 0;
+        for (int j = 0; j < NP; j++)
+            for (int64_t i = 0; i < max_rows * (n_outs[j] + 2); i++) written += out[j][i] != -7.0f;
+        CHECK_MSG(written == 0, "case %d: %d values written", c, written);
+    }
+    weight_free(&narrow);
+    for (int j = 0; j < NP; j++) {
+        weight_free(&tw[j]);
+        free(out[j]);
+        free(want[j]);
+    }
+    free(src);
+    free(x);
+    ds4_backend_destroy(be);
 }
 
 /* Bad arguments record an error naming the op and the weight, and write
@@ -1845,6 +1931,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_q8_0_ties),
     TEST_ENTRY(test_matmul_f16_all_values),
     TEST_ENTRY(test_matmul_grouped),
+    TEST_ENTRY(test_matmul_multi),
     TEST_ENTRY(test_matmul_grouped_errors),
     TEST_ENTRY(test_rope),
     TEST_ENTRY(test_hc_pre),

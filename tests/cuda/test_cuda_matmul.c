@@ -1,5 +1,5 @@
 /*
- * test_cuda_matmul.c - the matmul, matmul_grouped and moe ops, CPU backend
+ * test_cuda_matmul.c - the matmul, matmul_grouped, matmul_multi and moe ops, CPU backend
  * (the oracle) vs CUDA backend, through the op table; every output element
  * is compared.
  *
@@ -1001,6 +1001,200 @@ static void test_moe_bad_expert(void) {
     op_pair_close(&p);
 }
 
+/* ------------------------------------------------------------------------ */
+/* matmul_multi                                                              */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Products of one input x [n_rows, n_in] (x_stride apart): weights of the
+ * given types and output counts (outputs `pad` floats wider than the
+ * data). On the CPU the op must equal separate matmul calls bit for bit;
+ * on CUDA each product is held to its own matmul tolerances (the launches
+ * that join products of one type choose their own split), and to equality
+ * where exact (rows of one block).
+ */
+static void multi_case(op_pair *p, const uint32_t *types, const int64_t *n_outs, int n, int64_t n_in, int64_t n_rows,
+                       int64_t x_stride, int64_t pad, bool exact) {
+    CHECK(n >= 1 && n <= DS4_PRODUCTS_MAX);
+    op_weight *w[DS4_PRODUCTS_MAX];
+    uint8_t *bytes[DS4_PRODUCTS_MAX];
+    float *deq[DS4_PRODUCTS_MAX];
+    for (int j = 0; j < n; j++) {
+        bytes[j] = weight_bytes(types[j], n_in, n_outs[j] + 2, false, &deq[j]);
+        char name[64];
+        snprintf(name, sizeof name, "blk.0.multi_%d.weight", j);
+        w[j] = op_weight_make(p, name, types[j], n_in, n_outs[j] + 2, 1, bytes[j]);
+    }
+    const int64_t nx = n_rows > 0 ? (n_rows - 1) * x_stride + n_in : 1;
+    float *hx = op_rand(nx, 1.0);
+    op_buf x = op_buf_from(p, hx, nx);
+    for (int ni = 0; ni < 2; ni++) {
+        const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        if (exact && num == DS4_NUMERICS_REFERENCE) continue;
+        op_buf y[DS4_PRODUCTS_MAX], ysep[DS4_PRODUCTS_MAX];
+        ds4_product pc[DS4_PRODUCTS_MAX], pg[DS4_PRODUCTS_MAX];
+        for (int j = 0; j < n; j++) {
+            const int64_t ny = n_rows * (n_outs[j] + pad) > 0 ? n_rows * (n_outs[j] + pad) : 1;
+            y[j] = op_buf_poisoned(p, ny);
+            ysep[j] = op_buf_poisoned(p, ny);
+            pc[j] = (ds4_product){ &w[j]->c, n_outs[j], y[j].c, n_outs[j] + pad };
+            pg[j] = (ds4_product){ &w[j]->g, n_outs[j], y[j].g, n_outs[j] + pad };
+        }
+        p->cpu->ops->matmul_multi(p->cpu, pc, n, x.c, x_stride, n_rows, num);
+        p->gpu->ops->matmul_multi(p->gpu, pg, n, x.g, x_stride, n_rows, num);
+        for (int j = 0; j < n; j++)
+            p->cpu->ops->matmul(p->cpu, &w[j]->c, 0, n_outs[j], x.c, x_stride, ysep[j].c, n_outs[j] + pad, n_rows, num);
+        op_expect_ok(p);
+        for (int j = 0; j < n; j++) {
+            char what[200];
+            snprintf(what, sizeof what, "matmul_multi %s product %d of %d (%s, %lld -> %lld) x %lld rows (stride %lld)%s",
+                     num_name(num), j, n, ds4_type_name(types[j]), (long long)n_in, (long long)n_outs[j],
+                     (long long)n_rows, (long long)x_stride, exact ? " bit-exact" : "");
+            const int64_t ny = n_rows * (n_outs[j] + pad) > 0 ? n_rows * (n_outs[j] + pad) : 1;
+            float *a = malloc((size_t)ny * sizeof *a), *b = malloc((size_t)ny * sizeof *b);
+            p->cpu->ops->download(p->cpu, a, y[j].c, ny);
+            p->cpu->ops->download(p->cpu, b, ysep[j].c, ny);
+            CHECK_MSG(memcmp(a, b, (size_t)ny * sizeof *a) == 0, "%s: the CPU's op differs from its matmul calls",
+                      what);
+            free(a);
+            free(b);
+            if (n_outs[j] > 0) {
+                double *tol =
+                    matmul_tolerances(types[j], num, bytes[j], deq[j], n_in, 0, n_outs[j], hx, x_stride, n_rows);
+                compare_out(what, p, y[j], n_rows, n_outs[j], n_outs[j] + pad, tol,
+                            num == DS4_NUMERICS_REFERENCE ? 2.5e-7 : 0.0, exact);
+                free(tol);
+            } else { /* no outputs: nothing written */
+                float g0 = 0.0f;
+                p->gpu->ops->download(p->gpu, &g0, y[j].g, 1);
+                CHECK_MSG(isnan(g0), "%s: written", what);
+            }
+            op_buf_free(p, &y[j]);
+            op_buf_free(p, &ysep[j]);
+        }
+    }
+    op_buf_free(p, &x);
+    free(hx);
+    for (int j = 0; j < n; j++) {
+        op_weight_free(p, w[j]);
+        free(bytes[j]);
+        free(deq[j]);
+    }
+}
+
+/* The model's two calls (the attention input's seven products: two Q8_0
+ * and five F16 of three sizes; the FFN input's router and shared expert),
+ * for 1, 3 and 8 rows (one launch per type) and 11 rows (product by
+ * product); mixed types with a product of no outputs; eight products of one
+ * type (one launch of eight matrices). */
+static void test_matmul_multi(void) {
+    OPEN_PAIR(p);
+    const uint32_t attn_t[] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_F16, DS4_TYPE_F16,
+                                DS4_TYPE_F16, DS4_TYPE_F16, DS4_TYPE_F16 };
+    const int64_t attn_o[] = { 1024, 512, 1024, 1024, 256, 256, 64 };
+    const uint32_t ffn_t[] = { DS4_TYPE_F16, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0 };
+    const int64_t ffn_o[] = { 256, 2048, 2048 };
+    static const int64_t ROWS[] = { 1, 3, 8, 11 };
+    for (size_t ri = 0; ri < 4; ri++) {
+        multi_case(&p, attn_t, attn_o, 7, 4096, ROWS[ri], 4096, 0, false);
+        multi_case(&p, ffn_t, ffn_o, 3, 4096, ROWS[ri], 4096 + 8, 3, false);
+    }
+    const uint32_t mixed_t[] = { DS4_TYPE_Q2_K, DS4_TYPE_F32, DS4_TYPE_Q8_0, DS4_TYPE_Q2_K, DS4_TYPE_BF16 };
+    const int64_t mixed_o[] = { 300, 77, 0, 129, 5 };
+    multi_case(&p, mixed_t, mixed_o, 5, 512, 1, 512, 0, false);
+    multi_case(&p, mixed_t, mixed_o, 5, 512, 2, 520, 1, false);
+    uint32_t eight_t[8];
+    int64_t eight_o[8];
+    for (int j = 0; j < 8; j++) eight_t[j] = DS4_TYPE_Q8_0, eight_o[j] = 40 + 97 * j;
+    multi_case(&p, eight_t, eight_o, 8, 1024, 1, 1024, 0, false);
+    multi_case(&p, eight_t, eight_o, 8, 1024, 5, 1024, 2, false);
+    op_pair_close(&p);
+}
+
+/* Bad arguments record an error (naming the weight where there is one) and
+ * write nothing; a valid call afterwards is correct. */
+static void test_matmul_multi_errors(void) {
+    OPEN_PAIR(p);
+    float *deq = NULL, *deq2 = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, 64, 16, true, &deq);
+    uint8_t *bytes2 = weight_bytes(DS4_TYPE_Q8_0, 96, 16, true, &deq2);
+    op_weight *w = op_weight_make(&p, "blk.0.multi_err.weight", DS4_TYPE_Q8_0, 64, 16, 1, bytes);
+    op_weight *w96 = op_weight_make(&p, "blk.0.multi_96.weight", DS4_TYPE_Q8_0, 96, 16, 1, bytes2);
+    float *hx = op_rand(4 * 64, 1.0);
+    op_buf x = op_buf_from(&p, hx, 4 * 64);
+    op_buf y = op_buf_poisoned(&p, 4 * 16), y2 = op_buf_poisoned(&p, 4 * 16);
+    for (int side = 0; side < 2; side++) {
+        ds4_backend *be = side ? p.gpu : p.cpu;
+        const ds4_weight *wv = side ? &w->g : &w->c, *w96v = side ? &w96->g : &w96->c;
+        float *yv = side ? y.g : y.c, *y2v = side ? y2.g : y2.c;
+        const float *xv = side ? x.g : x.c;
+        ds4_product ok[2] = { { wv, 16, yv, 16 }, { wv, 8, y2v, 16 } };
+        ds4_product bad[2];
+        ds4_error e = { 0 };
+        be->ops->matmul_multi(be, ok, 0, xv, 64, 1, DS4_NUMERICS_DS4); /* no products */
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        be->ops->matmul_multi(be, ok, DS4_PRODUCTS_MAX + 1, xv, 64, 1, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        memcpy(bad, ok, sizeof bad);
+        bad[1].w = w96v; /* another row length */
+        be->ops->matmul_multi(be, bad, 2, xv, 64, 1, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        CHECK_MSG(strstr(e.message, "blk.0.multi_96.weight") != NULL, "%s", e.message);
+        memcpy(bad, ok, sizeof bad);
+        bad[1].n_out = 17; /* beyond the weight's rows */
+        be->ops->matmul_multi(be, bad, 2, xv, 64, 1, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        memcpy(bad, ok, sizeof bad);
+        bad[0].out = NULL;
+        be->ops->matmul_multi(be, bad, 2, xv, 64, 1, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        memcpy(bad, ok, sizeof bad);
+        bad[1].out_stride = 7; /* narrower than the outputs, several rows */
+        be->ops->matmul_multi(be, bad, 2, xv, 64, 4, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        be->ops->matmul_multi(be, ok, 2, xv, 63, 4, DS4_NUMERICS_DS4); /* x stride */
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        be->ops->matmul_multi(be, ok, 2, NULL, 64, 1, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_INVALID);
+        memcpy(bad, ok, sizeof bad);
+        ds4_weight q40 = *wv;
+        q40.type = DS4_TYPE_Q4_0; /* a type without a kernel */
+        bad[1].w = &q40;
+        be->ops->matmul_multi(be, bad, 2, xv, 64, 1, DS4_NUMERICS_DS4);
+        CHECK_EQ_INT(be->ops->take_error(be, &e), DS4_ERR_UNSUPPORTED);
+        CHECK_MSG(strstr(e.message, "blk.0.multi_err.weight") != NULL, "%s", e.message);
+    }
+    {
+        float hy[4 * 16];
+        p.gpu->ops->download(p.gpu, hy, y.g, 4 * 16);
+        int written = 0;
+        for (int i = 0; i < 4 * 16; i++) written += !isnan(hy[i]);
+        CHECK_EQ_INT(written, 0);
+    }
+    ds4_product okc[2] = { { &w->c, 16, y.c, 16 }, { &w->c, 8, y2.c, 16 } };
+    ds4_product okg[2] = { { &w->g, 16, y.g, 16 }, { &w->g, 8, y2.g, 16 } };
+    p.cpu->ops->matmul_multi(p.cpu, okc, 2, x.c, 64, 4, DS4_NUMERICS_DS4);
+    p.gpu->ops->matmul_multi(p.gpu, okg, 2, x.g, 64, 4, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    double *tol = matmul_tolerances(DS4_TYPE_Q8_0, DS4_NUMERICS_DS4, bytes, deq, 64, 0, 16, hx, 64, 4);
+    compare_out("matmul_multi after errors", &p, y, 4, 16, 16, tol, 0.0, false);
+    free(tol);
+    tol = matmul_tolerances(DS4_TYPE_Q8_0, DS4_NUMERICS_DS4, bytes, deq, 64, 0, 8, hx, 64, 4);
+    compare_out("matmul_multi after errors (8 outputs)", &p, y2, 4, 8, 16, tol, 0.0, false);
+    free(tol);
+    op_buf_free(&p, &y);
+    op_buf_free(&p, &y2);
+    op_buf_free(&p, &x);
+    op_weight_free(&p, w);
+    op_weight_free(&p, w96);
+    free(hx);
+    free(bytes);
+    free(bytes2);
+    free(deq);
+    free(deq2);
+    op_pair_close(&p);
+}
+
 static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_f32),
     TEST_ENTRY(test_matmul_f16),
@@ -1023,6 +1217,8 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_grouped_q4_K),
     TEST_ENTRY(test_matmul_grouped_iq2_xxs),
     TEST_ENTRY(test_matmul_grouped_errors),
+    TEST_ENTRY(test_matmul_multi),
+    TEST_ENTRY(test_matmul_multi_errors),
     TEST_ENTRY(test_moe_iq2_xxs),
     TEST_ENTRY(test_moe_q2_K),
     TEST_ENTRY(test_moe_q4_K),

@@ -266,6 +266,7 @@ static const ds4_backend_ops CPU_OPS = {
     .round_fp8_kv = cpu_round_fp8_kv,
     .indexer_qat = cpu_indexer_qat,
     .matmul = cpu_matmul,
+    .matmul_multi = cpu_matmul_multi,
     .matmul_grouped = cpu_matmul_grouped,
     .rope_tail = cpu_rope_tail,
     .hc_pre = cpu_hc_pre,

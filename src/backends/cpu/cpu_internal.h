@@ -113,6 +113,8 @@ static inline int64_t cpu_weight_rows(const ds4_weight *w) { return w->ne[1] * w
 void cpu_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x, int64_t x_stride,
                 float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 /* The matmul_grouped op: n_groups cpu_matmul calls, one per group. */
+void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
+                      ds4_numerics num);
 void cpu_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
                         int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,

@@ -294,6 +294,30 @@ void cpu_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, 
         cpu_matmul(be, w, g * n_out, n_out, x + g * n_in, x_stride, out + g * n_out, out_stride, n_rows, num);
 }
 
+/* The products one by one: bit-identical to separate matmul calls. */
+void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
+                      ds4_numerics num) {
+    ds4_error err = { 0 };
+    if (!ds4_products_valid(p, n, x, x_stride, n_rows, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    for (int j = 0; j < n; j++) { /* every weight usable before any product is written */
+        cpu_dot_kind kind;
+        if (!p[j].w->host) {
+            cpu_fail(be, DS4_ERR_INVALID, "matmul_multi: weight %s is not bound", cpu_wname(p[j].w));
+            return;
+        }
+        if (!cpu_dot_kind_for(p[j].w, num, &kind)) {
+            cpu_fail(be, DS4_ERR_UNSUPPORTED,
+                     "matmul_multi: weight %s has type %s, which the CPU backend cannot compute with",
+                     cpu_wname(p[j].w), ds4_type_name(p[j].w->type));
+            return;
+        }
+    }
+    for (int j = 0; j < n; j++) cpu_matmul(be, p[j].w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Routed experts (spec 3.7)                                                 */
 /* ------------------------------------------------------------------------ */

@@ -86,15 +86,21 @@ static __device__ __forceinline__ float warp_sum(float v) {
 /* RoPE on the tail of each head (spec 3.4.4)                                */
 /* ------------------------------------------------------------------------ */
 
+#define ROPE_TABLE 64 /* pairs whose frequencies travel with the launch (n_rot <= 128) */
+
 struct rope_params {
     int n_rot;
+    int table; /* freq[k] holds pow(base, -2k / n_rot), made on the host as the CPU makes it */
     double base, factor, yarn_lo, yarn_hi;
     double sin_sign;
+    double freq[ROPE_TABLE];
 };
 
-/* The CPU's rope_angle, operation for operation (double, no contraction). */
+/* The CPU's rope_angle, operation for operation (double, no contraction);
+ * the position-free pow comes from the host's table when there is one. */
 static __device__ double rope_angle(const rope_params &rp, int64_t p, int64_t k) {
-    const double theta = (double)p * pow(rp.base, -2.0 * (double)k / (double)rp.n_rot);
+    const double f = rp.table ? rp.freq[k] : pow(rp.base, -2.0 * (double)k / (double)rp.n_rot);
+    const double theta = (double)p * f;
     if (!(rp.factor > 1.0)) return theta;
     double span = rp.yarn_hi - rp.yarn_lo;
     if (span < 0.001) span = 0.001;
@@ -117,8 +123,10 @@ static __global__ void __launch_bounds__(ROPE_THREADS)
     const int64_t p = pos[r];
     for (int k = threadIdx.x; k < half; k += blockDim.x) {
         const double theta = rope_angle(rp, p, k);
-        rope_cs[k] = (float)cos(theta);
-        rope_cs[half + k] = (float)(rp.sin_sign * sin(theta));
+        double sn, cs;
+        sincos(theta, &sn, &cs);
+        rope_cs[k] = (float)cs;
+        rope_cs[half + k] = (float)(rp.sin_sign * sn);
     }
     __syncthreads();
     const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
@@ -179,6 +187,8 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     rp.yarn_lo = (double)rope->yarn_lo;
     rp.yarn_hi = (double)rope->yarn_hi;
     rp.sin_sign = inverse ? -1.0 : 1.0;
+    rp.table = half <= ROPE_TABLE;
+    for (int64_t k = 0; rp.table && k < half; k++) rp.freq[k] = pow(rp.base, -2.0 * (double)k / (double)n_rot);
     const dim3 grid((unsigned)n_rows, (unsigned)groups);
     (void)cuda_launch(be, "rope_tail_kernel", rope_tail_kernel, grid, ROPE_THREADS, smem, x, n_heads, head_dim, d_pos,
                       rp, per_block);
@@ -420,9 +430,17 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     part += blockIdx.y * (int64_t)gridDim.x * n_splits * stride; /* query row y of attention_rows */
     out += blockIdx.y * (int64_t)gridDim.x * dim;
     const float *ph = part + h * n_splits * stride;
+    __shared__ float red_m[32];
     const float sink = cuda_load_float(sinks, sinks_type, h);
+    /* M over the splits, spread over the block (a max does not depend on
+     * the order) */
     float M = sink;
-    for (int64_t s = 0; s < n_splits; s++) M = fmaxf(M, ph[s * stride]);
+    for (int64_t s = threadIdx.x; s < n_splits; s += blockDim.x) M = fmaxf(M, ph[s * stride]);
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    if ((threadIdx.x & 31) == 0) red_m[threadIdx.x >> 5] = M;
+    __syncthreads();
+    M = red_m[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) M = fmaxf(M, red_m[w]);
     /* the array is padded to a multiple of 4 (zeros): the weighted sum below
      * may be compiled into 16-byte shared loads */
     const int64_t padded = (n_splits + 3) & ~(int64_t)3;
@@ -433,13 +451,15 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     __syncthreads();
     if (threadIdx.x == 0) {
         float den = expf(sink - M);
+#pragma unroll 8
         for (int64_t s = 0; s < n_splits; s++) den = fmaf(ph[s * stride + 1], att_factor[s], den);
         sh_inv = 1.0f / den;
     }
     __syncthreads();
     const float inv = sh_inv;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-        float o = 0.0f;
+        float o = 0.0f; /* in split order; unrolled so the loads are in flight together */
+#pragma unroll 8
         for (int64_t s = 0; s < n_splits; s++) o = fmaf(ph[s * stride + 2 + i], att_factor[s], o);
         out[h * dim + i] = o * inv;
     }

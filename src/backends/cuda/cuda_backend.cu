@@ -857,6 +857,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .round_fp8_kv = cuda_round_fp8_kv,
     .indexer_qat = cuda_indexer_qat,
     .matmul = cuda_matmul,
+    .matmul_multi = cuda_matmul_multi,
     .matmul_grouped = cuda_matmul_grouped,
     .rope_tail = cuda_rope_tail,
     .hc_pre = cuda_hc_pre,

@@ -440,6 +440,8 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
               const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
               ds4_numerics num);
+void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
+                       ds4_numerics num);
 void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
                          int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 /* true when cuda_matmul can multiply this weight type under `num`. */

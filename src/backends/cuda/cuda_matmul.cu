@@ -786,6 +786,73 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
     launch_product(be, w->type, mode, a);
 }
 
+/*
+ * Products of one input: the ones the streaming kernels take (decode
+ * shapes, DS4 numerics) are gathered by weight type and row length, x is
+ * quantised once per activation kind, and each gathering runs as one launch
+ * (blockIdx.z the matrix); the rest go through cuda_matmul one by one.
+ */
+static_assert(DS4_PRODUCTS_MAX <= CUDA_MV_MAX_MATS, "one launch holds every product of a call");
+void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
+                       ds4_numerics num) {
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_products_valid(p, n, x, x_stride, n_rows, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    for (int j = 0; j < n; j++) {
+        if (!p[j].w->device) {
+            cuda_fail(be, DS4_ERR_INVALID, "matmul_multi: weight %s is not bound", cuda_wname(p[j].w));
+            return;
+        }
+        if (!check_weight(be, "matmul_multi", p[j].w, num)) return;
+    }
+    if (n_rows == 0 || cuda_failed(be)) return;
+    static const bool joined = cuda_env_flag("DS4_CUDA_MULTI", true); /* 0: product by product (A/B) */
+    const int64_t n_in = p[0].w->ne[0];
+    bool done[DS4_PRODUCTS_MAX] = { false };
+    for (int j = 0; j < n; j++) {
+        if (done[j]) continue;
+        const ds4_weight *w = p[j].w;
+        const mm_mode mode = mode_for(w->type, num);
+        if (!joined || p[j].n_out == 0 || !mv_suits(w, mode, x, x_stride, n_rows)) {
+            done[j] = true;
+            cuda_matmul(be, w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
+            continue;
+        }
+        /* j and every later product of the same type and row length */
+        const void *act = x;
+        const size_t qbytes = act_bytes(mode, n_in, n_rows);
+        if (qbytes) {
+            void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
+            if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q, true)) return;
+            act = q;
+        }
+        cuda_mv_job jobs[DS4_PRODUCTS_MAX];
+        int nj = 0;
+        for (int k = j; k < n; k++) {
+            const ds4_weight *v = p[k].w;
+            if (done[k] || p[k].n_out == 0 || v->type != w->type || v->row_bytes != w->row_bytes) continue;
+            done[k] = true;
+            cuda_mv_job *jb = &jobs[nj++];
+            jb->type = v->type;
+            jb->act_kind = mv_kind(mode);
+            jb->w = v->device;
+            jb->row_bytes = v->row_bytes;
+            jb->n = n_in;
+            jb->row0 = 0;
+            jb->n_out = p[k].n_out;
+            jb->act = act;
+            jb->act_stride = act_stride_of(mode, n_in, x_stride);
+            jb->out = p[k].out;
+            jb->out_stride = p[k].out_stride;
+            jb->n_rows = (int)n_rows;
+        }
+        if (!cuda_mv_run_multi(be, jobs, nj)) return;
+    }
+}
+
 /* The routing of one token, checked: sel_out[k] = sel[k] and w_out[k] =
  * weights[k] when sel[k] is in [0, n_expert); else the bad id is reported
  * and expert 0 with weight 0 stands in for it. */

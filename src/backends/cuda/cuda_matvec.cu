@@ -148,9 +148,13 @@ static_assert(sizeof(iq2_tables) % 16 == 0, "tables copied in 16-byte pieces");
 /* ------------------------------------------------------------------------ */
 
 struct mv_args {
-    const uint8_t *w[2]; /* blockIdx.z picks the matrix (MoE gate/up share a launch) */
-    const void *act[2];
-    float *out[2];
+    /* blockIdx.z picks the matrix (MoE gate/up share a launch; so do the
+     * products of one input, cuda_mv_run_multi), with its own outputs */
+    const uint8_t *w[CUDA_MV_MAX_MATS];
+    const void *act[CUDA_MV_MAX_MATS];
+    float *out[CUDA_MV_MAX_MATS];
+    int64_t n_out_z[CUDA_MV_MAX_MATS];      /* outputs of matrix z (<= n_out) */
+    int64_t out_stride_z[CUDA_MV_MAX_MATS]; /* its output rows apart */
     int64_t row_bytes;
     int64_t units;       /* staging units per row */
     int64_t row0;
@@ -172,7 +176,6 @@ struct mv_args {
     int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
     int act_aligned;      /* Q8_K: every activation row starts 16-byte aligned (codes in 16-byte loads) */
-    int early;            /* plain rows: first weight stages issued before waiting for the kernel before */
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
@@ -432,12 +435,7 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
 /* ------------------------------------------------------------------------ */
 
 template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
-    /* Plain weight rows do not depend on the kernel before (weights are
-     * constant during a step): the first stages are issued before waiting
-     * for it (programmatic launch), so their loads overlap its tail. Rows
-     * picked by expert ids (the router's output) wait first. */
-    const bool early = a.sel == NULL && a.early;
-    if (!early) cuda_grid_wait();
+    cuda_grid_wait();
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
@@ -482,7 +480,7 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
         u1 = a.units * (part + 1) / a.parts;
     }
     const int n_rows = a.experts_as_parts ? 1 : a.n_rows;
-    const int64_t left = a.n_out - o_first;
+    const int64_t left = a.n_out_z[z] - o_first;
     const int n_valid = !active || left <= 0 || u1 <= u0 ? 0 : left < rpw ? (int)left : rpw;
 
     /* The warp streams its rows' stages (stage k of row j is stage
@@ -514,7 +512,6 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
     };
 #pragma unroll
     for (int s = 0; s < MV_NST - 1; s++) issue();
-    if (early) cuda_grid_wait(); /* the activations and outputs are the kernel before's */
 
     float acc[ROWS];
 #pragma unroll
@@ -575,7 +572,7 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
         const int q = t / ROWS, r = t % ROWS;
         const int qlr = q / rpw, qj = q % rpw;
         const int64_t oo = (int64_t)blockIdx.x * per_block + q;
-        if (oo < a.n_out && r < n_rows) {
+        if (oo < a.n_out_z[z] && r < n_rows) {
             float s = 0.0f;
             if (a.experts_as_parts) {
                 for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, mv_finish<T>(red[(qlr * a.parts + p) * rpw + qj][r]));
@@ -586,7 +583,7 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
             float *out = a.out[z] + (a.experts_as_parts ? (int64_t)blockIdx.y * a.out_token_stride
                                      : a.sel              ? (int64_t)blockIdx.y * a.out_sel_stride
                                                           : 0);
-            out[r * a.out_stride + oo] = s;
+            out[r * a.out_stride_z[z] + oo] = s;
         }
     }
 }
@@ -657,7 +654,9 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
          * in): the bases, rows or expert slots (act_stride) and tokens
          * (act_token_stride) of 292-byte blocks apart, must be 16-byte aligned */
         const int64_t bb = (int64_t)sizeof(ds4_block_q8_K);
-        a.act_aligned = (uintptr_t)a.act[0] % 16 == 0 && (uintptr_t)a.act[1] % 16 == 0 &&
+        bool bases = true;
+        for (int z = 0; z < n_mats; z++) bases = bases && (uintptr_t)a.act[z] % 16 == 0;
+        a.act_aligned = bases &&
                         (a.act_stride * bb) % 16 == 0 && (a.act_token_stride * bb) % 16 == 0;
     }
     if (!fn) {
@@ -665,8 +664,10 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         return false;
     }
     if (!mv_allow_smem(be)) return false;
-    static const bool early = cuda_env_flag("DS4_CUDA_MV_EARLY", true);
-    a.early = early;
+    for (int z = 0; z < n_mats; z++) { /* one output count for all matrices unless the caller set them */
+        if (!a.n_out_z[z]) a.n_out_z[z] = a.n_out;
+        if (!a.out_stride_z[z]) a.out_stride_z[z] = a.out_stride;
+    }
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
     return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
 }
@@ -719,6 +720,42 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     a.rpb = MV_WARPS / a.parts;
     a.rpw = rows_per_warp(a.parts == 1, a.n_out);
     return mv_launch(be, j->type, a, 1, 1);
+}
+
+bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
+    bool ok = n >= 1 && n <= CUDA_MV_MAX_MATS && j[0].n_rows >= 1 && j[0].n_rows <= CUDA_MV_MAX_ROWS &&
+              cuda_mv_fits(j[0].type, j[0].act_kind, j[0].row_bytes, j[0].n);
+    for (int z = 1; ok && z < n; z++)
+        ok = j[z].type == j[0].type && j[z].act_kind == j[0].act_kind && j[z].row_bytes == j[0].row_bytes &&
+             j[z].n == j[0].n && j[z].row0 == j[0].row0 && j[z].n_rows == j[0].n_rows;
+    for (int z = 0; ok && z < n; z++) ok = j[z].n_out >= 1;
+    if (!ok) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d products of one input that do not suit one launch", n);
+        return false;
+    }
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    int64_t total = 0;
+    for (int z = 0; z < n; z++) {
+        a.w[z] = (const uint8_t *)j[z].w;
+        a.act[z] = j[z].act;
+        a.out[z] = j[z].out;
+        a.n_out_z[z] = j[z].n_out;
+        a.out_stride_z[z] = j[z].out_stride;
+        a.n_out = j[z].n_out > a.n_out ? j[z].n_out : a.n_out;
+        total += j[z].n_out;
+    }
+    a.row_bytes = j[0].row_bytes;
+    a.units = j[0].row_bytes / unit_bytes_of(j[0].type);
+    a.row0 = j[0].row0;
+    a.act_stride = j[0].act_stride;
+    a.act_blocks = j[0].act_stride;
+    a.n_rows = j[0].n_rows;
+    /* the split and rows per warp of all the outputs together */
+    a.parts = split_for(total, a.units);
+    a.rpb = MV_WARPS / a.parts;
+    a.rpw = rows_per_warp(a.parts == 1, total);
+    return mv_launch(be, j[0].type, a, 1, n);
 }
 
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,

@@ -22,6 +22,7 @@ typedef enum cuda_mv_act { CUDA_MV_FLOAT, CUDA_MV_Q8_0, CUDA_MV_Q8_K } cuda_mv_a
 
 #define CUDA_MV_MAX_ROWS 8  /* activation rows per launch */
 #define CUDA_MV_MAX_PARTS 8 /* warps per output (K split, or experts summed) */
+#define CUDA_MV_MAX_MATS 8  /* matrices of one launch (products of one input) */
 
 /* One product: out[r][o] (+ r * out_stride) = W[row(o)] . act[r] for
  * o < n_out, r < n_rows. Weight rows are row_bytes apart from w. */
@@ -47,6 +48,11 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
 /* Enqueue a product (cuda_mv_fits must hold, 1 <= n_rows <= 8). false with
  * the error recorded when the launch failed. */
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *job);
+
+/* n products of one activation (the jobs share type, activation kind and
+ * layout, row length, row0 and row count; n_out and out differ) in one
+ * launch, 1 <= n <= CUDA_MV_MAX_MATS. */
+bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *jobs, int n);
 
 /* The routed experts of n_tokens tokens, on the device choices `sel`
  * ([n_tokens, n_used] ids, validated by the caller's kernels) and the

@@ -597,17 +597,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("attn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
     be->ops->rmsnorm(be, s->x, &W->attn_norm, c->rms_eps, s->a, n, H);
     TAP("attn_norm", l, -1, s->a, n * H);
-    /* q: low rank, norm, up, per-head plain norm, RoPE */
-    be->ops->matmul(be, &W->q_a, 0, qr, s->a, H, s->qr, qr, n, num);
-    TAP("q_a", l, -1, s->qr, n * qr);
-    be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
-    TAP("q_a_norm", l, -1, s->qr, n * qr);
-    be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
-    TAP("q_b", l, -1, s->q, n * nh * D);
-    be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
-    TAP("q_head_norm", l, -1, s->q, n * nh * D);
-    be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
-    TAP("q_rope", l, -1, s->q, n * nh * D);
     /* One decoded token of one state writes its KV row and compressor
      * projections straight into the state (window slot, compressor state
      * rows); a chunk or a batch of states goes through the scratch rows. */
@@ -626,8 +615,34 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         ikv = L0->index.state_kv + r * iw;
         isc = L0->index.state_sc + r * iw;
     }
-    /* kv: projection, norm, RoPE, FP8 */
-    be->ops->matmul(be, &W->kv, 0, D, s->a, H, kv, D, n, num);
+    /* every product of the normed input in one call: q low rank, kv, and
+     * the compressor and indexer projections */
+    ds4_product prod[7] = {
+        { &W->q_a, qr, s->qr, qr },
+        { &W->kv, D, kv, D },
+    };
+    int n_prod = 2;
+    if (ratio) {
+        prod[n_prod++] = (ds4_product){ &W->comp_kv, cw, ckv, cw };
+        prod[n_prod++] = (ds4_product){ &W->comp_gate, cw, csc, cw };
+    }
+    if (ratio == 4) {
+        prod[n_prod++] = (ds4_product){ &W->idx_kv, iw, ikv, iw };
+        prod[n_prod++] = (ds4_product){ &W->idx_gate, iw, isc, iw };
+        prod[n_prod++] = (ds4_product){ &W->idx_proj, c->idx_n_head, s->iw, c->idx_n_head };
+    }
+    be->ops->matmul_multi(be, prod, n_prod, s->a, H, n, num);
+    /* q: low rank, norm, up, per-head plain norm, RoPE */
+    TAP("q_a", l, -1, s->qr, n * qr);
+    be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
+    TAP("q_a_norm", l, -1, s->qr, n * qr);
+    be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
+    TAP("q_b", l, -1, s->q, n * nh * D);
+    be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
+    TAP("q_head_norm", l, -1, s->q, n * nh * D);
+    be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
+    TAP("q_rope", l, -1, s->q, n * nh * D);
+    /* kv: projection (above), norm, RoPE, FP8 */
     TAP("kv", l, -1, kv, n * D);
     be->ops->rmsnorm(be, kv, &W->kv_norm, c->rms_eps, kv, n, D);
     TAP("kv_norm", l, -1, kv, n * D);
@@ -639,19 +654,14 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         be->ops->round_f16(be, kv, n * D); /* stored F16-rounded (CPU semantics) */
         TAP("kv_f16", l, -1, kv, n * D);
     }
-    /* compressor and indexer projections, batched */
+    /* compressor and indexer projections (above), batched */
     if (ratio) {
-        be->ops->matmul(be, &W->comp_kv, 0, cw, s->a, H, ckv, cw, n, num);
         TAP("comp_kv", l, -1, ckv, n * cw);
-        be->ops->matmul(be, &W->comp_gate, 0, cw, s->a, H, csc, cw, n, num);
         TAP("comp_gate", l, -1, csc, n * cw);
     }
     if (ratio == 4) {
-        be->ops->matmul(be, &W->idx_kv, 0, iw, s->a, H, ikv, iw, n, num);
         TAP("idx_comp_kv", l, -1, ikv, n * iw);
-        be->ops->matmul(be, &W->idx_gate, 0, iw, s->a, H, isc, iw, n, num);
         TAP("idx_comp_gate", l, -1, isc, n * iw);
-        be->ops->matmul(be, &W->idx_proj, 0, c->idx_n_head, s->a, H, s->iw, c->idx_n_head, n, num);
         TAP("idx_proj", l, -1, s->iw, n * c->idx_n_head);
     }
     /* the compressors over the whole batch, then token by token: window
@@ -769,12 +779,15 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
     be->ops->rmsnorm(be, s->x, &W->ffn_norm, c->rms_eps, s->a, n, H);
     TAP("ffn_norm", l, -1, s->a, n * H);
-    be->ops->matmul(be, &W->gate_inp, 0, E, s->a, H, s->logits_e, E, n, num);
+    /* the router logits and the shared expert's gate and up, batched, in one call */
+    const ds4_product prod[3] = {
+        { &W->gate_inp, E, s->logits_e, E },
+        { &W->gate_sh, I, s->g, I },
+        { &W->up_sh, I, s->u, I },
+    };
+    be->ops->matmul_multi(be, prod, 3, s->a, H, n, num);
     TAP("router_logits", l, -1, s->logits_e, n * E);
-    /* shared expert, batched */
-    be->ops->matmul(be, &W->gate_sh, 0, I, s->a, H, s->g, I, n, num);
     TAP("shexp_gate", l, -1, s->g, n * I);
-    be->ops->matmul(be, &W->up_sh, 0, I, s->a, H, s->u, I, n, num);
     TAP("shexp_up", l, -1, s->u, n * I);
     be->ops->swiglu(be, s->g, s->u, limit, 1.0f, s->g, n * I);
     TAP("shexp_swiglu", l, -1, s->g, n * I);
