@@ -568,10 +568,11 @@ static ds4_status time_prefill(bench *b, variant *v, int64_t n, bool pick, doubl
     ds4_status s = ds4_state_create(v->m, n + 1, &st, err);
     if (s) return s;
     double t0 = tool_now();
-    s = ds4_model_eval(v->m, st, b->tokens, n, v->num, b->logits, false, err);
-    if (!s && pick) {
-        volatile int32_t tok = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
-        (void)tok;
+    if (pick) { /* the first token picked by the backend: only its id comes back */
+        int32_t tok = 0;
+        s = ds4_model_eval_greedy(v->m, st, b->tokens, n, v->num, &tok, err);
+    } else {
+        s = ds4_model_eval(v->m, st, b->tokens, n, v->num, b->logits, false, err);
     }
     *secs = tool_now() - t0;
     ds4_state_free(st);
@@ -650,21 +651,22 @@ static int run_prefill(bench *b) {
     return 0;
 }
 
-/* n greedy steps from `next` on st: per-token seconds into d (may be NULL),
- * the total into *total; step `profile` (1-based, 0: none) runs inside the
- * backend's profiler range (its time, and the two waits for the device
- * around it, count in the samples like any step's). */
-static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t next, int64_t n, dvec *d, double *total,
+/* n greedy steps from *next on st (*next is then the token after them):
+ * per-token seconds into d (may be NULL), the total into *total; step
+ * `profile` (1-based, 0: none) runs inside the backend's profiler range (its
+ * time, and the two waits for the device around it, count in the samples
+ * like any step's). Each step is ds4_model_eval_greedy: the backend picks
+ * the token and only its id comes back. */
+static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t *next, int64_t n, dvec *d, double *total,
                                int64_t profile, ds4_error *err) {
-    const int64_t V = b->cfg->n_vocab;
     double sum = 0;
     for (int64_t g = 0; g < n; g++) {
         if (g + 1 == profile) ds4_backend_profiler_range(v->be, true);
         double t0 = tool_now();
-        ds4_status s = ds4_model_eval(v->m, st, &next, 1, v->num, b->logits, false, err);
+        const int32_t tok = *next;
+        ds4_status s = ds4_model_eval_greedy(v->m, st, &tok, 1, v->num, next, err);
         if (g + 1 == profile) ds4_backend_profiler_range(v->be, false);
         if (s) return s;
-        next = ds4_sample_argmax(b->logits, V);
         double dt = tool_now() - t0;
         sum += dt;
         if (d && !bench_dvec_push(d, dt)) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for samples");
@@ -695,7 +697,8 @@ static int run_decode(bench *b) {
         int64_t steps = b->o.warmup * (gen < 16 ? gen : 16);
         ds4_status s = ds4_state_create(v->m, steps + 2, &w, &err);
         if (!s) s = ds4_model_eval(v->m, w, b->tokens, 1, v->num, b->logits, false, &err);
-        if (!s) s = decode_steps(b, v, w, ds4_sample_argmax(b->logits, b->cfg->n_vocab), steps, NULL, NULL, 0, &err);
+        int32_t wnext = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
+        if (!s) s = decode_steps(b, v, w, &wnext, steps, NULL, NULL, 0, &err);
         ds4_state_free(w);
         if (s) {
             if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode warm-up: %s", err.message);
@@ -739,7 +742,7 @@ static int run_decode(bench *b) {
         ds4_backend_counters c0, c1;
         ds4_backend_kernel_times_reset(v->be);
         ds4_backend_counters_get(v->be, &c0);
-        if (!s) s = decode_steps(b, v, st, next, gen, &r->s, NULL, profile_first ? b->o.profile_token : 0, &err);
+        if (!s) s = decode_steps(b, v, st, &next, gen, &r->s, NULL, profile_first ? b->o.profile_token : 0, &err);
         profile_first = false;
         ds4_backend_counters_get(v->be, &c1);
         if (!s) {
@@ -763,7 +766,6 @@ static int run_decode(bench *b) {
             dead = true;
             continue;
         }
-        next = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
         pos += gen;
         const double g = (double)gen;
         double dsum = 0;
@@ -805,7 +807,8 @@ static ds4_status ab_sample(bench *b, variant *v, bool decode, int64_t size, dou
     ds4_state *st = NULL;
     ds4_status s = ds4_state_create(v->m, size + b->o.gen, &st, err);
     if (!s) s = eval_range(b, v, st, 0, size, err);
-    if (!s) s = decode_steps(b, v, st, ds4_sample_argmax(b->logits, b->cfg->n_vocab), b->o.gen, NULL, secs, 0, err);
+    int32_t next = s ? 0 : ds4_sample_argmax(b->logits, b->cfg->n_vocab);
+    if (!s) s = decode_steps(b, v, st, &next, b->o.gen, NULL, secs, 0, err);
     if (!s) *tps = (double)b->o.gen / *secs;
     ds4_state_free(st);
     return s;
@@ -831,9 +834,10 @@ static int run_batch(bench *b) {
         fprintf(stderr, "ds4server bench: batched decode of %lld streams\n", (long long)n);
         ds4_error err = { 0 };
         ds4_state **st = calloc((size_t)n, sizeof *st);
-        int32_t *next = malloc((size_t)n * sizeof *next);
+        int32_t *next = malloc((size_t)n * sizeof *next), *cur = malloc((size_t)n * sizeof *cur);
         float *logits = malloc((size_t)(n * V) * sizeof *logits);
-        ds4_status s = st && next && logits ? DS4_OK : ds4_error_set(&err, DS4_ERR_NOMEM, "out of host memory");
+        ds4_status s =
+            st && next && cur && logits ? DS4_OK : ds4_error_set(&err, DS4_ERR_NOMEM, "out of host memory");
         for (int64_t k = 0; k < n && !s; k++) {
             s = ds4_state_create(v->m, o->batch_ctx + warm + gen, &st[k], &err);
             const int64_t at = k % (b->n_tokens - o->batch_ctx + 1); /* stream k's own prompt */
@@ -845,17 +849,19 @@ static int run_batch(bench *b) {
             s = ds4_model_eval_batch(v->m, st, next, n, v->num, logits, &err);
         ds4_backend_counters c0, c1;
         ds4_backend_counters_get(v->be, &c0);
+        /* greedy steps: the backend picks each row's token, only the ids come back */
         for (int64_t g = 0; g < gen && !s; g++) {
             const double t0 = tool_now();
-            s = ds4_model_eval_batch(v->m, st, next, n, v->num, logits, &err);
+            memcpy(cur, next, (size_t)n * sizeof *cur);
+            s = ds4_model_eval_batch_greedy(v->m, st, cur, n, v->num, next, &err);
             if (s) break;
-            for (int64_t k = 0; k < n; k++) next[k] = ds4_sample_argmax(logits + k * V, V);
             if (!bench_dvec_push(&r->s, tool_now() - t0)) s = ds4_error_set(&err, DS4_ERR_NOMEM, "out of memory");
         }
         ds4_backend_counters_get(v->be, &c1);
         for (int64_t k = 0; st && k < n; k++) ds4_state_free(st[k]);
         free(st);
         free(next);
+        free(cur);
         free(logits);
         if (s) {
             char what[96];

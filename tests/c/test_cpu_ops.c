@@ -20,6 +20,7 @@
 #include "backends/backend.h"
 #include "core/quant.h"
 #include "core/rounding.h"
+#include "session/sampling.h"
 #include "test.h"
 
 #define EPS32 5.960464477539063e-08 /* 2^-24: float's unit roundoff */
@@ -1493,6 +1494,37 @@ static void test_top_k(void) {
     ds4_backend_destroy(be);
 }
 
+/* top_k of 1 is ds4_sample_argmax (the greedy pick the model's greedy
+ * evaluation makes with it): the first maximum, NaN and -inf never above
+ * anything, +inf wins, -0 ties +0, a row of only NaN / -inf gives 0. */
+static void test_top_k_one_is_argmax(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t n = 4099;
+    float *s = fvec(n);
+    int32_t idx[2] = { -7, -7 };
+    for (int c = 0; c < 9; c++) {
+        for (int64_t i = 0; i < n; i++) s[i] = (float)test_rand_normal();
+        switch (c) {
+        case 1: s[17] = s[2000] = s[4098] = 7.0f; break;                  /* tied maximum */
+        case 2: s[0] = 9.0f; break;                                       /* first */
+        case 3: s[n - 1] = 9.0f; break;                                   /* last */
+        case 4: for (int64_t i = 0; i < n; i += 3) s[i] = NAN; break;      /* NaN around */
+        case 5: for (int64_t i = 0; i < n; i++) s[i] = (i & 1) ? NAN : -INFINITY; break;
+        case 6: s[5] = INFINITY, s[6] = INFINITY, s[7] = NAN; break;
+        case 7: for (int64_t i = 0; i < n; i++) s[i] = (i % 5) ? -INFINITY : NAN; s[300] = -0.0f, s[301] = 0.0f; break;
+        case 8: for (int64_t i = 0; i < n; i++) s[i] = -1e30f; s[4000] = -0.0f; s[12] = 0.0f; break;
+        default: break;
+        }
+        be->ops->top_k(be, s, n, 1, idx);
+        expect_no_error(be);
+        CHECK_MSG(idx[0] == ds4_sample_argmax(s, n), "case %d: top_k %d, argmax %d", c, idx[0],
+                  ds4_sample_argmax(s, n));
+        CHECK(idx[1] == -7);
+    }
+    free(s);
+    ds4_backend_destroy(be);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Router, SwiGLU, MoE                                                       */
 /* ------------------------------------------------------------------------ */
@@ -1942,6 +1974,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_compressor_pool),
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_top_k),
+    TEST_ENTRY(test_top_k_one_is_argmax),
     TEST_ENTRY(test_router),
     TEST_ENTRY(test_router_rows),
     TEST_ENTRY(test_swiglu),

@@ -9,6 +9,7 @@
 #include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_synth.h"
 #include "session/engine.h"
+#include "session/sampling.h"
 #include "test.h"
 
 static char model_a[256], model_b[256];
@@ -380,6 +381,72 @@ static void test_batch_decode_matches_single(void) {
     ds4_backend_destroy(cpu);
 }
 
+/* ds4_model_eval_greedy picks ds4_sample_argmax's token of the logits that
+ * ds4_model_eval returns, after a prefill and over greedy decode steps,
+ * and advances the state the same way; the batched form likewise per row;
+ * no place for the token is refused with nothing advanced. */
+static void test_greedy_eval_matches_argmax(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    ds4_backend *cpu = NULL;
+    ds4_model *m = NULL;
+    CHECK(ds4_backend_create("cpu", 2, &cpu, &err) == DS4_OK);
+    CHECK_MSG(cpu && ds4_model_load((gguf_file *)ds4_engine_gguf(engine), cpu, &m, &err) == DS4_OK, "%s",
+              err.message);
+    if (!m) {
+        ds4_backend_destroy(cpu);
+        return;
+    }
+    int32_t *t = random_tokens(64);
+    float *lg = malloc((size_t)(3 * vocab) * sizeof *lg);
+    ds4_state *a = NULL, *b = NULL;
+    CHECK(ds4_state_create(m, 128, &a, &err) == DS4_OK);
+    CHECK(ds4_state_create(m, 128, &b, &err) == DS4_OK);
+    CHECK(ds4_model_eval(m, a, t, 37, DS4_NUMERICS_DS4, lg, false, &err) == DS4_OK);
+    int32_t next = -5;
+    CHECK_MSG(ds4_model_eval_greedy(m, b, t, 37, DS4_NUMERICS_DS4, &next, &err) == DS4_OK, "%s", err.message);
+    CHECK_EQ_INT(next, ds4_sample_argmax(lg, vocab));
+    CHECK(ds4_state_pos(a) == 37 && ds4_state_pos(b) == 37);
+    for (int step = 0; step < 12; step++) {
+        const int32_t tok = next;
+        CHECK(ds4_model_eval(m, a, &tok, 1, DS4_NUMERICS_DS4, lg, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval_greedy(m, b, &tok, 1, DS4_NUMERICS_DS4, &next, &err) == DS4_OK);
+        CHECK_MSG(next == ds4_sample_argmax(lg, vocab), "step %d: %d, argmax %d", step, next,
+                  ds4_sample_argmax(lg, vocab));
+    }
+    CHECK(ds4_model_eval_greedy(m, b, t, 1, DS4_NUMERICS_DS4, NULL, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_state_pos(b) == 37 + 12);
+    /* batched: three states at different positions */
+    ds4_state *st[3] = { 0 }, *st2[3] = { 0 };
+    for (int i = 0; i < 3; i++) {
+        CHECK(ds4_state_create(m, 128, &st[i], &err) == DS4_OK);
+        CHECK(ds4_state_create(m, 128, &st2[i], &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, st[i], t + 3 * i, 5 + 9 * i, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, st2[i], t + 3 * i, 5 + 9 * i, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+    }
+    int32_t cur[3] = { t[50], t[51], t[52] }, got[3] = { -1, -1, -1 };
+    for (int step = 0; step < 4; step++) {
+        CHECK(ds4_model_eval_batch(m, st, cur, 3, DS4_NUMERICS_DS4, lg, &err) == DS4_OK);
+        CHECK(ds4_model_eval_batch_greedy(m, st2, cur, 3, DS4_NUMERICS_DS4, got, &err) == DS4_OK);
+        for (int i = 0; i < 3; i++) {
+            CHECK_MSG(got[i] == ds4_sample_argmax(lg + i * vocab, vocab), "batch step %d row %d", step, i);
+            cur[i] = got[i];
+        }
+    }
+    CHECK(ds4_model_eval_batch_greedy(m, st2, cur, 3, DS4_NUMERICS_DS4, NULL, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_state_pos(st2[0]) == 5 + 4);
+    for (int i = 0; i < 3; i++) {
+        ds4_state_free(st[i]);
+        ds4_state_free(st2[i]);
+    }
+    ds4_state_free(a);
+    ds4_state_free(b);
+    free(lg);
+    free(t);
+    ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+}
+
 /* Sessions decoded together are the sessions decoded one by one; a batch
  * that cannot run changes none of them. */
 static void test_session_decode_batch(void) {
@@ -462,6 +529,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_prefetch_reads_the_whole_file),
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
+    TEST_ENTRY(test_greedy_eval_matches_argmax),
     TEST_ENTRY(test_session_decode_batch),
     TEST_ENTRY(test_teardown),
     { 0, 0 },

@@ -670,6 +670,22 @@ static void test_top_k(void) {
     top_k_case(&p, "large with ties, k 4096 (one block's limit)", s, big, 4096);
     top_k_case(&p, "large with ties, k 4097 (the sort)", s, big, 4097);
     top_k_case(&p, "odd size", s, 100003, 512);
+    /* k = 1 (one pass): the greedy token of a vocabulary-sized row, with the
+     * maximum tied at several places, at the first and the last index, NaN
+     * around it, and a row of only NaN and -inf */
+    const int64_t V = 129280;
+    for (int64_t i = 0; i < V; i++) s[i] = (float)test_rand_normal();
+    top_k_case(&p, "vocabulary row, k 1", s, V, 1);
+    s[77777] = s[100] = s[129279] = 9.0f;
+    top_k_case(&p, "vocabulary row, tied maximum, k 1", s, V, 1);
+    s[0] = 9.0f;
+    top_k_case(&p, "vocabulary row, maximum first, k 1", s, V, 1);
+    for (int64_t i = 0; i < V; i += 7) s[i] = NAN;
+    top_k_case(&p, "vocabulary row with NaN, k 1", s, V, 1);
+    for (int64_t i = 0; i < V; i++) s[i] = (i % 3) ? NAN : -INFINITY;
+    top_k_case(&p, "NaN and -inf only, k 1", s, V, 1);
+    s[V - 1] = 0.0f;
+    top_k_case(&p, "one finite value last, k 1", s, V, 1);
     free(s);
     op_pair_close(&p);
 }

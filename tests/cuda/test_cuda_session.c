@@ -20,6 +20,7 @@
 #include "ds4.h"
 #include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_synth.h"
+#include "session/sampling.h"
 #include "test.h"
 
 static char model_path[256];
@@ -224,6 +225,33 @@ static void test_decode_step_waits(void) {
         CHECK_MSG(d2h <= (uint64_t)vocab * sizeof(float) + 256,
                   "one decode step copied %llu bytes to the host (logits: %llu)", (unsigned long long)d2h,
                   (unsigned long long)vocab * sizeof(float));
+        /* greedy steps: the GPU picks ds4_sample_argmax's token of the logits
+         * a twin state gets, and only the token id comes back */
+        ds4_state *twin = NULL;
+        CHECK_MSG(ds4_state_create(m, 256, &twin, &err) == DS4_OK, "%s", err.message);
+        int32_t next = 0;
+        if (twin) { /* the same calls as st's: the same state, bit for bit */
+            CHECK(ds4_model_eval(m, twin, t, n, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+            CHECK(ds4_model_eval(m, twin, t + n, 1, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+            CHECK(ds4_model_eval(m, twin, t + n + 1, 1, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+            next = ds4_sample_argmax(logits, vocab);
+        }
+        for (int step = 0; twin && step < 6; step++) {
+            const int32_t tok = next;
+            CHECK(ds4_model_eval(m, st, &tok, 1, DS4_NUMERICS_DS4, logits, false, &err) == DS4_OK);
+            ds4_backend_counters_get(be, &c0);
+            CHECK_MSG(ds4_model_eval_greedy(m, twin, &tok, 1, DS4_NUMERICS_DS4, &next, &err) == DS4_OK, "%s",
+                      err.message);
+            ds4_backend_counters_get(be, &c1);
+            CHECK_MSG(next == ds4_sample_argmax(logits, vocab), "greedy step %d: %d, argmax of the logits %d", step,
+                      next, ds4_sample_argmax(logits, vocab));
+            CHECK_MSG(c1.d2h_bytes - c0.d2h_bytes <= 256, "a greedy step copied %llu bytes to the host",
+                      (unsigned long long)(c1.d2h_bytes - c0.d2h_bytes));
+            if (step == 0)
+                fprintf(stderr, "  one greedy decode step: %llu bytes to the host, %llu syncs\n",
+                        (unsigned long long)(c1.d2h_bytes - c0.d2h_bytes), (unsigned long long)(c1.syncs - c0.syncs));
+        }
+        ds4_state_free(twin);
         free(logits);
         free(t);
     }

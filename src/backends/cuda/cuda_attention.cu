@@ -936,6 +936,36 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     for (int64_t i = tid; i < k; i += nt) idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sel[i] & mask)) : -1;
 }
 
+/*
+ * k = 1 (the greedy token of a logits row): the largest key in one pass of
+ * one block, idx[0] its index (the first maximum, NaN as -inf, as the keys
+ * rank), idx[1..k) = -1 (n = 1 < k).
+ */
+#define TOPK_MAX_THREADS 1024
+static __global__ void __launch_bounds__(TOPK_MAX_THREADS)
+    topk_max_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t k, int32_t *__restrict__ idx) {
+    cuda_grid_wait();
+    __shared__ unsigned long long red[TOPK_MAX_THREADS / 32];
+    unsigned long long best = 0; /* below every key */
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < n; i += TOPK_MAX_THREADS) {
+        const unsigned long long key = topk_key(scores, i, n, shift);
+        best = key > best ? key : best;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long v = __shfl_xor_sync(0xffffffffu, best, o);
+        best = v > best ? v : best;
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < TOPK_MAX_THREADS / 32; w++) best = red[w] > best ? red[w] : best;
+        const unsigned long long mask = (1ull << shift) - 1ull;
+        idx[0] = (int32_t)(n - 1 - (int64_t)(best & mask));
+    }
+    for (int64_t i = 1 + threadIdx.x; i < k; i += TOPK_MAX_THREADS) idx[i] = -1;
+}
+
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
@@ -962,6 +992,10 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     }
     int shift = 0;
     while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+    if (size == 1 && !topk_sort_forced()) {
+        (void)cuda_launch(be, "topk_max_kernel", topk_max_kernel, 1, TOPK_MAX_THREADS, 0, scores, n, shift, k, idx);
+        return;
+    }
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
         int pow2 = 1;
         while (pow2 < size) pow2 <<= 1;

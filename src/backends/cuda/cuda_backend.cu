@@ -675,10 +675,12 @@ static void cuda_add(ds4_backend *be, const float *a, const float *b, float *out
     (void)cuda_launch(be, "add_kernel", add_kernel, grid_for(n, 256), 256, 0, a, b, out, n);
 }
 
-__global__ void add_row_kernel(float *x, const float *v, int64_t dim, int64_t n) {
+/* x[i] += row[i % dim], the row F32, F16 or BF16 (converted exactly, as
+ * the dequantiser would). */
+__global__ void add_row_kernel(float *x, const void *row, uint32_t type, int64_t dim, int64_t n) {
     cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        x[i] = __fadd_rn(x[i], v[i % dim]);
+        x[i] = __fadd_rn(x[i], cuda_load_float(row, type, i % dim));
 }
 
 static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, int64_t row, int64_t n_rows) {
@@ -690,11 +692,13 @@ static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, 
         return;
     }
     if (n_rows <= 0) return;
-    const float *v = w->type == DS4_TYPE_F32 ? (const float *)cuda_weight_row(w, row)
-                                             : weight_row_floats(be, w, row, 1, "add_weight_row");
+    /* float rows are read in place (one kernel); others are dequantised first */
+    const bool in_place = cuda_is_float_type(w->type);
+    const void *v = in_place ? (const void *)cuda_weight_row(w, row)
+                             : (const void *)weight_row_floats(be, w, row, 1, "add_weight_row");
     if (!v) return;
-    (void)cuda_launch(be, "add_row_kernel", add_row_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v, dim,
-                      n_rows * dim);
+    (void)cuda_launch(be, "add_row_kernel", add_row_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v,
+                      in_place ? w->type : (uint32_t)DS4_TYPE_F32, dim, n_rows * dim);
 }
 
 /* ------------------------------------------------------------------------ */

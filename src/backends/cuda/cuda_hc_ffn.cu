@@ -145,8 +145,12 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
  * shuffles and adds them in the CPU's order, so each lane computes exactly
  * the CPU's sums and quotients (bit-identical to hc_split_one), while the
  * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
+template <int NT>
 static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *pre, float *post, float *C) {
-    const int n = a.n_hc, lane = threadIdx.x & 31;
+    /* NT > 0: the stream count known when compiling (the model's 4), so
+     * the row and column sums are straight-line shuffles and adds; the
+     * Sinkhorn chain is the critical path of hc_pre. 0: a.n_hc. */
+    const int n = NT > 0 ? NT : a.n_hc, lane = threadIdx.x & 31;
     const float eps = a.eps;
     const bool mine = lane < n * n;
     const int r = mine ? lane / n : 0, c = mine ? lane % n : 0;
@@ -164,21 +168,25 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
         v = __fadd_rn(__fmul_rn(mix[2 * n + lane], sc2), cuda_load_float(a.base, a.base_type, 2 * n + lane));
     }
     float m = -INFINITY;
+#pragma unroll
     for (int j = 0; j < n; j++) {
         const float o = __shfl_sync(0xffffffffu, v, r * n + j);
         if (o > m) m = o;
     }
     v = cuda_expf(__fsub_rn(v, m));
     float sum = 0.0f;
+#pragma unroll
     for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
     v = __fadd_rn(__fmul_rn(v, __fdiv_rn(1.0f, sum)), eps);
     for (int iter = 0; iter < a.iters; iter++) {
         if (iter > 0) {
             sum = 0.0f;
+#pragma unroll
             for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
             v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
         }
         sum = 0.0f;
+#pragma unroll
         for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * n + c));
         v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
     }
@@ -347,7 +355,10 @@ static __global__ void __launch_bounds__(HC_THREADS)
     }
     __syncthreads();
     if (!HEAD && n * n <= 32) {
-        if (threadIdx.x < 32) hc_split_warp(a, mix, w, post_s, C);
+        if (threadIdx.x < 32) {
+            if (n == 4) hc_split_warp<4>(a, mix, w, post_s, C);
+            else hc_split_warp<0>(a, mix, w, post_s, C);
+        }
     } else if (threadIdx.x == 0) {
         if (HEAD) {
             const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);

@@ -425,6 +425,7 @@ typedef struct eval_scratch {
     float *g, *u;       /* shared expert [n, I] */
     float *h;           /* [n, H] */
     float *logits;      /* [n, V] */
+    float *next;        /* greedy next tokens, int32 [n] (eval_greedy) */
     /* the choices ops hand to later ops, in backend memory (int32 arrays
      * stored in float buffers, see backend.h) */
     float *sel;         /* expert ids, int32 [n, k] */
@@ -439,7 +440,7 @@ typedef struct eval_scratch {
 static void scratch_free(ds4_backend *be, scratch *s) {
     float *bufs[] = { s->X, s->X2, s->x, s->a, s->post, s->comb, s->qr, s->q, s->kv, s->ckv, s->csc, s->ikv,
                       s->isc, s->iq, s->iw, s->iscores, s->crow, s->attn, s->low, s->y, s->logits_e, s->moe,
-                      s->g, s->u, s->h, s->logits, s->sel, s->sel_w, s->topk };
+                      s->g, s->u, s->h, s->logits, s->next, s->sel, s->sel_w, s->topk };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be, bufs[i]);
     free(s->hash_ids);
     free(s->n_comp);
@@ -455,13 +456,14 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
     const int64_t crow = D > c->idx_head_dim ? D : c->idx_head_dim;
     float **slots[] = { &s->X, &s->X2, &s->x, &s->a, &s->post, &s->comb, &s->qr, &s->q, &s->kv, &s->ckv, &s->csc,
                         &s->ikv, &s->isc, &s->iq, &s->iw, &s->iscores, &s->crow, &s->attn, &s->low, &s->y,
-                        &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits, &s->sel, &s->sel_w, &s->topk };
+                        &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits, &s->next, &s->sel, &s->sel_w,
+                        &s->topk };
     const int64_t sizes[] = { n * hcH, n * hcH, n * H, n * H, n * c->n_hc, n * c->n_hc * c->n_hc, n * c->q_lora,
                               n * c->n_head * D, n * D, n * 2 * D, n * 2 * D, n * 2 * c->idx_head_dim,
                               n * 2 * c->idx_head_dim, n * c->idx_n_head * c->idx_head_dim,
                               n * c->idx_n_head, n_ctx / 4 + 2, crow,
                               n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, n * H,
-                              n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab,
+                              n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab, n,
                               n * c->n_expert_used, n * c->n_expert_used, c->idx_top_k };
     bool ok = true;
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
@@ -825,9 +827,12 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
 
 /* n rows: row t is token tokens[t] of state rs[t] at position pos[t]. The
  * caller advances the states. `step`: the rows are decoded tokens (one per
- * state), recorded as one step when the backend records. */
+ * state), recorded as one step when the backend records. The head's output
+ * goes to `logits` (host) when non-NULL, and the greedy next token of each
+ * row whose logits are wanted to `greedy` (host int32), found by the
+ * backend, when non-NULL. */
 static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, const int32_t *tokens, int64_t n,
-                       ds4_numerics num, float *logits, bool all_logits, bool decode, scratch *s) {
+                       ds4_numerics num, float *logits, int32_t *greedy, bool all_logits, bool decode, scratch *s) {
     ds4_backend *be = m->be;
     const ds4_config *c = &m->cfg;
     const int64_t H = c->n_embd, V = c->n_vocab;
@@ -851,10 +856,11 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
     }
     /* head: only the rows whose logits are wanted */
     int64_t first = all_logits ? 0 : n - 1, rows = n - first;
-    if (logits && m->layer_limit) {
+    if ((logits || greedy) && m->layer_limit) {
         if (step) be->ops->step_end(be);
-        memset(logits, 0, (size_t)(rows * V) * sizeof *logits); /* layers only: no head */
-    } else if (logits) {
+        if (logits) memset(logits, 0, (size_t)(rows * V) * sizeof *logits); /* layers only: no head */
+        if (greedy) memset(greedy, 0, (size_t)rows * sizeof *greedy);
+    } else if (logits || greedy) {
         be->ops->hc_head(be, &m->hc, s->X + first * c->n_hc * H, &m->out_hc_fn, &m->out_hc_scale, &m->out_hc_base,
                          s->h, rows);
         TAP("hc_head", -1, -1, s->h, rows * H);
@@ -862,8 +868,12 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
         TAP("out_norm", -1, -1, s->h, rows * H);
         be->ops->matmul(be, &m->output, 0, V, s->h, H, s->logits, V, rows, num);
         TAP("logits", -1, -1, s->logits, rows * V);
+        /* the first maximum of each row (top_k of 1 ranks as ds4_sample_argmax does) */
+        if (greedy)
+            for (int64_t r = 0; r < rows; r++) be->ops->top_k(be, s->logits + r * V, V, 1, (int32_t *)s->next + r);
         if (step) be->ops->step_end(be);
-        be->ops->download(be, logits, s->logits, rows * V);
+        if (logits) be->ops->download(be, logits, s->logits, rows * V);
+        if (greedy) be->ops->download(be, (float *)greedy, s->next, rows); /* int32 bits (backend.h) */
     } else if (step) {
         be->ops->step_end(be);
     }
@@ -893,8 +903,8 @@ static ds4_status ensure_scratch(ds4_model *m, ds4_state *st, int64_t rows, int6
     return DS4_OK;
 }
 
-ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
-                          float *logits, bool all_logits, ds4_error *err) {
+static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
+                              float *logits, int32_t *greedy, bool all_logits, ds4_error *err) {
     const ds4_config *c = &m->cfg;
     if (n < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no tokens to evaluate");
     if (st->pos + n > st->n_ctx)
@@ -922,7 +932,7 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, in
         if (logits && all_logits) out = logits + off * c->n_vocab;
         else if (logits && last) out = logits;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)(st->pos + t);
-        eval_chunk(m, rs, pos, tokens + off, len, num, out, all_logits, n == 1, st->scratch);
+        eval_chunk(m, rs, pos, tokens + off, len, num, out, last ? greedy : NULL, all_logits, n == 1, st->scratch);
         st->pos += len;
     }
     free(pos);
@@ -934,8 +944,19 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, in
     return DS4_OK;
 }
 
-ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
-                                ds4_numerics num, float *logits, ds4_error *err) {
+ds4_status ds4_model_eval(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
+                          float *logits, bool all_logits, ds4_error *err) {
+    return eval_tokens(m, st, tokens, n, num, logits, NULL, all_logits, err);
+}
+
+ds4_status ds4_model_eval_greedy(ds4_model *m, ds4_state *st, const int32_t *tokens, int64_t n, ds4_numerics num,
+                                 int32_t *next, ds4_error *err) {
+    if (!next) return ds4_error_set(err, DS4_ERR_INVALID, "greedy evaluation: no place for the next token");
+    return eval_tokens(m, st, tokens, n, num, NULL, next, false, err);
+}
+
+static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
+                             ds4_numerics num, float *logits, int32_t *greedy, ds4_error *err) {
     const ds4_config *c = &m->cfg;
     if (n_seq < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no sequences to decode");
     if (!states || !tokens)
@@ -967,12 +988,23 @@ ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const in
     for (int64_t off = 0; off < n_seq; off += chunk) {
         const int64_t len = n_seq - off < chunk ? n_seq - off : chunk;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)states[off + t]->pos;
-        eval_chunk(m, states + off, pos, tokens + off, len, num, logits ? logits + off * c->n_vocab : NULL, true, true,
-                   first->scratch);
+        eval_chunk(m, states + off, pos, tokens + off, len, num, logits ? logits + off * c->n_vocab : NULL,
+                   greedy ? greedy + off : NULL, true, true, first->scratch);
         for (int64_t t = 0; t < len; t++) states[off + t]->pos++;
     }
     free(pos);
     status = m->be->ops->take_error(m->be, err);
     if (status) return ds4_error_prefix(err, "batched decode of %lld sequences failed", (long long)n_seq);
     return DS4_OK;
+}
+
+ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
+                                ds4_numerics num, float *logits, ds4_error *err) {
+    return eval_batch(m, states, tokens, n_seq, num, logits, NULL, err);
+}
+
+ds4_status ds4_model_eval_batch_greedy(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
+                                       ds4_numerics num, int32_t *next, ds4_error *err) {
+    if (!next) return ds4_error_set(err, DS4_ERR_INVALID, "greedy batched decode: no place for the next tokens");
+    return eval_batch(m, states, tokens, n_seq, num, NULL, next, err);
 }

@@ -43,6 +43,13 @@ int64_t ds4_state_pos(const ds4_state *s); /* tokens consumed so far */
 ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int64_t n, ds4_numerics num,
                           float *logits, bool all_logits, ds4_error *err);
 
+/* As ds4_model_eval without logits: next[0] receives the greedy next token
+ * after the last of the n tokens, the first index of the maximum logit
+ * (NaN and -inf never win: ds4_sample_argmax's choice), found by the
+ * backend, so only the token id comes back from it. */
+ds4_status ds4_model_eval_greedy(ds4_model *m, ds4_state *s, const int32_t *tokens, int64_t n, ds4_numerics num,
+                                 int32_t *next, ds4_error *err);
+
 /* Decode one token for each of n_seq states at once: row s is token
  * tokens[s] appended to states[s] (each at its own position), and logits
  * [n_seq, vocab] (host, may be NULL) get row s's next-token logits. The
@@ -54,6 +61,11 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int
  * evaluation error every state in the batch is unusable. */
 ds4_status ds4_model_eval_batch(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
                                 ds4_numerics num, float *logits, ds4_error *err);
+
+/* ds4_model_eval_batch with the greedy next token of each row in next
+ * [n_seq] instead of the logits (as ds4_model_eval_greedy). */
+ds4_status ds4_model_eval_batch_greedy(ds4_model *m, ds4_state *const *states, const int32_t *tokens, int64_t n_seq,
+                                       ds4_numerics num, int32_t *next, ds4_error *err);
 
 /* ---- inspection (the parity harness) ---------------------------------- */
 
