@@ -50,6 +50,22 @@ static ds4_session *new_session(int64_t ctx) {
 
 static bool same_logits(const float *a, const float *b) { return a && b && memcmp(a, b, (size_t)vocab * 4) == 0; }
 
+/* The engine's model file on a CPU backend of its own, through the model
+ * API (NULL, with the failure checked and nothing left open, when it cannot
+ * be loaded). */
+static ds4_model *cpu_model(ds4_backend **cpu) {
+    ds4_error err = { 0 };
+    ds4_model *m = NULL;
+    CHECK(ds4_backend_create("cpu", 2, cpu, &err) == DS4_OK);
+    CHECK_MSG(*cpu && ds4_model_load((gguf_file *)ds4_engine_gguf(engine), *cpu, &m, &err) == DS4_OK, "%s",
+              err.message);
+    if (!m) {
+        ds4_backend_destroy(*cpu);
+        *cpu = NULL;
+    }
+    return m;
+}
+
 /* Prefill of a whole sequence equals prefill + token-by-token decode. */
 static void test_decode_matches_prefill(void) {
     if (!setup()) { CHECK(0); return; }
@@ -315,14 +331,8 @@ static void test_batch_decode_matches_single(void) {
     if (!setup()) { CHECK(0); return; }
     ds4_error err = { 0 };
     ds4_backend *cpu = NULL;
-    ds4_model *m = NULL;
-    CHECK(ds4_backend_create("cpu", 2, &cpu, &err) == DS4_OK);
-    CHECK_MSG(cpu && ds4_model_load((gguf_file *)ds4_engine_gguf(engine), cpu, &m, &err) == DS4_OK, "%s",
-              err.message);
-    if (!m) {
-        ds4_backend_destroy(cpu);
-        return;
-    }
+    ds4_model *m = cpu_model(&cpu);
+    if (!m) return;
     enum { K = 5, STEPS = 9 };
     const int64_t prefix[K] = { 1, 14, 31, 64, 130 };
     ds4_state *batch[K] = { 0 }, *single[K] = { 0 };
@@ -389,14 +399,8 @@ static void test_greedy_eval_matches_argmax(void) {
     if (!setup()) { CHECK(0); return; }
     ds4_error err = { 0 };
     ds4_backend *cpu = NULL;
-    ds4_model *m = NULL;
-    CHECK(ds4_backend_create("cpu", 2, &cpu, &err) == DS4_OK);
-    CHECK_MSG(cpu && ds4_model_load((gguf_file *)ds4_engine_gguf(engine), cpu, &m, &err) == DS4_OK, "%s",
-              err.message);
-    if (!m) {
-        ds4_backend_destroy(cpu);
-        return;
-    }
+    ds4_model *m = cpu_model(&cpu);
+    if (!m) return;
     int32_t *t = random_tokens(64);
     float *lg = malloc((size_t)(3 * vocab) * sizeof *lg);
     ds4_state *a = NULL, *b = NULL;

@@ -615,6 +615,18 @@ static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t
     return true;
 }
 
+/* The activations a product of `mode` reads: x itself for the float kinds,
+ * else x quantised into scratch `slot` (as quantize_acts); NULL with the
+ * error recorded when that failed. */
+static const void *acts_for(ds4_backend *be, cuda_scratch_slot slot, mm_mode mode, const float *x, int64_t x_stride,
+                            int64_t n, int64_t n_rows, bool for_mv) {
+    const size_t qbytes = act_bytes(mode, n, n_rows);
+    if (!qbytes) return x;
+    void *q = cuda_scratch(be, slot, qbytes);
+    if (!q || !quantize_acts(be, mode, x, x_stride, n, n_rows, q, for_mv)) return NULL;
+    return q;
+}
+
 static int64_t act_stride_of(mm_mode mode, int64_t n, int64_t float_stride) {
     if (mode == MM_Q8_K) return n / DS4_QK_K;
     if (mode == MM_Q8_0) return n / DS4_QK8_0;
@@ -752,13 +764,8 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
 
     const mm_mode mode = mode_for(w->type, num);
     const bool mv = mv_suits(w, mode, x, x_stride, n_rows); /* decode shapes: the streaming kernels */
-    const void *act = x;
-    const size_t qbytes = act_bytes(mode, n_in, n_rows);
-    if (qbytes) {
-        void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
-        if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q, mv)) return;
-        act = q;
-    }
+    const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, n_in, n_rows, mv);
+    if (!act) return;
     if (mv) {
         run_mv(be, w, mode, row0, n_out, 1, act, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows);
         return;
@@ -822,13 +829,8 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             continue;
         }
         /* j and every later product of the same type and row length */
-        const void *act = x;
-        const size_t qbytes = act_bytes(mode, n_in, n_rows);
-        if (qbytes) {
-            void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
-            if (!q || !quantize_acts(be, mode, x, x_stride, n_in, n_rows, q, true)) return;
-            act = q;
-        }
+        const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, n_in, n_rows, true);
+        if (!act) return;
         cuda_mv_job jobs[DS4_PRODUCTS_MAX];
         int nj = 0;
         for (int k = j; k < n; k++) {
@@ -881,13 +883,8 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
          * each row once gives every group's blocks exactly as quantising the
          * groups one by one would */
         const int64_t len = n_groups * n_in;
-        const void *act = x;
-        const size_t qbytes = act_bytes(mode, len, n_rows);
-        if (qbytes) {
-            void *q = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, qbytes);
-            if (!q || !quantize_acts(be, mode, x, x_stride, len, n_rows, q, true)) return;
-            act = q;
-        }
+        const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, len, n_rows, true);
+        if (!act) return;
         run_mv(be, w, mode, 0, n_out, n_groups, act, act_stride_of(mode, len, x_stride),
                mode == MM_F32 ? n_in : n_in / blk, out, out_stride, n_rows);
         return;
@@ -984,13 +981,8 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff,
                      n_mid, limit))
         return;
-    const void *mids = g;
-    const size_t qm = act_bytes(md, n_ff, n_used);
-    if (qm) {
-        void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
-        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, n_used, q, false)) return;
-        mids = q;
-    }
+    const void *mids = acts_for(be, CUDA_SCRATCH_MOE_ACT, md, g, n_ff, n_ff, n_used, false);
+    if (!mids) return;
 
     /* down: row k of the partial outputs = expert sel[k]'s down . mid k */
     a.w = (const uint8_t *)down->device;
@@ -1090,12 +1082,7 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff,
                      n_mid, limit))
         return;
-    const void *mids = g;
-    const size_t qm = act_bytes(md, n_ff, slots);
-    if (qm) {
-        void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, qm);
-        if (!q || !quantize_acts(be, md, g, n_ff, n_ff, slots, q, true)) return;
-        mids = q;
-    }
+    const void *mids = acts_for(be, CUDA_SCRATCH_MOE_ACT, md, g, n_ff, n_ff, slots, true);
+    if (!mids) return;
     cuda_mv_moe_down(be, down, mv_kind(md), mids, act_stride_of(md, n_ff, n_ff), d_sel, n_used, n_rows, out, dim);
 }
