@@ -108,6 +108,12 @@ ds4_status ds4_session_sync(ds4_session *session, const int32_t *tokens, int64_t
                             ds4_error *err);
 /* Append one token (decode). Fails when the context is full. */
 ds4_status ds4_session_decode(ds4_session *session, int32_t token, ds4_error *err);
+/* Append one token, and let the backend pick the greedy next token into
+ * *next: the first index of the maximum next-token logit (what a
+ * temperature-0 sampler takes from ds4_session_logits), with only the token
+ * id brought back from the device. ds4_session_logits still gives the
+ * logits (fetched from the backend when asked for). */
+ds4_status ds4_session_decode_greedy(ds4_session *session, int32_t token, int32_t *next, ds4_error *err);
 /* Append one token to each of n sessions of the same engine in one
  * evaluation (the weights are read once for all of them): session i gets
  * tokens[i], exactly as n ds4_session_decode calls would (on the CPU

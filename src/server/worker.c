@@ -611,6 +611,7 @@ static void run_job(srv_server *s, srv_job *job) {
         ds4_detok detok;
         ds4_detok_init(&detok, s->tok);
         if (limit <= 0) g.finish = SRV_FINISH_LENGTH;
+        int32_t picked = -1; /* the next token, when the last decode let the backend pick it greedily */
         for (int64_t i = 0; i < limit; i++) {
             if (cancelled(&g)) {
                 g.finish = SRV_FINISH_CANCELLED;
@@ -618,7 +619,8 @@ static void run_job(srv_server *s, srv_job *job) {
             }
             /* Inside a tool-call block, structure is decoded greedily (spec 6.1). */
             const ds4_sampler_params *use = tools_active && srv_gen_dsml_structural(&g) ? &greedy : &sp;
-            int32_t tok = ds4_sample(ds4_session_logits(s->session), vocab, use, &rng, scratch);
+            int32_t tok = picked >= 0 ? picked : ds4_sample(ds4_session_logits(s->session), vocab, use, &rng, scratch);
+            picked = -1;
             if (tok < 0) {
                 ds4_error_set(&err, DS4_ERR_INVALID, "sampling failed (invalid parameters)");
                 g.finish = SRV_FINISH_ERROR;
@@ -641,7 +643,13 @@ static void run_job(srv_server *s, srv_job *job) {
                 g.finish = SRV_FINISH_LENGTH;
                 break;
             }
-            if (ds4_session_decode(s->session, tok, &err)) {
+            /* the next token's sampler is known now: a greedy one is picked
+             * by the backend in the decode (the same token; no logits back) */
+            const ds4_sampler_params *next = tools_active && srv_gen_dsml_structural(&g) ? &greedy : &sp;
+            const ds4_status ds = next->temperature <= 0.0f
+                                      ? ds4_session_decode_greedy(s->session, tok, &picked, &err)
+                                      : ds4_session_decode(s->session, tok, &err);
+            if (ds) {
                 g.finish = SRV_FINISH_ERROR;
                 break;
             }

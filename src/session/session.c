@@ -49,7 +49,8 @@ struct ds4_session {
     int64_t n_ctx;
     int32_t *tokens;
     int64_t n_tokens;
-    float *logits; /* [vocab], valid when n_tokens > 0 */
+    float *logits; /* [vocab], valid when n_tokens > 0 and not logits_stale */
+    bool logits_stale; /* a greedy decode left them on the backend (fetched when asked for) */
     uint8_t *snap; /* payload of the state at the end of the last prompt */
     int64_t snap_size, snap_tokens;
     ds4_progress_fn progress;
@@ -135,7 +136,21 @@ void ds4_session_free(ds4_session *s) {
     free(s);
 }
 
-const float *ds4_session_logits(const ds4_session *s) { return s->n_tokens ? s->logits : NULL; }
+/* The logits are current: brought back from the backend after a greedy
+ * decode left them there. */
+static ds4_status ensure_logits(ds4_session *s, ds4_error *err) {
+    if (!s->logits_stale || s->n_tokens == 0) return DS4_OK;
+    ds4_status st = ds4_model_fetch_logits(s->engine->model, s->state, s->logits, err);
+    if (!st) s->logits_stale = false;
+    return st;
+}
+
+const float *ds4_session_logits(const ds4_session *s) {
+    if (!s->n_tokens) return NULL;
+    ds4_error err = { 0 };
+    /* the logits are the session's value: fetching them changes no state */
+    return ensure_logits((ds4_session *)s, &err) ? NULL : s->logits;
+}
 int64_t ds4_session_context(const ds4_session *s) { return s->n_ctx; }
 
 const int32_t *ds4_session_tokens(const ds4_session *s, int64_t *n) {
@@ -146,6 +161,7 @@ const int32_t *ds4_session_tokens(const ds4_session *s, int64_t *n) {
 static void forget(ds4_session *s) {
     ds4_state_reset(s->state);
     s->n_tokens = 0;
+    s->logits_stale = false;
 }
 
 void ds4_session_set_progress(ds4_session *s, ds4_progress_fn fn, void *ctx) {
@@ -169,6 +185,7 @@ static ds4_status evaluate(ds4_session *s, const int32_t *tokens, int64_t n, ds4
         }
         memcpy(s->tokens + s->n_tokens, tokens + done, (size_t)len * sizeof *tokens);
         s->n_tokens += len;
+        s->logits_stale = false;
         done += len;
         if (s->progress && !s->progress(s->progress_ctx, done, n) && done < n)
             return ds4_error_set(err, DS4_ERR_INVALID, "interrupted after %lld of %lld tokens", (long long)done,
@@ -203,6 +220,7 @@ static ds4_status restore_payload(ds4_session *s, const uint8_t *data, int64_t s
     }
     memcpy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->n_tokens = n;
+    s->logits_stale = false;
     free(tokens);
     return DS4_OK;
 }
@@ -221,7 +239,7 @@ ds4_status ds4_session_sync(ds4_session *s, const int32_t *tokens, int64_t n, in
                                  tokens[i], (long long)i);
     int64_t common = 0;
     while (common < s->n_tokens && common < n && s->tokens[common] == tokens[common]) common++;
-    if (common == n && common == s->n_tokens) return DS4_OK; /* already there; logits are current */
+    if (common == n && common == s->n_tokens) return ensure_logits(s, err); /* already there */
     if (common < s->n_tokens || common == n) {
         /* Diverges (or the prompt is a strict prefix of the history): go back. */
         if (s->snap_tokens > 0 && s->snap_tokens <= common && s->snap_tokens <= n) {
@@ -246,6 +264,22 @@ ds4_status ds4_session_decode(ds4_session *s, int32_t token, ds4_error *err) {
     if (token < 0 || token >= ds4_engine_vocab_size(s->engine))
         return ds4_error_set(err, DS4_ERR_INVALID, "token %d is outside the vocabulary", token);
     return evaluate(s, &token, 1, err);
+}
+
+ds4_status ds4_session_decode_greedy(ds4_session *s, int32_t token, int32_t *next, ds4_error *err) {
+    if (!next) return ds4_error_set(err, DS4_ERR_INVALID, "greedy decode: no place for the next token");
+    if (s->n_tokens + 1 > s->n_ctx)
+        return ds4_error_set(err, DS4_ERR_INVALID, "the context of %lld tokens is full", (long long)s->n_ctx);
+    if (token < 0 || token >= ds4_engine_vocab_size(s->engine))
+        return ds4_error_set(err, DS4_ERR_INVALID, "token %d is outside the vocabulary", token);
+    ds4_status st = ds4_model_eval_greedy(s->engine->model, s->state, &token, 1, s->engine->num, next, err);
+    if (st) {
+        forget(s);
+        return st;
+    }
+    s->tokens[s->n_tokens++] = token;
+    s->logits_stale = true;
+    return DS4_OK;
 }
 
 ds4_status ds4_session_decode_batch(ds4_session *const *ss, const int32_t *tokens, int64_t n, ds4_error *err) {
@@ -282,6 +316,7 @@ ds4_status ds4_session_decode_batch(ds4_session *const *ss, const int32_t *token
         for (int64_t i = 0; i < n; i++) {
             ds4_session *s = ss[i];
             memcpy(s->logits, logits + i * V, (size_t)V * sizeof *logits);
+            s->logits_stale = false;
             s->tokens[s->n_tokens++] = tokens[i];
         }
     }
@@ -315,6 +350,9 @@ static uint32_t crc32_of(const uint8_t *p, uint64_t n) {
 
 ds4_status ds4_session_save(const ds4_session *s, const char *path, ds4_error *err) {
     if (s->n_tokens == 0) return ds4_error_set(err, DS4_ERR_INVALID, "the session is empty: nothing to save");
+    /* a checkpoint holds the next-token logits: bring them back after a greedy decode */
+    ds4_status ls = ensure_logits((ds4_session *)s, err);
+    if (ls) return ls;
     int64_t size = ds4_state_payload_size(s->state, s->n_tokens);
     uint8_t *buf = malloc((size_t)(CKPT_HEADER + size));
     if (!buf) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-byte checkpoint", (long long)size);

@@ -275,12 +275,17 @@ int cli_generate(const char *cmd, cli_model *m, const cli_opts *o, const int32_t
     ds4_detok_init(&detok, m->tok);
     double t1 = tool_now();
     int rc = 0;
+    /* greedy sampling: the backend picks each next token in the decode (only its id comes back) */
+    const bool greedy = o->sampling.temperature <= 0.0f;
+    int32_t picked = -1;
     for (int64_t i = 0; i < limit; i++) {
         if (cli_interrupted) {
             st->interrupted = true;
             break;
         }
-        int32_t tok = ds4_sample(ds4_session_logits(m->session), vocab, &o->sampling, &m->rng, &m->scratch);
+        int32_t tok = picked >= 0 ? picked
+                                  : ds4_sample(ds4_session_logits(m->session), vocab, &o->sampling, &m->rng, &m->scratch);
+        picked = -1;
         if (tok < 0) {
             rc = tool_fail(cmd, "sampling failed (invalid parameters)");
             break;
@@ -305,7 +310,8 @@ int cli_generate(const char *cmd, cli_model *m, const cli_opts *o, const int32_t
         fflush(stdout);
         st->generated++;
         if (i + 1 == limit) break; /* the last token need not be evaluated */
-        if (ds4_session_decode(m->session, tok, &err)) {
+        if (greedy ? ds4_session_decode_greedy(m->session, tok, &picked, &err)
+                   : ds4_session_decode(m->session, tok, &err)) {
             rc = tool_fail(cmd, "%s", err.message);
             break;
         }

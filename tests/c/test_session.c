@@ -451,6 +451,67 @@ static void test_greedy_eval_matches_argmax(void) {
     ds4_backend_destroy(cpu);
 }
 
+/* ds4_session_decode_greedy picks the temperature-0 token of the logits a
+ * plain decode would give, appends the token, and leaves the logits on the
+ * backend: ds4_session_logits fetches them (bit for bit the plain decode's),
+ * a checkpoint saved then holds them, a sync to the same history keeps them;
+ * bad calls are refused. */
+static void test_session_decode_greedy(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    int32_t *t = random_tokens(40);
+    ds4_session *a = new_session(96), *b = new_session(96);
+    CHECK(ds4_session_sync(a, t, 40, NULL, &err) == DS4_OK);
+    CHECK(ds4_session_sync(b, t, 40, NULL, &err) == DS4_OK);
+    int32_t next = ds4_sample_argmax(ds4_session_logits(b), vocab);
+    for (int step = 0; step < 20; step++) {
+        const int32_t tok = next;
+        CHECK(ds4_sample_argmax(ds4_session_logits(a), vocab) == tok);
+        CHECK(ds4_session_decode(a, tok, &err) == DS4_OK);
+        CHECK_MSG(ds4_session_decode_greedy(b, tok, &next, &err) == DS4_OK, "%s", err.message);
+        CHECK_MSG(next == ds4_sample_argmax(ds4_session_logits(a), vocab), "step %d", step);
+        if (step % 7 == 3) CHECK(same_logits(ds4_session_logits(a), ds4_session_logits(b))); /* fetched */
+    }
+    int64_t na = 0, nb = 0;
+    const int32_t *ha = ds4_session_tokens(a, &na), *hb = ds4_session_tokens(b, &nb);
+    CHECK(na == 60 && nb == 60 && memcmp(ha, hb, 60 * sizeof *ha) == 0);
+    /* after a greedy step: a checkpoint holds the logits; a sync to the same
+     * history keeps the session and gives them */
+    CHECK(ds4_session_decode_greedy(b, next, &next, &err) == DS4_OK);
+    CHECK(ds4_session_decode(a, ds4_sample_argmax(ds4_session_logits(a), vocab), &err) == DS4_OK);
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/ds4_test_session_%d_greedy.ckpt", (int)getpid());
+    CHECK_MSG(ds4_session_save(b, path, &err) == DS4_OK, "%s", err.message);
+    ds4_session *c = new_session(96);
+    CHECK_MSG(ds4_session_load(c, path, &err) == DS4_OK, "%s", err.message);
+    CHECK(same_logits(ds4_session_logits(a), ds4_session_logits(c)));
+    unlink(path);
+    CHECK(ds4_session_decode_greedy(b, next, &next, &err) == DS4_OK);
+    CHECK(ds4_session_decode(a, ds4_sample_argmax(ds4_session_logits(a), vocab), &err) == DS4_OK);
+    hb = ds4_session_tokens(b, &nb);
+    int32_t *copy = malloc((size_t)nb * sizeof *copy);
+    memcpy(copy, hb, (size_t)nb * sizeof *copy);
+    int64_t evaluated = -1;
+    CHECK(ds4_session_sync(b, copy, nb, &evaluated, &err) == DS4_OK);
+    CHECK(evaluated == 0);
+    CHECK(same_logits(ds4_session_logits(a), ds4_session_logits(b)));
+    /* refused: no place for the token, a token outside the vocabulary, a full context */
+    CHECK(ds4_session_decode_greedy(b, 1, NULL, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_session_decode_greedy(b, (int32_t)vocab, &next, &err) == DS4_ERR_INVALID);
+    CHECK(ds4_session_tokens(b, &nb) && nb == 62);
+    ds4_session *full = new_session(41);
+    CHECK(ds4_session_sync(full, t, 40, NULL, &err) == DS4_OK);
+    CHECK(ds4_session_decode_greedy(full, 1, &next, &err) == DS4_OK);
+    CHECK(ds4_session_decode_greedy(full, 1, &next, &err) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(err.message, "full") != NULL, "%s", err.message);
+    ds4_session_free(full);
+    free(copy);
+    ds4_session_free(a);
+    ds4_session_free(b);
+    ds4_session_free(c);
+    free(t);
+}
+
 /* Sessions decoded together are the sessions decoded one by one; a batch
  * that cannot run changes none of them. */
 static void test_session_decode_batch(void) {
@@ -534,6 +595,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
     TEST_ENTRY(test_greedy_eval_matches_argmax),
+    TEST_ENTRY(test_session_decode_greedy),
     TEST_ENTRY(test_session_decode_batch),
     TEST_ENTRY(test_teardown),
     { 0, 0 },

@@ -940,7 +940,20 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
     /* An op that failed (bad shape, device fault) recorded why; the state is
      * then unusable and the caller must discard it. */
     status = m->be->ops->take_error(m->be, err);
+    st->greedy_logits = !status && greedy && !m->layer_limit;
     if (status) return ds4_error_prefix(err, "evaluation failed at position %lld", (long long)st->pos);
+    return DS4_OK;
+}
+
+ds4_status ds4_model_fetch_logits(ds4_model *m, ds4_state *st, float *logits, ds4_error *err) {
+    if (!st || st->model != m || !logits)
+        return ds4_error_set(err, DS4_ERR_INVALID, "fetch logits: %s", !logits ? "no place for them" : "not a state of this model");
+    if (!st->greedy_logits || !st->scratch)
+        return ds4_error_set(err, DS4_ERR_INVALID,
+                             "fetch logits: the state's last evaluation was not a greedy one (its logits are not kept)");
+    m->be->ops->download(m->be, logits, st->scratch->logits, m->cfg.n_vocab); /* the last row's, at the start */
+    ds4_status status = m->be->ops->take_error(m->be, err);
+    if (status) return ds4_error_prefix(err, "fetch logits");
     return DS4_OK;
 }
 
@@ -992,6 +1005,7 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
                    greedy ? greedy + off : NULL, true, true, first->scratch);
         for (int64_t t = 0; t < len; t++) states[off + t]->pos++;
     }
+    for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* the first state's scratch was used */
     free(pos);
     status = m->be->ops->take_error(m->be, err);
     if (status) return ds4_error_prefix(err, "batched decode of %lld sequences failed", (long long)n_seq);

@@ -50,6 +50,11 @@ ds4_status ds4_model_eval(ds4_model *m, ds4_state *s, const int32_t *tokens, int
 ds4_status ds4_model_eval_greedy(ds4_model *m, ds4_state *s, const int32_t *tokens, int64_t n, ds4_numerics num,
                                  int32_t *next, ds4_error *err);
 
+/* The logits [vocab] (host) of the last position of st's last evaluation,
+ * when that was a ds4_model_eval_greedy (the backend keeps them in the
+ * state's scratch until its next evaluation); DS4_ERR_INVALID otherwise. */
+ds4_status ds4_model_fetch_logits(ds4_model *m, ds4_state *st, float *logits, ds4_error *err);
+
 /* Decode one token for each of n_seq states at once: row s is token
  * tokens[s] appended to states[s] (each at its own position), and logits
  * [n_seq, vocab] (host, may be NULL) get row s's next-token logits. The

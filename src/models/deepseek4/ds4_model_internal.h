@@ -69,6 +69,9 @@ struct ds4_state {
     int64_t scratch_rows;
     int64_t scratch_ctx; /* the largest state the scratch serves (its indexer scores) */
     bool scratch_all_logits;
+    /* the scratch holds the logits of this state's last evaluation, made by
+     * ds4_model_eval_greedy and not brought back (ds4_model_fetch_logits) */
+    bool greedy_logits;
 };
 
 #endif

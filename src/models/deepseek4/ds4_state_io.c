@@ -138,6 +138,7 @@ static bool get_floats(ds4_backend *be, reader *r, float *buf, int64_t n) {
 void ds4_state_reset(ds4_state *s) {
     const ds4_config *c = &s->model->cfg;
     ds4_backend *be = s->model->be;
+    s->greedy_logits = false;
     for (int l = 0; l < c->n_layer; l++) {
         layer_state *L = &s->layers[l];
         L->n_window = 0;
