@@ -122,7 +122,9 @@ ds4_status ds4_session_decode_greedy(ds4_session *session, int32_t token, int32_
  * If the evaluation itself fails, every session in the call is emptied. */
 ds4_status ds4_session_decode_batch(ds4_session *const *sessions, const int32_t *tokens, int64_t n,
                                     ds4_error *err);
-/* Next-token logits [vocab] for the current history; NULL when empty. */
+/* Next-token logits [vocab] for the current history; NULL when empty, or
+ * when logits left on the backend by a greedy decode could not be brought
+ * back (a device error: the next evaluation reports it). */
 const float *ds4_session_logits(const ds4_session *session);
 const int32_t *ds4_session_tokens(const ds4_session *session, int64_t *n);
 int64_t ds4_session_context(const ds4_session *session);

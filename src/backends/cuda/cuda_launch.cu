@@ -386,6 +386,9 @@ void cuda_step_break(ds4_backend *be, const char *why) {
     cuda_backend *cb = cuda_impl(be);
     if (!cb->recording) return;
     cb->recording = false;
+    /* the graph time of a step cut short ends with its last segment */
+    if (cb->seg_timed) cb->graph_timed = cudaEventRecord(cb->graph_t1, cb->stream) == cudaSuccess;
+    cb->seg_timed = false;
     cb->last_break = why;
     cb->counters.step_breaks++;
     submit_direct(be);

@@ -891,6 +891,7 @@ static ds4_status ensure_scratch(ds4_model *m, ds4_state *st, int64_t rows, int6
         free(st->scratch);
         st->scratch = NULL;
     }
+    st->greedy_logits = false; /* the kept logits went with the old scratch */
     scratch *fresh = calloc(1, sizeof *fresh);
     if (!fresh || !scratch_alloc(m->be, &m->cfg, rows, n_ctx, all_logits, fresh)) {
         free(fresh);
@@ -915,6 +916,7 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
             return ds4_error_set(err, DS4_ERR_INVALID, "token %d at index %lld is outside the vocabulary (0..%lld)",
                                  tokens[t], (long long)t, (long long)c->n_vocab - 1);
     const int64_t chunk = n < EVAL_CHUNK ? n : EVAL_CHUNK;
+    st->greedy_logits = false; /* set again only by a greedy evaluation that completes */
     ds4_status status = ensure_scratch(m, st, chunk, st->n_ctx, all_logits, err);
     if (status) return status;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
@@ -993,6 +995,7 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
         if (st->n_ctx > max_ctx) max_ctx = st->n_ctx;
     }
     const int64_t chunk = n_seq < EVAL_CHUNK ? n_seq : EVAL_CHUNK;
+    for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* the first state's scratch is used */
     ds4_state *first = states[0];
     ds4_status status = ensure_scratch(m, first, chunk, max_ctx, true, err);
     if (status) return status;
@@ -1005,7 +1008,6 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
                    greedy ? greedy + off : NULL, true, true, first->scratch);
         for (int64_t t = 0; t < len; t++) states[off + t]->pos++;
     }
-    for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* the first state's scratch was used */
     free(pos);
     status = m->be->ops->take_error(m->be, err);
     if (status) return ds4_error_prefix(err, "batched decode of %lld sequences failed", (long long)n_seq);
