@@ -518,6 +518,13 @@ static void remember_visible(srv_server *s, const srv_job *job, const srv_gen *g
     ds4_session_tokens(s->session, &s->visible_tokens);
 }
 
+/* The sampler of the next token: inside a tool-call block, structure is
+ * decoded greedily (spec 6.1). */
+static const ds4_sampler_params *step_sampler(bool tools_active, const srv_gen *g, const ds4_sampler_params *greedy,
+                                              const ds4_sampler_params *sp) {
+    return tools_active && srv_gen_dsml_structural(g) ? greedy : sp;
+}
+
 static void run_job(srv_server *s, srv_job *job) {
     srv_request *r = &job->req;
     const srv_config *cfg = s->cfg;
@@ -617,8 +624,7 @@ static void run_job(srv_server *s, srv_job *job) {
                 g.finish = SRV_FINISH_CANCELLED;
                 break;
             }
-            /* Inside a tool-call block, structure is decoded greedily (spec 6.1). */
-            const ds4_sampler_params *use = tools_active && srv_gen_dsml_structural(&g) ? &greedy : &sp;
+            const ds4_sampler_params *use = step_sampler(tools_active, &g, &greedy, &sp);
             int32_t tok = picked >= 0 ? picked : ds4_sample(ds4_session_logits(s->session), vocab, use, &rng, scratch);
             picked = -1;
             if (tok < 0) {
@@ -645,7 +651,7 @@ static void run_job(srv_server *s, srv_job *job) {
             }
             /* the next token's sampler is known now: a greedy one is picked
              * by the backend in the decode (the same token; no logits back) */
-            const ds4_sampler_params *next = tools_active && srv_gen_dsml_structural(&g) ? &greedy : &sp;
+            const ds4_sampler_params *next = step_sampler(tools_active, &g, &greedy, &sp);
             const ds4_status ds = next->temperature <= 0.0f
                                       ? ds4_session_decode_greedy(s->session, tok, &picked, &err)
                                       : ds4_session_decode(s->session, tok, &err);

@@ -258,21 +258,25 @@ ds4_status ds4_session_sync(ds4_session *s, const int32_t *tokens, int64_t n, in
     return take_snapshot(s, err);
 }
 
-ds4_status ds4_session_decode(ds4_session *s, int32_t token, ds4_error *err) {
+/* One more token fits the context and is in the vocabulary. */
+static ds4_status decode_check(const ds4_session *s, int32_t token, ds4_error *err) {
     if (s->n_tokens + 1 > s->n_ctx)
         return ds4_error_set(err, DS4_ERR_INVALID, "the context of %lld tokens is full", (long long)s->n_ctx);
     if (token < 0 || token >= ds4_engine_vocab_size(s->engine))
         return ds4_error_set(err, DS4_ERR_INVALID, "token %d is outside the vocabulary", token);
-    return evaluate(s, &token, 1, err);
+    return DS4_OK;
+}
+
+ds4_status ds4_session_decode(ds4_session *s, int32_t token, ds4_error *err) {
+    ds4_status st = decode_check(s, token, err);
+    return st ? st : evaluate(s, &token, 1, err);
 }
 
 ds4_status ds4_session_decode_greedy(ds4_session *s, int32_t token, int32_t *next, ds4_error *err) {
     if (!next) return ds4_error_set(err, DS4_ERR_INVALID, "greedy decode: no place for the next token");
-    if (s->n_tokens + 1 > s->n_ctx)
-        return ds4_error_set(err, DS4_ERR_INVALID, "the context of %lld tokens is full", (long long)s->n_ctx);
-    if (token < 0 || token >= ds4_engine_vocab_size(s->engine))
-        return ds4_error_set(err, DS4_ERR_INVALID, "token %d is outside the vocabulary", token);
-    ds4_status st = ds4_model_eval_greedy(s->engine->model, s->state, &token, 1, s->engine->num, next, err);
+    ds4_status st = decode_check(s, token, err);
+    if (st) return st;
+    st = ds4_model_eval_greedy(s->engine->model, s->state, &token, 1, s->engine->num, next, err);
     if (st) {
         forget(s);
         return st;

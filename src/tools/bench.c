@@ -696,8 +696,8 @@ static int run_decode(bench *b) {
         ds4_state *w = NULL;
         int64_t steps = b->o.warmup * (gen < 16 ? gen : 16);
         ds4_status s = ds4_state_create(v->m, steps + 2, &w, &err);
-        if (!s) s = ds4_model_eval(v->m, w, b->tokens, 1, v->num, b->logits, false, &err);
-        int32_t wnext = ds4_sample_argmax(b->logits, b->cfg->n_vocab);
+        int32_t wnext = 0;
+        if (!s) s = ds4_model_eval_greedy(v->m, w, b->tokens, 1, v->num, &wnext, &err);
         if (!s) s = decode_steps(b, v, w, &wnext, steps, NULL, NULL, 0, &err);
         ds4_state_free(w);
         if (s) {

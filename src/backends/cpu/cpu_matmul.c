@@ -221,18 +221,27 @@ static void matmul_range(void *vctx, int64_t begin, int64_t end, int thread) {
     }
 }
 
+/* A product's weight is bound and of a type the CPU computes with under
+ * `num` (its dot kind into *kind); else the error is recorded, naming the
+ * op and the weight. */
+static bool product_weight_ok(ds4_backend *be, const char *op, const ds4_weight *w, ds4_numerics num,
+                              cpu_dot_kind *kind) {
+    if (!w || !w->host) {
+        cpu_fail(be, DS4_ERR_INVALID, "%s: weight %s is not bound", op, cpu_wname(w));
+        return false;
+    }
+    if (!cpu_dot_kind_for(w, num, kind)) {
+        cpu_fail(be, DS4_ERR_UNSUPPORTED, "%s: weight %s has type %s, which the CPU backend cannot compute with", op,
+                 cpu_wname(w), ds4_type_name(w->type));
+        return false;
+    }
+    return true;
+}
+
 void cpu_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_out, const float *x, int64_t x_stride,
                 float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
     cpu_dot_kind kind;
-    if (!w || !w->host) {
-        cpu_fail(be, DS4_ERR_INVALID, "matmul: weight %s is not bound", cpu_wname(w));
-        return;
-    }
-    if (!cpu_dot_kind_for(w, num, &kind)) {
-        cpu_fail(be, DS4_ERR_UNSUPPORTED, "matmul: weight %s has type %s, which the CPU backend cannot compute with",
-                 cpu_wname(w), ds4_type_name(w->type));
-        return;
-    }
+    if (!product_weight_ok(be, "matmul", w, num, &kind)) return;
     const int64_t n_in = w->ne[0];
     if (row0 < 0 || n_out < 0 || n_rows < 0 || row0 + n_out > cpu_weight_rows(w) ||
         (n_rows > 1 && (x_stride < n_in || out_stride < n_out))) {
@@ -265,16 +274,7 @@ void cpu_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_ou
 void cpu_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
                         int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
     cpu_dot_kind kind;
-    if (!w || !w->host) {
-        cpu_fail(be, DS4_ERR_INVALID, "matmul_grouped: weight %s is not bound", cpu_wname(w));
-        return;
-    }
-    if (!cpu_dot_kind_for(w, num, &kind)) {
-        cpu_fail(be, DS4_ERR_UNSUPPORTED,
-                 "matmul_grouped: weight %s has type %s, which the CPU backend cannot compute with", cpu_wname(w),
-                 ds4_type_name(w->type));
-        return;
-    }
+    if (!product_weight_ok(be, "matmul_grouped", w, num, &kind)) return;
     const int64_t n_in = w->ne[0], rows = cpu_weight_rows(w);
     /* n_groups * n_out and n_groups * n_in are formed only once they are
      * known not to overflow (n_out <= rows / n_groups) */
@@ -302,19 +302,9 @@ void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float 
         cpu_fail(be, err.status, "%s", err.message);
         return;
     }
-    for (int j = 0; j < n; j++) { /* every weight usable before any product is written */
-        cpu_dot_kind kind;
-        if (!p[j].w->host) {
-            cpu_fail(be, DS4_ERR_INVALID, "matmul_multi: weight %s is not bound", cpu_wname(p[j].w));
-            return;
-        }
-        if (!cpu_dot_kind_for(p[j].w, num, &kind)) {
-            cpu_fail(be, DS4_ERR_UNSUPPORTED,
-                     "matmul_multi: weight %s has type %s, which the CPU backend cannot compute with",
-                     cpu_wname(p[j].w), ds4_type_name(p[j].w->type));
-            return;
-        }
-    }
+    cpu_dot_kind kind;
+    for (int j = 0; j < n; j++) /* every weight usable before any product is written */
+        if (!product_weight_ok(be, "matmul_multi", p[j].w, num, &kind)) return;
     for (int j = 0; j < n; j++) cpu_matmul(be, p[j].w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
 }
 

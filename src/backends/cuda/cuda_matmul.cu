@@ -796,8 +796,9 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
 /*
  * Products of one input: the ones the streaming kernels take (decode
  * shapes, DS4 numerics) are gathered by weight type and row length, x is
- * quantised once per activation kind, and each gathering runs as one launch
- * (blockIdx.z the matrix); the rest go through cuda_matmul one by one.
+ * quantised once per gathering (two weight types of one activation kind
+ * quantise it twice), and each gathering runs as one launch (blockIdx.z the
+ * matrix); the rest go through cuda_matmul one by one.
  */
 static_assert(DS4_PRODUCTS_MAX <= CUDA_MV_MAX_MATS, "one launch holds every product of a call");
 void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
