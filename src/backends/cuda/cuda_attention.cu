@@ -937,32 +937,50 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
 }
 
 /*
- * k = 1 (the greedy token of a logits row): the largest key in one pass of
- * one block, idx[0] its index (the first maximum, NaN as -inf, as the keys
- * rank), idx[1..k) = -1 (n = 1 < k).
+ * k = 1 (the greedy token of a logits row): the largest key, idx[0] its
+ * index (the first maximum, NaN as -inf, as the keys rank), idx[1..k) = -1
+ * (n = 1 < k). Two launches: TOPK_MAX_BLOCKS blocks each find the largest
+ * key of their stride of the row, then one block the largest of those (a
+ * maximum of distinct keys: the same whatever the split).
  */
-#define TOPK_MAX_THREADS 1024
+#define TOPK_MAX_THREADS 256
+#define TOPK_MAX_BLOCKS 128
+
+static __device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long *red) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = u > v ? u : v;
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = red[w] > v ? red[w] : v;
+    return v;
+}
+
 static __global__ void __launch_bounds__(TOPK_MAX_THREADS)
-    topk_max_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t k, int32_t *__restrict__ idx) {
+    topk_max_kernel(const float *__restrict__ scores, int64_t n, int shift, unsigned long long *__restrict__ part) {
     cuda_grid_wait();
     __shared__ unsigned long long red[TOPK_MAX_THREADS / 32];
     unsigned long long best = 0; /* below every key */
-#pragma unroll 4
-    for (int64_t i = threadIdx.x; i < n; i += TOPK_MAX_THREADS) {
+    for (int64_t i = blockIdx.x * (int64_t)TOPK_MAX_THREADS + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * TOPK_MAX_THREADS) {
         const unsigned long long key = topk_key(scores, i, n, shift);
         best = key > best ? key : best;
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long v = __shfl_xor_sync(0xffffffffu, best, o);
-        best = v > best ? v : best;
-    }
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = best;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < TOPK_MAX_THREADS / 32; w++) best = red[w] > best ? red[w] : best;
-        const unsigned long long mask = (1ull << shift) - 1ull;
-        idx[0] = (int32_t)(n - 1 - (int64_t)(best & mask));
-    }
+    best = block_max_u64(best, red);
+    if (threadIdx.x == 0) part[blockIdx.x] = best;
+}
+
+static __global__ void __launch_bounds__(TOPK_MAX_THREADS)
+    topk_max_final_kernel(const unsigned long long *__restrict__ part, int n_part, int64_t n, int shift, int64_t k,
+                          int32_t *__restrict__ idx) {
+    cuda_grid_wait();
+    __shared__ unsigned long long red[TOPK_MAX_THREADS / 32];
+    unsigned long long best = 0;
+    for (int b = threadIdx.x; b < n_part; b += TOPK_MAX_THREADS) best = part[b] > best ? part[b] : best;
+    best = block_max_u64(best, red);
+    if (threadIdx.x == 0) idx[0] = (int32_t)(n - 1 - (int64_t)(best & ((1ull << shift) - 1ull)));
     for (int64_t i = 1 + threadIdx.x; i < k; i += TOPK_MAX_THREADS) idx[i] = -1;
 }
 
@@ -993,7 +1011,14 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     int shift = 0;
     while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
     if (size == 1 && !topk_sort_forced()) {
-        (void)cuda_launch(be, "topk_max_kernel", topk_max_kernel, 1, TOPK_MAX_THREADS, 0, scores, n, shift, k, idx);
+        const unsigned nb = blocks_for(n, TOPK_MAX_THREADS * 4, TOPK_MAX_BLOCKS);
+        unsigned long long *part = (unsigned long long *)cuda_scratch(
+            be, CUDA_SCRATCH_TOPK_B, (size_t)TOPK_MAX_BLOCKS * sizeof(unsigned long long));
+        if (!part ||
+            !cuda_launch(be, "topk_max_kernel", topk_max_kernel, nb, TOPK_MAX_THREADS, 0, scores, n, shift, part))
+            return;
+        (void)cuda_launch(be, "topk_max_final_kernel", topk_max_final_kernel, 1, TOPK_MAX_THREADS, 0,
+                          (const unsigned long long *)part, (int)nb, n, shift, k, idx);
         return;
     }
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
