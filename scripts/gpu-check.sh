@@ -28,7 +28,8 @@
 #                               peak device memory), layer parity on the generated tokens
 #                     ops       `bench --ops`: each decode-shaped weight product of the full-size model
 #                               on its own (JSON/Markdown to $OUT; OPS_ROWS, default 1,8), then once per
-#                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0);
+#                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0;
+#                               "A=0,B=1" sets two at once);
 #                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2)
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
@@ -209,9 +210,10 @@ perf_stage() {
     local v
     for v in ${PERF_AB:-}; do
         section "decode with $v"
-        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda --ctx "${AB_CTX:-256}" \
-            --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 --json "$out/bench-${v%%=*}.json" \
-            --md "$out/bench-${v%%=*}.md"; then
+        # shellcheck disable=SC2086 # "A=0,B=1" sets both
+        if env ${v//,/ } timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
+            --ctx "${AB_CTX:-256}" --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 \
+            --json "$out/bench-${v//[^A-Za-z0-9_]/_}.json" --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
             record "bench full q2 ($v)" PASS
         else
             record "bench full q2 ($v)" "FAIL (exit $?)"
@@ -282,7 +284,8 @@ ops_stage() {
     fi
     for v in ${OPS_AB:-}; do
         section "bench --ops with $v"
-        if env "$v" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
+        # shellcheck disable=SC2086 # "A=0,B=1" sets both
+        if env ${v//,/ } timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
             --repeat 3 ${OPS_ARGS:-} --json "$out/ops-${v//[^A-Za-z0-9_]/_}.json" --md "$out/ops-${v//[^A-Za-z0-9_]/_}.md"; then
             record "bench --ops ($v)" PASS
         else
@@ -359,12 +362,13 @@ main() {
     has_stage unit || bins_to_test=()
     # second runs: the session tests with every launch direct (no recorded
     # steps), the attention tests with every top-k through the device-wide sort
+    # and with the per-head kernel ("A=0,B=0:binary" sets both)
     for b in "${bins_to_test[@]}" $(has_stage unit && [ -x build/cuda/tests/test_cuda_session ] &&
         echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then
-            envs=("${b%%:*}")
+            IFS=, read -r -a envs <<<"${b%%:*}"
             b=${b#*:}
         fi
         section "$name"

@@ -145,8 +145,34 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
  * shuffles and adds them in the CPU's order, so each lane computes exactly
  * the CPU's sums and quotients (bit-identical to hc_split_one), while the
  * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
+/* The split's constants a lane of hc_split_warp uses (scale and base are
+ * weights: the finishing kernel loads them before it waits for the kernel
+ * before, off the Sinkhorn's critical path). */
+struct hc_split_consts {
+    float sc0, sc1, sc2; /* scale[0..2] */
+    float b0, b1;        /* base[lane], base[n + lane] (lane < n) */
+    float bc;            /* base[2n + lane] (lane < n * n) */
+};
+
+static __device__ __forceinline__ hc_split_consts hc_split_load(const hc_args &a, int n) {
+    const int lane = threadIdx.x & 31;
+    hc_split_consts k = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (lane < n * n) {
+        k.sc0 = cuda_load_float(a.scale, a.scale_type, 0);
+        k.sc1 = cuda_load_float(a.scale, a.scale_type, 1);
+        k.sc2 = cuda_load_float(a.scale, a.scale_type, 2);
+        k.bc = cuda_load_float(a.base, a.base_type, 2 * n + lane);
+    }
+    if (lane < n) {
+        k.b0 = cuda_load_float(a.base, a.base_type, lane);
+        k.b1 = cuda_load_float(a.base, a.base_type, n + lane);
+    }
+    return k;
+}
+
 template <int NT>
-static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *pre, float *post, float *C) {
+static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_split_consts k, const float *mix,
+                                                     float *pre, float *post, float *C) {
     /* NT > 0: the stream count known when compiling (the model's 4), so
      * the row and column sums are straight-line shuffles and adds; the
      * Sinkhorn chain is the critical path of hc_pre. 0: a.n_hc. */
@@ -155,18 +181,11 @@ static __device__ void hc_split_warp(const hc_args &a, const float *mix, float *
     const bool mine = lane < n * n;
     const int r = mine ? lane / n : 0, c = mine ? lane % n : 0;
     if (lane < n) {
-        const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
-        const float sc1 = cuda_load_float(a.scale, a.scale_type, 1);
-        const float b0 = cuda_load_float(a.base, a.base_type, lane);
-        const float b1 = cuda_load_float(a.base, a.base_type, n + lane);
-        pre[lane] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[lane], sc0), b0)), eps);
-        post[lane] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[n + lane], sc1), b1)));
+        pre[lane] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[lane], k.sc0), k.b0)), eps);
+        post[lane] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[n + lane], k.sc1), k.b1)));
     }
     float v = 0.0f;
-    if (mine) {
-        const float sc2 = cuda_load_float(a.scale, a.scale_type, 2);
-        v = __fadd_rn(__fmul_rn(mix[2 * n + lane], sc2), cuda_load_float(a.base, a.base_type, 2 * n + lane));
-    }
+    if (mine) v = __fadd_rn(__fmul_rn(mix[2 * n + lane], k.sc2), k.bc);
     float m = -INFINITY;
 #pragma unroll
     for (int j = 0; j < n; j++) {
@@ -313,25 +332,41 @@ static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_a
 template <bool HEAD>
 static __global__ void __launch_bounds__(HC_THREADS)
     hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
-    cuda_grid_wait();
     __shared__ float mix[HC_MAX_MIX];
     __shared__ float w[HC_MAX_STREAMS];
     __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
     __shared__ float post_s[HC_MAX_STREAMS];
     __shared__ double red_d[HC_THREADS / 32];
     const int n = a.n_hc;
+    const bool split_warp = !HEAD && n * n <= 32;
+    /* the split's constants (weights) before the wait for the kernel before */
+    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (split_warp && threadIdx.x < 32) consts = hc_split_load(a, n);
+    cuda_grid_wait();
     const int64_t hc_dim = (int64_t)n * a.dim;
     const int64_t row = blockIdx.x;
     const float *X = a.X + row * hc_dim;
     const hc_part *pr = part + row * n_chunks;
+    /* this block's slice of the output; when it is one element per thread
+     * and there are at most HC_PREFETCH streams, that element's n state
+     * values are loaded now, in flight while the split is made */
+    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    constexpr int HC_PREFETCH = 4;
+    const bool prefetch = per <= HC_THREADS && n <= HC_PREFETCH;
+    float xv[HC_PREFETCH];
+    if (prefetch) {
+        const int64_t i = i0 + threadIdx.x;
+#pragma unroll
+        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
+    }
     /* the chunks' partial sums, spread over the block (a fixed shape, so the
-     * order is the same every run): squares in double over all threads,
-     * each mix entry over one warp's lanes, HC_FINISH_BATCH entries' loads
-     * in flight at once */
+     * order is the same every run), all loads in flight together: squares
+     * in double over all threads; each mix entry over one warp's lanes,
+     * HC_FINISH_BATCH entries at once, kept unscaled until the squares are
+     * summed */
     double ss_part = 0.0;
     for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
-    const double ss = block_sum_double(ss_part, red_d); /* every thread has it */
-    const float rms_scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         constexpr int NW = HC_THREADS / 32;
@@ -350,14 +385,17 @@ static __global__ void __launch_bounds__(HC_THREADS)
             if (lane == 0)
 #pragma unroll
                 for (int b = 0; b < HC_FINISH_BATCH; b++)
-                    if (k0 + b * NW < n_mix) mix[k0 + b * NW] = __fmul_rn(s[b], rms_scale);
+                    if (k0 + b * NW < n_mix) mix[k0 + b * NW] = s[b];
         }
     }
+    const double ss = block_sum_double(ss_part, red_d); /* every thread has it; its barriers publish mix */
+    const float rms_scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
+    for (int k = threadIdx.x; k < n_mix; k += HC_THREADS) mix[k] = __fmul_rn(mix[k], rms_scale);
     __syncthreads();
-    if (!HEAD && n * n <= 32) {
+    if (split_warp) {
         if (threadIdx.x < 32) {
-            if (n == 4) hc_split_warp<4>(a, mix, w, post_s, C);
-            else hc_split_warp<0>(a, mix, w, post_s, C);
+            if (n == 4) hc_split_warp<4>(a, consts, mix, w, post_s, C);
+            else hc_split_warp<0>(a, consts, mix, w, post_s, C);
         }
     } else if (threadIdx.x == 0) {
         if (HEAD) {
@@ -375,8 +413,17 @@ static __global__ void __launch_bounds__(HC_THREADS)
         for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
     float *out = a.out + row * a.dim;
-    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
-    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    if (prefetch) {
+        const int64_t i = i0 + threadIdx.x;
+        if (i < i1) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < HC_PREFETCH; s++)
+                if (s < n) acc = __fadd_rn(acc, __fmul_rn(xv[s], w[s]));
+            out[i] = acc;
+        }
+        return;
+    }
     for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));

@@ -234,7 +234,9 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
     const int64_t row_bytes = x_stride * (int64_t)sizeof(mv_q8_0);
     for (int b = lane; b < n_blocks; b += 32) {
         const uint8_t *blk = sw + 34 * b;
-        const uint32_t *p = (const uint32_t *)((uintptr_t)(blk + 2) & ~(uintptr_t)3);
+        /* pointer arithmetic, not an integer mask, so that the loads stay
+         * shared-memory loads (sw is 16-byte aligned) */
+        const uint32_t *p = (const uint32_t *)(blk + ((b & 1) ? 2 : 0));
         const int sh = (b & 1) ? 0 : 16;
         int w[8];
         uint32_t lo = p[0];
