@@ -294,14 +294,13 @@ static void disable(srv_kvstore *kv, const char *what, const char *why) {
     count_failure(kv);
 }
 
-static void evict(srv_kvstore *kv, const char *keep) {
-    while (kv->total > kv->max_bytes && kv->n > 0) {
-        size_t victim = kv->n;
-        for (size_t i = 0; i < kv->n; i++) {
-            if (keep && !strcmp(kv->v[i].name, keep)) continue;
-            if (victim == kv->n || kv->v[i].last_used < kv->v[victim].last_used) victim = i;
-        }
-        if (victim == kv->n) break;
+/* Drop the least recently used entries until `incoming` more bytes fit
+ * within the limit. */
+static void evict(srv_kvstore *kv, int64_t incoming) {
+    while (kv->n > 0 && kv->total + incoming > kv->max_bytes) {
+        size_t victim = 0;
+        for (size_t i = 1; i < kv->n; i++)
+            if (kv->v[i].last_used < kv->v[victim].last_used) victim = i;
         drop(kv, victim);
     }
 }
@@ -328,12 +327,6 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
     struct stat cs;
     if (stat(ckpt, &cs) != 0) {
         disable(kv, "reading back a checkpoint", strerror(errno));
-        unlink(ckpt);
-        return;
-    }
-    if ((int64_t)cs.st_size + IDX_SIZE > kv->max_bytes) {
-        srv_log("disk KV store: a %.1f MiB checkpoint does not fit in the %.0f MiB limit; not stored",
-                (double)cs.st_size / 1048576.0, (double)kv->max_bytes / 1048576.0);
         unlink(ckpt);
         return;
     }
@@ -371,6 +364,18 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
     put_le(p + 32, hash, 8);
     put_le(p + 40, (uint64_t)cs.st_size, 8);
     put_le(p + 48, idx_crc(p, h.len), 4);
+    const size_t idx_bytes = h.len;
+    if ((int64_t)cs.st_size + (int64_t)idx_bytes > kv->max_bytes) {
+        srv_log("disk KV store: a %.1f MiB checkpoint does not fit in the %.0f MiB limit; not stored",
+                (double)cs.st_size / 1048576.0, (double)kv->max_bytes / 1048576.0);
+        chat_buf_free(&h);
+        unlink(ckpt);
+        return;
+    }
+    /* Room first, so that the store's account never passes the limit: on
+     * disk, the checkpoint just written is the only file that can have been
+     * beyond it, and only until here. */
+    evict(kv, (int64_t)cs.st_size + (int64_t)idx_bytes);
     FILE *fp = fopen(tmp, "wb");
     const char *failed = NULL;
     if (!fp) failed = "open";
@@ -385,7 +390,6 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
         failed = "rename";
         e = errno;
     }
-    size_t idx_bytes = h.len;
     chat_buf_free(&h);
     if (failed) {
         unlink(tmp);
@@ -405,5 +409,4 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
         kv->metrics->disk_saves++;
         pthread_mutex_unlock(&kv->metrics->mu);
     }
-    evict(kv, name);
 }

@@ -200,6 +200,10 @@ def test_kv_disk_store_bounded_and_unwritable(model, tmp_path):
     try:
         for i in range(4):
             chat(s.url, [{"role": "user", "content": f"Conversation {i} " + "x " * i}], max_tokens=2)
+            # the account never passes the limit, even while a checkpoint is being stored
+            assert s.metrics()["ds4_kv_disk_bytes"] <= 1 << 20
+        # a conversation is stored after its answer went out: wait for the fourth
+        assert wait_for(lambda: s.metrics()["ds4_kv_disk_saves_total"] >= 4, timeout=60)
         m = s.metrics()
         assert m["ds4_kv_disk_bytes"] <= 1 << 20
         assert sum(p.stat().st_size for p in kv.iterdir()) <= 1 << 20
