@@ -16,8 +16,9 @@
  *              complete checkpoint.
  * A request finds the entry whose text is the longest byte prefix of its
  * rendered prompt; a checkpoint that fails to load (corrupt, truncated, other
- * model) is deleted and the request prefills as if there were none. The
- * least recently used entries are deleted while the store exceeds its size.
+ * model) is deleted and the request prefills as if there were none. Before a
+ * new entry is counted, the least recently used ones are deleted until it
+ * fits, so the store never counts more than its size.
  * Any write failure (full disk, unwritable directory) is logged once and
  * turns writing off; requests never fail because of the store.
  */
@@ -366,7 +367,7 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
     put_le(p + 48, idx_crc(p, h.len), 4);
     const size_t idx_bytes = h.len;
     if ((int64_t)cs.st_size + (int64_t)idx_bytes > kv->max_bytes) {
-        srv_log("disk KV store: a %.1f MiB checkpoint does not fit in the %.0f MiB limit; not stored",
+        srv_log("disk KV store: a %.1f MiB checkpoint and its index do not fit in the %.0f MiB limit; not stored",
                 (double)cs.st_size / 1048576.0, (double)kv->max_bytes / 1048576.0);
         chat_buf_free(&h);
         unlink(ckpt);

@@ -782,9 +782,11 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
                          y.g, R, num);
         op_expect_ok(p);
         double *tol = malloc((size_t)(R * dim) * sizeof *tol);
-        /* DS4 numerics: room for two mids on the other side of a code boundary */
+        /* DS4 numerics: room for a mid on the other side of a code boundary,
+         * at most as much again as the sums' own room (so a lost mid, about
+         * S / (n_used * n_ff), still shows where mids are heavy-tailed) */
         for (int64_t o = 0; o < R * dim; o++)
-            tol[o] = num == DS4_NUMERICS_REFERENCE ? 1e-5 * S[o] : 1e-4 * S[o] + 2.0 * flip[o];
+            tol[o] = num == DS4_NUMERICS_REFERENCE ? 1e-5 * S[o] : 1e-4 * S[o] + fmin(flip[o], 1e-4 * S[o]);
         char what[160];
         snprintf(what, sizeof what, "moe %s/%s %s dim %lld n_ff %lld, %d of %lld experts, limit %g, %lld rows",
                  ds4_type_name(tg), ds4_type_name(td), num_name(num), (long long)dim, (long long)n_ff, n_used,
