@@ -47,7 +47,8 @@ typedef struct kv_entry {
     int64_t n_tokens;
     uint64_t text_len, text_hash;
     int64_t bytes; /* both files */
-    time_t last_used;
+    time_t last_used; /* seconds: the index's mtime across restarts */
+    uint64_t use_seq; /* the order of uses in this process (0: not used since the store was opened) */
 } kv_entry;
 
 struct srv_kvstore {
@@ -57,6 +58,7 @@ struct srv_kvstore {
     kv_entry *v;
     size_t n, cap;
     int64_t total;
+    uint64_t uses; /* last use_seq given */
     srv_metrics *metrics;
     srv_tool_memory *tools;
 };
@@ -284,6 +286,7 @@ int srv_kv_load(srv_kvstore *kv, int idx, ds4_session *session) {
         return -1;
     }
     e->last_used = time(NULL);
+    e->use_seq = ++kv->uses;
     path_of(kv, e->name, ".idx", path, sizeof path);
     utimensat(AT_FDCWD, path, NULL, 0); /* the index's mtime is the last use */
     return 0;
@@ -295,13 +298,21 @@ static void disable(srv_kvstore *kv, const char *what, const char *why) {
     count_failure(kv);
 }
 
+/* true when a was last used before b: entries not used since the store
+ * was opened come first, by their index's mtime; then the uses of this
+ * process in order (seconds alone would tie within one second). */
+static bool used_before(const kv_entry *a, const kv_entry *b) {
+    if ((a->use_seq == 0) != (b->use_seq == 0)) return a->use_seq == 0;
+    return a->use_seq ? a->use_seq < b->use_seq : a->last_used < b->last_used;
+}
+
 /* Drop the least recently used entries until `incoming` more bytes fit
  * within the limit. */
 static void evict(srv_kvstore *kv, int64_t incoming) {
     while (kv->n > 0 && kv->total + incoming > kv->max_bytes) {
         size_t victim = 0;
         for (size_t i = 1; i < kv->n; i++)
-            if (kv->v[i].last_used < kv->v[victim].last_used) victim = i;
+            if (used_before(&kv->v[i], &kv->v[victim])) victim = i;
         drop(kv, victim);
     }
 }
@@ -314,6 +325,7 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
     for (size_t i = 0; i < kv->n; i++)
         if (!strcmp(kv->v[i].name, name)) {
             kv->v[i].last_used = time(NULL);
+            kv->v[i].use_seq = ++kv->uses;
             return; /* the same conversation prefix is stored already */
         }
     char ckpt[4096], idx[4096], tmp[4200];
@@ -399,7 +411,8 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
         return;
     }
     kv_entry entry = { .n_tokens = n_tokens, .text_len = text_len, .text_hash = hash,
-                       .bytes = (int64_t)cs.st_size + (int64_t)idx_bytes, .last_used = time(NULL) };
+                       .bytes = (int64_t)cs.st_size + (int64_t)idx_bytes, .last_used = time(NULL),
+                       .use_seq = ++kv->uses };
     memcpy(entry.name, name, sizeof name);
     if (push(kv, &entry) != 0) {
         remove_files(kv, name);

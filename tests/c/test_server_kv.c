@@ -186,6 +186,42 @@ static void test_eviction_within_the_bound(void) {
     remove_dir();
 }
 
+/* Uses within one second keep their order: with room for two entries,
+ * "a" and "b" stored, "a" loaded (used), then "c" stored: "b" goes. */
+static void test_eviction_order_within_a_second(void) {
+    if (!setup()) TEST_SKIP("no model");
+    if (!engine) return;
+    fresh_dir("lru");
+    ds4_session *s = session_with(500, 6);
+    if (!s) return;
+    srv_metrics m;
+    srv_metrics_init(&m);
+    srv_kvstore *kv = srv_kv_open(dir, 1 << 30, &m, NULL);
+    srv_kv_save(kv, s, "a", 1);
+    const int64_t one = m.disk_bytes;
+    CHECK(one > 0);
+    srv_kv_close(kv);
+    remove_dir();
+    fresh_dir("lru");
+    kv = srv_kv_open(dir, one * 5 / 2, &m, NULL);
+    int64_t n;
+    srv_kv_save(kv, s, "a", 1);
+    srv_kv_save(kv, s, "b", 1);
+    const int ia = srv_kv_find(kv, "a!", 2, &n);
+    CHECK(ia >= 0);
+    if (ia >= 0) CHECK_EQ_INT(srv_kv_load(kv, ia, s), 0);
+    srv_kv_save(kv, s, "c", 1);
+    CHECK_EQ_INT(m.disk_files, 2);
+    CHECK(m.disk_bytes <= one * 5 / 2);
+    CHECK(srv_kv_find(kv, "a!", 2, &n) >= 0);
+    CHECK(srv_kv_find(kv, "b!", 2, &n) == -1);
+    CHECK(srv_kv_find(kv, "c!", 2, &n) >= 0);
+    srv_kv_close(kv);
+    srv_metrics_destroy(&m);
+    ds4_session_free(s);
+    remove_dir();
+}
+
 static void test_full_disk_turns_caching_off(void) {
     if (!setup()) TEST_SKIP("no model");
     if (!engine) return;
@@ -230,6 +266,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_store_find_and_tool_ids),
     TEST_ENTRY(test_corrupt_checkpoint_is_deleted),
     TEST_ENTRY(test_eviction_within_the_bound),
+    TEST_ENTRY(test_eviction_order_within_a_second),
     TEST_ENTRY(test_full_disk_turns_caching_off),
     TEST_ENTRY(test_teardown),
     { 0 },
