@@ -77,6 +77,9 @@ record() { # record NAME RESULT
 
 section() { printf '\n==== %s ====\n' "$*"; }
 
+# envs_of "A=0,B=1": the array envs=(A=0 B=1) (for env "${envs[@]}").
+envs_of() { IFS=, read -r -a envs <<<"$1"; }
+
 # run_step NAME CMD...: run, show its output, record PASS or FAIL (rc).
 run_step() {
     local name=$1
@@ -207,11 +210,11 @@ perf_stage() {
     else
         record "bench full q2" "FAIL (exit $?)"
     fi
-    local v
+    local v envs
     for v in ${PERF_AB:-}; do
         section "decode with $v"
-        # shellcheck disable=SC2086 # "A=0,B=1" sets both
-        if env ${v//,/ } timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
+        envs_of "$v"
+        if env "${envs[@]}" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
             --ctx "${AB_CTX:-256}" --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 \
             --json "$out/bench-${v//[^A-Za-z0-9_]/_}.json" --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
             record "bench full q2 ($v)" PASS
@@ -274,7 +277,7 @@ kernels_stage() {
 
 # Each weight product on its own: `bench --ops` (no model file needed).
 ops_stage() {
-    local out="${OUT:-$TMP}" v
+    local out="${OUT:-$TMP}" v envs
     section "bench --ops (rows ${OPS_ROWS:-1,8})"
     if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
         ${OPS_ARGS:-} --json "$out/ops.json" --md "$out/ops.md"; then
@@ -284,8 +287,8 @@ ops_stage() {
     fi
     for v in ${OPS_AB:-}; do
         section "bench --ops with $v"
-        # shellcheck disable=SC2086 # "A=0,B=1" sets both
-        if env ${v//,/ } timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
+        envs_of "$v"
+        if env "${envs[@]}" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
             --repeat 3 ${OPS_ARGS:-} --json "$out/ops-${v//[^A-Za-z0-9_]/_}.json" --md "$out/ops-${v//[^A-Za-z0-9_]/_}.md"; then
             record "bench --ops ($v)" PASS
         else
@@ -368,7 +371,7 @@ main() {
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then
-            IFS=, read -r -a envs <<<"${b%%:*}"
+            envs_of "${b%%:*}"
             b=${b#*:}
         fi
         section "$name"

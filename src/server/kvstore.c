@@ -273,6 +273,12 @@ int srv_kv_find(srv_kvstore *kv, const char *text, size_t len, int64_t *n_tokens
     return best;
 }
 
+/* Entry e is used now (its place in the eviction order). */
+static void touch(srv_kvstore *kv, kv_entry *e) {
+    e->last_used = time(NULL);
+    e->use_seq = ++kv->uses;
+}
+
 int srv_kv_load(srv_kvstore *kv, int idx, ds4_session *session) {
     if (idx < 0 || (size_t)idx >= kv->n) return -1;
     kv_entry *e = &kv->v[idx];
@@ -285,8 +291,7 @@ int srv_kv_load(srv_kvstore *kv, int idx, ds4_session *session) {
         drop(kv, (size_t)idx);
         return -1;
     }
-    e->last_used = time(NULL);
-    e->use_seq = ++kv->uses;
+    touch(kv, e);
     path_of(kv, e->name, ".idx", path, sizeof path);
     utimensat(AT_FDCWD, path, NULL, 0); /* the index's mtime is the last use */
     return 0;
@@ -324,8 +329,7 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
     snprintf(name, sizeof name, "%016llx", (unsigned long long)hash);
     for (size_t i = 0; i < kv->n; i++)
         if (!strcmp(kv->v[i].name, name)) {
-            kv->v[i].last_used = time(NULL);
-            kv->v[i].use_seq = ++kv->uses;
+            touch(kv, &kv->v[i]);
             return; /* the same conversation prefix is stored already */
         }
     char ckpt[4096], idx[4096], tmp[4200];
@@ -411,9 +415,9 @@ void srv_kv_save(srv_kvstore *kv, ds4_session *session, const char *text, size_t
         return;
     }
     kv_entry entry = { .n_tokens = n_tokens, .text_len = text_len, .text_hash = hash,
-                       .bytes = (int64_t)cs.st_size + (int64_t)idx_bytes, .last_used = time(NULL),
-                       .use_seq = ++kv->uses };
+                       .bytes = (int64_t)cs.st_size + (int64_t)idx_bytes };
     memcpy(entry.name, name, sizeof name);
+    touch(kv, &entry);
     if (push(kv, &entry) != 0) {
         remove_files(kv, name);
         return;

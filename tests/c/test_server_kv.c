@@ -158,21 +158,28 @@ static void test_corrupt_checkpoint_is_deleted(void) {
     remove_dir();
 }
 
+/* A fresh store directory `tag` holding s stored under `first`, reopened
+ * with room for two such entries (*one: the bytes of one). */
+static srv_kvstore *store_with_room_for_two(const char *tag, ds4_session *s, const char *first, srv_metrics *m,
+                                            int64_t *one) {
+    fresh_dir(tag);
+    srv_kvstore *kv = srv_kv_open(dir, 1 << 30, m, NULL);
+    srv_kv_save(kv, s, first, strlen(first));
+    *one = m->disk_bytes;
+    srv_kv_close(kv);
+    CHECK(*one > 0);
+    return srv_kv_open(dir, *one * 5 / 2, m, NULL);
+}
+
 static void test_eviction_within_the_bound(void) {
     if (!setup()) TEST_SKIP("no model");
     if (!engine) return;
-    fresh_dir("evict");
     ds4_session *s = session_with(500, 6);
     if (!s) return;
     srv_metrics m;
     srv_metrics_init(&m);
-    srv_kvstore *kv = srv_kv_open(dir, 1 << 30, &m, NULL);
-    srv_kv_save(kv, s, "first", 5);
-    int64_t one = m.disk_bytes;
-    srv_kv_close(kv);
-    CHECK(one > 0);
-    kv = srv_kv_open(dir, one * 5 / 2, &m, NULL);
-    int64_t n;
+    int64_t one, n;
+    srv_kvstore *kv = store_with_room_for_two("evict", s, "first", &m, &one);
     srv_kv_save(kv, s, "second", 6);
     srv_kv_save(kv, s, "third", 5); /* over the bound: "first", the least recently used, goes */
     CHECK_EQ_INT(m.disk_files, 2);
@@ -187,25 +194,16 @@ static void test_eviction_within_the_bound(void) {
 }
 
 /* Uses within one second keep their order: with room for two entries,
- * "a" and "b" stored, "a" loaded (used), then "c" stored: "b" goes. */
+ * "a" stored, "b" stored, "a" loaded (used), then "c" stored: "b" goes. */
 static void test_eviction_order_within_a_second(void) {
     if (!setup()) TEST_SKIP("no model");
     if (!engine) return;
-    fresh_dir("lru");
     ds4_session *s = session_with(500, 6);
     if (!s) return;
     srv_metrics m;
     srv_metrics_init(&m);
-    srv_kvstore *kv = srv_kv_open(dir, 1 << 30, &m, NULL);
-    srv_kv_save(kv, s, "a", 1);
-    const int64_t one = m.disk_bytes;
-    CHECK(one > 0);
-    srv_kv_close(kv);
-    remove_dir();
-    fresh_dir("lru");
-    kv = srv_kv_open(dir, one * 5 / 2, &m, NULL);
-    int64_t n;
-    srv_kv_save(kv, s, "a", 1);
+    int64_t one, n;
+    srv_kvstore *kv = store_with_room_for_two("lru", s, "a", &m, &one);
     srv_kv_save(kv, s, "b", 1);
     const int ia = srv_kv_find(kv, "a!", 2, &n);
     CHECK(ia >= 0);

@@ -756,11 +756,12 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
                 for (int64_t i = 0; i < dim; i++) gs += (double)gr[i] * xr[i], us += (double)ur[i] * xr[i];
                 mid[k * n_ff + j] = host_swiglu(gs, us, limit, wts[r * n_used + k]);
             }
-            for (int64_t j0 = 0; j0 < n_ff; j0 += qblock ? qblock : n_ff) {
+            for (int64_t j = 0; j < n_ff; j++) step[j] = 0.0; /* float mids: no step */
+            for (int64_t j0 = 0; qblock && j0 < n_ff; j0 += qblock) {
+                const int64_t j1 = j0 + qblock < n_ff ? j0 + qblock : n_ff;
                 double amax = 0;
-                for (int64_t j = j0; qblock && j < j0 + qblock && j < n_ff; j++)
-                    amax = fmax(amax, fabs(mid[k * n_ff + j]));
-                for (int64_t j = j0; j < j0 + (qblock ? qblock : n_ff) && j < n_ff; j++) step[j] = amax / 127.0;
+                for (int64_t j = j0; j < j1; j++) amax = fmax(amax, fabs(mid[k * n_ff + j]));
+                for (int64_t j = j0; j < j1; j++) step[j] = amax / 127.0;
             }
             for (int64_t o = 0; o < dim; o++) {
                 const float *dr = m.dd + ((int64_t)sr[k] * dim + o) * n_ff;

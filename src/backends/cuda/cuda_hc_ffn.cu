@@ -140,11 +140,6 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
     }
 }
 
-/* hc_split_one spread over one warp (n * n <= 32): lane L holds C[L] (row
- * L / n, column L % n); every row or column sum gathers its n values by
- * shuffles and adds them in the CPU's order, so each lane computes exactly
- * the CPU's sums and quotients (bit-identical to hc_split_one), while the
- * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
 /* The split's constants a lane of hc_split_warp uses (scale and base are
  * weights: the finishing kernel loads them before it waits for the kernel
  * before, off the Sinkhorn's critical path). */
@@ -170,6 +165,11 @@ static __device__ __forceinline__ hc_split_consts hc_split_load(const hc_args &a
     return k;
 }
 
+/* hc_split_one spread over one warp (n * n <= 32): lane L holds C[L] (row
+ * L / n, column L % n); every row or column sum gathers its n values by
+ * shuffles and adds them in the CPU's order, so each lane computes exactly
+ * the CPU's sums and quotients (bit-identical to hc_split_one), while the
+ * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
 template <int NT>
 static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_split_consts k, const float *mix,
                                                      float *pre, float *post, float *C) {
