@@ -193,6 +193,35 @@ static void test_eviction_within_the_bound(void) {
     remove_dir();
 }
 
+/* A checkpoint bigger than the whole store is not stored, and leaves no
+ * file behind. */
+static void test_too_big_checkpoint_is_not_stored(void) {
+    if (!setup()) TEST_SKIP("no model");
+    if (!engine) return;
+    ds4_session *s = session_with(500, 6);
+    if (!s) return;
+    srv_metrics m;
+    srv_metrics_init(&m);
+    int64_t one, n;
+    srv_kv_close(store_with_room_for_two("big", s, "first", &m, &one));
+    srv_metrics_destroy(&m);
+    remove_dir();
+    fresh_dir("big");
+    srv_metrics_init(&m);
+    srv_kvstore *kv = srv_kv_open(dir, one - 1, &m, NULL);
+    srv_kv_save(kv, s, "second", 6);
+    CHECK_EQ_INT(m.disk_files, 0);
+    CHECK_EQ_INT((int)m.disk_bytes, 0);
+    CHECK_EQ_INT((int)m.disk_saves, 0);
+    CHECK_EQ_INT((int)m.disk_failures, 0); /* not a failure: writing stays on */
+    CHECK(srv_kv_find(kv, "second!", 7, &n) == -1);
+    CHECK_EQ_INT(count_files(".ckpt") + count_files(".idx") + count_files(".tmp"), 0);
+    srv_kv_close(kv);
+    srv_metrics_destroy(&m);
+    ds4_session_free(s);
+    remove_dir();
+}
+
 /* Uses within one second keep their order: with room for two entries,
  * "a" stored, "b" stored, "a" loaded (used), then "c" stored: "b" goes. */
 static void test_eviction_order_within_a_second(void) {
@@ -265,6 +294,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_corrupt_checkpoint_is_deleted),
     TEST_ENTRY(test_eviction_within_the_bound),
     TEST_ENTRY(test_eviction_order_within_a_second),
+    TEST_ENTRY(test_too_big_checkpoint_is_not_stored),
     TEST_ENTRY(test_full_disk_turns_caching_off),
     TEST_ENTRY(test_teardown),
     { 0 },
