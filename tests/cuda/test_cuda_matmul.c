@@ -1221,6 +1221,111 @@ static void test_matmul_multi_errors(void) {
     op_pair_close(&p);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Q8_0 decode products that quantise their own activations                  */
+/* ------------------------------------------------------------------------ */
+
+/* A Q8_0 decode product (1 to 8 rows) whose float rows fit 4608 bytes of
+ * quantised blocks (n a multiple of 128) quantises them in the product
+ * kernel itself: one launch instead of the quantiser's and the product's.
+ * Its results must equal, bit for bit, those of the same product with the
+ * quantiser kernel before it (matmul_grouped of one group keeps that path),
+ * and so must matmul_multi's. An output overlapping x keeps the quantiser
+ * (the product's blocks would read x while others write it). */
+static bool fused_expected(int64_t n, int64_t n_rows) {
+    const char *env = getenv("DS4_CUDA_MV_XQ");
+    if (env && strcmp(env, "0") == 0) return false;
+    return n % 128 == 0 && n_rows <= 8 && (n / 32) * n_rows * 36 <= 4608;
+}
+
+static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_rows) {
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n, n_out, true, &deq);
+    op_weight *w = op_weight_make(p, "blk.0.xq.weight", DS4_TYPE_Q8_0, n, n_out, 1, bytes);
+    const int64_t x_stride = n + 32, out_stride = n_out + 3;
+    float *hx = op_rand(n_rows * x_stride, 1.0);
+    op_buf x = op_buf_from(p, hx, n_rows * x_stride);
+    op_buf y = op_buf_poisoned(p, n_rows * out_stride), ref = op_buf_poisoned(p, n_rows * out_stride);
+    op_buf y2 = op_buf_poisoned(p, n_rows * out_stride), y3 = op_buf_poisoned(p, n_rows * out_stride);
+    const ds4_backend_ops *g = p->gpu->ops;
+    char what[128];
+    snprintf(what, sizeof what, "Q8_0 %lld -> %lld, %lld rows", (long long)n, (long long)n_out, (long long)n_rows);
+
+    g->matmul_grouped(p->gpu, &w->g, 1, n_out, x.g, x_stride, ref.g, out_stride, n_rows, DS4_NUMERICS_DS4);
+    op_expect_ok(p);
+    ds4_backend_counters c0 = op_gpu_counters(p);
+    g->matmul(p->gpu, &w->g, 0, n_out, x.g, x_stride, y.g, out_stride, n_rows, DS4_NUMERICS_DS4);
+    ds4_backend_counters c1 = op_gpu_counters(p);
+    op_expect_ok(p);
+    const uint64_t want = fused_expected(n, n_rows) ? 1 : 2;
+    CHECK_MSG(c1.launches - c0.launches == want, "%s: matmul took %llu launches, expected %llu", what,
+              (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
+    /* two products of x in one launch: all the rows, and the first half */
+    ds4_product prods[2] = { { &w->g, n_out, y2.g, out_stride }, { &w->g, n_out / 2, y3.g, out_stride } };
+    c0 = op_gpu_counters(p);
+    g->matmul_multi(p->gpu, prods, 2, x.g, x_stride, n_rows, DS4_NUMERICS_DS4);
+    c1 = op_gpu_counters(p);
+    op_expect_ok(p);
+    CHECK_MSG(c1.launches - c0.launches == want, "%s: matmul_multi took %llu launches, expected %llu", what,
+              (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
+
+    const int64_t ny = n_rows * out_stride;
+    float *hy = malloc((size_t)ny * sizeof *hy), *hr = malloc((size_t)ny * sizeof *hr);
+    float *h2 = malloc((size_t)ny * sizeof *h2), *h3 = malloc((size_t)ny * sizeof *h3);
+    g->download(p->gpu, hy, y.g, ny);
+    g->download(p->gpu, hr, ref.g, ny);
+    g->download(p->gpu, h2, y2.g, ny);
+    g->download(p->gpu, h3, y3.g, ny);
+    for (int64_t r = 0; r < n_rows; r++) {
+        CHECK_MSG(memcmp(hy + r * out_stride, hr + r * out_stride, (size_t)n_out * sizeof *hy) == 0,
+                  "%s: row %lld differs from the quantiser kernel's path", what, (long long)r);
+        CHECK_MSG(memcmp(h2 + r * out_stride, hr + r * out_stride, (size_t)n_out * sizeof *hy) == 0,
+                  "%s: matmul_multi row %lld differs from the quantiser kernel's path", what, (long long)r);
+        CHECK_MSG(memcmp(h3 + r * out_stride, hr + r * out_stride, (size_t)(n_out / 2) * sizeof *hy) == 0,
+                  "%s: matmul_multi's second product, row %lld, differs", what, (long long)r);
+        CHECK_MSG(isnan(hy[r * out_stride + n_out]), "%s: row %lld written past its outputs", what, (long long)r);
+    }
+
+    /* in place: out = x (one row, n_out <= n): the quantiser runs first */
+    if (n_rows == 1 && n_out <= n) {
+        op_buf xi = op_buf_from(p, hx, n);
+        c0 = op_gpu_counters(p);
+        g->matmul(p->gpu, &w->g, 0, n_out, xi.g, n, xi.g, n_out, 1, DS4_NUMERICS_DS4);
+        c1 = op_gpu_counters(p);
+        op_expect_ok(p);
+        CHECK_MSG(c1.launches - c0.launches == 2, "%s: in place took %llu launches, expected 2", what,
+                  (unsigned long long)(c1.launches - c0.launches));
+        g->download(p->gpu, hy, xi.g, n_out);
+        CHECK_MSG(memcmp(hy, hr, (size_t)n_out * sizeof *hy) == 0, "%s: in place differs", what);
+        op_buf_free(p, &xi);
+    }
+    free(hy);
+    free(hr);
+    free(h2);
+    free(h3);
+    op_buf_free(p, &y);
+    op_buf_free(p, &y2);
+    op_buf_free(p, &y3);
+    op_buf_free(p, &ref);
+    op_buf_free(p, &x);
+    op_weight_free(p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+}
+
+static void test_matvec_quantises_x(void) {
+    OPEN_PAIR(p);
+    quantises_x_case(&p, 1024, 2048, 1); /* fused */
+    quantises_x_case(&p, 1024, 300, 4);  /* fused: 4 x 1152 bytes */
+    quantises_x_case(&p, 1024, 300, 5);  /* too many rows: the quantiser kernel */
+    quantises_x_case(&p, 4096, 1024, 1); /* fused: 4608 bytes */
+    quantises_x_case(&p, 4096, 512, 2);  /* the quantiser kernel */
+    quantises_x_case(&p, 128, 77, 8);    /* fused */
+    quantises_x_case(&p, 96, 64, 1);     /* 3 blocks: the quantiser kernel */
+    op_pair_close(&p);
+}
+
 static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_f32),
     TEST_ENTRY(test_matmul_f16),
@@ -1245,6 +1350,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_grouped_errors),
     TEST_ENTRY(test_matmul_multi),
     TEST_ENTRY(test_matmul_multi_errors),
+    TEST_ENTRY(test_matvec_quantises_x),
     TEST_ENTRY(test_moe_iq2_xxs),
     TEST_ENTRY(test_moe_q2_K),
     TEST_ENTRY(test_moe_q4_K),

@@ -350,6 +350,25 @@ template <int N> static __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* DS4's Q8_0 activation quantiser for one 32-block held by a warp, lane i
+ * holding element i: d = amax / 127 (float, NaN counted as 0), id = 1/d (0
+ * when d == 0), the code round-half-even(v * id) clamped to int8. Returns d
+ * (the same in every lane) and stores lane i's code in *q. Bit-identical to
+ * the CPU's quantiser; the quantiser kernel and the matvec kernels that
+ * quantise their own activations share it. */
+static __device__ __forceinline__ float cuda_q8_0_quant_lane(float v, int8_t *q) {
+    float amax = fabsf(v);
+    if (!(amax == amax)) amax = 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    int c = __float2int_rn(__fmul_rn(v, id));
+    c = c > 127 ? 127 : c < -128 ? -128 : c;
+    *q = (int8_t)c;
+    return d;
+}
+
 /* Index `value` read at entry `pos` is outside [0, limit): record it unless
  * an earlier report holds the record (the first one wins). The caller skips
  * the work the index stood for. */

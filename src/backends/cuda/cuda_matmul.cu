@@ -175,21 +175,14 @@ __global__ void __launch_bounds__(256) quant_q8_0_kernel(const float *__restrict
     const int64_t gw = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (gw >= total) return;
     const int64_t row = gw / nb, ib = gw % nb;
-    const float v = x[row * x_stride + ib * DS4_QK8_0 + lane];
-    float amax = fabsf(v);
-    if (!(amax == amax)) amax = 0.0f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    int q = __float2int_rn(__fmul_rn(v, id));
-    q = q > 127 ? 127 : q < -128 ? -128 : q;
+    int8_t q;
+    const float d = cuda_q8_0_quant_lane(x[row * x_stride + ib * DS4_QK8_0 + lane], &q);
     if (split) {
         uint8_t *r = (uint8_t *)out + row * nb * (int64_t)sizeof(act_q8_0);
-        ((int8_t *)r)[ib * DS4_QK8_0 + lane] = (int8_t)q;
+        ((int8_t *)r)[ib * DS4_QK8_0 + lane] = q;
         if (lane == 0) ((float *)(r + nb * DS4_QK8_0))[ib] = d;
     } else {
-        out[gw].q[lane] = (int8_t)q;
+        out[gw].q[lane] = q;
         if (lane == 0) out[gw].d = d;
     }
 }
@@ -716,11 +709,33 @@ static bool mv_suits(const ds4_weight *w, mm_mode mode, const float *x, int64_t 
     return true;
 }
 
+/* Whether the float ranges [a, a + na) and [b, b + nb) share an element. */
+static bool ranges_overlap(const float *a, int64_t na, const float *b, int64_t nb) {
+    return (uintptr_t)a < (uintptr_t)(b + nb) && (uintptr_t)b < (uintptr_t)(a + na);
+}
+
+/* The floats n_rows rows of n, `stride` apart, span. */
+static int64_t rows_span(int64_t n_rows, int64_t stride, int64_t n) { return (n_rows - 1) * stride + n; }
+
+/* A Q8_0 streaming product quantises x itself (no quantiser launch) when
+ * its rows fit the kernel's shared memory and no output it writes overlaps
+ * x (its blocks read x while others write). */
+static bool mv_quantises_x(const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows,
+                           const float *const *outs, const int64_t *n_outs, const int64_t *out_strides, int n_outs_n) {
+    if (mode != MM_Q8_0 || !cuda_mv_quantises(w->type, w->ne[0], n_rows)) return false;
+    for (int k = 0; k < n_outs_n; k++)
+        if (ranges_overlap(x, rows_span(n_rows, x_stride, w->ne[0]), outs[k],
+                           rows_span(n_rows, out_strides[k], n_outs[k])))
+            return false;
+    return true;
+}
+
 /* The streaming kernels on n_groups groups of n_out weight rows from row0
- * (activation group g at g * group_stride blocks or floats; one group: plain). */
+ * (activation group g at g * group_stride blocks or floats; one group:
+ * plain; xf: the float rows the kernel quantises itself, act unused). */
 static void run_mv(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t row0, int64_t n_out, int64_t n_groups,
                    const void *act, int64_t act_stride, int64_t group_stride, float *out, int64_t out_stride,
-                   int64_t n_rows) {
+                   int64_t n_rows, const float *xf, int64_t xf_stride) {
     cuda_mv_job j;
     j.type = w->type;
     j.act_kind = mv_kind(mode);
@@ -734,6 +749,8 @@ static void run_mv(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t r
     j.out = out;
     j.out_stride = out_stride;
     j.n_rows = (int)n_rows;
+    j.xf = xf;
+    j.xf_stride = xf_stride;
     cuda_mv_run_grouped(be, &j, n_groups, group_stride);
 }
 
@@ -764,10 +781,18 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
 
     const mm_mode mode = mode_for(w->type, num);
     const bool mv = mv_suits(w, mode, x, x_stride, n_rows); /* decode shapes: the streaming kernels */
+    const float *outs[1] = { out };
+    const int64_t n_outs[1] = { n_out }, out_strides[1] = { out_stride };
+    if (mv && mv_quantises_x(w, mode, x, x_stride, n_rows, outs, n_outs, out_strides, 1)) {
+        run_mv(be, w, mode, row0, n_out, 1, NULL, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows, x,
+               x_stride);
+        return;
+    }
     const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, n_in, n_rows, mv);
     if (!act) return;
     if (mv) {
-        run_mv(be, w, mode, row0, n_out, 1, act, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows);
+        run_mv(be, w, mode, row0, n_out, 1, act, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows, NULL,
+               0);
         return;
     }
     const int64_t xq_row_bytes = (n_in / DS4_QK8_0) * (int64_t)sizeof(act_q8_0);
@@ -830,15 +855,24 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             continue;
         }
         /* j and every later product of the same type and row length */
-        const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, n_in, n_rows, true);
-        if (!act) return;
-        cuda_mv_job jobs[DS4_PRODUCTS_MAX];
-        int nj = 0;
+        int take[DS4_PRODUCTS_MAX], nj = 0;
+        const float *outs[DS4_PRODUCTS_MAX];
+        int64_t n_outs[DS4_PRODUCTS_MAX], out_strides[DS4_PRODUCTS_MAX];
         for (int k = j; k < n; k++) {
             const ds4_weight *v = p[k].w;
             if (done[k] || p[k].n_out == 0 || v->type != w->type || v->row_bytes != w->row_bytes) continue;
+            outs[nj] = p[k].out, n_outs[nj] = p[k].n_out, out_strides[nj] = p[k].out_stride;
+            take[nj++] = k;
+        }
+        const bool xq = mv_quantises_x(w, mode, x, x_stride, n_rows, outs, n_outs, out_strides, nj);
+        const void *act = xq ? NULL : acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, n_in, n_rows, true);
+        if (!xq && !act) return;
+        cuda_mv_job jobs[DS4_PRODUCTS_MAX];
+        for (int i = 0; i < nj; i++) {
+            const int k = take[i];
+            const ds4_weight *v = p[k].w;
             done[k] = true;
-            cuda_mv_job *jb = &jobs[nj++];
+            cuda_mv_job *jb = &jobs[i];
             jb->type = v->type;
             jb->act_kind = mv_kind(mode);
             jb->w = v->device;
@@ -851,6 +885,8 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             jb->out = p[k].out;
             jb->out_stride = p[k].out_stride;
             jb->n_rows = (int)n_rows;
+            jb->xf = xq ? x : NULL;
+            jb->xf_stride = x_stride;
         }
         if (!cuda_mv_run_multi(be, jobs, nj)) return;
     }
@@ -887,7 +923,7 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
         const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, len, n_rows, true);
         if (!act) return;
         run_mv(be, w, mode, 0, n_out, n_groups, act, act_stride_of(mode, len, x_stride),
-               mode == MM_F32 ? n_in : n_in / blk, out, out_stride, n_rows);
+               mode == MM_F32 ? n_in : n_in / blk, out, out_stride, n_rows, NULL, 0);
         return;
     }
     for (int64_t g = 0; g < n_groups && !cuda_failed(be); g++)

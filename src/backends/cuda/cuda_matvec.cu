@@ -176,6 +176,12 @@ struct mv_args {
     int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
     int act_aligned;      /* Q8_K: every activation row starts 16-byte aligned (codes in 16-byte loads) */
+    /* the kernels that quantise their own activations (Q8_0, XQ): the n_rows
+     * float rows, xf_stride floats apart, of act_blocks blocks each (act is
+     * then unused) */
+    const float *xf;
+    int64_t xf_stride;
+    int prefetch; /* plain products: first stages issued before cuda_grid_wait ($DS4_CUDA_MV_PREFETCH=0: after) */
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
@@ -436,8 +442,21 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
 /* The kernel                                                                */
 /* ------------------------------------------------------------------------ */
 
-template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
-    cuda_grid_wait();
+/* XQ (Q8_0 weights only): the thread block first quantises the float
+ * activations a.xf into shared memory, in the split layout, with the
+ * quantiser kernel's arithmetic (cuda_q8_0_quant_lane), and reads them from
+ * there: the product needs no quantiser launch before it.
+ *
+ * Plain products (no expert ids) issue their first weight stages before
+ * cuda_grid_wait: weights are never written by kernels, so their first
+ * bytes arrive while the kernel before drains (this kernel's blocks are
+ * scheduled onto the SMs its last wave frees). Expert products wait first,
+ * since their rows come from the router's ids. */
+template <uint32_t T, int ROWS, bool XQ>
+__global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
+    static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
+    const bool early = a.sel == NULL && a.prefetch; /* the same for the whole grid */
+    if (!early) cuda_grid_wait();
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
@@ -514,6 +533,24 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
     };
 #pragma unroll
     for (int s = 0; s < MV_NST - 1; s++) issue();
+    if (early) cuda_grid_wait();
+    if constexpr (XQ) {
+        /* row r of the split layout at xs + r * act_blocks * 36: its codes,
+         * then its scales (act_blocks is a multiple of 4, so rows stay
+         * 16-byte aligned) */
+        uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
+        const int nb = (int)a.act_blocks, nq = n_rows * nb;
+        for (int t = warp; t < nq; t += n_warps) {
+            const int r = t / nb, ib = t - r * nb;
+            int8_t q;
+            const float d = cuda_q8_0_quant_lane(a.xf[r * a.xf_stride + (int64_t)ib * 32 + lane], &q);
+            uint8_t *row = xs + (int64_t)r * nb * (int64_t)sizeof(mv_q8_0);
+            ((int8_t *)row)[ib * 32 + lane] = q;
+            if (lane == 0) ((float *)(row + nb * 32))[ib] = d;
+        }
+        __syncthreads();
+        act = xs;
+    }
 
     float acc[ROWS];
 #pragma unroll
@@ -596,31 +633,41 @@ template <uint32_t T, int ROWS> __global__ void __launch_bounds__(256) mv_kernel
 
 typedef void (*mv_fn)(mv_args);
 
-template <int ROWS> static mv_fn mv_kernel_rows(uint32_t type) {
+template <int ROWS> static mv_fn mv_kernel_rows(uint32_t type, bool xq) {
     switch (type) {
-    case DS4_TYPE_F32: return mv_kernel<DS4_TYPE_F32, ROWS>;
-    case DS4_TYPE_F16: return mv_kernel<DS4_TYPE_F16, ROWS>;
-    case DS4_TYPE_BF16: return mv_kernel<DS4_TYPE_BF16, ROWS>;
-    case DS4_TYPE_Q8_0: return mv_kernel<DS4_TYPE_Q8_0, ROWS>;
-    case DS4_TYPE_Q2_K: return mv_kernel<DS4_TYPE_Q2_K, ROWS>;
-    case DS4_TYPE_Q4_K: return mv_kernel<DS4_TYPE_Q4_K, ROWS>;
-    case DS4_TYPE_IQ2_XXS: return mv_kernel<DS4_TYPE_IQ2_XXS, ROWS>;
-    case DS4_TYPE_Q8_K: return mv_kernel<DS4_TYPE_Q8_K, ROWS>;
+    case DS4_TYPE_F32: return mv_kernel<DS4_TYPE_F32, ROWS, false>;
+    case DS4_TYPE_F16: return mv_kernel<DS4_TYPE_F16, ROWS, false>;
+    case DS4_TYPE_BF16: return mv_kernel<DS4_TYPE_BF16, ROWS, false>;
+    case DS4_TYPE_Q8_0: return xq ? mv_kernel<DS4_TYPE_Q8_0, ROWS, true> : mv_kernel<DS4_TYPE_Q8_0, ROWS, false>;
+    case DS4_TYPE_Q2_K: return mv_kernel<DS4_TYPE_Q2_K, ROWS, false>;
+    case DS4_TYPE_Q4_K: return mv_kernel<DS4_TYPE_Q4_K, ROWS, false>;
+    case DS4_TYPE_IQ2_XXS: return mv_kernel<DS4_TYPE_IQ2_XXS, ROWS, false>;
+    case DS4_TYPE_Q8_K: return mv_kernel<DS4_TYPE_Q8_K, ROWS, false>;
     default: return NULL;
     }
 }
 
-/* The kernel for a weight type and activation row count (NULL: none). */
-static mv_fn mv_kernel_for(uint32_t type, int rows) {
-    if (rows <= 1) return mv_kernel_rows<1>(type);
-    if (rows <= 2) return mv_kernel_rows<2>(type);
-    if (rows <= 4) return mv_kernel_rows<4>(type);
-    return mv_kernel_rows<8>(type);
+/* The kernel for a weight type, activation row count and XQ (quantising its
+ * own activations: Q8_0 only); NULL: none. */
+static mv_fn mv_kernel_for(uint32_t type, int rows, bool xq) {
+    if (xq && type != DS4_TYPE_Q8_0) return NULL;
+    if (rows <= 1) return mv_kernel_rows<1>(type, xq);
+    if (rows <= 2) return mv_kernel_rows<2>(type, xq);
+    if (rows <= 4) return mv_kernel_rows<4>(type, xq);
+    return mv_kernel_rows<8>(type, xq);
 }
 
 static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_BF16, DS4_TYPE_Q8_0,
                                      DS4_TYPE_Q2_K, DS4_TYPE_Q4_K,    DS4_TYPE_IQ2_XXS, DS4_TYPE_Q8_K };
-#define MV_SMEM_MAX ((size_t)MV_WARPS * MV_NST * MV_STAGE + sizeof(iq2_tables))
+/* Bytes of activations an XQ kernel quantises into shared memory: one row
+ * of 4096 (q_a, kv, the shared experts' gate and up, the head), four of 1024
+ * (q_b). More would leave fewer than four blocks per SM (4 x 58 KB of the
+ * 228 KB): those products keep the quantiser kernel. */
+#define MV_XQ_MAX 4608
+/* the dynamic shared memory of every matvec kernel: the rings, then the
+ * IQ2_XXS tables or the quantised activations */
+#define MV_SMEM_MAX \
+    ((size_t)MV_WARPS * MV_NST * MV_STAGE + (sizeof(iq2_tables) > MV_XQ_MAX ? sizeof(iq2_tables) : MV_XQ_MAX))
 
 /* Once per backend: every matvec kernel may use MV_SMEM_MAX bytes of
  * dynamic shared memory (more than the default without opting in). */
@@ -630,9 +677,10 @@ static bool mv_allow_smem(ds4_backend *be) {
     static const int rows[] = { 1, 2, 4, 8 };
     for (size_t t = 0; t < sizeof mv_types / sizeof mv_types[0]; t++)
         for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
-            if (!cuda_allow_dynamic_smem(be, (const void *)mv_kernel_for(mv_types[t], rows[r]), MV_SMEM_MAX,
-                                         "matvec", 0))
-                return false;
+            for (int xq = 0; xq <= (mv_types[t] == DS4_TYPE_Q8_0 ? 1 : 0); xq++)
+                if (!cuda_allow_dynamic_smem(be, (const void *)mv_kernel_for(mv_types[t], rows[r], xq != 0),
+                                             MV_SMEM_MAX, "matvec", 0))
+                    return false;
     cb->mv_smem = true;
     return true;
 }
@@ -642,7 +690,10 @@ static bool mv_allow_smem(ds4_backend *be) {
 static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, int n_mats) {
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
-    const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
+    const bool xq = a.xf != NULL;
+    const size_t xq_bytes = xq ? (size_t)a.n_rows * (size_t)a.act_blocks * sizeof(mv_q8_0) : 0;
+    const size_t shm =
+        (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) + xq_bytes;
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
     const int64_t nb = (a.n_out + per_block - 1) / per_block;
     if (nb > INT32_MAX || n_slots > 65535) {
@@ -650,7 +701,12 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                   n_slots);
         return false;
     }
-    const mv_fn fn = mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows);
+    if (xq && (xq_bytes > MV_XQ_MAX || a.act_blocks % 4 != 0 || a.sel || a.group_rows)) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of %lld blocks cannot be quantised in the kernel", a.n_rows,
+                  (long long)a.act_blocks);
+        return false;
+    }
+    const mv_fn fn = mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
     if (act_kind_for(type) == CUDA_MV_Q8_K) {
         /* a row's codes start at its base (groups are whole 256-byte blocks
          * in): the bases, rows or expert slots (act_stride) and tokens
@@ -670,6 +726,8 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         if (!a.n_out_z[z]) a.n_out_z[z] = a.n_out;
         if (!a.out_stride_z[z]) a.out_stride_z[z] = a.out_stride;
     }
+    static const bool prefetch = cuda_env_flag("DS4_CUDA_MV_PREFETCH", true);
+    a.prefetch = prefetch ? 1 : 0;
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
     return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
 }
@@ -690,6 +748,12 @@ static int split_for(int64_t n_outputs, int64_t units) {
     int p = 1;
     while (p < MV_WARPS && n_outputs * p < MV_TARGET_WARPS && 2 * p <= units) p *= 2;
     return p;
+}
+
+bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows) {
+    static const bool enabled = cuda_env_flag("DS4_CUDA_MV_XQ", true);
+    if (!enabled || type != DS4_TYPE_Q8_0 || n <= 0 || n % (4 * DS4_QK8_0) != 0 || n_rows < 1) return false;
+    return (n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0) <= MV_XQ_MAX;
 }
 
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
@@ -714,6 +778,8 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     a.act_blocks = j->act_stride; /* rows of the job's activations are act_stride blocks */
     a.out_stride = j->out_stride;
     a.n_rows = j->n_rows;
+    a.xf = j->xf;
+    a.xf_stride = j->xf_stride;
     if (n_groups > 1) {
         a.group_rows = j->n_out;
         a.act_group_stride = act_group_stride;
@@ -729,7 +795,8 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
               cuda_mv_fits(j[0].type, j[0].act_kind, j[0].row_bytes, j[0].n);
     for (int z = 1; ok && z < n; z++)
         ok = j[z].type == j[0].type && j[z].act_kind == j[0].act_kind && j[z].row_bytes == j[0].row_bytes &&
-             j[z].n == j[0].n && j[z].row0 == j[0].row0 && j[z].n_rows == j[0].n_rows;
+             j[z].n == j[0].n && j[z].row0 == j[0].row0 && j[z].n_rows == j[0].n_rows && j[z].xf == j[0].xf &&
+             j[z].xf_stride == j[0].xf_stride;
     for (int z = 0; ok && z < n; z++) ok = j[z].n_out >= 1;
     if (!ok) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %d products of one input that do not suit one launch", n);
@@ -753,6 +820,8 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
     a.act_stride = j[0].act_stride;
     a.act_blocks = j[0].act_stride;
     a.n_rows = j[0].n_rows;
+    a.xf = j[0].xf;
+    a.xf_stride = j[0].xf_stride;
     /* the split and rows per warp of all the outputs together */
     a.parts = split_for(total, a.units);
     a.rpb = MV_WARPS / a.parts;

@@ -39,11 +39,21 @@ typedef struct cuda_mv_job {
     float *out;
     int64_t out_stride;
     int n_rows;
+    /* non-NULL (Q8_0 weights, cuda_mv_quantises true): the kernel quantises
+     * these n_rows float rows, xf_stride floats apart, itself; act is
+     * unused and act_stride is n / 32 */
+    const float *xf;
+    int64_t xf_stride;
 } cuda_mv_job;
 
 /* true when the matvec kernels can run this weight type / row shape with
  * these activations (rows 16-byte aligned, whole staging units). */
 bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_t n);
+
+/* true when a Q8_0 product of n_rows rows of n elements can quantise its
+ * own activations in the kernel (cuda_mv_job.xf): they fit its shared
+ * memory and $DS4_CUDA_MV_XQ is not 0. */
+bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows);
 
 /* Enqueue a product (cuda_mv_fits must hold, 1 <= n_rows <= 8). false with
  * the error recorded when the launch failed. */
