@@ -1226,21 +1226,19 @@ static void test_matmul_multi_errors(void) {
 /* ------------------------------------------------------------------------ */
 
 /* A Q8_0 decode product (1 to 8 rows) whose float rows fit 4608 bytes of
- * quantised blocks (n a multiple of 128) quantises them in the product
- * kernel itself: one launch instead of the quantiser's and the product's.
- * Its results must equal, bit for bit, those of the same product with the
+ * quantised blocks, on a grid of at most 1,056 thread blocks, quantises them
+ * in the product kernel itself: one launch instead of the quantiser's and
+ * the product's (`fused`: the single product; `fused_multi`: it and its
+ * first half as one matmul_multi; DS4_CUDA_MV_XQ=0 turns both off). Its
+ * results must equal, bit for bit, those of the same product with the
  * quantiser kernel before it (matmul_grouped of one group keeps that path),
  * and so must matmul_multi's. An output overlapping x keeps the quantiser
  * (the product's blocks would read x while others write it). */
-static bool fused_expected(int64_t n, int64_t n_rows) {
+static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_rows, bool fused, bool fused_multi) {
     const char *env = getenv("DS4_CUDA_MV_XQ");
-    if (env && strcmp(env, "0") == 0) return false;
-    return n % 128 == 0 && n_rows <= 8 && (n / 32) * n_rows * 36 <= 4608;
-}
-
-static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_rows) {
+    if (env && strcmp(env, "0") == 0) fused = fused_multi = false;
     float *deq = NULL;
-    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n, n_out, true, &deq);
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n, n_out, false, &deq);
     op_weight *w = op_weight_make(p, "blk.0.xq.weight", DS4_TYPE_Q8_0, n, n_out, 1, bytes);
     const int64_t x_stride = n + 32, out_stride = n_out + 3;
     float *hx = op_rand(n_rows * x_stride, 1.0);
@@ -1257,7 +1255,7 @@ static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_row
     g->matmul(p->gpu, &w->g, 0, n_out, x.g, x_stride, y.g, out_stride, n_rows, DS4_NUMERICS_DS4);
     ds4_backend_counters c1 = op_gpu_counters(p);
     op_expect_ok(p);
-    const uint64_t want = fused_expected(n, n_rows) ? 1 : 2;
+    uint64_t want = fused ? 1 : 2;
     CHECK_MSG(c1.launches - c0.launches == want, "%s: matmul took %llu launches, expected %llu", what,
               (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
     /* two products of x in one launch: all the rows, and the first half */
@@ -1266,6 +1264,7 @@ static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_row
     g->matmul_multi(p->gpu, prods, 2, x.g, x_stride, n_rows, DS4_NUMERICS_DS4);
     c1 = op_gpu_counters(p);
     op_expect_ok(p);
+    want = fused_multi ? 1 : 2;
     CHECK_MSG(c1.launches - c0.launches == want, "%s: matmul_multi took %llu launches, expected %llu", what,
               (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
 
@@ -1316,13 +1315,15 @@ static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_row
 
 static void test_matvec_quantises_x(void) {
     OPEN_PAIR(p);
-    quantises_x_case(&p, 1024, 2048, 1); /* fused */
-    quantises_x_case(&p, 1024, 300, 4);  /* fused: 4 x 1152 bytes */
-    quantises_x_case(&p, 1024, 300, 5);  /* too many rows: the quantiser kernel */
-    quantises_x_case(&p, 4096, 1024, 1); /* fused: 4608 bytes */
-    quantises_x_case(&p, 4096, 512, 2);  /* the quantiser kernel */
-    quantises_x_case(&p, 128, 77, 8);    /* fused */
-    quantises_x_case(&p, 96, 64, 1);     /* 3 blocks: the quantiser kernel */
+    quantises_x_case(&p, 1024, 2048, 1, true, true);    /* 512 blocks; multi 2 x 512 */
+    quantises_x_case(&p, 1024, 300, 4, true, true);     /* 4 x 1152 bytes */
+    quantises_x_case(&p, 1024, 300, 5, false, false);   /* too many rows */
+    quantises_x_case(&p, 4096, 1024, 1, true, true);    /* 4608 bytes, 512 blocks; multi 2 x 512 */
+    quantises_x_case(&p, 4096, 512, 2, false, false);   /* 9216 bytes */
+    quantises_x_case(&p, 512, 77, 8, true, true);       /* 8 x 576 bytes */
+    quantises_x_case(&p, 768, 64, 1, true, true);       /* 24 blocks a row */
+    quantises_x_case(&p, 1024, 40000, 1, false, false); /* 1,250 blocks (the head's shape) */
+    quantises_x_case(&p, 1024, 8192, 1, true, false);   /* 1,024 blocks; multi 2 x 1,024 */
     op_pair_close(&p);
 }
 

@@ -350,6 +350,14 @@ template <int N> static __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* The parts of DS4's Q8_0 activation quantiser (below). */
+static __device__ __forceinline__ int8_t cuda_q8_0_code(float v, float id) {
+    const int c = __float2int_rn(__fmul_rn(v, id));
+    return (int8_t)(c > 127 ? 127 : c < -128 ? -128 : c);
+}
+static __device__ __forceinline__ float cuda_q8_0_scale(float amax) { return __fdiv_rn(amax, 127.0f); }
+static __device__ __forceinline__ float cuda_q8_0_inverse(float d) { return d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f; }
+
 /* DS4's Q8_0 activation quantiser for one 32-block held by a warp, lane i
  * holding element i: d = amax / 127 (float, NaN counted as 0), id = 1/d (0
  * when d == 0), the code round-half-even(v * id) clamped to int8. Returns d
@@ -361,11 +369,27 @@ static __device__ __forceinline__ float cuda_q8_0_quant_lane(float v, int8_t *q)
     if (!(amax == amax)) amax = 0.0f;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    int c = __float2int_rn(__fmul_rn(v, id));
-    c = c > 127 ? 127 : c < -128 ? -128 : c;
-    *q = (int8_t)c;
+    const float d = cuda_q8_0_scale(amax);
+    *q = cuda_q8_0_code(v, cuda_q8_0_inverse(d));
+    return d;
+}
+
+/* The same block held as two halves of 16 by neighbouring lanes (2k, 2k + 1;
+ * every lane of the warp calls it): max(|v|) is the same whichever lanes
+ * take it (fmaxf drops NaNs, as the lane version's NaN -> 0 does), so d and
+ * the codes are the lane version's. */
+static __device__ __forceinline__ float cuda_q8_0_quant_half(const float4 (&v)[4], uint4 *codes) {
+    const float f[16] = { v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w,
+                          v[2].x, v[2].y, v[2].z, v[2].w, v[3].x, v[3].y, v[3].z, v[3].w };
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(f[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float d = cuda_q8_0_scale(amax), id = cuda_q8_0_inverse(d);
+    uint32_t w[4] = { 0u, 0u, 0u, 0u };
+#pragma unroll
+    for (int i = 0; i < 16; i++) w[i / 4] |= (uint32_t)(uint8_t)cuda_q8_0_code(f[i], id) << (8 * (i % 4));
+    *codes = make_uint4(w[0], w[1], w[2], w[3]);
     return d;
 }
 

@@ -722,7 +722,8 @@ static int64_t rows_span(int64_t n_rows, int64_t stride, int64_t n) { return (n_
  * x (its blocks read x while others write). */
 static bool mv_quantises_x(const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows,
                            const float *const *outs, const int64_t *n_outs, const int64_t *out_strides, int n_outs_n) {
-    if (mode != MM_Q8_0 || !cuda_mv_quantises(w->type, w->ne[0], n_rows)) return false;
+    if (mode != MM_Q8_0 || !cuda_mv_quantises(w->type, w->ne[0], n_rows, n_outs, n_outs_n)) return false;
+    if ((uintptr_t)x % 16 != 0 || (n_rows > 1 && x_stride % 4 != 0)) return false; /* 16-byte loads */
     for (int k = 0; k < n_outs_n; k++)
         if (ranges_overlap(x, rows_span(n_rows, x_stride, w->ne[0]), outs[k],
                            rows_span(n_rows, out_strides[k], n_outs[k])))

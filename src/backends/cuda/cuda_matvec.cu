@@ -537,16 +537,25 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
     if constexpr (XQ) {
         /* row r of the split layout at xs + r * act_blocks * 36: its codes,
          * then its scales (act_blocks is a multiple of 4, so rows stay
-         * 16-byte aligned) */
+         * 16-byte aligned). Each thread takes half a block, 16 floats in four
+         * 16-byte loads issued together (the rows fit one pass of the block's
+         * threads); the two halves of a block are neighbouring lanes. */
         uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
-        const int nb = (int)a.act_blocks, nq = n_rows * nb;
-        for (int t = warp; t < nq; t += n_warps) {
-            const int r = t / nb, ib = t - r * nb;
-            int8_t q;
-            const float d = cuda_q8_0_quant_lane(a.xf[r * a.xf_stride + (int64_t)ib * 32 + lane], &q);
-            uint8_t *row = xs + (int64_t)r * nb * (int64_t)sizeof(mv_q8_0);
-            ((int8_t *)row)[ib * 32 + lane] = q;
-            if (lane == 0) ((float *)(row + nb * 32))[ib] = d;
+        const int nb = (int)a.act_blocks, row_elems = nb * 32, total = n_rows * row_elems;
+        for (int e0 = 16 * threadIdx.x; e0 - 16 * (int)threadIdx.x < total; e0 += 16 * blockDim.x) {
+            const bool on = e0 < total; /* every lane runs each pass: the halves meet in a shuffle */
+            const int r = on ? e0 / row_elems : 0, e = on ? e0 - r * row_elems : 0;
+            float4 v[4];
+            const float4 *src = (const float4 *)(a.xf + r * a.xf_stride + e);
+#pragma unroll
+            for (int i = 0; i < 4; i++) v[i] = on ? src[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            uint4 codes;
+            const float d = cuda_q8_0_quant_half(v, &codes);
+            if (on) {
+                uint8_t *row = xs + (int64_t)r * nb * (int64_t)sizeof(mv_q8_0);
+                *(uint4 *)(row + e) = codes;
+                if ((e & 31) == 0) ((float *)(row + row_elems))[e >> 5] = d;
+            }
         }
         __syncthreads();
         act = xs;
@@ -664,6 +673,7 @@ static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_B
  * (q_b). More would leave fewer than four blocks per SM (4 x 58 KB of the
  * 228 KB): those products keep the quantiser kernel. */
 #define MV_XQ_MAX 4608
+#define MV_XQ_MAX_BLOCKS 1056 /* ... and grids of at most two blocks per SM (132 x 4 fit at once) */
 /* the dynamic shared memory of every matvec kernel: the rings, then the
  * IQ2_XXS tables or the quantised activations */
 #define MV_SMEM_MAX \
@@ -750,10 +760,28 @@ static int split_for(int64_t n_outputs, int64_t units) {
     return p;
 }
 
-bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows) {
+/* The split, warp rows and rows per warp of a plain (or grouped, or
+ * several-matrix) launch over n_out_total outputs of `units` units. */
+static void plain_geometry(mv_args *a, int64_t n_out_total) {
+    a->parts = split_for(n_out_total, a->units);
+    a->rpb = MV_WARPS / a->parts;
+    a->rpw = rows_per_warp(a->parts == 1, n_out_total);
+}
+
+bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
     static const bool enabled = cuda_env_flag("DS4_CUDA_MV_XQ", true);
-    if (!enabled || type != DS4_TYPE_Q8_0 || n <= 0 || n % (4 * DS4_QK8_0) != 0 || n_rows < 1) return false;
-    return (n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0) <= MV_XQ_MAX;
+    if (!enabled || type != DS4_TYPE_Q8_0 || n <= 0 || n % (8 * DS4_QK8_0) != 0 || n_rows < 1) return false;
+    if ((n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0) > MV_XQ_MAX) return false;
+    /* every thread block quantises all of x again: only while the grid is
+     * about one wave (the head's 2,020 blocks would each redo it) */
+    int64_t total = 0, most = 0;
+    for (int z = 0; z < n_mats; z++) total += n_outs[z], most = n_outs[z] > most ? n_outs[z] : most;
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    a.units = n / (8 * DS4_QK8_0);
+    plain_geometry(&a, total);
+    const int64_t per_block = (int64_t)a.rpb * a.rpw;
+    return (most + per_block - 1) / per_block * n_mats <= MV_XQ_MAX_BLOCKS;
 }
 
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
@@ -784,9 +812,7 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
         a.group_rows = j->n_out;
         a.act_group_stride = act_group_stride;
     }
-    a.parts = split_for(a.n_out, a.units);
-    a.rpb = MV_WARPS / a.parts;
-    a.rpw = rows_per_warp(a.parts == 1, a.n_out);
+    plain_geometry(&a, a.n_out);
     return mv_launch(be, j->type, a, 1, 1);
 }
 
@@ -822,10 +848,7 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
     a.n_rows = j[0].n_rows;
     a.xf = j[0].xf;
     a.xf_stride = j[0].xf_stride;
-    /* the split and rows per warp of all the outputs together */
-    a.parts = split_for(total, a.units);
-    a.rpb = MV_WARPS / a.parts;
-    a.rpw = rows_per_warp(a.parts == 1, total);
+    plain_geometry(&a, total); /* the split and rows per warp of all the outputs together */
     return mv_launch(be, j[0].type, a, 1, n);
 }
 

@@ -50,10 +50,12 @@ typedef struct cuda_mv_job {
  * these activations (rows 16-byte aligned, whole staging units). */
 bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_t n);
 
-/* true when a Q8_0 product of n_rows rows of n elements can quantise its
- * own activations in the kernel (cuda_mv_job.xf): they fit its shared
- * memory and $DS4_CUDA_MV_XQ is not 0. */
-bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows);
+/* true when Q8_0 products of n_rows rows of n elements (n_mats matrices of
+ * one launch, n_outs[z] outputs each) can quantise their activations in the
+ * kernel (cuda_mv_job.xf): they fit its shared memory, the grid is small
+ * enough that each block redoing it is cheap, and $DS4_CUDA_MV_XQ is not 0.
+ * The float rows must be 16-byte aligned (the caller checks). */
+bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats);
 
 /* Enqueue a product (cuda_mv_fits must hold, 1 <= n_rows <= 8). false with
  * the error recorded when the launch failed. */
