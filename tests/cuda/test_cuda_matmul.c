@@ -865,6 +865,51 @@ static void moe_expect_close(const char *what, op_pair *p, op_buf y, int64_t dim
     free(hg);
 }
 
+/* The streaming MoE of a decoded token takes five launches: the routing
+ * check, x quantised, gate and up together, the mids (SwiGLU and their Q8_K
+ * blocks in one kernel; two with DS4_CUDA_MOE_XQ=0) and down summed over
+ * the experts; Q8_0 down weights keep the SwiGLU and Q8_0 quantiser
+ * kernels. Results against the CPU as moe_expect_close (moe_case holds them
+ * to the precise bound). */
+static void moe_launches_case(op_pair *p, uint32_t tg, uint32_t td, uint64_t want) {
+    const int64_t dim = 2048, n_ff = 1024, n_expert = 8;
+    const int n_used = 6;
+    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
+    int32_t sel[6];
+    float wts[6];
+    moe_route(n_expert, n_used, sel, wts);
+    float *hx = op_rand(dim, 1.0);
+    op_buf x = op_buf_from(p, hx, dim), y = op_buf_poisoned(p, dim);
+    op_buf dsel = op_ints_from(p, sel, n_used), dw = op_buf_from(p, wts, n_used);
+    moe_both(p, &m, x, dsel, dw, n_used, y, 1, DS4_NUMERICS_DS4); /* scratch grown */
+    op_expect_ok(p);
+    const ds4_backend_counters c0 = op_gpu_counters(p);
+    moe_both(p, &m, x, dsel, dw, n_used, y, 1, DS4_NUMERICS_DS4);
+    const ds4_backend_counters c1 = op_gpu_counters(p);
+    op_expect_ok(p);
+    char what[96];
+    snprintf(what, sizeof what, "moe %s/%s launches", ds4_type_name(tg), ds4_type_name(td));
+    CHECK_MSG(c1.launches - c0.launches == want, "%s: %llu, expected %llu", what,
+              (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
+    moe_expect_close(what, p, y, dim);
+    op_buf_free(p, &x);
+    op_buf_free(p, &y);
+    op_buf_free(p, &dsel);
+    op_buf_free(p, &dw);
+    free(hx);
+    moe_free(p, &m);
+}
+
+static void test_moe_launches(void) {
+    OPEN_PAIR(p);
+    const char *env = getenv("DS4_CUDA_MOE_XQ");
+    const uint64_t mids = env && strcmp(env, "0") == 0 ? 2 : 1;
+    moe_launches_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4 + mids);
+    moe_launches_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4 + mids);
+    moe_launches_case(&p, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 6);
+    op_pair_close(&p);
+}
+
 static void test_moe_errors(void) {
     OPEN_PAIR(p);
     const int64_t dim = 512, n_ff = 256, n_expert = 4;
@@ -1358,6 +1403,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_q8_0),
     TEST_ENTRY(test_moe_f16),
     TEST_ENTRY(test_moe_mixed),
+    TEST_ENTRY(test_moe_launches),
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
     { 0 },

@@ -89,23 +89,44 @@ struct mm_args {
 /* Activation quantisers                                                     */
 /* ------------------------------------------------------------------------ */
 
+/* Where block ib of row `row` (nb blocks a row) goes: interleaved blocks,
+ * or the split layout of cuda_matvec.h (per row: codes, then d, then bsums). */
+struct q8_K_dst {
+    int8_t *qs;
+    int16_t *bsums;
+    float *dp;
+};
+static __device__ __forceinline__ q8_K_dst q8_K_place(ds4_block_q8_K *out, int64_t row, int64_t ib, int64_t nb,
+                                                      bool split) {
+    q8_K_dst d;
+    if (split) {
+        uint8_t *base = (uint8_t *)out + row * nb * (int64_t)sizeof(ds4_block_q8_K);
+        d.qs = (int8_t *)(base + ib * DS4_QK_K);
+        d.dp = (float *)(base + nb * DS4_QK_K) + ib;
+        d.bsums = (int16_t *)(base + nb * (DS4_QK_K + 4)) + ib * (DS4_QK_K / 16);
+    } else {
+        ds4_block_q8_K *y = out + row * nb + ib;
+        d.qs = y->qs;
+        d.bsums = y->bsums;
+        d.dp = &y->d;
+    }
+    return d;
+}
+
 /*
- * Q8_K, one thread block of 256 threads per (row, 256-block): as
- * ds4_quantize_row_q8_K, m = the first element of largest |x| (NaNs never
- * win, as `a > amax` never holds for them); m == 0 -> an all-zero block;
- * iscale = -127/m, q = round-half-even(iscale * x) clamped to [-128, 127],
- * bsums of 16, d = 1/iscale.
+ * Q8_K, one thread block of 256 threads per (row, 256-block), thread t
+ * holding element t (v): as ds4_quantize_row_q8_K, m = the first element of
+ * largest |x| (NaNs never win, as `a > amax` never holds for them); m == 0
+ * -> an all-zero block; iscale = -127/m, q = round-half-even(iscale * x)
+ * clamped to [-128, 127], bsums of 16, d = 1/iscale.
  */
-__global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
-                                                         ds4_block_q8_K *__restrict__ out, int split) {
-    cuda_grid_wait();
+static __device__ __forceinline__ void q8_K_block(float v, q8_K_dst dst) {
     __shared__ float s_a[8];
     __shared__ int s_i[8];
+    __shared__ float s_x[DS4_QK_K];
     __shared__ float s_m;
-    const int64_t row = blockIdx.x / nb, ib = blockIdx.x % nb;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const float *xb = x + row * x_stride + ib * DS4_QK_K;
-    const float v = xb[t];
+    s_x[t] = v;
     float ba = fabsf(v);
     if (!(ba == ba)) ba = -1.0f;
     int bi = t;
@@ -126,26 +147,13 @@ __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict
             const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
             if (oa > ba || (oa == ba && oi < bi)) ba = oa, bi = oi;
         }
-        if (lane == 0) s_m = ba > 0.0f ? xb[bi] : 0.0f;
+        if (lane == 0) s_m = ba > 0.0f ? s_x[bi] : 0.0f;
     }
     __syncthreads();
     const float m = s_m;
-    /* where this block's codes, bsums and d go: interleaved blocks, or the
-     * split layout of cuda_matvec.h (per row: codes, then d, then bsums) */
-    int8_t *qs;
-    int16_t *bsums;
-    float *dp;
-    if (split) {
-        uint8_t *base = (uint8_t *)out + row * nb * (int64_t)sizeof(ds4_block_q8_K);
-        qs = (int8_t *)(base + ib * DS4_QK_K);
-        dp = (float *)(base + nb * DS4_QK_K) + ib;
-        bsums = (int16_t *)(base + nb * (DS4_QK_K + 4)) + ib * (DS4_QK_K / 16);
-    } else {
-        ds4_block_q8_K *y = out + blockIdx.x;
-        qs = y->qs;
-        bsums = y->bsums;
-        dp = &y->d;
-    }
+    int8_t *qs = dst.qs;
+    int16_t *bsums = dst.bsums;
+    float *dp = dst.dp;
     if (m == 0.0f) {
         qs[t] = 0;
         if (t < 16) bsums[t] = 0;
@@ -161,6 +169,26 @@ __global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict
     for (int off = 8; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
     if ((t & 15) == 0) bsums[t >> 4] = (int16_t)s;
     if (t == 0) *dp = __fdiv_rn(1.0f, iscale);
+}
+
+__global__ void __launch_bounds__(256) quant_q8_K_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
+                                                         ds4_block_q8_K *__restrict__ out, int split) {
+    cuda_grid_wait();
+    const int64_t row = blockIdx.x / nb, ib = blockIdx.x % nb;
+    q8_K_block(x[row * x_stride + ib * DS4_QK_K + threadIdx.x], q8_K_place(out, row, ib, nb, split != 0));
+}
+
+/* The MoE mids of the streaming path in one kernel: SwiGLU of gate and up
+ * with the slot's routing weight (moe_swiglu_kernel's arithmetic), then the
+ * Q8_K blocks of each mid row (quant_q8_K_kernel's), in the split layout;
+ * one thread block per (slot, 256-block). The float mids are not stored. */
+__global__ void __launch_bounds__(256) moe_swiglu_q8_K_kernel(const float *__restrict__ g, const float *__restrict__ u,
+                                                              const float *__restrict__ weights, int64_t n_ff,
+                                                              float limit, ds4_block_q8_K *__restrict__ out) {
+    cuda_grid_wait();
+    const int64_t nb = n_ff / DS4_QK_K, row = blockIdx.x / nb, ib = blockIdx.x % nb;
+    const int64_t i = row * n_ff + ib * DS4_QK_K + threadIdx.x;
+    q8_K_block(cuda_swiglu1(g[i], u[i], limit, weights[row]), q8_K_place(out, row, ib, nb, true));
 }
 
 /* DS4's Q8_0 activations, one warp per 32-block: d = amax / 127 (float),
@@ -1036,6 +1064,28 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     (void)cuda_launch(be, "moe_sum_kernel", moe_sum_kernel, (unsigned)cdiv(dim, 256), 256, 0, u, n_used, dim, out);
 }
 
+/* The streaming path's mids for down (of `md`): Q8_K in one kernel with the
+ * SwiGLU ($DS4_CUDA_MOE_XQ=0: SwiGLU, then the quantiser kernel), else the
+ * SwiGLU kernel and the mids quantised as acts_for. NULL with the error
+ * recorded when that failed. */
+static const void *moe_mids(ds4_backend *be, mm_mode md, float *g, const float *u, const float *d_w, int64_t n_ff,
+                            int64_t slots, float limit) {
+    static const bool joined = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
+    if (joined && md == MM_Q8_K && n_ff % DS4_QK_K == 0) {
+        void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, act_bytes(md, n_ff, slots));
+        if (!q || !cuda_launch(be, "moe_swiglu_q8_K_kernel", moe_swiglu_q8_K_kernel,
+                               (unsigned)(slots * (n_ff / DS4_QK_K)), 256, 0, g, u, d_w, n_ff, limit,
+                               (ds4_block_q8_K *)q))
+            return NULL;
+        return q;
+    }
+    const int64_t n_mid = slots * n_ff;
+    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff,
+                     n_mid, limit))
+        return NULL;
+    return acts_for(be, CUDA_SCRATCH_MOE_ACT, md, g, n_ff, n_ff, slots, true);
+}
+
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
               const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
               ds4_numerics num) {
@@ -1117,10 +1167,7 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
                              act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u))
         return;
-    if (!cuda_launch(be, "moe_swiglu_kernel", moe_swiglu_kernel, (unsigned)cdiv(n_mid, 256), 256, 0, g, u, d_w, n_ff,
-                     n_mid, limit))
-        return;
-    const void *mids = acts_for(be, CUDA_SCRATCH_MOE_ACT, md, g, n_ff, n_ff, slots, true);
+    const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
     if (!mids) return;
     cuda_mv_moe_down(be, down, mv_kind(md), mids, act_stride_of(md, n_ff, n_ff), d_sel, n_used, n_rows, out, dim);
 }

@@ -455,21 +455,24 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
 template <uint32_t T, int ROWS, bool XQ>
 __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
     static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
-    const bool early = a.sel == NULL && a.prefetch; /* the same for the whole grid */
-    if (!early) cuda_grid_wait();
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_warps = blockDim.x >> 5;
+    /* IQ2_XXS: the table's copy (constant data) is the first cp.async group,
+     * issued before any wait; the block waits for it (and a barrier) only
+     * once its first weight stages are in flight too */
     const iq2_tables *tab = NULL;
     if constexpr (T == DS4_TYPE_IQ2_XXS) {
         uint4 *dst = smem + n_warps * MV_NST * (MV_STAGE / 16);
         const uint4 *src = (const uint4 *)&g_iq2_tables;
-        for (int i = threadIdx.x; i < (int)(sizeof(iq2_tables) / 16); i += blockDim.x) dst[i] = src[i];
+        for (int i = threadIdx.x; i < (int)(sizeof(iq2_tables) / 16); i += blockDim.x) cp_async16(dst + i, src + i, true);
+        cp_async_commit();
         tab = (const iq2_tables *)dst;
-        __syncthreads();
     }
+    const bool early = a.sel == NULL && a.prefetch; /* the same for the whole grid */
+    if (!early) cuda_grid_wait();
     const int part = warp % a.parts, lr = warp / a.parts, rpw = a.rpw;
     const int64_t o_first = ((int64_t)blockIdx.x * a.rpb + lr) * rpw; /* this warp's first output */
     const int z = blockIdx.z;
@@ -533,6 +536,10 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
     };
 #pragma unroll
     for (int s = 0; s < MV_NST - 1; s++) issue();
+    if constexpr (T == DS4_TYPE_IQ2_XXS) {
+        cp_async_wait<MV_NST - 1>(); /* the table's group: older than the MV_NST - 1 stages just issued */
+        __syncthreads();
+    }
     if (early) cuda_grid_wait();
     if constexpr (XQ) {
         /* row r of the split layout at xs + r * act_blocks * 36: its codes,
