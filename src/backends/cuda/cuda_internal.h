@@ -345,6 +345,14 @@ static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, 
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
+/* The same for a 16-byte copy that is always made, to a shared-memory
+ * address already converted (cuda_smem_addr): no source-size operand. */
+static __device__ __forceinline__ unsigned cuda_smem_addr(const void *smem) {
+    return (unsigned)__cvta_generic_to_shared(smem);
+}
+static __device__ __forceinline__ void cp_async16_to(unsigned smem_addr, const void *gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem) : "memory");
+}
 static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> static __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -421,6 +429,15 @@ static __device__ __forceinline__ float cuda_f16_to_f32(uint16_t h) {
         return f;
     }
     return __uint_as_float(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13));
+}
+
+/* binary16 -> float by the hardware conversion alone: exact for finite
+ * values and infinities, a NaN becomes the canonical NaN. For scales that
+ * are only multiplied (a product of a NaN is the canonical NaN anyway). */
+static __device__ __forceinline__ float cuda_f16_to_f32_arith(uint16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
 }
 static __device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 /* Eight F16 (T = DS4_TYPE_F16) or BF16 values of one 16-byte word, as floats, in order. */

@@ -50,6 +50,7 @@
 
 #define MV_STAGE 2176 /* bytes of one stage (64 Q8_0 blocks: two full warp steps) */
 #define MV_NST 3       /* stages per warp: one decoded while the others are in flight */
+#define MV_COPIES ((MV_STAGE / 16 + 31) / 32) /* 16-byte copies per lane for a stage */
 #define MV_WARPS 8
 #define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
 #define MV_MAX_RPW 8         /* rows per warp (short rows: a warp streams several) */
@@ -206,7 +207,7 @@ static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_bloc
         const int64_t e0 = (gb0 + c) * 8;
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
-            if (r < n_rows) {
+            if (ROWS == 1 || r < n_rows) {
                 const float4 xa = *(const float4 *)(x + r * x_stride + e0);
                 const float4 xb = *(const float4 *)(x + r * x_stride + e0 + 4);
                 float s = acc[r];
@@ -230,47 +231,65 @@ static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_bloc
  * codes of a 34-byte block start 2 bytes in, at an address that is 4-byte
  * aligned for odd blocks and 2 mod 4 for even ones: nine aligned words and
  * funnel shifts give the eight code words either way (the ninth word of an
- * even block is still inside the stage: the next block follows it). b0 is
- * the stage's first block within the activation row, x_blocks the row's
- * blocks (its scales follow its codes), x_stride blocks between rows. */
+ * even block is still inside the stage: the next block follows it). A lane's
+ * blocks are lane + 32 i, so its parity, and with it the shift, is the
+ * lane's. b0 is the stage's first block within the activation row, x_blocks
+ * the row's blocks (its scales follow its codes), x_stride blocks between
+ * rows. The block scale's conversion need not keep a NaN's payload
+ * (cuda_f16_to_f32_arith). */
+template <int ROWS>
+static __device__ __forceinline__ void q8_0_block(const uint8_t *blk, int odd, const int8_t *const (&xq)[ROWS],
+                                                  const float *const (&xd)[ROWS], int n_rows, float (&acc)[ROWS]) {
+    /* pointer arithmetic, not an integer mask, so that the loads stay
+     * shared-memory loads (the stage is 16-byte aligned) */
+    const uint32_t *p = (const uint32_t *)(blk + 2 * odd);
+    const int sh = odd ? 0 : 16;
+    int w[8];
+    uint32_t lo = p[0];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t hi = (k < 7 || !odd) ? p[k + 1] : 0u;
+        w[k] = (int)__funnelshift_r(lo, hi, sh);
+        lo = hi;
+    }
+    const float wd = cuda_f16_to_f32_arith(*(const uint16_t *)blk);
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        if (ROWS == 1 || r < n_rows) {
+            const int4 qa = ((const int4 *)xq[r])[0], qb = ((const int4 *)xq[r])[1];
+            int isum = __dp4a(w[0], qa.x, 0);
+            isum = __dp4a(w[1], qa.y, isum);
+            isum = __dp4a(w[2], qa.z, isum);
+            isum = __dp4a(w[3], qa.w, isum);
+            isum = __dp4a(w[4], qb.x, isum);
+            isum = __dp4a(w[5], qb.y, isum);
+            isum = __dp4a(w[6], qb.z, isum);
+            isum = __dp4a(w[7], qb.w, isum);
+            acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, *xd[r]), __int2float_rn(isum)));
+        }
+    }
+}
+
 template <int ROWS>
 static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
                                                   int64_t x_stride, int64_t x_blocks, int n_rows, float (&acc)[ROWS]) {
+    static_assert(MV_STAGE / 34 <= 64, "a lane decodes at most two blocks of a stage");
     const int lane = threadIdx.x & 31;
+    if (lane >= n_blocks) return;
     const int64_t row_bytes = x_stride * (int64_t)sizeof(mv_q8_0);
-    for (int b = lane; b < n_blocks; b += 32) {
-        const uint8_t *blk = sw + 34 * b;
-        /* pointer arithmetic, not an integer mask, so that the loads stay
-         * shared-memory loads (sw is 16-byte aligned) */
-        const uint32_t *p = (const uint32_t *)(blk + ((b & 1) ? 2 : 0));
-        const int sh = (b & 1) ? 0 : 16;
-        int w[8];
-        uint32_t lo = p[0];
+    const int odd = lane & 1;
+    const int8_t *xq[ROWS];
+    const float *xd[ROWS];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const uint32_t hi = (i < 7 || sh) ? p[i + 1] : 0u;
-            w[i] = (int)__funnelshift_r(lo, hi, sh);
-            lo = hi;
-        }
-        const float wd = cuda_f16_to_f32(*(const uint16_t *)blk);
+    for (int r = 0; r < ROWS; r++) {
+        xq[r] = (const int8_t *)(x + r * row_bytes) + (b0 + lane) * 32;
+        xd[r] = (const float *)(x + r * row_bytes + x_blocks * 32) + b0 + lane;
+    }
+    q8_0_block<ROWS>(sw + 34 * lane, odd, xq, xd, n_rows, acc);
+    if (lane + 32 < n_blocks) { /* the lane's second block: 32 on */
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            if (r < n_rows) {
-                const uint8_t *xr = x + r * row_bytes;
-                const int4 *q = (const int4 *)(xr + (b0 + b) * 32);
-                const int4 qa = q[0], qb = q[1];
-                int isum = __dp4a(w[0], qa.x, 0);
-                isum = __dp4a(w[1], qa.y, isum);
-                isum = __dp4a(w[2], qa.z, isum);
-                isum = __dp4a(w[3], qa.w, isum);
-                isum = __dp4a(w[4], qb.x, isum);
-                isum = __dp4a(w[5], qb.y, isum);
-                isum = __dp4a(w[6], qb.z, isum);
-                isum = __dp4a(w[7], qb.w, isum);
-                const float xd = ((const float *)(xr + x_blocks * 32))[b0 + b];
-                acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xd), __int2float_rn(isum)));
-            }
-        }
+        for (int r = 0; r < ROWS; r++) xq[r] += 32 * 32, xd[r] += 32;
+        q8_0_block<ROWS>(sw + 34 * (lane + 32), odd, xq, xd, n_rows, acc);
     }
 }
 
@@ -293,8 +312,8 @@ template <> struct mvq<DS4_TYPE_Q2_K> {
         mmul[0] = sa >> 4, mmul[1] = sb >> 4;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
-        const float dall = __fmul_rn(yd, cuda_f16_to_f32(*(const uint16_t *)(blk + 80)));
-        const float dmin = __fmul_rn(yd, cuda_f16_to_f32(*(const uint16_t *)(blk + 82)));
+        const float dall = __fmul_rn(yd, cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 80)));
+        const float dmin = __fmul_rn(yd, cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 82)));
         return __fsub_rn(__fmul_rn(dall, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
     }
 };
@@ -316,8 +335,8 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
         mmul[0] = mmul[1] = m;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
-        const float d = __fmul_rn(cuda_f16_to_f32(*(const uint16_t *)blk), yd);
-        const float dmin = __fmul_rn(cuda_f16_to_f32(*(const uint16_t *)(blk + 2)), yd);
+        const float d = __fmul_rn(cuda_f16_to_f32_arith(*(const uint16_t *)blk), yd);
+        const float dmin = __fmul_rn(cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 2)), yd);
         return __fsub_rn(__fmul_rn(d, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
     }
 };
@@ -351,7 +370,7 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
         mmul[0] = mmul[1] = 0;
     }
     static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int) {
-        return __fmul_rn(__fmul_rn(cuda_f16_to_f32(*(const uint16_t *)blk), yd), __int2float_rn(isum));
+        return __fmul_rn(__fmul_rn(cuda_f16_to_f32_arith(*(const uint16_t *)blk), yd), __int2float_rn(isum));
     }
 };
 
@@ -375,12 +394,12 @@ template <> struct mvq<DS4_TYPE_Q8_K> {
  * whichever lanes add them; its first lane adds the CPU's block term.
  * Activations in the split layout (cuda_matvec.h): row r at x + r
  * row_bytes holds x_blocks blocks' codes, then their d, then their bsums;
- * b0 is the stage's first block within the row. With `aligned` (every row
+ * b0 is the stage's first block within the row. With ALIGNED (every row
  * 16-byte aligned) a lane's 32 codes are two 16-byte loads, a warp's four
  * blocks one contiguous kilobyte. */
-template <uint32_t T, int ROWS>
+template <uint32_t T, int ROWS, bool ALIGNED>
 static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
-                                                 int64_t row_bytes, int64_t x_blocks, int n_rows, bool aligned,
+                                                 int64_t row_bytes, int64_t x_blocks, int n_rows,
                                                  const iq2_tables *tab, float (&acc)[ROWS]) {
     typedef mvq<T> K;
     const int lane = threadIdx.x & 31, sub = lane & 7;
@@ -393,12 +412,12 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
         K::codes(blk, sub, tab, w, mul, mmul);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
-            if (r < n_rows) {
+            if (ROWS == 1 || r < n_rows) {
                 const uint8_t *xr = x + r * row_bytes;
                 const int64_t xb = b0 + bb;
                 const uint8_t *q8 = xr + xb * DS4_QK_K + 32 * sub;
                 int xq[8];
-                if (aligned) {
+                if constexpr (ALIGNED) {
                     const int4 qa = ((const int4 *)q8)[0], qb = ((const int4 *)q8)[1];
                     xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
                     xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
@@ -519,17 +538,30 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
     const int spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
     const int total = n_valid * spr;
     const uint8_t *wbase = a.w[z] + wrow0 * a.row_bytes + u0 * G::UNIT_BYTES;
-    int is_s = 0, is_j = 0, is_k = 0, is_slot = 0; /* the next stage to issue: index, row, stage in row, buffer */
+    /* the next stage to issue: its index, the units left in its row, this
+     * lane's source in the row and its shared-memory address in the stage's
+     * buffer; a stage is at most MV_COPIES 16-byte copies a lane, unrolled
+     * and predicated */
+    int is_s = 0, is_left = n_units;
+    const unsigned ring_lane = cuda_smem_addr(ring) + 16u * (unsigned)lane;
+    unsigned is_dst = ring_lane;
+    const uint8_t *is_row = wbase + 16 * lane, *is_src = is_row;
     auto issue = [&]() {
         if (is_s < total) {
-            const int first = is_k * G::STAGE_UNITS;
-            const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
-            const uint8_t *src = wbase + (int64_t)is_j * a.row_bytes + first * G::UNIT_BYTES;
-            uint8_t *dst = ring + is_slot * MV_STAGE;
-            const int n16 = cnt * G::UNIT_BYTES / 16;
-            for (int idx = lane; idx < n16; idx += 32) cp_async16(dst + 16 * idx, src + 16 * idx, true);
-            if (++is_k == spr) is_k = 0, is_j++;
-            if (++is_slot == MV_NST) is_slot = 0;
+            const int cnt = is_left < G::STAGE_UNITS ? is_left : G::STAGE_UNITS;
+            const int n16 = cnt * (G::UNIT_BYTES / 16) - lane; /* this lane copies 16-byte pieces c < n16 / 32 */
+#pragma unroll
+            for (int c = 0; c < MV_COPIES; c++)
+                if (32 * c < n16) cp_async16_to(is_dst + 512u * (unsigned)c, is_src + 512 * c);
+            is_left -= cnt;
+            if (is_left == 0) { /* the next row */
+                is_left = n_units;
+                is_row += a.row_bytes;
+                is_src = is_row;
+            } else {
+                is_src += G::STAGE_UNITS * G::UNIT_BYTES;
+            }
+            is_dst = is_dst == ring_lane + (MV_NST - 1) * MV_STAGE ? ring_lane : is_dst + MV_STAGE;
         }
         is_s++;
         cp_async_commit();
@@ -594,9 +626,12 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
             stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act_j, a.act_stride, n_rows, acc);
         else if constexpr (T == DS4_TYPE_Q8_0)
             stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, a.act_blocks, n_rows, acc);
+        else if (a.act_aligned) /* one kernel, the stage decoder specialised both ways */
+            stage_q8k<T, ROWS, true>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
+                                     tab, acc);
         else
-            stage_q8k<T, ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
-                               a.act_aligned != 0, tab, acc);
+            stage_q8k<T, ROWS, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
+                                      tab, acc);
         if (++k == spr) { /* row j done: its lane sum, then the next row */
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
