@@ -198,8 +198,14 @@ def md_one(data, label, out):
     ab = data.get("ab")
     if ab:
         va, vb = ab["variants"]["A"], ab["variants"]["B"]
-        out.append(f"A/B: A = {va['backend']}/{va['numerics']}/{va['threads']} threads, "
-                   f"B = A with {ab['key']}={md_cell(ab['value'])}; ratio = B/A tokens/s, paired 95% CI\n")
+        if ab["key"] == "command":  # --compare: B is another build or configuration
+            out.append(f"A/B: A = `{md_cell(va['command'])}` (commit {md_cell(va.get('commit'))}), "
+                       f"B = `{md_cell(vb['command'])}` (commit {md_cell(vb.get('commit'))}), "
+                       f"{va['backend']}/{va['numerics']}/{va['threads']} threads; ratio = B/A tokens/s, "
+                       f"paired 95% CI\n")
+        else:
+            out.append(f"A/B: A = {va['backend']}/{va['numerics']}/{va['threads']} threads, "
+                       f"B = A with {ab['key']}={md_cell(ab['value'])}; ratio = B/A tokens/s, paired 95% CI\n")
         out.append("| measurement | A tokens/s | B tokens/s | B/A | 95% CI | pairs | order |")
         out.append("|---|---:|---:|---:|---|---:|---|")
         for name, key in (("decode", "ctx"), ("prefill", "tokens")):

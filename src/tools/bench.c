@@ -6,8 +6,9 @@
  *   ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference]
  *                   [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]
  *                   [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]
- *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]
- *                   [--bandwidth GBPS | --bandwidth-mib N]
+ *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE | --compare CMD]
+ *                   [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]
+ *                   [--profile-token N]
  *
  * Protocol (../shared/docs/MEASURING.md): a fixed seeded token sequence,
  * greedy decoding with EOS ignored, warm-up runs first, every figure repeated
@@ -51,6 +52,12 @@
  *   at the first frontier and of the prefill at the largest size run in the
  *   order A B B A A B B A ..., and the B/A ratio of tokens/s comes with a
  *   paired 95% confidence interval (Student t on the per-pair log ratios).
+ * - Compare (--compare CMD): the same A/B rounds, but A is this binary and B
+ *   the command CMD (another build, or this one under other environment
+ *   variables), each run as a child `bench` process per sample (one decode
+ *   of --gen tokens at the frontier and one prefill, after --warmup untimed
+ *   runs), so only one of them holds the model at a time; its --json output
+ *   gives the sample. Both record their commit and model fingerprint.
  *
  * Output: a Markdown table on stdout (and --md FILE), the JSON to --json.
  * Progress goes to stderr. Exit status: 0 done, 1 a runtime failure, 2 bad
@@ -58,6 +65,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <sys/wait.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,6 +73,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <cjson/cJSON.h>
 
 #include "backends/backend.h"
 #include "core/error.h"
@@ -141,7 +151,8 @@ static char *command_line(const char *cmd, char *buf, size_t cap) {
 
 /* ------------------------------------------------------------ options */
 
-typedef enum ab_key { AB_NONE, AB_BACKEND, AB_NUMERICS, AB_THREADS } ab_key;
+typedef enum ab_key { AB_NONE, AB_BACKEND, AB_NUMERICS, AB_THREADS, AB_COMMAND } ab_key;
+static const char *const AB_KEYS[] = { "", "backend", "numerics", "threads", "command" };
 
 typedef struct opts {
     const char *model, *json, *md;
@@ -162,6 +173,7 @@ typedef struct opts {
     ab_key ab;
     char ab_value[16];
     const char *ab_arg;
+    const char *compare; /* --compare CMD: variant B is another ds4server (AB_COMMAND) */
 } opts;
 
 static const char *numerics_name(ds4_numerics n) { return n == DS4_NUMERICS_DS4 ? "ds4" : "reference"; }
@@ -174,7 +186,7 @@ static void print_help(void) {
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
            "                       [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]\n"
-           "                       [--profile-token N]\n"
+           "                       [--profile-token N] [--compare CMD]\n"
            "  Measures model load (and the first upload), prefill tokens/s at each --prefill size\n"
            "  (fresh state each sample), time to first token for a --ttft-token prompt (0: skip),\n"
            "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
@@ -196,6 +208,12 @@ static void print_help(void) {
            "                    set to VALUE; --repeat rounds of decode at the first frontier and\n"
            "                    prefill at the largest size, in the order A B B A A B B A ...;\n"
            "                    the B/A ratio of tokens/s with a paired 95%% confidence interval\n"
+           "  --compare CMD     A/B mode against another build or configuration: CMD (a shell command\n"
+           "                    line that runs a ds4server, e.g. 'env DS4_CUDA_GRAPH=0 ./ds4server' or\n"
+           "                    '../old/build/cuda/ds4server') is B, this binary A; each round runs\n"
+           "                    `bench` once per variant as a child process (one model in memory at\n"
+           "                    a time) for decode at the first frontier and prefill at the largest\n"
+           "                    size, in the order A B B A ...; ratio and interval as --ab\n"
            "  Markdown goes to stdout (and --md FILE), raw samples and provenance to --json OUT.\n"
            "  DS4_BENCH_COMMIT=ID records ID as the commit when git cannot tell.\n"
            "  ds4server bench --ops [...] times the model's weight products one by one (--ops --help).\n");
@@ -312,11 +330,17 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 return usage_error("--ab key must be backend, numerics or threads, not '%s'", v);
             }
             snprintf(o->ab_value, sizeof o->ab_value, "%s", val);
+        } else if (!strcmp(a, "--compare")) {
+            if (!v[0]) return usage_error("--compare takes the command line of another ds4server%s", "");
+            o->compare = v;
         } else {
             return usage_error("unknown option '%s'", a);
         }
     }
     if (!o->model == !o->synthetic) return usage_error("give a model: -m FILE or --synthetic NAME (one of them)%s", NULL);
+    if (o->compare && o->ab)
+        return usage_error("--compare and --ab are two A/B modes: give one of them%s", NULL);
+    if (o->compare) o->ab = AB_COMMAND;
     if (o->profile_token && (o->ab || o->profile_token > o->gen))
         return usage_error("--profile-token must name one of the --gen decoded tokens of a sweep (not with --ab)%s",
                            NULL);
@@ -449,6 +473,12 @@ typedef struct bench {
     dvec bw_samples;
     int64_t bw_bytes;
     ab_result ab_dec, ab_pre;
+    /* --compare: the config read from the file (no model is loaded here),
+     * each variant's command, and the commit and model fingerprint its
+     * first run reported */
+    ds4_config cfg_file;
+    char *cmd[2];
+    char cmp_commit[2][64], cmp_fingerprint[2][24];
     /* device time per kernel over the last frontier's decode (kernel timing on) */
     ds4_kernel_time kernels[KERNELS_MAX];
     int n_kernels, n_kernels_all;
@@ -883,6 +913,23 @@ static int run_batch(bench *b) {
 }
 
 
+/* The B/A ratio (geometric mean of the pairs) and its paired 95% interval
+ * (Student t on the per-pair log ratios; none for one pair). */
+static void ab_finish(ab_result *res) {
+    const dvec *d = &res->log_ratio;
+    const stats st = bench_stats_of(d);
+    res->ratio = exp(st.mean);
+    res->lo = res->hi = res->t_crit = NAN;
+    if (d->n >= 2) {
+        double ss = 0;
+        for (int64_t i = 0; i < d->n; i++) ss += (d->v[i] - st.mean) * (d->v[i] - st.mean);
+        const double se = sqrt(ss / (double)(d->n - 1)) / sqrt((double)d->n);
+        res->t_crit = t_crit_975(d->n - 1);
+        res->lo = exp(st.mean - res->t_crit * se);
+        res->hi = exp(st.mean + res->t_crit * se);
+    }
+}
+
 static int run_ab_exp(bench *b, ab_result *res, bool decode) {
     const int64_t R = b->o.repeat;
     res->order = calloc((size_t)(2 * R + 1), 1);
@@ -913,23 +960,13 @@ static int run_ab_exp(bench *b, ab_result *res, bool decode) {
         res->order[0] = 0;
         return 0;
     }
-    const dvec *d = &res->log_ratio;
-    const stats st = bench_stats_of(d);
-    res->ratio = exp(st.mean);
-    res->lo = res->hi = res->t_crit = NAN;
-    if (d->n >= 2) {
-        double ss = 0;
-        for (int64_t i = 0; i < d->n; i++) ss += (d->v[i] - st.mean) * (d->v[i] - st.mean);
-        const double se = sqrt(ss / (double)(d->n - 1)) / sqrt((double)d->n);
-        res->t_crit = t_crit_975(d->n - 1);
-        res->lo = exp(st.mean - res->t_crit * se);
-        res->hi = exp(st.mean + res->t_crit * se);
-    }
+    ab_finish(res);
     return 0;
 }
 
-static int run_ab(bench *b) {
-    /* decode at the first frontier that fits, prefill at the largest size that fits */
+/* The A/B sizes: decode at the first frontier that fits, prefill at the
+ * largest size that fits (a result is marked skipped when none does). */
+static void ab_sizes(bench *b) {
     ab_result *d = &b->ab_dec, *p = &b->ab_pre;
     d->size = -1;
     for (int i = 0; i < b->o.n_ctx && d->size < 0; i++)
@@ -941,16 +978,245 @@ static int run_ab(bench *b) {
         d->skipped = true;
         snprintf(d->reason, REASON_MAX, "no --ctx frontier + --gen fits the model's context of %llu",
                  (unsigned long long)b->cfg->context_length);
-    } else if (run_ab_exp(b, d, true)) {
-        return 1;
     }
     if (p->size < 0) {
         p->skipped = true;
         snprintf(p->reason, REASON_MAX, "no --prefill size fits the model's context of %llu",
                  (unsigned long long)b->cfg->context_length);
-    } else if (run_ab_exp(b, p, false)) {
-        return 1;
     }
+}
+
+static int run_ab(bench *b) {
+    ab_sizes(b);
+    if (!b->ab_dec.skipped && run_ab_exp(b, &b->ab_dec, true)) return 1;
+    if (!b->ab_pre.skipped && run_ab_exp(b, &b->ab_pre, false)) return 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------ --compare */
+
+/* s in single quotes for /bin/sh (each ' as '\''); NULL when out of memory. */
+static char *sh_quote(const char *s) {
+    size_t n = 3;
+    for (const char *c = s; *c; c++) n += *c == '\'' ? 4 : 1;
+    char *q = malloc(n), *w = q;
+    if (!q) return NULL;
+    *w++ = '\'';
+    for (const char *c = s; *c; c++) {
+        if (*c == '\'') {
+            memcpy(w, "'\\''", 4);
+            w += 4;
+        } else {
+            *w++ = *c;
+        }
+    }
+    *w++ = '\'';
+    *w = 0;
+    return q;
+}
+
+/* The last non-empty line of a file (at most cap - 1 bytes of it). */
+static void last_line(const char *path, char *out, size_t cap) {
+    out[0] = 0;
+    FILE *f = fopen(path, "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n")] = 0;
+        if (line[0]) snprintf(out, cap, "%.*s", (int)(cap - 1), line);
+    }
+    if (f) fclose(f);
+}
+
+/* The whole of a small file, NUL-terminated (NULL: unreadable or > 64 MiB). */
+static char *read_small_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n + 4096 + 1 > cap) {
+            cap = cap ? 2 * cap : 65536;
+            char *nb = cap <= ((size_t)64 << 20) ? realloc(buf, cap) : NULL;
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                return NULL;
+            }
+            buf = nb;
+        }
+        const size_t got = fread(buf + n, 1, 4096, f);
+        n += got;
+        if (got < 4096) break;
+    }
+    const bool bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return NULL;
+    }
+    buf[n] = 0;
+    return buf;
+}
+
+/* The sum and count of a JSON array of positive numbers (false if it is
+ * not one). */
+static bool json_positive_sum(const cJSON *arr, double *sum, int64_t *n) {
+    *sum = 0;
+    *n = 0;
+    if (!cJSON_IsArray(arr)) return false;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr) {
+        if (!cJSON_IsNumber(e) || !(e->valuedouble > 0) || !isfinite(e->valuedouble)) return false;
+        *sum += e->valuedouble;
+        (*n)++;
+    }
+    return *n > 0;
+}
+
+/* The row of `arr` whose `key` is `value`. */
+static const cJSON *json_row(const cJSON *arr, const char *key, int64_t value) {
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr) {
+        const cJSON *k = cJSON_GetObjectItemCaseSensitive(e, key);
+        if (cJSON_IsNumber(k) && (int64_t)k->valuedouble == value) return e;
+    }
+    return NULL;
+}
+
+/* One run of variant k (0: this binary, 1: --compare's command): `bench`
+ * with the same model, backend, numerics, threads, seed and chunk, decode
+ * of --gen tokens at ab_dec.size and prefill of ab_pre.size tokens, one
+ * sample each after --warmup untimed runs; its JSON gives seconds and
+ * tokens/s of each (a skipped size is not read). 0, or 1 with the error
+ * printed (naming the variant's command and the last line it printed). */
+static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
+    const opts *o = &b->o;
+    const char *dir = getenv("TMPDIR");
+    char js[512], log[512];
+    snprintf(js, sizeof js, "%s/ds4-compare-XXXXXX", dir && *dir ? dir : "/tmp");
+    snprintf(log, sizeof log, "%s/ds4-compare-log-XXXXXX", dir && *dir ? dir : "/tmp");
+    int fd = mkstemp(js);
+    if (fd < 0) return tool_fail(CMD, "%s: %s", js, strerror(errno));
+    close(fd);
+    fd = mkstemp(log);
+    if (fd < 0) {
+        unlink(js);
+        return tool_fail(CMD, "%s: %s", log, strerror(errno));
+    }
+    close(fd);
+    const int64_t dsz = b->ab_dec.skipped ? o->ctx[0] : b->ab_dec.size;
+    const int64_t psz = b->ab_pre.skipped ? o->prefill[0] : b->ab_pre.size;
+    char *model = sh_quote(o->synthetic ? o->synthetic : o->model), *qjs = sh_quote(js), *qlog = sh_quote(log);
+    char *line = NULL;
+    int rc = 0;
+    if (model && qjs && qlog) {
+        const char *fmt = "%s bench %s %s --backend %s --numerics %s --threads %lld --seed %llu --chunk %lld "
+                          "--ctx %lld --prefill %lld --gen %lld --repeat 1 --warmup %lld --ttft 0 --bandwidth 1 "
+                          "--json %s >/dev/null 2>%s";
+        const char *margs[2] = { o->synthetic ? "--synthetic" : "-m", model };
+        const int len = snprintf(NULL, 0, fmt, b->cmd[k], margs[0], margs[1], o->backend, numerics_name(o->num),
+                                 (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk,
+                                 (long long)dsz, (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
+        line = len > 0 ? malloc((size_t)len + 1) : NULL;
+        if (line)
+            snprintf(line, (size_t)len + 1, fmt, b->cmd[k], margs[0], margs[1], o->backend, numerics_name(o->num),
+                     (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk, (long long)dsz,
+                     (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
+    }
+    free(model);
+    free(qjs);
+    free(qlog);
+    const char *name = k ? "B" : "A";
+    if (!line) {
+        rc = tool_fail(CMD, "out of memory");
+        goto out;
+    }
+    fflush(stdout);
+    const int st = system(line);
+    free(line);
+    char tail[400];
+    last_line(log, tail, sizeof tail);
+    if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        rc = tool_fail(CMD, "variant %s (`%s`) failed (%s %d)%s%s", name, b->cmd[k],
+                       st != -1 && WIFEXITED(st) ? "exit status" : "signal or status",
+                       st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : st, tail[0] ? ": " : "", tail);
+        goto out;
+    }
+    char *text = read_small_file(js);
+    cJSON *root = text ? cJSON_Parse(text) : NULL;
+    free(text);
+    const cJSON *schema = cJSON_GetObjectItemCaseSensitive(root, "schema");
+    const cJSON *prov = cJSON_GetObjectItemCaseSensitive(root, "provenance");
+    const cJSON *dec = json_row(cJSON_GetObjectItemCaseSensitive(root, "decode"), "ctx", dsz);
+    const cJSON *pre = json_row(cJSON_GetObjectItemCaseSensitive(root, "prefill"), "tokens", psz);
+    double sum[2] = { 0, 0 };
+    int64_t n[2] = { 0, 0 };
+    const char *bad = !root ? "is not JSON"
+                      : !cJSON_IsString(schema) || strcmp(schema->valuestring, SCHEMA) ? "is not a " SCHEMA " result"
+                      : !b->ab_dec.skipped && (!dec || !json_positive_sum(cJSON_GetObjectItemCaseSensitive(dec,
+                                                           "samples_s"), &sum[0], &n[0]))
+                          ? "has no decode samples at the A/B frontier"
+                      : !b->ab_pre.skipped && (!pre || !json_positive_sum(cJSON_GetObjectItemCaseSensitive(pre,
+                                                           "samples_s"), &sum[1], &n[1]))
+                          ? "has no prefill sample at the A/B size"
+                          : NULL;
+    if (bad) {
+        rc = tool_fail(CMD, "variant %s (`%s`): its --json output %s", name, b->cmd[k], bad);
+        cJSON_Delete(root);
+        goto out;
+    }
+    /* decode: --gen tokens over the sum of their latencies; prefill: its one sample */
+    secs[0] = sum[0];
+    tps[0] = n[0] ? (double)n[0] / sum[0] : 0;
+    secs[1] = sum[1];
+    tps[1] = n[1] ? (double)psz / sum[1] : 0;
+    if (!b->cmp_commit[k][0]) {
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(prov, "commit");
+        const cJSON *fp = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(prov, "model"), "fingerprint");
+        snprintf(b->cmp_commit[k], sizeof b->cmp_commit[k], "%.63s", cJSON_IsString(c) ? c->valuestring : "unknown");
+        snprintf(b->cmp_fingerprint[k], sizeof b->cmp_fingerprint[k], "%.23s",
+                 cJSON_IsString(fp) ? fp->valuestring : "unknown");
+    }
+    cJSON_Delete(root);
+out:
+    unlink(js);
+    unlink(log);
+    return rc;
+}
+
+/* --compare: --repeat rounds, A B then B A, each variant one child run for
+ * both measurements; the pairs' ratio and interval as run_ab's. */
+static int run_compare(bench *b) {
+    ab_sizes(b);
+    if (b->ab_dec.skipped && b->ab_pre.skipped) return 0;
+    const int64_t R = b->o.repeat;
+    ab_result *res[2] = { &b->ab_dec, &b->ab_pre };
+    for (int e = 0; e < 2; e++)
+        if (!(res[e]->order = calloc((size_t)(2 * R + 1), 1))) return tool_fail(CMD, "out of memory");
+    for (int64_t r = 0; r < R; r++) {
+        fprintf(stderr, "ds4server bench: compare round %lld of %lld\n", (long long)r + 1, (long long)R);
+        double pair[2][2];
+        for (int j = 0; j < 2; j++) {
+            const int k = (r % 2 == 0) ? j : 1 - j; /* A B, then B A */
+            double secs[2], tps[2];
+            if (compare_run(b, k, secs, tps)) return 1;
+            for (int e = 0; e < 2; e++) {
+                if (res[e]->skipped) continue;
+                res[e]->order[2 * r + j] = k ? 'B' : 'A';
+                pair[e][k] = tps[e];
+                if (!bench_dvec_push(&res[e]->seconds, secs[e]) || !bench_dvec_push(&res[e]->tps, tps[e]))
+                    return tool_fail(CMD, "out of memory");
+            }
+        }
+        for (int e = 0; e < 2; e++)
+            if (!res[e]->skipped && !bench_dvec_push(&res[e]->log_ratio, log(pair[e][1] / pair[e][0])))
+                return tool_fail(CMD, "out of memory");
+    }
+    for (int e = 0; e < 2; e++)
+        if (!res[e]->skipped) ab_finish(res[e]);
+    if (strcmp(b->cmp_fingerprint[0], b->cmp_fingerprint[1]))
+        fprintf(stderr, "ds4server bench: warning: the variants report different model fingerprints (%s, %s): "
+                "they did not run the same weights\n", b->cmp_fingerprint[0], b->cmp_fingerprint[1]);
     return 0;
 }
 
@@ -1032,7 +1298,7 @@ static void get_provenance(bench *b, prov *p) {
     if (gmtime_r(&t, &tm)) strftime(p->date, sizeof p->date, "%Y-%m-%dT%H:%M:%SZ", &tm);
     struct stat sb;
     p->file_bytes = b->o.model && stat(b->o.model, &sb) == 0 ? (int64_t)sb.st_size : (int64_t)b->f->size;
-    p->fingerprint = ds4_model_fingerprint(b->var[0].m);
+    p->fingerprint = b->var[0].m ? ds4_model_fingerprint(b->var[0].m) : strtoull(b->cmp_fingerprint[0], NULL, 16);
 }
 
 /* ------------------------------------------------------------ JSON */
@@ -1162,6 +1428,9 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
             (long long)o->gen, (long long)o->repeat, (long long)o->warmup, (long long)o->ttft,
             (unsigned long long)o->seed, (long long)o->chunk);
     if (o->ab_arg) bench_json_str(f, o->ab_arg);
+    else fputs("null", f);
+    fputs(", \"compare\": ", f);
+    if (o->compare) bench_json_str(f, o->compare);
     else fputs("null", f);
     fputs(", \"bandwidth_gbps\": ", f);
     bench_json_num(f, o->bandwidth > 0 ? o->bandwidth : NAN);
@@ -1348,13 +1617,24 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     /* A/B */
     fputs("  \"ab\": ", f);
     if (o->ab) {
-        const char *keys[] = { "", "backend", "numerics", "threads" };
-        fprintf(f, "{\"key\": \"%s\", \"value\": ", keys[o->ab]);
-        bench_json_str(f, o->ab_value);
+        fprintf(f, "{\"key\": \"%s\", \"value\": ", AB_KEYS[o->ab]);
+        bench_json_str(f, o->ab == AB_COMMAND ? o->compare : o->ab_value);
         fputs(",\n    \"variants\": {\"A\": ", f);
-        json_load(f, &b->var[0]);
-        fputs(", \"B\": ", f);
-        json_load(f, &b->var[1]);
+        for (int v = 0; v < 2; v++) {
+            if (v) fputs(", \"B\": ", f);
+            if (o->ab != AB_COMMAND) {
+                json_load(f, &b->var[v]);
+                continue;
+            }
+            fprintf(f, "{\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"command\": ", o->backend,
+                    numerics_name(o->num), (long long)o->threads);
+            bench_json_str(f, b->cmd[v]);
+            fputs(", \"commit\": ", f);
+            bench_json_str(f, b->cmp_commit[v]);
+            fputs(", \"fingerprint\": ", f);
+            bench_json_str(f, b->cmp_fingerprint[v]);
+            fputc('}', f);
+        }
         fputs("},\n    \"decode\": ", f);
         json_ab(f, &b->ab_dec, "ctx");
         fputs(",\n    \"prefill\": ", f);
@@ -1398,7 +1678,7 @@ static void write_md(FILE *f, bench *b, const prov *p) {
             (long long)v->threads, p->commit, p->dirty == 1 ? " (modified)" : "", p->date);
     fprintf(f, "- device: %s; host: %s, %ld cores; compiler: %s\n", p->device, p->host_cpu, p->host_cores,
             p->compiler);
-    for (int k = 0; k < b->n_var; k++) {
+    for (int k = 0; k < b->n_var && o->ab != AB_COMMAND; k++) {
         const variant *w = &b->var[k];
         fprintf(f, "- load%s: %.3f s (open %.3f s, weights %.3f s, %.3f GB bound", b->n_var > 1 ? (k ? " B" : " A") : "",
                 w->load.open_s + w->load.weights_s, w->load.open_s, w->load.weights_s, (double)w->load.bytes_bound / 1e9);
@@ -1406,11 +1686,16 @@ static void write_md(FILE *f, bench *b, const prov *p) {
             fprintf(f, "; upload %.2f GB/s", (double)w->load.device_weights / w->load.weights_s / 1e9);
         fprintf(f, ")\n");
     }
-    if (o->ab) {
-        const char *keys[] = { "", "backend", "numerics", "threads" };
+    if (o->ab == AB_COMMAND)
+        fprintf(f, "\nA/B: A = `%s` (commit %s), B = `%s` (commit %s), each round one child run per variant; "
+                "%lld rounds in the order A B B A ...; ratio = B/A tokens/s (geometric mean of the pairs) with a "
+                "paired 95%% CI\n\n",
+                b->cmd[0], b->cmp_commit[0], b->cmd[1], b->cmp_commit[1], (long long)o->repeat);
+    else if (o->ab)
         fprintf(f, "\nA/B: B = A with %s=%s; %lld rounds in the order A B B A ...; ratio = B/A tokens/s "
                 "(geometric mean of the pairs) with a paired 95%% CI\n\n",
-                keys[o->ab], o->ab_value, (long long)o->repeat);
+                AB_KEYS[o->ab], o->ab_value, (long long)o->repeat);
+    if (o->ab) {
         fprintf(f, "| measurement | A tokens/s | B tokens/s | B/A | 95%% CI | pairs | order |\n");
         fprintf(f, "|---|---:|---:|---:|---|---:|---|\n");
         md_ab_row(f, "decode at", &b->ab_dec, "");
@@ -1545,6 +1830,8 @@ static void bench_free(bench *b) {
         free(ab[i]->tps.v);
         free(ab[i]->log_ratio.v);
     }
+    free(b->cmd[0]);
+    free(b->cmd[1]);
     free(b->ttft.v);
     free(b->bw_samples.v);
     free(b->tokens);
@@ -1612,6 +1899,28 @@ int tool_bench(int argc, char **argv) {
     snprintf(A->backend, sizeof A->backend, "%s", o->backend);
     A->num = o->num;
     A->threads = o->threads;
+    if (o->ab == AB_COMMAND) { /* no model here: each round runs both variants as child processes */
+        if (ds4_config_from_gguf(b->f, &b->cfg_file, &err)) {
+            rc = tool_fail(CMD, "%s", err.message);
+            goto done;
+        }
+        b->cfg = &b->cfg_file;
+        char self[4096];
+        const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (n <= 0) {
+            rc = tool_fail(CMD, "cannot tell this binary's path (/proc/self/exe): %s", strerror(errno));
+            goto done;
+        }
+        self[n] = 0;
+        b->cmd[0] = sh_quote(self);
+        b->cmd[1] = strdup(o->compare);
+        if (!b->cmd[0] || !b->cmd[1]) {
+            rc = tool_fail(CMD, "out of memory");
+            goto done;
+        }
+        if ((rc = run_compare(b))) goto done;
+        goto report;
+    }
     b->n_var = 1; /* from here bench_free releases what the variants own */
     fprintf(stderr, "ds4server bench: loading %s on %s\n", o->model_label, A->backend);
     if ((rc = load_variant(b, A))) goto done;
@@ -1667,6 +1976,7 @@ int tool_bench(int argc, char **argv) {
     }
     if (!o->ab) run_bandwidth(b);
 
+report:;
     prov p;
     get_provenance(b, &p);
     write_md(stdout, b, &p);

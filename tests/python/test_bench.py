@@ -276,6 +276,91 @@ def test_ab_frontier_beyond_context(model, tmp_path):
     assert a["prefill"]["order"] == ["A", "B"] and a["prefill"]["ci95"] is None  # one pair: no interval
 
 
+# --compare: B is a command line (here a wrapper that logs its environment
+# and arguments, then runs this same binary), A this binary; each sample is
+# one child `bench` run.
+def wrapper(tmp_path, body):
+    w = tmp_path / "variant-b.sh"
+    w.write_text("#!/bin/sh\n" + body)
+    w.chmod(0o755)
+    return w
+
+
+def test_compare(model, tmp_path, ds4server):
+    log = tmp_path / "b.log"
+    w = wrapper(tmp_path, f'echo "$DS4_BENCH_TAG $*" >> "{log}"\nexec "{ds4server}" "$@"\n')
+    js, md = tmp_path / "cmp.json", tmp_path / "cmp.md"
+    cmd = f"env DS4_BENCH_TAG=tagged {w}"
+    r = ds4("bench", "-m", model, "--ctx", "12", "--prefill", "4,10", "--gen", "3", "--repeat", "3",
+            "--warmup", "1", "--threads", "1", "--compare", cmd, "--json", js, "--md", md)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    d = json.loads(js.read_text())
+    assert d["mode"] == "ab" and d["prefill"] == [] and d["decode"] == []
+    assert d["options"]["compare"] == cmd and d["options"]["ab"] is None
+    a = d["ab"]
+    assert a["key"] == "command" and a["value"] == cmd
+    va, vb = a["variants"]["A"], a["variants"]["B"]
+    assert vb["command"] == cmd and str(ds4server.resolve()) in va["command"]
+    assert va["commit"] == vb["commit"] == d["provenance"]["commit"]
+    assert va["fingerprint"] == vb["fingerprint"] == d["provenance"]["model"]["fingerprint"]
+    assert a["decode"]["ctx"] == 12 and a["prefill"]["tokens"] == 10  # the largest size
+    for exp in (a["decode"], a["prefill"]):
+        check_ab(exp, 3)
+        assert math.isclose(exp["t_crit"], 4.30265273, rel_tol=1e-5)  # Student t, 2 degrees of freedom
+    # B ran once per round, with its environment, the model and one sample of each measurement
+    runs = log.read_text().splitlines()
+    assert len(runs) == 3
+    for line in runs:
+        tag, *args = line.split()
+        assert tag == "tagged" and args[0] == "bench" and str(model) in args
+        flags = dict(zip(args[1::2], args[2::2]))
+        assert flags["--ctx"] == "12" and flags["--prefill"] == "10" and flags["--gen"] == "3"
+        assert flags["--repeat"] == "1" and flags["--warmup"] == "1" and flags["--threads"] == "1"
+        assert flags["--ttft"] == "0" and "--compare" not in args
+    text = md.read_text()
+    assert "| decode at 12" in text and "ABBAAB" in text and cmd in text
+    # the report names both commands and commits
+    out = tmp_path / "report.md"
+    rr = subprocess.run([sys.executable, REPORT, js, "--md", out, "--svg", tmp_path / "plot.svg"], capture_output=True,
+                        timeout=60)
+    assert rr.returncode == 0, rr.stderr.decode()
+    rep = out.read_text()
+    assert f"B = `{cmd}` (commit {vb['commit']})" in rep and "| decode at 12 |" in rep
+
+
+def test_compare_frontier_beyond_context(model, tmp_path, ds4server):
+    js = tmp_path / "cmp.json"
+    r = ds4("bench", "-m", model, "--ctx", "5000", "--prefill", "6", "--gen", "2", "--repeat", "2", "--warmup", "0",
+            "--threads", "1", "--compare", str(ds4server), "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    a = json.loads(js.read_text())["ab"]
+    assert a["decode"]["skipped"] and "context" in a["decode"]["reason"] and a["decode"]["order"] == []
+    check_ab(a["prefill"], 2)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("exit 3\n", "variant B (`{w}`) failed (exit status 3)"),
+    ("echo 'cannot open the device' >&2; exit 1\n", "failed (exit status 1): cannot open the device"),
+    # writes something other than a bench result where --json points
+    ('while [ $# -gt 1 ]; do [ "$1" = --json ] && echo "{not json" > "$2"; shift; done\n', "is not JSON"),
+    ('while [ $# -gt 1 ]; do [ "$1" = --json ] && echo \'{"schema": "other"}\' > "$2"; shift; done\n',
+     "is not a ds4server-bench/1 result"),
+    ('while [ $# -gt 1 ]; do [ "$1" = --json ] && echo \'{"schema": "ds4server-bench/1", "decode": []}\' > "$2"; '
+     'shift; done\n', "has no decode samples"),
+])
+def test_compare_variant_failures(model, tmp_path, body, message):
+    w = wrapper(tmp_path, body)
+    js = tmp_path / "cmp.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "1", "--warmup", "0",
+            "--threads", "1", "--compare", str(w), "--json", js, env=dict(os.environ, TMPDIR=str(tmp)))
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    assert message.format(w=w) in err, err
+    assert not list(tmp.iterdir())  # its temporary files are gone
+
+
 @pytest.mark.parametrize("args", [
     [],                                  # no model
     ["--gen", "0"],
@@ -303,6 +388,9 @@ def test_ab_frontier_beyond_context(model, tmp_path):
     ["--profile-token", "x"],
     ["--gen", "4", "--profile-token", "5"],  # past the decoded tokens
     ["--profile-token", "1", "--ab", "threads=1"],
+    ["--compare", ""],
+    ["--compare", "./other", "--ab", "threads=1"],
+    ["--profile-token", "1", "--compare", "./other"],
     ["--frobnicate", "1"],
     ["stray"],
 ])
