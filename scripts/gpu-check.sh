@@ -33,9 +33,10 @@
 #                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2)
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
-#                               decode), PERF_AB="VAR=0 ..." adds a short
-#                               bench per variable (e.g. DS4_CUDA_GRAPH=0, DS4_CUDA_MATVEC=0,
-#                               DS4_CUDA_GEMM=0; at context AB_CTX, default 256), and an nsys per-kernel table;
+#                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
+#                               the defaults (bench --compare, AB_REPEAT rounds, default 4, of decode
+#                               at context AB_CTX, default 256, and prefill of 128; e.g. DS4_CUDA_GRAPH=0,
+#                               DS4_CUDA_MATVEC=0, DS4_CUDA_GEMM=0), and an nsys per-kernel table;
 #                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
 #                               device in about a second) instead of writing and loading the file
 #                     kernels   ncu (Nsight Compute) times each kernel of one decoded token of the
@@ -210,14 +211,26 @@ perf_stage() {
     else
         record "bench full q2" "FAIL (exit $?)"
     fi
-    local v envs
+    # each variable against the build as it is, alternated in one run
+    # (bench --compare: rounds A B B A ..., one child run per sample)
+    local v envs js ratio
     for v in ${PERF_AB:-}; do
-        section "decode with $v"
+        section "A/B: $v against the defaults"
         envs_of "$v"
-        if env "${envs[@]}" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
-            --ctx "${AB_CTX:-256}" --prefill 1,128 --gen 32 --repeat 2 --warmup 1 --ttft 0 \
-            --json "$out/bench-${v//[^A-Za-z0-9_]/_}.json" --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
-            record "bench full q2 ($v)" PASS
+        js="$out/bench-${v//[^A-Za-z0-9_]/_}.json"
+        if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
+            --ctx "${AB_CTX:-256}" --prefill 128 --gen 32 --repeat "${AB_REPEAT:-4}" --warmup 1 \
+            --compare "env ${envs[*]} $PWD/build/cuda/ds4server" --json "$js" \
+            --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
+            ratio=$(python3 -c 'import json, sys
+a = json.load(open(sys.argv[1]))["ab"]
+def f(e):
+    r = a[e]
+    if r["skipped"]: return e + " skipped"
+    ci = r["ci95"]
+    return "%s B/A %.3f%s" % (e, r["ratio"], " [%.3f, %.3f]" % tuple(ci) if ci else "")
+print(", ".join(f(e) for e in ("decode", "prefill")))' "$js" 2>/dev/null)
+            record "bench full q2 ($v)" "PASS (${ratio:-no ratio})"
         else
             record "bench full q2 ($v)" "FAIL (exit $?)"
         fi
