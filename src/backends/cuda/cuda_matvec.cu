@@ -238,8 +238,8 @@ static __device__ __forceinline__ void stage_float(const uint8_t *sw, int n_bloc
  * rows. The block scale's conversion need not keep a NaN's payload
  * (cuda_f16_to_f32_arith). */
 template <int ROWS>
-static __device__ __forceinline__ void q8_0_block(const uint8_t *blk, int odd, const int8_t *const (&xq)[ROWS],
-                                                  const float *const (&xd)[ROWS], int n_rows, float (&acc)[ROWS]) {
+static __device__ __forceinline__ void q8_0_block(const uint8_t *blk, int odd, const int8_t *xq, const float *xd,
+                                                  int64_t row_bytes, int n_rows, float (&acc)[ROWS]) {
     /* pointer arithmetic, not an integer mask, so that the loads stay
      * shared-memory loads (the stage is 16-byte aligned) */
     const uint32_t *p = (const uint32_t *)(blk + 2 * odd);
@@ -256,7 +256,10 @@ static __device__ __forceinline__ void q8_0_block(const uint8_t *blk, int odd, c
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         if (ROWS == 1 || r < n_rows) {
-            const int4 qa = ((const int4 *)xq[r])[0], qb = ((const int4 *)xq[r])[1];
+            /* row r's codes and scale: row_bytes on from row 0's (one base
+             * pointer for all rows, so that eight rows cost no registers) */
+            const int4 *q = (const int4 *)(xq + r * row_bytes);
+            const int4 qa = q[0], qb = q[1];
             int isum = __dp4a(w[0], qa.x, 0);
             isum = __dp4a(w[1], qa.y, isum);
             isum = __dp4a(w[2], qa.z, isum);
@@ -265,7 +268,8 @@ static __device__ __forceinline__ void q8_0_block(const uint8_t *blk, int odd, c
             isum = __dp4a(w[5], qb.y, isum);
             isum = __dp4a(w[6], qb.z, isum);
             isum = __dp4a(w[7], qb.w, isum);
-            acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, *xd[r]), __int2float_rn(isum)));
+            const float xs = *(const float *)((const uint8_t *)xd + r * row_bytes);
+            acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd, xs), __int2float_rn(isum)));
         }
     }
 }
@@ -275,21 +279,21 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
                                                   int64_t x_stride, int64_t x_blocks, int n_rows, float (&acc)[ROWS]) {
     static_assert(MV_STAGE / 34 <= 64, "a lane decodes at most two blocks of a stage");
     const int lane = threadIdx.x & 31;
-    if (lane >= n_blocks) return;
     const int64_t row_bytes = x_stride * (int64_t)sizeof(mv_q8_0);
     const int odd = lane & 1;
-    const int8_t *xq[ROWS];
-    const float *xd[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        xq[r] = (const int8_t *)(x + r * row_bytes) + (b0 + lane) * 32;
-        xd[r] = (const float *)(x + r * row_bytes + x_blocks * 32) + b0 + lane;
-    }
-    q8_0_block<ROWS>(sw + 34 * lane, odd, xq, xd, n_rows, acc);
-    if (lane + 32 < n_blocks) { /* the lane's second block: 32 on */
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) xq[r] += 32 * 32, xd[r] += 32;
-        q8_0_block<ROWS>(sw + 34 * (lane + 32), odd, xq, xd, n_rows, acc);
+    const int8_t *xq = (const int8_t *)x + (b0 + lane) * 32;
+    const float *xd = (const float *)(x + x_blocks * 32) + b0 + lane;
+    if constexpr (ROWS == 1) { /* the lane's one or two blocks, unrolled */
+        if (lane >= n_blocks) return;
+        q8_0_block<ROWS>(sw + 34 * lane, odd, xq, xd, row_bytes, n_rows, acc);
+        if (lane + 32 < n_blocks) q8_0_block<ROWS>(sw + 34 * (lane + 32), odd, xq + 32 * 32, xd + 32, row_bytes, n_rows, acc);
+    } else {
+        /* not unrolled: the second block's loads would be hoisted beside the
+         * first's (up to eight rows of codes: 80 registers, three blocks per
+         * SM instead of four) */
+#pragma unroll 1
+        for (int b = lane; b < n_blocks; b += 32, xq += 32 * 32, xd += 32)
+            q8_0_block<ROWS>(sw + 34 * b, odd, xq, xd, row_bytes, n_rows, acc);
     }
 }
 
