@@ -220,7 +220,7 @@ perf_stage() {
         js="$out/bench-${v//[^A-Za-z0-9_]/_}.json"
         if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
             --ctx "${AB_CTX:-256}" --prefill 128 --gen 32 --repeat "${AB_REPEAT:-4}" --warmup 1 \
-            --compare "env ${envs[*]} $PWD/build/cuda/ds4server" --json "$js" \
+            --compare "env $(printf '%q ' "${envs[@]}" "$PWD/build/cuda/ds4server")" --json "$js" \
             --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
             ratio=$(python3 -c 'import json, sys
 a = json.load(open(sys.argv[1]))["ab"]

@@ -65,6 +65,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -174,6 +175,7 @@ typedef struct opts {
     char ab_value[16];
     const char *ab_arg;
     const char *compare; /* --compare CMD: variant B is another ds4server (AB_COMMAND) */
+    bool ttft_given, bw_mib_given; /* options --compare does not take */
 } opts;
 
 static const char *numerics_name(ds4_numerics n) { return n == DS4_NUMERICS_DS4 ? "ds4" : "reference"; }
@@ -213,7 +215,8 @@ static void print_help(void) {
            "                    '../old/build/cuda/ds4server') is B, this binary A; each round runs\n"
            "                    `bench` once per variant as a child process (one model in memory at\n"
            "                    a time) for decode at the first frontier and prefill at the largest\n"
-           "                    size, in the order A B B A ...; ratio and interval as --ab\n"
+           "                    size, in the order A B B A ...; ratio and interval as --ab (a failing\n"
+           "                    child run ends it, with its last line of output)\n"
            "  Markdown goes to stdout (and --md FILE), raw samples and provenance to --json OUT.\n"
            "  DS4_BENCH_COMMIT=ID records ID as the commit when git cannot tell.\n"
            "  ds4server bench --ops [...] times the model's weight products one by one (--ops --help).\n");
@@ -295,12 +298,14 @@ static int parse_opts(int argc, char **argv, opts *o) {
             if (!bench_parse_i64(v, 0, 100000, &o->warmup)) return usage_error("--warmup must be 0..100000, not '%s'", v);
         } else if (!strcmp(a, "--ttft")) {
             if (!bench_parse_i64(v, 0, BIG, &o->ttft)) return usage_error("--ttft must be a token count (0: skip), not '%s'", v);
+            o->ttft_given = true;
         } else if (!strcmp(a, "--threads")) {
             if (!bench_parse_i64(v, 1, 4096, &o->threads)) return usage_error("--threads must be 1..4096, not '%s'", v);
         } else if (!strcmp(a, "--chunk")) {
             if (!bench_parse_i64(v, 1, BIG, &o->chunk)) return usage_error("--chunk must be a positive token count, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth-mib")) {
             if (!bench_parse_i64(v, 1, 1 << 20, &o->bw_mib)) return usage_error("--bandwidth-mib must be 1..1048576, not '%s'", v);
+            o->bw_mib_given = true;
         } else if (!strcmp(a, "--profile-token")) {
             if (!bench_parse_i64(v, 1, 1000000, &o->profile_token))
                 return usage_error("--profile-token must be a decoded token 1..1000000, not '%s'", v);
@@ -331,7 +336,12 @@ static int parse_opts(int argc, char **argv, opts *o) {
             }
             snprintf(o->ab_value, sizeof o->ab_value, "%s", val);
         } else if (!strcmp(a, "--compare")) {
-            if (!v[0]) return usage_error("--compare takes the command line of another ds4server%s", "");
+            /* spliced into a shell line before bench's arguments: nothing that would end it there */
+            size_t n = strlen(v);
+            while (n && (v[n - 1] == ' ' || v[n - 1] == '\t')) n--;
+            if (!n || strchr(v, '\n') || strchr(v, '\r') || strchr(";&|#\\", v[n - 1]))
+                return usage_error("--compare takes the command line of another ds4server, one line that does not "
+                                   "end in ; & | # or \\, not '%s'", v);
             o->compare = v;
         } else {
             return usage_error("unknown option '%s'", a);
@@ -340,6 +350,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
     if (!o->model == !o->synthetic) return usage_error("give a model: -m FILE or --synthetic NAME (one of them)%s", NULL);
     if (o->compare && o->ab)
         return usage_error("--compare and --ab are two A/B modes: give one of them%s", NULL);
+    if (o->compare && (o->n_batch || o->ttft_given || o->bandwidth > 0 || o->bw_mib_given))
+        return usage_error("--compare measures decode and prefill only: not with --batch, --ttft or --bandwidth%s",
+                           NULL);
     if (o->compare) o->ab = AB_COMMAND;
     if (o->profile_token && (o->ab || o->profile_token > o->gen))
         return usage_error("--profile-token must name one of the --gen decoded tokens of a sweep (not with --ab)%s",
@@ -478,6 +491,7 @@ typedef struct bench {
      * first run reported */
     ds4_config cfg_file;
     char *cmd[2];
+    char *model_abs; /* the model file's absolute path (a child may start elsewhere) */
     char cmp_commit[2][64], cmp_fingerprint[2][24];
     /* device time per kernel over the last frontier's decode (kernel timing on) */
     ds4_kernel_time kernels[KERNELS_MAX];
@@ -1089,24 +1103,59 @@ static const cJSON *json_row(const cJSON *arr, const char *key, int64_t value) {
  * sample each after --warmup untimed runs; its JSON gives seconds and
  * tokens/s of each (a skipped size is not read). 0, or 1 with the error
  * printed (naming the variant's command and the last line it printed). */
+/* The directory of a --compare run's child outputs (mkdtemp), and the
+ * child running now (a process group of its own: the shell and what it
+ * starts): a SIGINT, SIGTERM or SIGHUP stops the group, removes the
+ * directory and ends the run with that signal. */
+static char g_cmp_dir[600], g_cmp_json[640], g_cmp_log[640];
+static volatile pid_t g_cmp_child;
+
+static void compare_cleanup(void) {
+    if (!g_cmp_dir[0]) return;
+    unlink(g_cmp_json);
+    unlink(g_cmp_log);
+    rmdir(g_cmp_dir);
+}
+
+static void compare_on_signal(int sig) {
+    const pid_t c = g_cmp_child;
+    if (c > 0) kill(-c, SIGTERM);
+    compare_cleanup();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+/* Run `line` with /bin/sh as a child; its wait status, or -1. */
+static int compare_spawn(const char *line) {
+    fflush(stdout);
+    fflush(stderr);
+    const pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        setpgid(0, 0);
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        signal(SIGHUP, SIG_DFL);
+        execl("/bin/sh", "sh", "-c", line, (char *)NULL);
+        _exit(127);
+    }
+    setpgid(pid, pid); /* also here: the group exists before a signal can come */
+    g_cmp_child = pid;
+    int st;
+    pid_t r;
+    while ((r = waitpid(pid, &st, 0)) < 0 && errno == EINTR) {
+    }
+    g_cmp_child = 0;
+    return r == pid ? st : -1;
+}
+
 static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
     const opts *o = &b->o;
-    const char *dir = getenv("TMPDIR");
-    char js[512], log[512];
-    snprintf(js, sizeof js, "%s/ds4-compare-XXXXXX", dir && *dir ? dir : "/tmp");
-    snprintf(log, sizeof log, "%s/ds4-compare-log-XXXXXX", dir && *dir ? dir : "/tmp");
-    int fd = mkstemp(js);
-    if (fd < 0) return tool_fail(CMD, "%s: %s", js, strerror(errno));
-    close(fd);
-    fd = mkstemp(log);
-    if (fd < 0) {
-        unlink(js);
-        return tool_fail(CMD, "%s: %s", log, strerror(errno));
-    }
-    close(fd);
+    const char *js = g_cmp_json, *log = g_cmp_log;
+    unlink(js); /* nothing of the previous run can be read as this one's */
     const int64_t dsz = b->ab_dec.skipped ? o->ctx[0] : b->ab_dec.size;
     const int64_t psz = b->ab_pre.skipped ? o->prefill[0] : b->ab_pre.size;
-    char *model = sh_quote(o->synthetic ? o->synthetic : o->model), *qjs = sh_quote(js), *qlog = sh_quote(log);
+    char *model = sh_quote(o->synthetic ? o->synthetic : b->model_abs), *qjs = sh_quote(js), *qlog = sh_quote(log);
     char *line = NULL;
     int rc = 0;
     if (model && qjs && qlog) {
@@ -1127,20 +1176,19 @@ static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
     free(qjs);
     free(qlog);
     const char *name = k ? "B" : "A";
-    if (!line) {
-        rc = tool_fail(CMD, "out of memory");
-        goto out;
-    }
-    fflush(stdout);
-    const int st = system(line);
+    if (!line) return tool_fail(CMD, "out of memory");
+    const int st = compare_spawn(line);
     free(line);
     char tail[400];
     last_line(log, tail, sizeof tail);
-    if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-        rc = tool_fail(CMD, "variant %s (`%s`) failed (%s %d)%s%s", name, b->cmd[k],
-                       st != -1 && WIFEXITED(st) ? "exit status" : "signal or status",
-                       st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : st, tail[0] ? ": " : "", tail);
-        goto out;
+    if (st == -1) return tool_fail(CMD, "variant %s (`%s`): cannot run /bin/sh: %s", name, b->cmd[k], strerror(errno));
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        char how[64];
+        if (WIFSIGNALED(st)) snprintf(how, sizeof how, "killed by signal %d", WTERMSIG(st));
+        else if (WEXITSTATUS(st) > 128 && WEXITSTATUS(st) < 128 + 65) /* the shell's report of a killed command */
+            snprintf(how, sizeof how, "exit status %d: signal %d", WEXITSTATUS(st), WEXITSTATUS(st) - 128);
+        else snprintf(how, sizeof how, "exit status %d", WIFEXITED(st) ? WEXITSTATUS(st) : st);
+        return tool_fail(CMD, "variant %s (`%s`) failed (%s)%s%s", name, b->cmd[k], how, tail[0] ? ": " : "", tail);
     }
     char *text = read_small_file(js);
     cJSON *root = text ? cJSON_Parse(text) : NULL;
@@ -1163,7 +1211,7 @@ static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
     if (bad) {
         rc = tool_fail(CMD, "variant %s (`%s`): its --json output %s", name, b->cmd[k], bad);
         cJSON_Delete(root);
-        goto out;
+        return rc;
     }
     /* decode: --gen tokens over the sum of their latencies; prefill: its one sample */
     secs[0] = sum[0];
@@ -1178,17 +1226,44 @@ static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
                  cJSON_IsString(fp) ? fp->valuestring : "unknown");
     }
     cJSON_Delete(root);
-out:
-    unlink(js);
-    unlink(log);
     return rc;
 }
 
 /* --compare: --repeat rounds, A B then B A, each variant one child run for
  * both measurements; the pairs' ratio and interval as run_ab's. */
+static int run_compare_rounds(bench *b);
+
 static int run_compare(bench *b) {
     ab_sizes(b);
     if (b->ab_dec.skipped && b->ab_pre.skipped) return 0;
+    const char *tmp = getenv("TMPDIR");
+    char base[4096];
+    if (!realpath(tmp && *tmp ? tmp : "/tmp", base)) return tool_fail(CMD, "%s: %s", tmp && *tmp ? tmp : "/tmp", strerror(errno));
+    if ((size_t)snprintf(g_cmp_dir, sizeof g_cmp_dir, "%s/ds4-compare-XXXXXX", base) >= sizeof g_cmp_dir) {
+        g_cmp_dir[0] = 0;
+        return tool_fail(CMD, "TMPDIR %s is too long a path", base);
+    }
+    if (!mkdtemp(g_cmp_dir)) {
+        const int e = errno;
+        g_cmp_dir[0] = 0;
+        return tool_fail(CMD, "a directory in %s: %s", base, strerror(e));
+    }
+    snprintf(g_cmp_json, sizeof g_cmp_json, "%s/result.json", g_cmp_dir);
+    snprintf(g_cmp_log, sizeof g_cmp_log, "%s/stderr.log", g_cmp_dir);
+    struct sigaction sa, old[3];
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = compare_on_signal;
+    sigemptyset(&sa.sa_mask);
+    const int sigs[3] = { SIGINT, SIGTERM, SIGHUP };
+    for (int i = 0; i < 3; i++) sigaction(sigs[i], &sa, &old[i]);
+    const int rc = run_compare_rounds(b);
+    for (int i = 0; i < 3; i++) sigaction(sigs[i], &old[i], NULL);
+    compare_cleanup();
+    g_cmp_dir[0] = 0;
+    return rc;
+}
+
+static int run_compare_rounds(bench *b) {
     const int64_t R = b->o.repeat;
     ab_result *res[2] = { &b->ab_dec, &b->ab_pre };
     for (int e = 0; e < 2; e++)
@@ -1232,6 +1307,7 @@ typedef struct prov {
     char date[32];
     int64_t file_bytes;
     uint64_t fingerprint;
+    bool fingerprint_known;
 } prov;
 
 static void get_provenance(bench *b, prov *p) {
@@ -1298,7 +1374,14 @@ static void get_provenance(bench *b, prov *p) {
     if (gmtime_r(&t, &tm)) strftime(p->date, sizeof p->date, "%Y-%m-%dT%H:%M:%SZ", &tm);
     struct stat sb;
     p->file_bytes = b->o.model && stat(b->o.model, &sb) == 0 ? (int64_t)sb.st_size : (int64_t)b->f->size;
-    p->fingerprint = b->var[0].m ? ds4_model_fingerprint(b->var[0].m) : strtoull(b->cmp_fingerprint[0], NULL, 16);
+    p->fingerprint_known = true;
+    if (b->var[0].m) {
+        p->fingerprint = ds4_model_fingerprint(b->var[0].m);
+    } else { /* --compare: as variant A reported it */
+        char *end = NULL;
+        p->fingerprint = strtoull(b->cmp_fingerprint[0], &end, 16);
+        p->fingerprint_known = strlen(b->cmp_fingerprint[0]) == 16 && end && !*end;
+    }
 }
 
 /* ------------------------------------------------------------ JSON */
@@ -1406,10 +1489,13 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     fputs(", \"synthetic\": ", f);
     if (o->synthetic) bench_json_str(f, o->synthetic);
     else fputs("null", f);
-    fprintf(f, ", \"file_bytes\": %lld, \"fingerprint\": \"%016llx\", \"n_layer\": %d, \"n_embd\": %lld, "
+    char fp[24];
+    if (p->fingerprint_known) snprintf(fp, sizeof fp, "\"%016llx\"", (unsigned long long)p->fingerprint);
+    else snprintf(fp, sizeof fp, "null");
+    fprintf(f, ", \"file_bytes\": %lld, \"fingerprint\": %s, \"n_layer\": %d, \"n_embd\": %lld, "
             "\"n_vocab\": %lld, \"n_expert\": %d, \"n_expert_used\": %d, \"sliding_window\": %d, "
             "\"context_length\": %llu},\n",
-            (long long)p->file_bytes, (unsigned long long)p->fingerprint, c->n_layer, (long long)c->n_embd,
+            (long long)p->file_bytes, fp, c->n_layer, (long long)c->n_embd,
             (long long)c->n_vocab, c->n_expert, c->n_expert_used, c->sliding_window,
             (unsigned long long)c->context_length);
     fprintf(f, "    \"tokens\": {\"seed\": %llu, \"generated\": %lld, \"prefill_sizes\": ",
@@ -1671,8 +1757,11 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     const opts *o = &b->o;
     const variant *v = &b->var[0];
     fprintf(f, "## ds4server bench\n\n");
-    fprintf(f, "- model: `%s` (%.3f GB, fingerprint %016llx, %d layers, vocab %lld, %d of %d experts)\n", o->model_label,
-            (double)p->file_bytes / 1e9, (unsigned long long)p->fingerprint, b->cfg->n_layer,
+    char fp[24];
+    if (p->fingerprint_known) snprintf(fp, sizeof fp, "%016llx", (unsigned long long)p->fingerprint);
+    else snprintf(fp, sizeof fp, "unknown");
+    fprintf(f, "- model: `%s` (%.3f GB, fingerprint %s, %d layers, vocab %lld, %d of %d experts)\n", o->model_label,
+            (double)p->file_bytes / 1e9, fp, b->cfg->n_layer,
             (long long)b->cfg->n_vocab, b->cfg->n_expert_used, b->cfg->n_expert);
     fprintf(f, "- backend %s, numerics %s, threads %lld; commit %s%s; %s\n", v->backend, numerics_name(v->num),
             (long long)v->threads, p->commit, p->dirty == 1 ? " (modified)" : "", p->date);
@@ -1832,6 +1921,7 @@ static void bench_free(bench *b) {
     }
     free(b->cmd[0]);
     free(b->cmd[1]);
+    free(b->model_abs);
     free(b->ttft.v);
     free(b->bw_samples.v);
     free(b->tokens);
@@ -1914,6 +2004,10 @@ int tool_bench(int argc, char **argv) {
         self[n] = 0;
         b->cmd[0] = sh_quote(self);
         b->cmd[1] = strdup(o->compare);
+        if (!o->synthetic && !(b->model_abs = realpath(o->model, NULL))) {
+            rc = tool_fail(CMD, "%s: %s", o->model, strerror(errno));
+            goto done;
+        }
         if (!b->cmd[0] || !b->cmd[1]) {
             rc = tool_fail(CMD, "out of memory");
             goto done;

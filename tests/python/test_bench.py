@@ -13,8 +13,10 @@ import json
 import os
 import math
 import re
+import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -214,7 +216,9 @@ def test_given_bandwidth(model, tmp_path):
     assert len(d["prefill"][0]["samples_s"]) == 1
 
 
-def check_ab(exp, rounds):
+def check_ab(exp, rounds, work):
+    """An A/B experiment's rounds, samples and statistics; `work` is what a
+    sample measured (decode: --gen tokens, prefill: its prompt's tokens)."""
     order = exp["order"]
     assert len(order) == 2 * rounds
     assert "".join(order) == ("ABBA" * rounds)[: 2 * rounds]
@@ -223,6 +227,7 @@ def check_ab(exp, rounds):
     tps = {"A": [], "B": []}
     for s in exp["samples"]:
         assert s["tokens_per_s"] > 0 and s["seconds"] > 0
+        assert math.isclose(s["tokens_per_s"] * s["seconds"], work, rel_tol=1e-6), s
         tps[s["variant"]].append(s["tokens_per_s"])
     logs = [math.log(b / a) for a, b in zip(tps["A"], tps["B"])]
     assert len(logs) == exp["n_pairs"] == rounds
@@ -247,8 +252,8 @@ def test_ab_threads(ab):
     assert a["variants"]["A"]["threads"] == 2 and a["variants"]["B"]["threads"] == 1
     assert a["decode"]["ctx"] == 12 and not a["decode"]["skipped"]
     assert a["prefill"]["tokens"] == 10 and not a["prefill"]["skipped"]  # the largest size
-    for exp in (a["decode"], a["prefill"]):
-        check_ab(exp, 4)
+    for exp, work in ((a["decode"], 3), (a["prefill"], 10)):
+        check_ab(exp, 4, work)
         assert math.isclose(exp["t_crit"], 3.182446305, rel_tol=1e-5)  # Student t, 3 degrees of freedom
     out = r.stdout.decode()
     assert "| decode at 12" in out and "ABBAABBA" in out
@@ -261,8 +266,8 @@ def test_ab_numerics_two_rounds(model, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     a = json.loads(js.read_text())["ab"]
     assert a["variants"]["A"]["numerics"] == "ds4" and a["variants"]["B"]["numerics"] == "reference"
-    for exp in (a["decode"], a["prefill"]):
-        check_ab(exp, 2)
+    for exp, work in ((a["decode"], 2), (a["prefill"], 5)):
+        check_ab(exp, 2, work)
         assert math.isclose(exp["t_crit"], 12.70620474, rel_tol=1e-5)
 
 
@@ -304,8 +309,8 @@ def test_compare(model, tmp_path, ds4server):
     assert va["commit"] == vb["commit"] == d["provenance"]["commit"]
     assert va["fingerprint"] == vb["fingerprint"] == d["provenance"]["model"]["fingerprint"]
     assert a["decode"]["ctx"] == 12 and a["prefill"]["tokens"] == 10  # the largest size
-    for exp in (a["decode"], a["prefill"]):
-        check_ab(exp, 3)
+    for exp, work in ((a["decode"], 3), (a["prefill"], 10)):
+        check_ab(exp, 3, work)
         assert math.isclose(exp["t_crit"], 4.30265273, rel_tol=1e-5)  # Student t, 2 degrees of freedom
     # B ran once per round, with its environment, the model and one sample of each measurement
     runs = log.read_text().splitlines()
@@ -335,7 +340,63 @@ def test_compare_frontier_beyond_context(model, tmp_path, ds4server):
     assert r.returncode == 0, r.stderr.decode()
     a = json.loads(js.read_text())["ab"]
     assert a["decode"]["skipped"] and "context" in a["decode"]["reason"] and a["decode"]["order"] == []
-    check_ab(a["prefill"], 2)
+    check_ab(a["prefill"], 2, 6)
+
+
+def test_compare_from_another_directory(model, tmp_path, ds4server):
+    # the model given by a relative path, B started in another directory: B still finds it
+    js = tmp_path / "cmp.json"
+    r = ds4("bench", "-m", model.name, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "2", "--warmup", "0",
+            "--threads", "1", "--compare", f"cd / && {ds4server}", "--json", js, cwd=model.parent)
+    assert r.returncode == 0, r.stderr.decode()
+    check_ab(json.loads(js.read_text())["ab"]["decode"], 2, 2)
+
+
+def test_compare_fingerprint_mismatch_warns(model, tmp_path, ds4server):
+    # B reports another model fingerprint: the comparison is kept, with a warning
+    w = wrapper(tmp_path, f'"{ds4server}" "$@" || exit $?\n'
+                'while [ $# -gt 1 ]; do [ "$1" = --json ] && sed -i \'s/"fingerprint": "[0-9a-f]*"/'
+                '"fingerprint": "0123456789abcdef"/\' "$2"; shift; done\n')
+    js = tmp_path / "cmp.json"
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "1", "--warmup", "0",
+            "--threads", "1", "--compare", str(w), "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"different model fingerprints" in r.stderr and b"0123456789abcdef" in r.stderr
+    v = json.loads(js.read_text())["ab"]["variants"]
+    assert v["B"]["fingerprint"] == "0123456789abcdef" != v["A"]["fingerprint"]
+
+
+def test_compare_killed_parent_cleans_up(model, tmp_path, ds4server):
+    # SIGTERM to bench while B runs: B is stopped and the temporary directory removed
+    pidfile = tmp_path / "b.pid"
+    w = wrapper(tmp_path, f'echo $$ > "{pidfile}"\nexec sleep 60\n')
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.Popen([str(ds4server), "bench", "-m", str(model), "--ctx", "8", "--prefill", "4",
+                          "--gen", "2", "--repeat", "1", "--warmup", "0", "--threads", "1", "--compare", str(w)],
+                         env=dict(os.environ, TMPDIR=str(tmp)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.05)
+        assert list(tmp.iterdir()), "no temporary directory while B runs"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+    child = int(pidfile.read_text())
+    for _ in range(200):  # B was sent SIGTERM
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("B still runs after bench was stopped")
+    assert not list(tmp.iterdir())
 
 
 @pytest.mark.parametrize("body, message", [
@@ -347,6 +408,9 @@ def test_compare_frontier_beyond_context(model, tmp_path, ds4server):
      "is not a ds4server-bench/1 result"),
     ('while [ $# -gt 1 ]; do [ "$1" = --json ] && echo \'{"schema": "ds4server-bench/1", "decode": []}\' > "$2"; '
      'shift; done\n', "has no decode samples"),
+    ('while [ $# -gt 1 ]; do [ "$1" = --json ] && echo \'{"schema": "ds4server-bench/1", "decode": [{"ctx": 8, '
+     '"samples_s": [0.5, 0.5]}], "prefill": []}\' > "$2"; shift; done\n', "has no prefill sample"),
+    ("kill -9 $$\n", "failed (exit status 137: signal 9)"),
 ])
 def test_compare_variant_failures(model, tmp_path, body, message):
     w = wrapper(tmp_path, body)
@@ -389,6 +453,12 @@ def test_compare_variant_failures(model, tmp_path, body, message):
     ["--gen", "4", "--profile-token", "5"],  # past the decoded tokens
     ["--profile-token", "1", "--ab", "threads=1"],
     ["--compare", ""],
+    ["--compare", "./other;"],           # would end the command before bench's arguments
+    ["--compare", "./other &  "],
+    ["--compare", "./other\n--gen 3"],
+    ["--compare", "./other", "--batch", "2"],  # --compare measures decode and prefill only
+    ["--compare", "./other", "--ttft", "16"],
+    ["--compare", "./other", "--bandwidth", "100"],
     ["--compare", "./other", "--ab", "threads=1"],
     ["--profile-token", "1", "--compare", "./other"],
     ["--frobnicate", "1"],

@@ -113,6 +113,12 @@ void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
  * results are the same either way, bit for bit. Takes effect at the next
  * mark. */
 void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
+/* The fused activation quantisation on or off (both on by default;
+ * DS4_CUDA_MV_XQ=0 and DS4_CUDA_MOE_XQ=0 make off the defaults): mv_xq, the
+ * Q8_0 decode products that quantise their own activations; moe_xq, the
+ * MoE's SwiGLU and the Q8_K blocks of its mids in one kernel. The results
+ * are the same either way, bit for bit. Takes effect at the next op. */
+void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
 /* Why the most recent cut of a recorded step happened (the step's ops from
  * there on ran unrecorded: a host wait, an allocation, a library call), or
  * "none" when no step was ever cut short. */

@@ -151,6 +151,8 @@ typedef struct cuda_backend {
     bool graphs_on; /* steps are recorded (ds4_cuda_backend_set_graphs) */
     bool pdl;       /* kernels launched as programmatic dependents (DS4_CUDA_PDL=0: off) */
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
+    bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
+    bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     bool segments;  /* a step may be submitted in segments at its marks (DS4_CUDA_SEGMENTS=0: one graph) */

@@ -748,9 +748,9 @@ static int64_t rows_span(int64_t n_rows, int64_t stride, int64_t n) { return (n_
 /* A Q8_0 streaming product quantises x itself (no quantiser launch) when
  * its rows fit the kernel's shared memory and no output it writes overlaps
  * x (its blocks read x while others write). */
-static bool mv_quantises_x(const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows,
+static bool mv_quantises_x(ds4_backend *be, const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows,
                            const float *const *outs, const int64_t *n_outs, const int64_t *out_strides, int n_outs_n) {
-    if (mode != MM_Q8_0 || !cuda_mv_quantises(w->type, w->ne[0], n_rows, n_outs, n_outs_n)) return false;
+    if (mode != MM_Q8_0 || !cuda_mv_quantises(be, w->type, w->ne[0], n_rows, n_outs, n_outs_n)) return false;
     if ((uintptr_t)x % 16 != 0 || (n_rows > 1 && x_stride % 4 != 0)) return false; /* 16-byte loads */
     for (int k = 0; k < n_outs_n; k++)
         if (ranges_overlap(x, rows_span(n_rows, x_stride, w->ne[0]), outs[k],
@@ -812,7 +812,7 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
     const bool mv = mv_suits(w, mode, x, x_stride, n_rows); /* decode shapes: the streaming kernels */
     const float *outs[1] = { out };
     const int64_t n_outs[1] = { n_out }, out_strides[1] = { out_stride };
-    if (mv && mv_quantises_x(w, mode, x, x_stride, n_rows, outs, n_outs, out_strides, 1)) {
+    if (mv && mv_quantises_x(be, w, mode, x, x_stride, n_rows, outs, n_outs, out_strides, 1)) {
         run_mv(be, w, mode, row0, n_out, 1, NULL, act_stride_of(mode, n_in, x_stride), 0, out, out_stride, n_rows, x,
                x_stride);
         return;
@@ -893,7 +893,7 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             outs[nj] = p[k].out, n_outs[nj] = p[k].n_out, out_strides[nj] = p[k].out_stride;
             take[nj++] = k;
         }
-        const bool xq = mv_quantises_x(w, mode, x, x_stride, n_rows, outs, n_outs, out_strides, nj);
+        const bool xq = mv_quantises_x(be, w, mode, x, x_stride, n_rows, outs, n_outs, out_strides, nj);
         const void *act = xq ? NULL : acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, n_in, n_rows, true);
         if (!xq && !act) return;
         cuda_mv_job jobs[DS4_PRODUCTS_MAX];
@@ -1065,13 +1065,12 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
 }
 
 /* The streaming path's mids for down (of `md`): Q8_K in one kernel with the
- * SwiGLU ($DS4_CUDA_MOE_XQ=0: SwiGLU, then the quantiser kernel), else the
+ * SwiGLU (the backend's moe_xq off: SwiGLU, then the quantiser kernel), else the
  * SwiGLU kernel and the mids quantised as acts_for. NULL with the error
  * recorded when that failed. */
 static const void *moe_mids(ds4_backend *be, mm_mode md, float *g, const float *u, const float *d_w, int64_t n_ff,
                             int64_t slots, float limit) {
-    static const bool joined = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
-    if (joined && md == MM_Q8_K && n_ff % DS4_QK_K == 0) {
+    if (cuda_impl(be)->moe_xq && md == MM_Q8_K && n_ff % DS4_QK_K == 0) {
         void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, act_bytes(md, n_ff, slots));
         if (!q || !cuda_launch(be, "moe_swiglu_q8_K_kernel", moe_swiglu_q8_K_kernel,
                                (unsigned)(slots * (n_ff / DS4_QK_K)), 256, 0, g, u, d_w, n_ff, limit,

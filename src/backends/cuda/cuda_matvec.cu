@@ -757,7 +757,10 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                   n_slots);
         return false;
     }
-    if (xq && (xq_bytes > MV_XQ_MAX || a.act_blocks % 4 != 0 || a.sel || a.group_rows)) {
+    /* the kernel's 16-byte loads of x and its split layout in shared memory */
+    if (xq && (xq_bytes > MV_XQ_MAX || a.act_blocks % 4 != 0 || a.act_stride != a.act_blocks || a.sel ||
+               a.group_rows || type != DS4_TYPE_Q8_0 || (uintptr_t)a.xf % 16 != 0 ||
+               (a.n_rows > 1 && a.xf_stride % 4 != 0))) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of %lld blocks cannot be quantised in the kernel", a.n_rows,
                   (long long)a.act_blocks);
         return false;
@@ -814,9 +817,8 @@ static void plain_geometry(mv_args *a, int64_t n_out_total) {
     a->rpw = rows_per_warp(a->parts == 1, n_out_total);
 }
 
-bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
-    static const bool enabled = cuda_env_flag("DS4_CUDA_MV_XQ", true);
-    if (!enabled || type != DS4_TYPE_Q8_0 || n <= 0 || n % (8 * DS4_QK8_0) != 0 || n_rows < 1) return false;
+bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
+    if (!cuda_impl(be)->mv_xq || type != DS4_TYPE_Q8_0 || n <= 0 || n % (8 * DS4_QK8_0) != 0 || n_rows < 1) return false;
     if ((n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0) > MV_XQ_MAX) return false;
     /* every thread block quantises all of x again: only while the grid is
      * about one wave (the head's 2,020 blocks would each redo it) */

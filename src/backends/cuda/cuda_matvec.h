@@ -53,9 +53,11 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
 /* true when Q8_0 products of n_rows rows of n elements (n_mats matrices of
  * one launch, n_outs[z] outputs each) can quantise their activations in the
  * kernel (cuda_mv_job.xf): they fit its shared memory, the grid is small
- * enough that each block redoing it is cheap, and $DS4_CUDA_MV_XQ is not 0.
- * The float rows must be 16-byte aligned (the caller checks). */
-bool cuda_mv_quantises(uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats);
+ * enough that each block redoing it is cheap, and the backend's mv_xq is on
+ * (ds4_cuda_backend_set_fusions). The float rows must be 16-byte aligned,
+ * and more than one row a multiple of 4 floats apart (the caller checks;
+ * the launch refuses them otherwise). */
+bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats);
 
 /* Enqueue a product (cuda_mv_fits must hold, 1 <= n_rows <= 8). false with
  * the error recorded when the launch failed. */
