@@ -6,7 +6,10 @@
 #     scripts/sass-stats.sh src/backends/cuda/cuda_matvec.cu [KERNEL_REGEX]
 #
 # Prints one line per kernel (mangled name, registers, spill bytes, stack
-# bytes, SASS instructions); with KERNEL_REGEX only the matching kernels,
+# bytes, SASS instructions, and the static size of each loop, the
+# instructions between a backward branch and its target, smallest first: an
+# upper bound of an iteration's cost, both sides of its branches counted);
+# with KERNEL_REGEX only the matching kernels,
 # and SASS=1 also writes each matching kernel's SASS to $OUT (default
 # /tmp/sass-stats)/<name>.sass. cuobjdump comes from the CUDA toolkit when
 # it is on PATH, else from PyPI's nvidia-cuda-cuobjdump wheel, unpacked once
@@ -64,12 +67,28 @@ for line in open(sass):
     elif name and re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
         counts[name] += 1
         body[name].append(line.rstrip())
-print(f"{'kernel':70} {'regs':>5} {'spill':>6} {'stack':>6} {'instr':>7}")
+def loops(lines):
+    """(first, last, instructions) of each backward branch's range, smallest first."""
+    addr = []
+    for ln in lines:
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*)", ln)
+        addr.append((int(m.group(1), 16), m.group(2)) if m else (None, ""))
+    out = []
+    for a, text in addr:
+        m = re.search(r"\bBRA(?:\.\w+)*\s+(?:`?\(?\.?L?_?x?_?)?(0x[0-9a-f]+)", text)
+        if a is None or not m:
+            continue
+        t = int(m.group(1), 16)
+        if t <= a:
+            out.append((t, a, sum(1 for b, _ in addr if b is not None and t <= b <= a)))
+    return sorted(set(out), key=lambda x: x[2])
+print(f"{'kernel':70} {'regs':>5} {'spill':>6} {'stack':>6} {'instr':>7}  loop sizes (smallest first)")
 for k in sorted(counts):
     if not re.search(filt, k):
         continue
     i = info.get(k, {})
-    print(f"{k[:70]:70} {i.get('regs', '?'):>5} {i.get('spill', '?'):>6} {i.get('stack', '?'):>6} {counts[k]:>7}")
+    lp = " ".join(str(n) for _, _, n in loops(body[k]) if n > 1)
+    print(f"{k[:70]:70} {i.get('regs', '?'):>5} {i.get('spill', '?'):>6} {i.get('stack', '?'):>6} {counts[k]:>7}  {lp}")
     if dump == "1":
         with open(f"{out}/{k[:120]}.sass", "w") as f:
             f.write("\n".join(body[k]) + "\n")
