@@ -960,6 +960,79 @@ static void test_moe_launches(void) {
     op_pair_close(&p);
 }
 
+/* Several tokens' routed experts grouped by expert (ds4_cuda_backend_set_
+ * moe_grouped): the same results bit for bit as one pass per (token,
+ * expert) slot, the ids read back once (one more wait), against the CPU as
+ * moe_expect_close; shapes it does not take (one token, Q8_0 weights) keep
+ * the streaming path and wait for nothing. Groups of up to eight rows: 40
+ * tokens over 8 experts give experts with more than eight tokens. */
+static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t n_expert, int64_t n_rows, bool grouped) {
+    const int64_t dim = 2048, n_ff = 1024;
+    const int n_used = 6;
+    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
+    int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
+    float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
+    for (int64_t r = 0; r < n_rows; r++) moe_route(n_expert, n_used, sel + r * n_used, wts + r * n_used);
+    float *hx = op_rand(n_rows * dim, 1.0);
+    op_buf x = op_buf_from(p, hx, n_rows * dim), y = op_buf_poisoned(p, n_rows * dim);
+    op_buf y2 = op_buf_poisoned(p, n_rows * dim);
+    op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
+    const ds4_backend_ops *g = p->gpu->ops;
+    char what[128];
+    snprintf(what, sizeof what, "moe %s/%s grouped, %lld tokens over %lld experts", ds4_type_name(tg),
+             ds4_type_name(td), (long long)n_rows, (long long)n_expert);
+    ds4_cuda_backend_set_moe_grouped(p->gpu, 0);
+    g->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.7f, y.g, n_rows,
+           DS4_NUMERICS_DS4);
+    op_expect_ok(p);
+    ds4_cuda_backend_set_moe_grouped(p->gpu, 1);
+    const ds4_backend_counters c0 = op_gpu_counters(p);
+    g->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.7f, y2.g, n_rows,
+           DS4_NUMERICS_DS4);
+    const ds4_backend_counters c1 = op_gpu_counters(p);
+    op_expect_ok(p);
+    ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED") && getenv("DS4_CUDA_MOE_GROUPED"));
+    CHECK_MSG(grouped ? c1.syncs > c0.syncs : c1.syncs == c0.syncs, "%s: %llu waits", what,
+              (unsigned long long)(c1.syncs - c0.syncs));
+    expect_same_rows(p, what, y2.g, y.g, n_rows, dim, dim);
+    /* against the CPU, row by row */
+    p->cpu->ops->moe(p->cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, (const int32_t *)dsel.c, dw.c, n_used, 0.7f, y2.c,
+                     n_rows, DS4_NUMERICS_DS4);
+    float *hc = malloc((size_t)(n_rows * dim) * sizeof *hc), *hg = malloc((size_t)(n_rows * dim) * sizeof *hg);
+    p->cpu->ops->download(p->cpu, hc, y2.c, n_rows * dim);
+    g->download(p->gpu, hg, y2.g, n_rows * dim);
+    int bad = 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        double mean = 0;
+        for (int64_t i = 0; i < dim; i++) mean += fabs(hc[r * dim + i]) / (double)dim;
+        for (int64_t i = 0; i < dim; i++)
+            bad += !(fabs((double)hg[r * dim + i] - hc[r * dim + i]) <= 1e-3 * mean + 1e-4 * fabs(hc[r * dim + i]));
+    }
+    CHECK_MSG(bad == 0, "%s: %d outputs differ from the CPU's", what, bad);
+    free(hc);
+    free(hg);
+    op_buf_free(p, &x);
+    op_buf_free(p, &y);
+    op_buf_free(p, &y2);
+    op_buf_free(p, &dsel);
+    op_buf_free(p, &dw);
+    free(hx);
+    free(sel);
+    free(wts);
+    moe_free(p, &m);
+}
+
+static void test_moe_grouped(void) {
+    OPEN_PAIR(p);
+    moe_grouped_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 12, 2, true);
+    moe_grouped_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 12, 17, true);
+    moe_grouped_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 8, 40, true); /* experts with more than 8 tokens */
+    moe_grouped_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 12, 9, true);
+    moe_grouped_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 12, 1, false); /* one token: the streaming path */
+    moe_grouped_case(&p, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 12, 9, false);    /* Q8_0 activations: not grouped */
+    op_pair_close(&p);
+}
+
 static void test_moe_errors(void) {
     OPEN_PAIR(p);
     const int64_t dim = 512, n_ff = 256, n_expert = 4;
@@ -1469,6 +1542,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_f16),
     TEST_ENTRY(test_moe_mixed),
     TEST_ENTRY(test_moe_launches),
+    TEST_ENTRY(test_moe_grouped),
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
     { 0 },

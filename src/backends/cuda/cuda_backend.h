@@ -119,6 +119,13 @@ void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
  * MoE's SwiGLU and the Q8_K blocks of its mids in one kernel. The results
  * are the same either way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
+/* The routed experts of several tokens grouped by expert, outside recorded
+ * steps (off by default; DS4_CUDA_MOE_GROUPED=1 makes on the default): the
+ * op reads the checked expert ids back (one wait), sorts the (token,
+ * expert) slots by expert and runs each expert's tokens, up to eight at a
+ * time, as rows of one pass over its weights, instead of one pass per
+ * slot. Meant to give the same results bit for bit; not yet measured. */
+void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
 /* Why the most recent cut of a recorded step happened (the step's ops from
  * there on ran unrecorded: a host wait, an allocation, a library call), or
  * "none" when no step was ever cut short. */

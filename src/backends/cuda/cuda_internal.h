@@ -51,6 +51,8 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_MOE_GATE,     /* cuda_matmul.cu */
     CUDA_SCRATCH_MOE_UP,       /* cuda_matmul.cu */
     CUDA_SCRATCH_MOE_ACT,      /* cuda_matmul.cu */
+    CUDA_SCRATCH_MOE_SORTED,   /* cuda_matmul.cu: activations in expert order */
+    CUDA_SCRATCH_MOE_GROUPS,   /* cuda_matmul.cu: expert groups and slot order */
     CUDA_SCRATCH_ATTN,         /* cuda_attention.cu */
     CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions */
     CUDA_SCRATCH_ATTN_ROWS,    /* cuda_attention.cu: attention_rows' per-row views */
@@ -153,6 +155,7 @@ typedef struct cuda_backend {
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
+    bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=1: on) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     bool segments;  /* a step may be submitted in segments at its marks (DS4_CUDA_SEGMENTS=0: one graph) */

@@ -551,6 +551,29 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(float *__restrict__ g, 
     if (i < n) g[i] = cuda_swiglu1(g[i], u[i], limit, weights[i / n_ff]);
 }
 
+/* Row r of dst = row idx[r] of src (rows of row_bytes, a multiple of 16,
+ * 16-byte aligned): one block per row. */
+__global__ void __launch_bounds__(256) gather_rows_kernel(const uint8_t *__restrict__ src, int64_t row_bytes,
+                                                          const int32_t *__restrict__ idx, uint8_t *__restrict__ dst) {
+    cuda_grid_wait();
+    const int64_t r = blockIdx.x;
+    const uint4 *s = (const uint4 *)(src + (int64_t)idx[r] * row_bytes);
+    uint4 *d = (uint4 *)(dst + r * row_bytes);
+    for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) d[i] = s[i];
+}
+
+/* Token t of the grouped MoE: out[t][o] = sum over k (in order, from 0.0f)
+ * of part[t n_used + k][o]; blockIdx.y the token. */
+__global__ void __launch_bounds__(256) moe_sum_rows_kernel(const float *__restrict__ part, int n_used, int64_t dim,
+                                                           float *__restrict__ out, int64_t out_stride) {
+    cuda_grid_wait();
+    const int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (o >= dim) return;
+    float acc = 0.0f;
+    for (int k = 0; k < n_used; k++) acc = __fadd_rn(acc, part[(t * n_used + k) * dim + o]);
+    out[t * out_stride + o] = acc;
+}
+
 /* out[o] = sum over k (in order, from 0.0f) of part[k][o]. */
 __global__ void __launch_bounds__(256) moe_sum_kernel(const float *__restrict__ part, int n_used, int64_t dim,
                                                       float *__restrict__ out) {
@@ -1085,6 +1108,112 @@ static const void *moe_mids(ds4_backend *be, mm_mode md, float *g, const float *
     return acts_for(be, CUDA_SCRATCH_MOE_ACT, md, g, n_ff, n_ff, slots, true);
 }
 
+/* The slots (token, k) of the checked expert ids `sel` sorted by expert,
+ * tokens in order within one: order[i] is the slot at sorted row i, tok[i]
+ * its token, and groups (expert, first, rows, 0) cover each expert's rows
+ * CUDA_MV_MAX_ROWS at a time. The number of groups (at most slots). */
+static int64_t moe_group_slots(const int32_t *sel, int64_t slots, int n_used, int64_t n_expert, int32_t *order,
+                               int32_t *tok, int32_t *groups, int64_t *count) {
+    for (int64_t e = 0; e < n_expert; e++) count[e] = 0;
+    for (int64_t s = 0; s < slots; s++) count[sel[s]]++;
+    int64_t at = 0, n_groups = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        const int64_t c = count[e];
+        count[e] = at; /* now where the expert's rows start */
+        for (int64_t f = 0; f < c; f += CUDA_MV_MAX_ROWS) {
+            int32_t *g = groups + 4 * n_groups++;
+            g[0] = (int32_t)e;
+            g[1] = (int32_t)(at + f);
+            g[2] = (int32_t)(c - f < CUDA_MV_MAX_ROWS ? c - f : CUDA_MV_MAX_ROWS);
+            g[3] = 0;
+        }
+        at += c;
+    }
+    for (int64_t s = 0; s < slots; s++) {
+        const int64_t i = count[sel[s]]++;
+        order[i] = (int32_t)s;
+        tok[i] = (int32_t)(s / n_used);
+    }
+    return n_groups;
+}
+
+/* Several tokens' routed experts grouped by expert (the backend's
+ * moe_grouped, outside recorded steps, Q8_K activations throughout): the
+ * checked ids come back to the host, which sorts the slots; x rows are
+ * gathered into expert order, gate and up run per group (one pass over an
+ * expert's rows for up to eight of its tokens), the mids are made per slot
+ * as on the streaming path, gathered, and down runs per group into
+ * per-slot partials summed over each token's experts in order. false (and
+ * nothing enqueued) when the shapes do not suit it. */
+static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                        mm_mode mg, mm_mode mu, mm_mode md, const float *x, const int32_t *d_sel, const float *d_w,
+                        int n_used, float limit, float *out, int64_t n_rows) {
+    cuda_backend *cb = cuda_impl(be);
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2], slots = (int64_t)n_used * n_rows;
+    if (!cb->moe_grouped || cb->in_step || n_rows < 2 || mg != MM_Q8_K || mu != MM_Q8_K || md != MM_Q8_K ||
+        gate->type != up->type || gate->row_bytes != up->row_bytes || dim % DS4_QK_K || n_ff % DS4_QK_K ||
+        slots > 65535 || n_expert > (int64_t)1 << 20)
+        return false;
+    /* rows of Q8_K blocks copied in 16-byte pieces */
+    const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
+    const int64_t xrow = nbx * (int64_t)sizeof(ds4_block_q8_K), mrow = nbm * (int64_t)sizeof(ds4_block_q8_K);
+    if (xrow % 16 || mrow % 16) return false;
+    /* the checked ids (one wait), sorted on the host */
+    int32_t *h = (int32_t *)calloc((size_t)(7 * slots), sizeof(int32_t)); /* ids, 4 per group, order, tokens */
+    int64_t *count = (int64_t *)malloc((size_t)n_expert * sizeof(int64_t));
+    if (!h || !count) {
+        free(h);
+        free(count);
+        cuda_fail(be, DS4_ERR_NOMEM, "moe: out of host memory for %lld expert slots", (long long)slots);
+        return true;
+    }
+    be->ops->download(be, (float *)h, (const float *)d_sel, slots);
+    int32_t *groups = h + slots, *order = groups + 4 * slots, *tok = order + slots; /* uploaded from groups on */
+    bool ok = !cuda_failed(be);
+    for (int64_t s = 0; ok && s < slots; s++) ok = h[s] >= 0 && h[s] < n_expert; /* moe_route_kernel's output */
+    const int64_t n_groups = ok ? moe_group_slots(h, slots, n_used, n_expert, order, tok, groups, count) : 0;
+    /* the groups (int4 each: 16-byte aligned at the upload's start), then the
+     * slot order and the tokens (the upload covers every group slot there
+     * could be, so the order's offset does not depend on the group count) */
+    const int32_t *dev = ok ? (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_MOE_GROUPS, groups,
+                                                                 (size_t)(6 * slots) * sizeof(int32_t))
+                            : NULL;
+    free(h);
+    free(count);
+    if (!dev) {
+        if (!cuda_failed(be)) cuda_fail(be, DS4_ERR_DEVICE, "moe: the expert ids read back are out of range");
+        return true;
+    }
+    const int32_t *d_groups = dev, *d_order = dev + 4 * slots, *d_tok = d_order + slots;
+    /* x quantised, its rows gathered into expert order */
+    void *xq = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, (size_t)(n_rows * xrow));
+    uint8_t *sorted = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_SORTED,
+                                              (size_t)(slots * (xrow > mrow ? xrow : mrow)));
+    const int64_t n_mid = slots * n_ff, n_part = slots * dim;
+    float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
+    float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)(n_mid > n_part ? n_mid : n_part) * sizeof(float));
+    if (!xq || !sorted || !g || !u || !quantize_acts(be, mg, x, dim, dim, n_rows, xq, true)) return true;
+    if (!cuda_launch(be, "gather_rows_kernel", gather_rows_kernel, (unsigned)slots, 256, 0, (const uint8_t *)xq, xrow,
+                     d_tok, sorted))
+        return true;
+    const ds4_weight *gu[2] = { gate, up };
+    float *const gu_out[2] = { g, u };
+    if (!cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups, n_ff))
+        return true;
+    /* the mids per slot (routing weights applied), gathered into expert order */
+    const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
+    if (!mids || !cuda_launch(be, "gather_rows_kernel", gather_rows_kernel, (unsigned)slots, 256, 0,
+                              (const uint8_t *)mids, mrow, d_order, sorted))
+        return true;
+    const ds4_weight *dn[1] = { down };
+    float *const dn_out[1] = { u }; /* per-slot partials [slots][dim] */
+    if (!cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups, dim))
+        return true;
+    (void)cuda_launch(be, "moe_sum_rows_kernel", moe_sum_rows_kernel, dim3((unsigned)cdiv(dim, 256), (unsigned)n_rows),
+                      256, 0, (const float *)u, n_used, dim, out, dim);
+    return true;
+}
+
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
               const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
               ds4_numerics num) {
@@ -1139,6 +1268,8 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
                           out + r * dim, num);
         return;
     }
+
+    if (moe_grouped(be, gate, up, down, mg, mu, md, x, d_sel, d_w, n_used, limit, out, n_rows)) return;
 
     /* The streaming kernels, every token at once: x quantised (gate's kind,
      * and up's when it differs), gate and up in one launch, SwiGLU with the

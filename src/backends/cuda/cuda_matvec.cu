@@ -183,6 +183,12 @@ struct mv_args {
     const float *xf;
     int64_t xf_stride;
     int prefetch; /* plain products: first stages issued before cuda_grid_wait ($DS4_CUDA_MV_PREFETCH=0: after) */
+    /* expert-grouped products (cuda_mv_moe_grouped): block y is group g,
+     * groups[g] = (expert, first sorted row, rows <= ROWS, 0); its
+     * activation rows are rows first .. of act (act_stride apart), and
+     * output row r goes to slot order[first + r] (out_sel_stride apart) */
+    const int4 *groups;
+    const int32_t *order;
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
@@ -494,7 +500,7 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
         cp_async_commit();
         tab = (const iq2_tables *)dst;
     }
-    const bool early = a.sel == NULL && a.prefetch; /* the same for the whole grid */
+    const bool early = a.sel == NULL && a.groups == NULL && a.prefetch; /* the same for the whole grid */
     if (!early) cuda_grid_wait();
     const int part = warp % a.parts, lr = warp / a.parts, rpw = a.rpw;
     const int64_t o_first = ((int64_t)blockIdx.x * a.rpb + lr) * rpw; /* this warp's first output */
@@ -504,6 +510,7 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
      * activation rows */
     bool active = true;
     int64_t wrow0 = a.row0 + o_first, u0 = 0, u1 = a.units;
+    int grp_first = 0, grp_rows = 0; /* expert-grouped products: the group's first sorted row, its rows */
     const uint8_t *act = (const uint8_t *)a.act[z];
     int64_t act_unit; /* bytes of one activation element (float) or block */
     if constexpr (mv_float(T)) act_unit = 4;
@@ -522,11 +529,18 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
             active = e >= 0 && e < a.n_expert;
             wrow0 = (int64_t)e * a.rows_per_expert + o_first;
             act += (slot / a.slots_per_token) * a.act_token_stride * act_unit;
+        } else if (a.groups) {
+            const int4 g = a.groups[blockIdx.y];
+            active = g.z > 0 && g.z <= ROWS && g.x >= 0 && g.x < a.n_expert;
+            wrow0 = (int64_t)g.x * a.rows_per_expert + o_first;
+            act += (int64_t)g.y * a.act_stride * act_unit;
+            grp_first = g.y;
+            grp_rows = active ? g.z : 0;
         }
         u0 = a.units * part / a.parts;
         u1 = a.units * (part + 1) / a.parts;
     }
-    const int n_rows = a.experts_as_parts ? 1 : a.n_rows;
+    const int n_rows = a.experts_as_parts ? 1 : a.groups ? grp_rows : a.n_rows;
     const int64_t left = a.n_out_z[z] - o_first;
     const int n_valid = !active || left <= 0 || u1 <= u0 ? 0 : left < rpw ? (int)left : rpw;
 
@@ -674,10 +688,11 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
                 for (int p = 0; p < a.parts; p++) s = __fadd_rn(s, red[(qlr * a.parts + p) * rpw + qj][r]);
                 s = mv_finish<T>(s);
             }
-            float *out = a.out[z] + (a.experts_as_parts ? (int64_t)blockIdx.y * a.out_token_stride
-                                     : a.sel              ? (int64_t)blockIdx.y * a.out_sel_stride
-                                                          : 0);
-            out[r * a.out_stride_z[z] + oo] = s;
+            float *out;
+            if (a.experts_as_parts) out = a.out[z] + (int64_t)blockIdx.y * a.out_token_stride + r * a.out_stride_z[z];
+            else if (a.groups) out = a.out[z] + (int64_t)a.order[grp_first + r] * a.out_sel_stride;
+            else out = a.out[z] + (a.sel ? (int64_t)blockIdx.y * a.out_sel_stride : 0) + r * a.out_stride_z[z];
+            out[oo] = s;
         }
     }
 }
@@ -949,6 +964,42 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
+}
+
+bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,
+                         const void *act, int64_t act_stride, const int32_t *groups, const int32_t *order,
+                         int64_t n_groups, int64_t out_stride) {
+    const ds4_weight *w = ws[0];
+    bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 &&
+              cuda_mv_fits(w->type, kind, w->row_bytes, w->ne[0]);
+    for (int z = 1; ok && z < n_mats; z++)
+        ok = ws[z]->type == w->type && ws[z]->row_bytes == w->row_bytes && ws[z]->ne[1] == w->ne[1] &&
+             ws[z]->ne[2] == w->ne[2];
+    if (!ok) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %lld expert groups of %s do not suit the kernels", (long long)n_groups,
+                  cuda_wname(w));
+        return false;
+    }
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    for (int z = 0; z < n_mats; z++) {
+        a.w[z] = (const uint8_t *)ws[z]->device;
+        a.act[z] = act;
+        a.out[z] = outs[z];
+    }
+    a.row_bytes = w->row_bytes;
+    a.units = w->row_bytes / unit_bytes_of(w->type);
+    a.n_out = w->ne[1];
+    a.rows_per_expert = w->ne[1];
+    a.n_expert = w->ne[2];
+    a.act_stride = act_stride;
+    a.act_blocks = act_stride;
+    a.out_sel_stride = out_stride;
+    a.n_rows = CUDA_MV_MAX_ROWS; /* the kernel for eight rows; each group has its own count */
+    a.groups = (const int4 *)groups;
+    a.order = order;
+    plain_geometry(&a, a.n_out * n_groups * n_mats);
+    return mv_launch(be, w->type, a, (int)n_groups, n_mats);
 }
 
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,

@@ -85,6 +85,18 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
                       const int32_t *sel, int n_used, int64_t n_tokens, float *out, int64_t out_stride);
 
+/* The routed experts' products grouped by expert (prefill: the tokens of
+ * one expert share its weight reads): groups[4 g .. 4 g + 2] = (expert,
+ * first, rows) with rows <= CUDA_MV_MAX_ROWS, and for each of the n_mats
+ * matrices (gate and up share a launch; same type and shape) and r < rows:
+ *   outs[z][order[first + r]][o] = ws[z][expert][o] . act[first + r]
+ * (act rows act_stride blocks apart, in the sorted order; output rows
+ * out_stride floats apart). groups and order are device memory; an expert
+ * id outside the weight is left out (its rows are not written). */
+bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,
+                         const void *act, int64_t act_stride, const int32_t *groups, const int32_t *order,
+                         int64_t n_groups, int64_t out_stride);
+
 /* A grouped product (the matmul_grouped op) of up to CUDA_MV_MAX_ROWS rows:
  * out[r][g * n_out + o] = W[g * n_out + o] . act[r][group g], where group g
  * of an activation row starts act_group_stride blocks (or floats) after
