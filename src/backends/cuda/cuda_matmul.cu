@@ -1198,7 +1198,9 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         return true;
     const ds4_weight *gu[2] = { gate, up };
     float *const gu_out[2] = { g, u };
-    if (!cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups, n_ff))
+    /* gate and up share the streaming launch (same type and rows): its split over n_ff x slots x 2 outputs */
+    if (!cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups, n_ff,
+                             n_ff * slots * 2))
         return true;
     /* the mids per slot (routing weights applied), gathered into expert order */
     const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
@@ -1207,7 +1209,7 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         return true;
     const ds4_weight *dn[1] = { down };
     float *const dn_out[1] = { u }; /* per-slot partials [slots][dim] */
-    if (!cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups, dim))
+    if (!cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups, dim, 0))
         return true;
     (void)cuda_launch(be, "moe_sum_rows_kernel", moe_sum_rows_kernel, dim3((unsigned)cdiv(dim, 256), (unsigned)n_rows),
                       256, 0, (const float *)u, n_used, dim, out, dim);

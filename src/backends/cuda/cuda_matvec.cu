@@ -968,7 +968,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
 
 bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,
                          const void *act, int64_t act_stride, const int32_t *groups, const int32_t *order,
-                         int64_t n_groups, int64_t out_stride) {
+                         int64_t n_groups, int64_t out_stride, int64_t split_outputs) {
     const ds4_weight *w = ws[0];
     bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 &&
               cuda_mv_fits(w->type, kind, w->row_bytes, w->ne[0]);
@@ -998,7 +998,11 @@ bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *co
     a.n_rows = CUDA_MV_MAX_ROWS; /* the kernel for eight rows; each group has its own count */
     a.groups = (const int4 *)groups;
     a.order = order;
-    plain_geometry(&a, a.n_out * n_groups * n_mats);
+    /* the split of the streaming path this stands for (its rows' sums in the
+     * same order), or whole rows */
+    a.parts = split_outputs > 0 ? split_for(split_outputs, a.units) : 1;
+    a.rpb = MV_WARPS / a.parts;
+    a.rpw = rows_per_warp(a.parts == 1, a.n_out * n_groups * n_mats);
     return mv_launch(be, w->type, a, (int)n_groups, n_mats);
 }
 

@@ -92,10 +92,13 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
  *   outs[z][order[first + r]][o] = ws[z][expert][o] . act[first + r]
  * (act rows act_stride blocks apart, in the sorted order; output rows
  * out_stride floats apart). groups and order are device memory; an expert
- * id outside the weight is left out (its rows are not written). */
+ * id outside the weight is left out (its rows are not written). Rows are
+ * split over warps as a one-row launch over split_outputs outputs would
+ * split them (cuda_mv_moe_gate_up's), or kept whole when it is 0 (as
+ * cuda_mv_moe_down's experts), so each row's sum is the same either way. */
 bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,
                          const void *act, int64_t act_stride, const int32_t *groups, const int32_t *order,
-                         int64_t n_groups, int64_t out_stride);
+                         int64_t n_groups, int64_t out_stride, int64_t split_outputs);
 
 /* A grouped product (the matmul_grouped op) of up to CUDA_MV_MAX_ROWS rows:
  * out[r][g * n_out + o] = W[g * n_out + o] . act[r][group g], where group g
