@@ -855,6 +855,13 @@ static void moe_both(op_pair *p, const moe_weights *m, op_buf x, op_buf sel, op_
                      n_rows, num);
 }
 
+/* One moe call on the CUDA side only (DS4 numerics). */
+static void moe_gpu(op_pair *p, const moe_weights *m, op_buf x, op_buf sel, op_buf w, int n_used, float limit, op_buf y,
+                    int64_t n_rows) {
+    p->gpu->ops->moe(p->gpu, &m->gate->g, &m->up->g, &m->down->g, x.g, (const int32_t *)sel.g, w.g, n_used, limit, y.g,
+                     n_rows, DS4_NUMERICS_DS4);
+}
+
 /* loose scale-free check: |g - c| <= 1e-3 * sum|c| / dim + 1e-4 |c| */
 static void moe_expect_close(const char *what, op_pair *p, op_buf y, int64_t dim) {
     float *hc = malloc((size_t)dim * sizeof *hc), *hg = malloc((size_t)dim * sizeof *hg);
@@ -941,15 +948,10 @@ static void moe_launches_case(op_pair *p, uint32_t tg, uint32_t td, uint64_t fus
     op_expect_ok(p);
     char what[96];
     snprintf(what, sizeof what, "moe %s/%s", ds4_type_name(tg), ds4_type_name(td));
-    const ds4_backend_ops *g = p->gpu->ops;
-    EXPECT_LAUNCHES(p, fused, what,
-                    g->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.0f,
-                           y.g, 1, DS4_NUMERICS_DS4));
+    EXPECT_LAUNCHES(p, fused, what, moe_gpu(p, &m, x, dsel, dw, n_used, 0.0f, y, 1));
     moe_expect_close(what, p, y, dim);
     ds4_cuda_backend_set_fusions(p->gpu, env_on("DS4_CUDA_MV_XQ"), 0);
-    EXPECT_LAUNCHES(p, unfused, what,
-                    g->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.0f,
-                           y2.g, 1, DS4_NUMERICS_DS4));
+    EXPECT_LAUNCHES(p, unfused, what, moe_gpu(p, &m, x, dsel, dw, n_used, 0.0f, y2, 1));
     default_fusions(p);
     expect_same_rows(p, what, y.g, y2.g, 1, dim, dim);
     op_buf_free(p, &x);
@@ -987,18 +989,15 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
     op_buf x = op_buf_from(p, hx, n_rows * dim), y = op_buf_poisoned(p, n_rows * dim);
     op_buf y2 = op_buf_poisoned(p, n_rows * dim);
     op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
-    const ds4_backend_ops *g = p->gpu->ops;
     char what[128];
     snprintf(what, sizeof what, "moe %s/%s grouped, %lld tokens over %lld experts", ds4_type_name(tg),
              ds4_type_name(td), (long long)n_rows, (long long)n_expert);
     ds4_cuda_backend_set_moe_grouped(p->gpu, 0);
-    g->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.7f, y.g, n_rows,
-           DS4_NUMERICS_DS4);
+    moe_gpu(p, &m, x, dsel, dw, n_used, 0.7f, y, n_rows);
     op_expect_ok(p);
     ds4_cuda_backend_set_moe_grouped(p->gpu, 1);
     const ds4_backend_counters c0 = op_gpu_counters(p);
-    g->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.7f, y2.g, n_rows,
-           DS4_NUMERICS_DS4);
+    moe_gpu(p, &m, x, dsel, dw, n_used, 0.7f, y2, n_rows);
     const ds4_backend_counters c1 = op_gpu_counters(p);
     op_expect_ok(p);
     default_moe_grouped(p);
