@@ -439,38 +439,6 @@ static char *join_path(const char *dir, const char *name) {
     return p;
 }
 
-/* Read a whole small file (at most `cap` bytes). */
-static ds4_status read_small_file(const char *path, uint64_t cap, char **out, uint64_t *size, ds4_error *err) {
-    *out = NULL;
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return ds4_error_set(err, DS4_ERR_IO, "%s: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        fclose(fp);
-        return ds4_error_set(err, DS4_ERR_IO, "%s: not a regular file", path);
-    }
-    if ((uint64_t)sb.st_size > cap) {
-        fclose(fp);
-        return ds4_error_set(err, DS4_ERR_FORMAT, "%s: %lld bytes, more than the %llu-byte limit", path,
-                             (long long)sb.st_size, (unsigned long long)cap);
-    }
-    char *buf = malloc((size_t)sb.st_size + 1);
-    if (!buf) {
-        fclose(fp);
-        return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory reading %s", path);
-    }
-    size_t n = fread(buf, 1, (size_t)sb.st_size, fp);
-    fclose(fp);
-    if (n != (size_t)sb.st_size) {
-        free(buf);
-        return ds4_error_set(err, DS4_ERR_IO, "%s: short read", path);
-    }
-    buf[n] = '\0';
-    *out = buf;
-    *size = n;
-    return DS4_OK;
-}
-
 static bool plain_file_name(const char *s) {
     size_t n = strlen(s);
     if (n == 0 || n > 255 || s[0] == '.') return false;
@@ -522,7 +490,7 @@ static ds4_status ckpt_index(safetensors_checkpoint *c, ds4_error *err) {
 static ds4_status ckpt_open_index(safetensors_checkpoint *c, const char *index_path, ds4_error *err) {
     char *text;
     uint64_t size = 0;
-    ds4_status st = read_small_file(index_path, SAFETENSORS_MAX_HEADER, &text, &size, err);
+    ds4_status st = ds4_read_small_file(index_path, SAFETENSORS_MAX_HEADER, &text, &size, err);
     if (st) return st;
     cJSON *root;
     st = json_parse(text, size, 0, "index", &root, err);

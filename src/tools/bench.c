@@ -80,6 +80,7 @@
 #include "backends/backend.h"
 #include "core/error.h"
 #include "core/gguf.h"
+#include "core/mapfile.h"
 #include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_synth.h"
 #include "session/sampling.h"
@@ -1041,37 +1042,6 @@ static void last_line(const char *path, char *out, size_t cap) {
     if (f) fclose(f);
 }
 
-/* The whole of a small file, NUL-terminated (NULL: unreadable or > 64 MiB). */
-static char *read_small_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n + 4096 + 1 > cap) {
-            cap = cap ? 2 * cap : 65536;
-            char *nb = cap <= ((size_t)64 << 20) ? realloc(buf, cap) : NULL;
-            if (!nb) {
-                free(buf);
-                fclose(f);
-                return NULL;
-            }
-            buf = nb;
-        }
-        const size_t got = fread(buf + n, 1, 4096, f);
-        n += got;
-        if (got < 4096) break;
-    }
-    const bool bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    return buf;
-}
-
 /* The sum and count of a JSON array of positive numbers (false if it is
  * not one). */
 static bool json_positive_sum(const cJSON *arr, double *sum, int64_t *n) {
@@ -1190,8 +1160,10 @@ static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
         else snprintf(how, sizeof how, "exit status %d", WIFEXITED(st) ? WEXITSTATUS(st) : st);
         return tool_fail(CMD, "variant %s (`%s`) failed (%s)%s%s", name, b->cmd[k], how, tail[0] ? ": " : "", tail);
     }
-    char *text = read_small_file(js);
-    cJSON *root = text ? cJSON_Parse(text) : NULL;
+    char *text = NULL;
+    uint64_t text_len;
+    ds4_error rerr = { 0 };
+    cJSON *root = ds4_read_small_file(js, (uint64_t)64 << 20, &text, &text_len, &rerr) ? NULL : cJSON_Parse(text);
     free(text);
     const cJSON *schema = cJSON_GetObjectItemCaseSensitive(root, "schema");
     const cJSON *prov = cJSON_GetObjectItemCaseSensitive(root, "provenance");
