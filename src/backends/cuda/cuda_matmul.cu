@@ -562,8 +562,8 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(const uint8_t *__restr
     for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) d[i] = s[i];
 }
 
-/* Token t of the grouped MoE: out[t][o] = sum over k (in order, from 0.0f)
- * of part[t n_used + k][o]; blockIdx.y the token. */
+/* The experts of token t (blockIdx.y) summed: out[t][o] = sum over k (in
+ * order, from 0.0f) of part[t n_used + k][o]. */
 __global__ void __launch_bounds__(256) moe_sum_rows_kernel(const float *__restrict__ part, int n_used, int64_t dim,
                                                            float *__restrict__ out, int64_t out_stride) {
     cuda_grid_wait();
@@ -574,16 +574,6 @@ __global__ void __launch_bounds__(256) moe_sum_rows_kernel(const float *__restri
     out[t * out_stride + o] = acc;
 }
 
-/* out[o] = sum over k (in order, from 0.0f) of part[k][o]. */
-__global__ void __launch_bounds__(256) moe_sum_kernel(const float *__restrict__ part, int n_used, int64_t dim,
-                                                      float *__restrict__ out) {
-    cuda_grid_wait();
-    const int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (o >= dim) return;
-    float acc = 0.0f;
-    for (int k = 0; k < n_used; k++) acc = __fadd_rn(acc, part[(int64_t)k * dim + o]);
-    out[o] = acc;
-}
 
 /* ------------------------------------------------------------------------ */
 /* Host side                                                                 */
@@ -1084,7 +1074,8 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     a.out = u;
     a.out_stride = dim;
     if (!launch_product(be, down->type, md, a)) return;
-    (void)cuda_launch(be, "moe_sum_kernel", moe_sum_kernel, (unsigned)cdiv(dim, 256), 256, 0, u, n_used, dim, out);
+    (void)cuda_launch(be, "moe_sum_rows_kernel", moe_sum_rows_kernel, dim3((unsigned)cdiv(dim, 256), 1u), 256, 0,
+                      (const float *)u, n_used, dim, out, dim);
 }
 
 /* The streaming path's mids for down (of `md`): Q8_K in one kernel with the
