@@ -958,9 +958,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.act_token_stride = act_strides[m]; /* gate and up share it when they share a launch */
         a.act_blocks = act_strides[m];
         a.n_rows = 1;
-        a.parts = split_for(n_ff * slots * (shared ? 2 : 1), a.units);
-        a.rpb = MV_WARPS / a.parts;
-        a.rpw = rows_per_warp(a.parts == 1, n_ff * slots * (shared ? 2 : 1));
+        plain_geometry(&a, n_ff * slots * (shared ? 2 : 1));
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
