@@ -41,7 +41,8 @@
 #                               device in about a second) instead of writing and loading the file
 #                     kernels   ncu (Nsight Compute) times each kernel of one decoded token of the
 #                               synthetic full-size q2 model at context KERN_CTX (default 2048), table
-#                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py)
+#                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py); KERN_PREFILL=N also
+#                               times each kernel of one N-token prefill (to $OUT/ncu-prefill.md)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -259,7 +260,26 @@ print(", ".join(f(e) for e in ("decode", "prefill")))' "$js" 2>/dev/null)
 # full-size q2 model, each timed on its own (no clock or cache control) with
 # the bytes it moved to and from device memory, then summed by kernel
 # (scripts/ncu_table.py; raw CSV and table to $OUT; with the perf stage's
-# bench.json, each kernel's share of the measured bandwidth).
+# bench.json, each kernel's share of the measured bandwidth). With
+# KERN_PREFILL=N (e.g. 128) also every kernel of one N-token prefill on a
+# fresh state, to $OUT/ncu-prefill.md.
+ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
+    local name=$1 label=$2 out="${OUT:-$TMP}"
+    shift 2
+    section "ncu: $label"
+    if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$TMP/$name" \
+        build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda "$@" >"$TMP/ncu-$name.log" 2>&1 &&
+        "$ncu" -i "$TMP/$name.ncu-rep" --csv --page raw >"$out/ncu-$name.csv" &&
+        python3 scripts/ncu_table.py "$out/ncu-$name.csv" "${bw[@]}" >"$out/ncu-$name.md"; then
+        head -n 45 "$out/ncu-$name.md"
+        record "ncu kernel table ($label)" PASS
+    else
+        tail -n 20 "$TMP/ncu-$name.log"
+        record "ncu kernel table ($label)" "FAIL"
+    fi
+}
+
 kernels_stage() {
     local out="${OUT:-$TMP}" ncu
     ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n1)
@@ -267,24 +287,17 @@ kernels_stage() {
         record "ncu kernel table" "SKIP (ncu not installed)"
         return
     fi
-    section "ncu: decoded token 2 at context ${KERN_CTX:-2048}"
     local bw=()
     if [ -s "$out/bench.json" ]; then # the copy bandwidth the perf stage measured: a roofline share per kernel
         bw=(--bandwidth "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["bandwidth"]["gbps"])' \
             "$out/bench.json" 2>/dev/null)")
         [ "${bw[1]}" = "" ] && bw=()
     fi
-    if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$TMP/token" \
-        build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda --ctx "${KERN_CTX:-2048}" \
-        --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2 >"$TMP/ncu-bench.log" 2>&1 &&
-        "$ncu" -i "$TMP/token.ncu-rep" --csv --page raw >"$out/ncu-token.csv" &&
-        python3 scripts/ncu_table.py "$out/ncu-token.csv" "${bw[@]}" >"$out/ncu-token.md"; then
-        head -n 45 "$out/ncu-token.md"
-        record "ncu kernel table" PASS
-    else
-        tail -n 20 "$TMP/ncu-bench.log"
-        record "ncu kernel table" "FAIL"
+    ncu_table token "decoded token 2 at context ${KERN_CTX:-2048}" --ctx "${KERN_CTX:-2048}" \
+        --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2
+    if [ -n "${KERN_PREFILL:-}" ]; then
+        ncu_table prefill "prefill of ${KERN_PREFILL} tokens" --ctx "$((KERN_PREFILL + 8))" \
+            --prefill "$KERN_PREFILL" --gen 1 --repeat 1 --warmup 0 --ttft 0 --profile-prefill "$KERN_PREFILL"
     fi
 }
 

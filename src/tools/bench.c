@@ -8,7 +8,7 @@
  *                   [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]
  *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE | --compare CMD]
  *                   [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]
- *                   [--profile-token N]
+ *                   [--profile-token N] [--profile-prefill N]
  *
  * Protocol (../shared/docs/MEASURING.md): a fixed seeded token sequence,
  * greedy decoding with EOS ignored, warm-up runs first, every figure repeated
@@ -170,6 +170,7 @@ typedef struct opts {
     int64_t batch_ctx;
     int64_t gen, repeat, warmup, ttft, threads, chunk, bw_mib;
     int64_t profile_token; /* --profile-token N: decoded token N of the first frontier in the profiler range (0: none) */
+    int64_t profile_prefill; /* --profile-prefill N: the first timed prefill of N tokens in the profiler range (0: none) */
     uint64_t seed;
     double bandwidth; /* GB/s given, 0 = measure */
     ab_key ab;
@@ -189,7 +190,7 @@ static void print_help(void) {
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
            "                       [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]\n"
-           "                       [--profile-token N] [--compare CMD]\n"
+           "                       [--profile-token N] [--profile-prefill N] [--compare CMD]\n"
            "  Measures model load (and the first upload), prefill tokens/s at each --prefill size\n"
            "  (fresh state each sample), time to first token for a --ttft-token prompt (0: skip),\n"
            "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
@@ -205,6 +206,8 @@ static void print_help(void) {
            "                    backend's profiler range (CUDA: cudaProfilerStart/Stop), so an external\n"
            "                    profiler started with its capture off times that one step, e.g.\n"
            "                    ncu --profile-from-start off ds4server bench ... --profile-token 2\n"
+           "  --profile-prefill N the first timed prefill of N tokens (one of the --prefill sizes) runs\n"
+           "                    inside the profiler range, the same way\n"
            "  --bandwidth GBPS  memory bandwidth for the roofline; default: the backend's copy op\n"
            "                    timed on a --bandwidth-mib buffer (default 1024 MiB)\n"
            "  --ab KEY=VALUE    A/B mode: B is the command line with KEY (backend, numerics, threads)\n"
@@ -310,6 +313,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--profile-token")) {
             if (!bench_parse_i64(v, 1, 1000000, &o->profile_token))
                 return usage_error("--profile-token must be a decoded token 1..1000000, not '%s'", v);
+        } else if (!strcmp(a, "--profile-prefill")) {
+            if (!bench_parse_i64(v, 1, BIG, &o->profile_prefill))
+                return usage_error("--profile-prefill must be a positive token count, not '%s'", v);
         } else if (!strcmp(a, "--seed")) {
             if (!bench_parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
@@ -358,6 +364,13 @@ static int parse_opts(int argc, char **argv, opts *o) {
     if (o->profile_token && (o->ab || o->profile_token > o->gen))
         return usage_error("--profile-token must name one of the --gen decoded tokens of a sweep (not with --ab)%s",
                            NULL);
+    if (o->profile_prefill) {
+        bool listed = false;
+        for (int i = 0; i < o->n_prefill; i++) listed |= o->prefill[i] == o->profile_prefill;
+        if (!listed || o->ab)
+            return usage_error("--profile-prefill must name one of the --prefill sizes of a sweep with timed samples "
+                               "(not with --ab or --compare)%s", NULL);
+    }
     const char *bk[2] = { o->backend, o->ab == AB_BACKEND ? o->ab_value : NULL };
     for (int k = 0; k < 2; k++)
         if (bk[k] && !ds4_backend_compiled(bk[k]))
@@ -636,6 +649,7 @@ static void counters_delta(const ds4_backend_counters *a, const ds4_backend_coun
 
 static int run_prefill(bench *b) {
     variant *v = &b->var[0];
+    bool profiled = false; /* --profile-prefill: one sample only, even when the size is listed twice */
     for (int i = 0; i < b->o.n_prefill; i++) {
         prefill_row *r = &b->prefill[i];
         r->tokens = b->o.prefill[i];
@@ -653,7 +667,11 @@ static int run_prefill(bench *b) {
         for (int64_t k = 0; k < b->o.repeat && !s; k++) {
             ds4_backend_counters c0, c1;
             ds4_backend_counters_get(v->be, &c0);
+            const bool prof = !profiled && r->tokens == b->o.profile_prefill;
+            profiled |= prof;
+            if (prof) ds4_backend_profiler_range(v->be, true);
             s = time_prefill(b, v, r->tokens, false, &secs, &err);
+            if (prof) ds4_backend_profiler_range(v->be, false);
             ds4_backend_counters_get(v->be, &c1);
             if (!s && !bench_dvec_push(&r->s, secs)) return tool_fail(CMD, "out of memory");
             if (!s)
