@@ -35,14 +35,15 @@
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
 #                               the defaults (bench --compare, AB_REPEAT rounds, default 4, of decode
-#                               at context AB_CTX, default 256, and prefill of 128; e.g. DS4_CUDA_GRAPH=0,
+#                               at context AB_CTX, default 256, and prefill of AB_PREFILL, default 128; e.g. DS4_CUDA_GRAPH=0,
 #                               DS4_CUDA_MATVEC=0, DS4_CUDA_GEMM=0), and an nsys per-kernel table;
 #                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
 #                               device in about a second) instead of writing and loading the file
 #                     kernels   ncu (Nsight Compute) times each kernel of one decoded token of the
 #                               synthetic full-size q2 model at context KERN_CTX (default 2048), table
 #                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py); KERN_PREFILL=N also
-#                               times each kernel of one N-token prefill (to $OUT/ncu-prefill.md)
+#                               times each kernel of one N-token prefill (to $OUT/ncu-prefill.md);
+#                               KERN_CTX=0 skips the decoded token
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -220,7 +221,7 @@ perf_stage() {
         envs_of "$v"
         js="$out/bench-${v//[^A-Za-z0-9_]/_}.json"
         if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
-            --ctx "${AB_CTX:-256}" --prefill 128 --gen 32 --repeat "${AB_REPEAT:-4}" --warmup 1 \
+            --ctx "${AB_CTX:-256}" --prefill "${AB_PREFILL:-128}" --gen 32 --repeat "${AB_REPEAT:-4}" --warmup 1 \
             --compare "env $(printf '%q ' "${envs[@]}" "$PWD/build/cuda/ds4server")" --json "$js" \
             --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
             ratio=$(python3 -c 'import json, sys
@@ -293,8 +294,10 @@ kernels_stage() {
             "$out/bench.json" 2>/dev/null)")
         [ "${bw[1]}" = "" ] && bw=()
     fi
-    ncu_table token "decoded token 2 at context ${KERN_CTX:-2048}" --ctx "${KERN_CTX:-2048}" \
-        --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2
+    if [ "${KERN_CTX:-2048}" != 0 ]; then
+        ncu_table token "decoded token 2 at context ${KERN_CTX:-2048}" --ctx "${KERN_CTX:-2048}" \
+            --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2
+    fi
     if [ -n "${KERN_PREFILL:-}" ]; then
         ncu_table prefill "prefill of ${KERN_PREFILL} tokens" --ctx "$((KERN_PREFILL + 8))" \
             --prefill "$KERN_PREFILL" --gen 1 --repeat 1 --warmup 0 --ttft 0 --profile-prefill "$KERN_PREFILL"
