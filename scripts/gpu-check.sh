@@ -43,7 +43,9 @@
 #                               synthetic full-size q2 model at context KERN_CTX (default 2048), table
 #                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py); KERN_PREFILL=N also
 #                               times each kernel of one N-token prefill (to $OUT/ncu-prefill.md);
-#                               KERN_CTX=0 skips the decoded token
+#                               KERN_CTX=0 skips the decoded token; KERN_LAYERS=FIRST,COUNT times only those
+#                               layers of the prefill (bench --profile-layers); KERN_AB="VAR=1 ..." adds a
+#                               prefill table per variable (ncu-prefill-VAR.md)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -263,12 +265,14 @@ print(", ".join(f(e) for e in ("decode", "prefill")))' "$js" 2>/dev/null)
 # (scripts/ncu_table.py; raw CSV and table to $OUT; with the perf stage's
 # bench.json, each kernel's share of the measured bandwidth). With
 # KERN_PREFILL=N (e.g. 128) also every kernel of one N-token prefill on a
-# fresh state, to $OUT/ncu-prefill.md.
+# fresh state, to $OUT/ncu-prefill.md (KERN_LAYERS=FIRST,COUNT: only those
+# layers; KERN_AB="VAR=1 ...": once more per setting).
+ncu_env=() # VAR=VALUE settings ncu_table runs its bench with
 ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
     local name=$1 label=$2 out="${OUT:-$TMP}"
     shift 2
     section "ncu: $label"
-    if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
+    if env "${ncu_env[@]}" timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$TMP/$name" \
         build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda "$@" >"$TMP/ncu-$name.log" 2>&1 &&
         "$ncu" -i "$TMP/$name.ncu-rep" --csv --page raw >"$out/ncu-$name.csv" &&
@@ -299,8 +303,16 @@ kernels_stage() {
             --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2
     fi
     if [ -n "${KERN_PREFILL:-}" ]; then
-        ncu_table prefill "prefill of ${KERN_PREFILL} tokens" --ctx "$((KERN_PREFILL + 8))" \
-            --prefill "$KERN_PREFILL" --gen 1 --repeat 1 --warmup 0 --ttft 0 --profile-prefill "$KERN_PREFILL"
+        local pargs=(--ctx "$((KERN_PREFILL + 8))" --prefill "$KERN_PREFILL" --gen 1 --repeat 1 --warmup 1 --ttft 0
+            --profile-prefill "$KERN_PREFILL" ${KERN_LAYERS:+--profile-layers "$KERN_LAYERS"}) v envs
+        local what="prefill of ${KERN_PREFILL} tokens${KERN_LAYERS:+, layers $KERN_LAYERS (first,count)}"
+        ncu_table prefill "$what" "${pargs[@]}"
+        for v in ${KERN_AB:-}; do
+            envs_of "$v"
+            ncu_env=("${envs[@]}")
+            ncu_table "prefill-${v//[^A-Za-z0-9_]/_}" "$what, $v" "${pargs[@]}"
+            ncu_env=()
+        done
     fi
 }
 

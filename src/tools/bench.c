@@ -8,7 +8,7 @@
  *                   [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]
  *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE | --compare CMD]
  *                   [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]
- *                   [--profile-token N] [--profile-prefill N]
+ *                   [--profile-token N] [--profile-prefill N [--profile-layers FIRST,COUNT]]
  *
  * Protocol (../shared/docs/MEASURING.md): a fixed seeded token sequence,
  * greedy decoding with EOS ignored, warm-up runs first, every figure repeated
@@ -171,6 +171,8 @@ typedef struct opts {
     int64_t gen, repeat, warmup, ttft, threads, chunk, bw_mib;
     int64_t profile_token; /* --profile-token N: decoded token N of the first frontier in the profiler range (0: none) */
     int64_t profile_prefill; /* --profile-prefill N: the first timed prefill of N tokens in the profiler range (0: none) */
+    int64_t profile_layers[2]; /* --profile-layers FIRST,COUNT: only those layers of it (COUNT 0: all) */
+    int n_profile_layers;
     uint64_t seed;
     double bandwidth; /* GB/s given, 0 = measure */
     ab_key ab;
@@ -190,7 +192,8 @@ static void print_help(void) {
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
            "                       [--bandwidth GBPS | --bandwidth-mib N] [--batch 1,8,32 [--batch-ctx N]]\n"
-           "                       [--profile-token N] [--profile-prefill N] [--compare CMD]\n"
+           "                       [--profile-token N] [--profile-prefill N [--profile-layers F,N]]\n"
+           "                       [--compare CMD]\n"
            "  Measures model load (and the first upload), prefill tokens/s at each --prefill size\n"
            "  (fresh state each sample), time to first token for a --ttft-token prompt (0: skip),\n"
            "  and steady greedy decode of --gen tokens at each --ctx frontier (one state, the gap\n"
@@ -207,7 +210,8 @@ static void print_help(void) {
            "                    profiler started with its capture off times that one step, e.g.\n"
            "                    ncu --profile-from-start off ds4server bench ... --profile-token 2\n"
            "  --profile-prefill N the first timed prefill of N tokens (one of the --prefill sizes) runs\n"
-           "                    inside the profiler range, the same way\n"
+           "                    inside the profiler range, the same way; with --profile-layers F,N only\n"
+           "                    its layers F .. F+N-1 (a long prefill has too many kernels to time all)\n"
            "  --bandwidth GBPS  memory bandwidth for the roofline; default: the backend's copy op\n"
            "                    timed on a --bandwidth-mib buffer (default 1024 MiB)\n"
            "  --ab KEY=VALUE    A/B mode: B is the command line with KEY (backend, numerics, threads)\n"
@@ -316,6 +320,15 @@ static int parse_opts(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--profile-prefill")) {
             if (!bench_parse_i64(v, 1, BIG, &o->profile_prefill))
                 return usage_error("--profile-prefill must be a positive token count, not '%s'", v);
+        } else if (!strcmp(a, "--profile-layers")) {
+            const char *comma = strchr(v, ',');
+            char first[32] = "";
+            const size_t len = comma ? (size_t)(comma - v) : 0;
+            if (len && len < sizeof first) memcpy(first, v, len);
+            if (!len || len >= sizeof first || !bench_parse_i64(first, 0, 100000, &o->profile_layers[0]) ||
+                !bench_parse_i64(comma + 1, 1, 100000, &o->profile_layers[1]))
+                return usage_error("--profile-layers takes FIRST,COUNT (a layer and a positive count), not '%s'", v);
+            o->n_profile_layers = 2;
         } else if (!strcmp(a, "--seed")) {
             if (!bench_parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
@@ -371,6 +384,8 @@ static int parse_opts(int argc, char **argv, opts *o) {
             return usage_error("--profile-prefill must name one of the --prefill sizes of a sweep with timed samples "
                                "(not with --ab or --compare)%s", NULL);
     }
+    if (o->n_profile_layers && !o->profile_prefill)
+        return usage_error("--profile-layers narrows --profile-prefill: give that too%s", NULL);
     const char *bk[2] = { o->backend, o->ab == AB_BACKEND ? o->ab_value : NULL };
     for (int k = 0; k < 2; k++)
         if (bk[k] && !ds4_backend_compiled(bk[k]))
@@ -669,9 +684,12 @@ static int run_prefill(bench *b) {
             ds4_backend_counters_get(v->be, &c0);
             const bool prof = !profiled && r->tokens == b->o.profile_prefill;
             profiled |= prof;
-            if (prof) ds4_backend_profiler_range(v->be, true);
+            const bool by_layer = prof && b->o.n_profile_layers; /* the model opens and closes the range */
+            if (by_layer) ds4_model_set_profile_layers(v->m, (int)b->o.profile_layers[0], (int)b->o.profile_layers[1]);
+            else if (prof) ds4_backend_profiler_range(v->be, true);
             s = time_prefill(b, v, r->tokens, false, &secs, &err);
-            if (prof) ds4_backend_profiler_range(v->be, false);
+            if (by_layer) ds4_model_set_profile_layers(v->m, 0, 0);
+            else if (prof) ds4_backend_profiler_range(v->be, false);
             ds4_backend_counters_get(v->be, &c1);
             if (!s && !bench_dvec_push(&r->s, secs)) return tool_fail(CMD, "out of memory");
             if (!s)

@@ -42,7 +42,7 @@ def sweep(model, tmp_path_factory):
     # the tiny model's context is 4096: the 8192 frontier and prefill must be skipped
     r = ds4("bench", "-m", model, "--ctx", "16,40,8192", "--prefill", "1,8,24,8192", "--gen", "4",
             "--repeat", str(REPEAT), "--warmup", "1", "--ttft", "16", "--threads", "2", "--bandwidth-mib", "16",
-            "--chunk", "12", "--profile-token", "2", "--profile-prefill", "8", "--json", js, "--md", md)
+            "--chunk", "12", "--profile-token", "2", "--profile-prefill", "8", "--profile-layers", "1,2", "--json", js, "--md", md)
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
     return r, json.loads(js.read_text()), js, md
 
@@ -462,6 +462,12 @@ def test_compare_variant_failures(model, tmp_path, body, message):
     ["--compare", "./other", "--ab", "threads=1"],
     ["--profile-token", "1", "--compare", "./other"],
     ["--profile-prefill", "0"],
+    ["--profile-layers", "2,1"],  # without --profile-prefill
+    ["--prefill", "8", "--profile-prefill", "8", "--profile-layers", "2"],
+    ["--prefill", "8", "--profile-prefill", "8", "--profile-layers", "2,0"],
+    ["--prefill", "8", "--profile-prefill", "8", "--profile-layers", "-1,2"],
+    ["--prefill", "8", "--profile-prefill", "8", "--profile-layers", "1,2,3"],
+    ["--prefill", "8", "--profile-prefill", "8", "--profile-layers", ",2"],
     ["--profile-prefill", "x"],
     ["--prefill", "1,8", "--profile-prefill", "16"],  # not one of the --prefill sizes
     ["--prefill", "8", "--profile-prefill", "8", "--ab", "threads=1"],

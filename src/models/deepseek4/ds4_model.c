@@ -79,6 +79,11 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
     m->layer_limit = n_layers > 0 && n_layers < m->cfg.n_layer ? n_layers : 0;
 }
 
+void ds4_model_set_profile_layers(ds4_model *m, int first, int n) {
+    m->prof_first = first > 0 ? first : 0;
+    m->prof_n = n > 0 ? n : 0;
+}
+
 const ds4_config *ds4_model_config(const ds4_model *m) { return &m->cfg; }
 int64_t ds4_state_pos(const ds4_state *s) { return s->pos; }
 ds4_backend *ds4_model_backend(const ds4_model *m) { return m->be; }
@@ -849,9 +854,12 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
             be->ops->copy(be, s->X + (t * c->n_hc + sidx) * H, s->x + t * H, H);
 
     const int n_layer = m->layer_limit ? m->layer_limit : c->n_layer;
+    const int prof_end = m->prof_n ? (m->prof_first + m->prof_n < n_layer ? m->prof_first + m->prof_n : n_layer) : -1;
     for (int l = 0; l < n_layer; l++) {
+        if (l == m->prof_first && l < prof_end) ds4_backend_profiler_range(be, true);
         attention_sublayer(m, rs, l, s, pos, n, num);
         ffn_sublayer(m, l, s, tokens, n, num);
+        if (l + 1 == prof_end && l >= m->prof_first) ds4_backend_profiler_range(be, false);
         if (step && be->ops->step_mark) be->ops->step_mark(be); /* the device may start on the layers so far */
     }
     /* head: only the rows whose logits are wanted */

@@ -91,6 +91,11 @@ void ds4_model_set_tap(ds4_model *m, ds4_model_tap_fn fn, void *ctx);
 /* Evaluate only the first n layers (0 = all); the head is then skipped and
  * no logits are produced. For checking real-size layers of a large file. */
 void ds4_model_set_layer_limit(ds4_model *m, int n_layers);
+/* Run layers first .. first + n - 1 of every evaluation inside the backend's
+ * profiler range (ds4_backend_profiler_range), so an external profiler with
+ * its capture off times only them; n 0 turns it off. Layers past the model's
+ * are ignored. */
+void ds4_model_set_profile_layers(ds4_model *m, int first, int n);
 
 /* Progress of ds4_model_load_progress: bytes of weights bound so far. */
 typedef void (*ds4_model_load_fn)(void *ctx, int64_t done, int64_t total);

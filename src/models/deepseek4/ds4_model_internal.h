@@ -32,6 +32,7 @@ struct ds4_model {
     ds4_model_tap_fn tap; /* inspection hook (NULL: none) */
     void *tap_ctx;
     int layer_limit; /* 0: all layers */
+    int prof_first, prof_n; /* layers inside the backend's profiler range (prof_n 0: none) */
 };
 
 /* Compressor state of one layer: kv and score rows plus the emitted rows. */
