@@ -723,6 +723,14 @@ static void moe_route(int64_t n_expert, int n_used, int32_t *sel, float *wts) {
     }
 }
 
+static bool env_on(const char *name) {
+    const char *v = getenv(name);
+    return !(v && !strcmp(v, "0"));
+}
+
+/* The grouped MoE back to the backend's default (on unless DS4_CUDA_MOE_GROUPED=0). */
+static void default_moe_grouped(op_pair *p) { ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED")); }
+
 /* n_rows tokens in one call, each row with its own experts and weights. */
 static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert, int n_used,
                      float limit, int64_t n_rows) {
@@ -815,8 +823,7 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
     op_buf_free(p, &x);
     free(hx);
     moe_free(p, &m);
-    const char *grouped = getenv("DS4_CUDA_MOE_GROUPED"); /* the backend's default again */
-    ds4_cuda_backend_set_moe_grouped(p->gpu, grouped && !strcmp(grouped, "1"));
+    default_moe_grouped(p);
 }
 
 /* gate/up of type tg, down of td; limit off and on (0.7 clamps often: the
@@ -882,18 +889,8 @@ static void moe_expect_close(const char *what, op_pair *p, op_buf y, int64_t dim
 
 
 /* An environment switch that is on unless set to "0". */
-static bool env_on(const char *name) {
-    const char *v = getenv(name);
-    return !(v && !strcmp(v, "0"));
-}
-
 static bool launch_counts_apply(void) { return env_on("DS4_CUDA_MATVEC") && env_on("DS4_CUDA_MULTI"); }
 
-/* The grouped MoE back to the backend's default (on only with DS4_CUDA_MOE_GROUPED=1). */
-static void default_moe_grouped(op_pair *p) {
-    const char *v = getenv("DS4_CUDA_MOE_GROUPED");
-    ds4_cuda_backend_set_moe_grouped(p->gpu, v && !strcmp(v, "1"));
-}
 
 /* The fusions back to the backend's defaults (DS4_CUDA_MV_XQ, DS4_CUDA_MOE_XQ). */
 static void default_fusions(op_pair *p) {

@@ -120,11 +120,12 @@ void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
  * are the same either way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
 /* The routed experts of several tokens grouped by expert, outside recorded
- * steps (off by default; DS4_CUDA_MOE_GROUPED=1 makes on the default): the
+ * steps (on by default; DS4_CUDA_MOE_GROUPED=0 makes off the default): the
  * op reads the checked expert ids back (one wait), sorts the (token,
  * expert) slots by expert and runs each expert's tokens, up to eight at a
  * time, as rows of one pass over its weights, instead of one pass per
- * slot. Meant to give the same results bit for bit; not yet measured. */
+ * slot. The same results bit for bit (test_moe_grouped); a 512-token
+ * prefill of the full-size q2 model 1.14x faster on the H200. */
 void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
 /* Why the most recent cut of a recorded step happened (the step's ops from
  * there on ran unrecorded: a host wait, an allocation, a library call), or

@@ -690,7 +690,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
-    cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", false);
+    cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);
