@@ -125,6 +125,10 @@ typedef struct ds4_backend_ops {
     void (*add)(ds4_backend *be, const float *a, const float *b, float *out, int64_t n);
     /* x[r][i] += W row `row` [i] (W is [dim, n] in F16/F32), for r < n_rows. */
     void (*add_weight_row)(ds4_backend *be, float *x, const ds4_weight *w, int64_t row, int64_t n_rows);
+    /* x[r][i] += W row (first + r) mod R [i] (W is [dim, R]), for r < n_rows:
+     * the rows of a position table (R positions, repeating) for a run of
+     * consecutive positions starting at one of residue `first`. */
+    void (*add_weight_rows_mod)(ds4_backend *be, float *x, const ds4_weight *w, int64_t first, int64_t n_rows);
     /* In-place round trip through IEEE half precision (round to nearest even). */
     void (*round_f16)(ds4_backend *be, float *x, int64_t n);
     /* FP8 E4M3 round trip of dims [0, dim - n_rope) of each row, in blocks of 64
@@ -214,9 +218,12 @@ typedef struct ds4_backend_ops {
      * state_kv / state_score are [n_state_rows, width]. ratio 4 (coff 2):
      * candidates are rows 0..3 at lane [j] and rows 4..7 at lane [dim + j];
      * otherwise rows 0..ratio-1 at lane [j]. out[j] = sum softmax(score) * kv,
-     * 0 when every score is -inf. */
+     * 0 when every score is -inf. n_windows pools in one call: pool w reads
+     * the rows from w * ratio on (consecutive windows of rows in position
+     * order; ratio 4's overlap: window w's lane B rows are window w + 1's
+     * lane A rows) and writes out[w * dim ..]. */
     void (*compressor_pool)(ds4_backend *be, const float *state_kv, const float *state_score, int ratio,
-                            int64_t dim, float *out);
+                            int64_t dim, int64_t n_windows, float *out);
 
     /* ---- indexer (spec 3.6) ------------------------------------------- */
     /* score[c] = sum_h relu(q_h . keys[c]) * w_h, for c < n_keys, heads in

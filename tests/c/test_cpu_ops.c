@@ -323,7 +323,7 @@ static void test_op_table(void) {
     ds4_backend *be = new_backend(1);
     const ds4_backend_ops *o = be->ops;
     CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->bind_weight &&
-          o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->round_f16 &&
+          o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->add_weight_rows_mod && o->round_f16 &&
           o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
           o->router && o->swiglu && o->moe && o->take_error);
@@ -519,6 +519,38 @@ static void test_add_weight_row(void) {
         for (int64_t i = 0; i < dim; i++) CHECK(x[r * dim + i] == x0[r * dim + i] + row[i]);
     expect_no_error(be);
     be->ops->add_weight_row(be, x, &tw.w, 6, rows);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    weight_free(&tw);
+    free(src);
+    free(x);
+    free(x0);
+    free(row);
+    ds4_backend_destroy(be);
+}
+
+/* add_weight_rows_mod: row r gets table row (first + r) mod R, past the
+ * table's end and around it more than once; a start outside the table is
+ * refused. */
+static void test_add_weight_rows_mod(void) {
+    ds4_backend *be = new_backend(1);
+    const int64_t dim = 24, R = 4, rows = 11;
+    float *src = fvec(dim * R), *x = fvec(rows * dim), *x0 = fvec(rows * dim), *row = fvec(dim);
+    fill_normal(src, dim * R, 1.0);
+    test_weight tw;
+    weight_make(&tw, "ape", DS4_TYPE_F16, dim, R, src);
+    for (int64_t first = 0; first < R; first++) {
+        fill_normal(x, rows * dim, 1.0);
+        memcpy(x0, x, (size_t)(rows * dim) * sizeof *x);
+        be->ops->add_weight_rows_mod(be, x, &tw.w, first, rows);
+        expect_no_error(be);
+        for (int64_t r = 0; r < rows; r++) {
+            weight_row(&tw.w, (first + r) % R, row);
+            for (int64_t i = 0; i < dim; i++) CHECK(x[r * dim + i] == x0[r * dim + i] + row[i]);
+        }
+    }
+    be->ops->add_weight_rows_mod(be, x, &tw.w, R, rows);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    be->ops->add_weight_rows_mod(be, x, &tw.w, -1, rows);
     CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
     weight_free(&tw);
     free(src);
@@ -1376,7 +1408,7 @@ static void test_compressor_pool(void) {
         }
         if (ratio == 4) sc[5 * width + dim + 1] = 0.3f;
         else sc[77 * width + 1] = 0.3f;
-        be->ops->compressor_pool(be, kv, sc, ratio, dim, out);
+        be->ops->compressor_pool(be, kv, sc, ratio, dim, 1, out);
         for (int64_t j = 0; j < dim; j++) {
             double m = -INFINITY, den = 0, num = 0, mag = 0;
             for (int r = 0; r < (ratio == 4 ? 8 : ratio); r++) {
@@ -1399,6 +1431,27 @@ static void test_compressor_pool(void) {
         free(kv);
         free(sc);
         free(out);
+    }
+    /* several windows in one call: window w is the single pool of the rows
+     * from w * ratio on (ratio 4: overlapping by four rows), bit for bit */
+    for (int t = 0; t < 2; t++) {
+        const int ratio = ratios[t];
+        const int64_t dim = 8, width = ratio == 4 ? 2 * dim : dim, nw = 5;
+        const int64_t n_state = ratio == 4 ? 4 * (nw + 1) : ratio * nw;
+        float *kv = fvec(n_state * width), *sc = fvec(n_state * width), *out = fvec(nw * dim), *one = fvec(dim);
+        fill_normal(kv, n_state * width, 1.0);
+        fill_normal(sc, n_state * width, 2.0);
+        be->ops->compressor_pool(be, kv, sc, ratio, dim, nw, out);
+        for (int64_t w = 0; w < nw; w++) {
+            be->ops->compressor_pool(be, kv + w * ratio * width, sc + w * ratio * width, ratio, dim, 1, one);
+            CHECK(memcmp(one, out + w * dim, (size_t)dim * sizeof *one) == 0);
+        }
+        be->ops->compressor_pool(be, kv, sc, ratio, dim, -1, out);
+        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+        free(kv);
+        free(sc);
+        free(out);
+        free(one);
     }
     expect_no_error(be);
     ds4_backend_destroy(be);
@@ -1972,6 +2025,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_attention),
     TEST_ENTRY(test_attention_rows),
     TEST_ENTRY(test_compressor_pool),
+    TEST_ENTRY(test_add_weight_rows_mod),
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_top_k),
     TEST_ENTRY(test_top_k_one_is_argmax),

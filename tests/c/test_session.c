@@ -327,6 +327,76 @@ static void test_load_refuses_incomplete_backend(void) {
  * selection) decode one token each in one call, and every row's logits are
  * those of a single-token decode of its state, bit for bit on the CPU.
  */
+/* A state's whole payload (caches, compressor states, window) as bytes. */
+static uint8_t *state_bytes(const ds4_state *st, const int32_t *t, int64_t n, int64_t *size) {
+    ds4_error err = { 0 };
+    float *logits = calloc((size_t)vocab, sizeof *logits);
+    *size = ds4_state_payload_size(st, n);
+    uint8_t *b = *size > 0 ? malloc((size_t)*size) : NULL;
+    if (!b || !logits || ds4_state_save_payload(st, t, n, logits, b, *size, &err) != DS4_OK) {
+        free(b);
+        b = NULL;
+    }
+    free(logits);
+    return b;
+}
+
+/* A prefill chunk's compressors in batched calls (compressor_chunk) leave
+ * the same logits and the same state, byte for byte, as token by token:
+ * chunks starting at, inside and just before window ends of both ratios,
+ * chunks ending there, chunks spanning several windows of both, both
+ * numerics. */
+static void test_compressor_chunks_match(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    ds4_backend *cpu = NULL;
+    ds4_model *m = cpu_model(&cpu);
+    if (!m) return;
+    static const int64_t cases[][2] = { { 0, 2 },   { 0, 4 },   { 0, 9 },   { 3, 2 },   { 5, 7 },  { 2, 300 },
+                                        { 126, 2 }, { 127, 1 }, { 127, 5 }, { 124, 136 }, { 0, 128 }, { 1, 259 } };
+    int32_t *t = random_tokens(400);
+    float *la = malloc((size_t)vocab * sizeof *la), *lb = malloc((size_t)vocab * sizeof *lb);
+    for (int num = 0; num < 2; num++) {
+        const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            const int64_t pre = cases[c][0], n = cases[c][1];
+            ds4_state *a = NULL, *b = NULL;
+            CHECK(ds4_state_create(m, 512, &a, &err) == DS4_OK && ds4_state_create(m, 512, &b, &err) == DS4_OK);
+            if (!a || !b) break;
+            /* the same prefix token by token on both, then the chunk batched on a, per token on b */
+            for (int64_t i = 0; i < pre; i++) {
+                CHECK(ds4_model_eval(m, a, t + i, 1, nm, NULL, false, &err) == DS4_OK);
+                CHECK(ds4_model_eval(m, b, t + i, 1, nm, NULL, false, &err) == DS4_OK);
+            }
+            ds4_model_set_compressor_chunks(m, true);
+            CHECK(ds4_model_eval(m, a, t + pre, n, nm, la, false, &err) == DS4_OK);
+            ds4_model_set_compressor_chunks(m, false);
+            CHECK(ds4_model_eval(m, b, t + pre, n, nm, lb, false, &err) == DS4_OK);
+            ds4_model_set_compressor_chunks(m, true);
+            CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%s numerics, %lld tokens after %lld: logits",
+                      num ? "reference" : "ds4", (long long)n, (long long)pre);
+            int64_t sa = 0, sb = 0;
+            uint8_t *ba = state_bytes(a, t, pre + n, &sa), *bb = state_bytes(b, t, pre + n, &sb);
+            CHECK_MSG(ba && bb && sa == sb && memcmp(ba, bb, (size_t)sa) == 0,
+                      "%s numerics, %lld tokens after %lld: the states differ", num ? "reference" : "ds4",
+                      (long long)n, (long long)pre);
+            /* and a decoded token after it */
+            CHECK(ds4_model_eval(m, a, t + pre + n, 1, nm, la, false, &err) == DS4_OK);
+            CHECK(ds4_model_eval(m, b, t + pre + n, 1, nm, lb, false, &err) == DS4_OK);
+            CHECK(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0);
+            free(ba);
+            free(bb);
+            ds4_state_free(a);
+            ds4_state_free(b);
+        }
+    }
+    free(la);
+    free(lb);
+    free(t);
+    ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+}
+
 static void test_batch_decode_matches_single(void) {
     if (!setup()) { CHECK(0); return; }
     ds4_error err = { 0 };
@@ -594,6 +664,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_prefetch_reads_the_whole_file),
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
+    TEST_ENTRY(test_compressor_chunks_match),
     TEST_ENTRY(test_greedy_eval_matches_argmax),
     TEST_ENTRY(test_session_decode_greedy),
     TEST_ENTRY(test_session_decode_batch),

@@ -475,8 +475,8 @@ static void compressor_case(op_pair *p, int ratio, int64_t dim) {
         tol[j] = num / den * (4.0 * c + 24) * U;
     }
     op_buf bkv = op_buf_from(p, kv, n), bsc = op_buf_from(p, sc, n), out = op_buf_poisoned(p, dim + GUARD);
-    p->cpu->ops->compressor_pool(p->cpu, bkv.c, bsc.c, ratio, dim, out.c);
-    p->gpu->ops->compressor_pool(p->gpu, bkv.g, bsc.g, ratio, dim, out.g);
+    p->cpu->ops->compressor_pool(p->cpu, bkv.c, bsc.c, ratio, dim, 1, out.c);
+    p->gpu->ops->compressor_pool(p->gpu, bkv.g, bsc.g, ratio, dim, 1, out.g);
     op_expect_ok(p);
     char what[96];
     snprintf(what, sizeof what, "compressor_pool ratio %d dim %lld", ratio, (long long)dim);
@@ -490,9 +490,62 @@ static void compressor_case(op_pair *p, int ratio, int64_t dim) {
     free(sc);
 }
 
+/* Several windows in one call (consecutive windows of rows in position
+ * order; ratio 4's overlap): each window's output is the GPU's one-window
+ * pool of the same rows, bit for bit, and within compressor_case's bound of
+ * the CPU's (checked there); here against the CPU with the same bound's
+ * simple form, max over the window of sum |kv| * (4c + 24) u. */
+static void compressor_windows_case(op_pair *p, int ratio, int64_t dim, int64_t nw) {
+    const int64_t width = ratio == 4 ? 2 * dim : dim, rows = ratio == 4 ? 4 * (nw + 1) : ratio * nw, n = rows * width;
+    float *kv = op_rand(n, 1.0), *sc = op_rand(n, 2.0);
+    op_buf bkv = op_buf_from(p, kv, n), bsc = op_buf_from(p, sc, n);
+    op_buf out = op_buf_poisoned(p, nw * dim + GUARD), one = op_buf_poisoned(p, dim);
+    p->cpu->ops->compressor_pool(p->cpu, bkv.c, bsc.c, ratio, dim, nw, out.c);
+    p->gpu->ops->compressor_pool(p->gpu, bkv.g, bsc.g, ratio, dim, nw, out.g);
+    op_expect_ok(p);
+    char what[96];
+    snprintf(what, sizeof what, "compressor_pool ratio %d dim %lld, %lld windows", ratio, (long long)dim, (long long)nw);
+    const int c = ratio == 4 ? 8 : ratio;
+    double *tol = malloc((size_t)(nw * dim) * sizeof *tol);
+    for (int64_t w = 0; w < nw; w++)
+        for (int64_t j = 0; j < dim; j++) {
+            double mag = 0;
+            for (int k = 0; k < c; k++) {
+                const int64_t r = w * ratio + k;
+                mag += fabs(kv[r * width + (ratio == 4 && k >= 4 ? dim : 0) + j]);
+            }
+            tol[w * dim + j] = mag * (4.0 * c + 24) * U;
+        }
+    compare_each(what, p, out, nw * dim, tol);
+    expect_untouched(what, p, out, nw * dim, GUARD);
+    float *hw = malloc((size_t)(nw * dim) * sizeof *hw), *h1 = malloc((size_t)dim * sizeof *h1);
+    p->gpu->ops->download(p->gpu, hw, out.g, nw * dim);
+    int bad = 0;
+    for (int64_t w = 0; w < nw; w++) {
+        p->gpu->ops->compressor_pool(p->gpu, bkv.g + w * ratio * width, bsc.g + w * ratio * width, ratio, dim, 1,
+                                     one.g);
+        p->gpu->ops->download(p->gpu, h1, one.g, dim);
+        bad += memcmp(h1, hw + w * dim, (size_t)dim * sizeof *h1) != 0;
+    }
+    op_expect_ok(p);
+    CHECK_MSG(bad == 0, "%s: %d windows differ from one-window pools", what, bad);
+    free(hw);
+    free(h1);
+    free(tol);
+    op_buf_free(p, &bkv);
+    op_buf_free(p, &bsc);
+    op_buf_free(p, &out);
+    op_buf_free(p, &one);
+    free(kv);
+    free(sc);
+}
+
 static void test_compressor_pool(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
+    compressor_windows_case(&p, 4, 512, 37);
+    compressor_windows_case(&p, 4, 128, 64);
+    compressor_windows_case(&p, 128, 512, 3);
     compressor_case(&p, 4, 512);
     compressor_case(&p, 4, 128);
     compressor_case(&p, 128, 512);
@@ -749,10 +802,13 @@ static void test_attention_ops_errors(void) {
     const int bad_ratio[] = { 0, -3, 4 };
     const int64_t bad_dim[] = { 8, 8, 0 };
     for (int i = 0; i < 3; i++) {
-        p.cpu->ops->compressor_pool(p.cpu, x.c, y.c, bad_ratio[i], bad_dim[i], out.c);
-        p.gpu->ops->compressor_pool(p.gpu, x.g, y.g, bad_ratio[i], bad_dim[i], out.g);
+        p.cpu->ops->compressor_pool(p.cpu, x.c, y.c, bad_ratio[i], bad_dim[i], 1, out.c);
+        p.gpu->ops->compressor_pool(p.gpu, x.g, y.g, bad_ratio[i], bad_dim[i], 1, out.g);
         expect_same_error(&p, "compressor_pool arguments");
     }
+    p.cpu->ops->compressor_pool(p.cpu, x.c, y.c, 4, 8, -1, out.c);
+    p.gpu->ops->compressor_pool(p.gpu, x.g, y.g, 4, 8, -1, out.g);
+    expect_same_error(&p, "compressor_pool windows");
 
     /* indexer_scores: negative sizes (the CPU does nothing with them) */
     p.gpu->ops->indexer_scores(p.gpu, x.g, y.g, 1.0f, 4, 8, y.g, -1, out.g);

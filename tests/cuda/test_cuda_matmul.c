@@ -728,14 +728,21 @@ static bool env_on(const char *name) {
     return !(v && !strcmp(v, "0"));
 }
 
-/* The grouped MoE back to the backend's default (on unless DS4_CUDA_MOE_GROUPED=0). */
-static void default_moe_grouped(op_pair *p) { ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED")); }
+/* The grouped MoE and its tensor-core products back to the backend's
+ * defaults (on unless DS4_CUDA_MOE_GROUPED=0, DS4_CUDA_MOE_MMA=0). */
+static void default_moe_grouped(op_pair *p) {
+    ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED"));
+    ds4_cuda_backend_set_moe_mma(p->gpu, env_on("DS4_CUDA_MOE_MMA"));
+}
 
-/* n_rows tokens in one call, each row with its own experts and weights. */
-static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert, int n_used,
-                     float limit, int64_t n_rows) {
-    /* the streaming path, which waits for nothing (test_moe_grouped holds the grouped one to it) */
-    ds4_cuda_backend_set_moe_grouped(p->gpu, 0);
+/* n_rows tokens in one call, each row with its own experts and weights:
+ * on the streaming path (mma false), which waits for nothing
+ * (test_moe_grouped holds the grouped matvec path to it), or grouped on
+ * the tensor cores (mma true; under DS4 numerics the call must run there). */
+static void moe_case_on(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert, int n_used,
+                        float limit, int64_t n_rows, bool mma) {
+    ds4_cuda_backend_set_moe_grouped(p->gpu, mma);
+    ds4_cuda_backend_set_moe_mma(p->gpu, mma);
     moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
     const int64_t R = n_rows;
     int32_t *sel = malloc((size_t)(R * n_used) * sizeof *sel);
@@ -789,9 +796,11 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
         op_buf y = op_buf_poisoned(p, R * dim);
         p->cpu->ops->moe(p->cpu, &m.gate->c, &m.up->c, &m.down->c, x.c, (const int32_t *)dsel.c, dw.c, n_used, limit,
                          y.c, R, num);
+        const int64_t mma0 = ds4_cuda_backend_moe_mma_calls(p->gpu);
         p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, limit,
                          y.g, R, num);
         op_expect_ok(p);
+        const int64_t mma_ran = ds4_cuda_backend_moe_mma_calls(p->gpu) - mma0;
         double *tol = malloc((size_t)(R * dim) * sizeof *tol);
         /* DS4 numerics: room for a mid on the other side of a code boundary,
          * at most as much again as the sums' own room (so a lost mid, about
@@ -803,12 +812,16 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
                  ds4_type_name(tg), ds4_type_name(td), num_name(num), (long long)dim, (long long)n_ff, n_used,
                  (long long)n_expert, (double)limit, (long long)R);
         compare_out(what, p, y, R, dim, dim, tol, 2.5e-7, false);
-        /* again: the routing is read on the GPU, nothing waits */
-        const ds4_backend_counters c0 = op_gpu_counters(p);
-        p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, limit,
-                         y.g, R, num);
-        op_expect_no_host_traffic(p, what, &c0);
-        op_expect_ok(p);
+        /* the tensor cores take every DS4-numerics call of several tokens (Q8_K products) */
+        const bool want_mma = mma && num == DS4_NUMERICS_DS4 && R > 1;
+        CHECK_MSG(mma_ran == (want_mma ? 1 : 0), "%s: %lld calls on the tensor cores", what, (long long)mma_ran);
+        if (!mma) { /* again: the routing is read on the GPU, nothing waits */
+            const ds4_backend_counters c0 = op_gpu_counters(p);
+            p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used,
+                             limit, y.g, R, num);
+            op_expect_no_host_traffic(p, what, &c0);
+            op_expect_ok(p);
+        }
         free(tol);
         op_buf_free(p, &y);
     }
@@ -824,6 +837,11 @@ static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t 
     free(hx);
     moe_free(p, &m);
     default_moe_grouped(p);
+}
+
+static void moe_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert, int n_used,
+                     float limit, int64_t n_rows) {
+    moe_case_on(p, tg, td, dim, n_ff, n_expert, n_used, limit, n_rows, false);
 }
 
 /* gate/up of type tg, down of td; limit off and on (0.7 clamps often: the
@@ -1014,6 +1032,7 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
 
 static void test_moe_grouped(void) {
     OPEN_PAIR(p);
+    ds4_cuda_backend_set_moe_mma(p.gpu, 0); /* the multi-row matvec kernels (test_moe_mma: the tensor cores) */
     const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K, Q4 = DS4_TYPE_Q4_K, Q8 = DS4_TYPE_Q8_0;
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 2, true);
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 17, true);
@@ -1023,6 +1042,28 @@ static void test_moe_grouped(void) {
     moe_grouped_case(&p, Q4, Q4, 1024, 1024, 2, 2, 2, true);
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 1, false); /* one token: the streaming path */
     moe_grouped_case(&p, Q8, Q8, 2048, 1024, 12, 6, 9, false);  /* Q8_0 activations: not grouped */
+    default_moe_grouped(&p);
+    op_pair_close(&p);
+}
+
+/* The grouped MoE on the int8 tensor cores against the CPU (the same
+ * bounds as the streaming path's): every weight type they take, gate/up
+ * and down of different types, experts with more tokens than a group's 32
+ * (and token tiles partly filled), rows of one and of several 256-blocks. */
+static void test_moe_mma(void) {
+    OPEN_PAIR(p);
+    const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K, Q4 = DS4_TYPE_Q4_K;
+    const uint32_t types[4][2] = { { IQ2, IQ2 }, { Q2, Q2 }, { Q4, Q4 }, { IQ2, Q2 } };
+    for (int i = 0; i < 4; i++) {
+        const uint32_t tg = types[i][0], td = types[i][1];
+        moe_case_on(&p, tg, td, 256, 256, 8, 2, 0.7f, 3, true); /* one 256-block per row (rows off the 16-byte pitch) */
+        moe_case_on(&p, tg, td, 512, 768, 8, 6, 0.0f, 4, true);
+        moe_case_on(&p, tg, td, 1024, 1024, 8, 6, 0.7f, 2, true);
+        moe_case_on(&p, tg, td, 1024, 2048, 16, 6, 0.0f, 7, true);
+        moe_case_on(&p, tg, td, 1024, 1024, 8, 6, 0.7f, 45, true); /* about 34 tokens per expert */
+        moe_case_on(&p, tg, td, 2048, 1024, 12, 8, 0.7f, 5, true);
+    }
+    moe_case_on(&p, IQ2, Q2, 1024, 1024, 8, 6, 0.7f, 1, true); /* one token: not grouped */
     op_pair_close(&p);
 }
 
@@ -1536,6 +1577,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_mixed),
     TEST_ENTRY(test_moe_launches),
     TEST_ENTRY(test_moe_grouped),
+    TEST_ENTRY(test_moe_mma),
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
     { 0 },

@@ -61,6 +61,17 @@ static void test_add_and_rows(void) {
         op_expect_ok(&p);
         p.gpu->ops->add_weight_row(p.gpu, a.g, &w->g, 5, rows); /* out of range */
         op_expect_error(&p, DS4_ERR_INVALID);
+        /* a run of positions: table rows (first + r) mod 5, around the table more than once */
+        for (int64_t first = 0; first < 5; first += 2) {
+            p.cpu->ops->add_weight_rows_mod(p.cpu, a.c, &w->c, first, rows);
+            p.gpu->ops->add_weight_rows_mod(p.gpu, a.g, &w->g, first, rows);
+            op_compare("add_weight_rows_mod", &p, a, dim * rows, 0, 0);
+            op_expect_ok(&p);
+        }
+        p.gpu->ops->add_weight_rows_mod(p.gpu, a.g, &w->g, 5, rows); /* a start outside the table */
+        op_expect_error(&p, DS4_ERR_INVALID);
+        p.gpu->ops->add_weight_rows_mod(p.gpu, a.g, &w->g, -1, rows);
+        op_expect_error(&p, DS4_ERR_INVALID);
         op_weight_free(&p, w);
     }
     op_buf_free(&p, &a);

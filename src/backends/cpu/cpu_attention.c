@@ -170,12 +170,7 @@ void cpu_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim
  * pair by pair as ds4.c does. Other ratios: rows 0..ratio-1 at [j], rows of
  * dim. A -inf score weighs 0; all -inf gives 0.
  */
-void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
-                         float *out) {
-    if (ratio < 1 || dim <= 0) {
-        cpu_fail(be, DS4_ERR_INVALID, "compressor_pool: ratio %d, dim %lld", ratio, (long long)dim);
-        return;
-    }
+static void pool_window(const float *state_kv, const float *state_score, int ratio, int64_t dim, float *out) {
     const bool overlap = ratio == 4;
     const int64_t width = overlap ? 2 * dim : dim;
     for (int64_t j = 0; j < dim; j++) {
@@ -207,6 +202,18 @@ void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *st
         }
         out[j] = sum / den;
     }
+}
+
+void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
+                         int64_t n_windows, float *out) {
+    if (ratio < 1 || dim <= 0 || n_windows < 0) {
+        cpu_fail(be, DS4_ERR_INVALID, "compressor_pool: ratio %d, dim %lld, %lld windows", ratio, (long long)dim,
+                 (long long)n_windows);
+        return;
+    }
+    const int64_t step = (int64_t)ratio * (ratio == 4 ? 2 * dim : dim); /* floats from one window to the next */
+    for (int64_t w = 0; w < n_windows; w++)
+        pool_window(state_kv + w * step, state_score + w * step, ratio, dim, out + w * dim);
 }
 
 /* ------------------------------------------------------------------------ */

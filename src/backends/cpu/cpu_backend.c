@@ -222,6 +222,26 @@ static void cpu_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, i
     free(v);
 }
 
+static void cpu_add_weight_rows_mod(ds4_backend *be, float *x, const ds4_weight *w, int64_t first, int64_t n_rows) {
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    const int64_t dim = w->ne[0], R = cpu_weight_rows(w);
+    if (!t || !t->dequant_row || R < 1 || first < 0 || first >= R) {
+        cpu_fail(be, DS4_ERR_INVALID, "add_weight_rows_mod: from row %lld of %s (%s, %lld rows)", (long long)first,
+                 cpu_wname(w), ds4_type_name(w->type), (long long)R);
+        return;
+    }
+    const int64_t used = n_rows < R ? n_rows : R; /* the rows the run meets */
+    float *v = malloc((size_t)((used > 0 ? used : 1) * dim) * sizeof *v);
+    if (!v) {
+        cpu_fail(be, DS4_ERR_NOMEM, "add_weight_rows_mod: out of memory");
+        return;
+    }
+    for (int64_t k = 0; k < used; k++) t->dequant_row(cpu_weight_row(w, (first + k) % R), v + k * dim, dim);
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t i = 0; i < dim; i++) x[r * dim + i] += v[(r % R) * dim + i];
+    free(v);
+}
+
 static void cpu_round_f16(ds4_backend *be, float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = ds4_round_f16(x[i]);
 }
@@ -262,6 +282,7 @@ static const ds4_backend_ops CPU_OPS = {
     .rmsnorm = cpu_rmsnorm,
     .add = cpu_add,
     .add_weight_row = cpu_add_weight_row,
+    .add_weight_rows_mod = cpu_add_weight_rows_mod,
     .round_f16 = cpu_round_f16,
     .round_fp8_kv = cpu_round_fp8_kv,
     .indexer_qat = cpu_indexer_qat,

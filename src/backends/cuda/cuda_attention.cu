@@ -671,6 +671,10 @@ static __global__ void __launch_bounds__(POOL_THREADS)
     cuda_grid_wait();
     const bool overlap = ratio == 4;
     const int64_t width = overlap ? 2 * dim : dim;
+    /* window blockIdx.y: its rows from blockIdx.y * ratio on */
+    kv += (int64_t)blockIdx.y * ratio * width;
+    sc += (int64_t)blockIdx.y * ratio * width;
+    out += (int64_t)blockIdx.y * dim;
     for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < dim; j += (int64_t)gridDim.x * blockDim.x) {
         float m = -INFINITY;
         for (int r = 0; r < ratio; r++) {
@@ -704,19 +708,22 @@ static __global__ void __launch_bounds__(POOL_THREADS)
 }
 
 void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
-                          float *out) {
-    if (ratio < 1 || dim <= 0) {
-        cuda_fail(be, DS4_ERR_INVALID, "compressor_pool: ratio %d, dim %lld", ratio, (long long)dim);
+                          int64_t n_windows, float *out) {
+    if (ratio < 1 || dim <= 0 || n_windows < 0 || n_windows > 65535) {
+        cuda_fail(be, DS4_ERR_INVALID, "compressor_pool: ratio %d, dim %lld, %lld windows", ratio, (long long)dim,
+                  (long long)n_windows);
         return;
     }
+    if (n_windows == 0) return;
     if (!state_kv || !state_score || !out) {
         cuda_fail(be, DS4_ERR_INVALID, "compressor_pool: NULL %s",
                   !state_kv ? "state" : !state_score ? "scores" : "output");
         return;
     }
     if (cuda_failed(be)) return;
-    (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel, blocks_for(dim, POOL_THREADS, 65535),
-                      POOL_THREADS, 0, state_kv, state_score, ratio, dim, out);
+    (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel,
+                      dim3(blocks_for(dim, POOL_THREADS, 65535), (unsigned)n_windows), POOL_THREADS, 0, state_kv,
+                      state_score, ratio, dim, out);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -701,6 +701,34 @@ static void cuda_add_weight_row(ds4_backend *be, float *x, const ds4_weight *w, 
                       in_place ? w->type : (uint32_t)DS4_TYPE_F32, dim, n_rows * dim);
 }
 
+/* x[r][i] += W row (first + r) mod R [i]: one thread per element. */
+__global__ void add_rows_mod_kernel(float *x, const void *w, uint32_t type, int64_t dim, int64_t R, int64_t first,
+                                    int64_t n) {
+    cuda_grid_wait();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / dim;
+        x[i] = __fadd_rn(x[i], cuda_load_float(w, type, ((first + r) % R) * dim + i % dim));
+    }
+}
+
+static void cuda_add_weight_rows_mod(ds4_backend *be, float *x, const ds4_weight *w, int64_t first, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    const int64_t dim = w->ne[0], R = cuda_weight_rows(w);
+    if (!w->device || !ds4_cuda_dequant_supported(w->type) || R < 1 || first < 0 || first >= R) {
+        cuda_fail(be, DS4_ERR_INVALID, "add_weight_rows_mod: from row %lld of %s (%s, %lld rows)", (long long)first,
+                  cuda_wname(w), ds4_type_name(w->type), (long long)R);
+        return;
+    }
+    if (n_rows <= 0) return;
+    /* float tables are read in place; others are dequantised first (every row) */
+    const bool in_place = cuda_is_float_type(w->type);
+    const void *v = in_place ? (const void *)cuda_weight_row(w, 0)
+                             : (const void *)weight_row_floats(be, w, 0, R, "add_weight_rows_mod");
+    if (!v) return;
+    (void)cuda_launch(be, "add_rows_mod_kernel", add_rows_mod_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v,
+                      in_place ? w->type : (uint32_t)DS4_TYPE_F32, dim, R, first, n_rows * dim);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Rounding (bit-identical to src/core/rounding.c)                           */
 /* ------------------------------------------------------------------------ */
@@ -857,6 +885,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .rmsnorm = cuda_rmsnorm,
     .add = cuda_add,
     .add_weight_row = cuda_add_weight_row,
+    .add_weight_rows_mod = cuda_add_weight_rows_mod,
     .round_f16 = cuda_round_f16,
     .round_fp8_kv = cuda_round_fp8_kv,
     .indexer_qat = cuda_indexer_qat,

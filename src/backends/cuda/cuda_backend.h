@@ -127,6 +127,14 @@ void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
  * slot. The same results bit for bit (test_moe_grouped); a 512-token
  * prefill of the full-size q2 model 1.14x faster on the H200. */
 void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
+/* The grouped MoE's products on the int8 tensor cores (on by default;
+ * DS4_CUDA_MOE_MMA=0 makes off the default) where gate/up and down are
+ * IQ2_XXS, Q2_K or Q4_K: up to 32 tokens of an expert per pass, each
+ * product the CPU's Q8_K dot bit for bit (its block terms in its order).
+ * Off, the grouped path uses the multi-row matvec kernels. */
+void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
+/* How many MoE calls have run their products on the tensor cores. */
+int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be);
 /* Why the most recent cut of a recorded step happened (the step's ops from
  * there on ran unrecorded: a host wait, an allocation, a library call), or
  * "none" when no step was ever cut short. */

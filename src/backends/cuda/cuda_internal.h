@@ -155,7 +155,9 @@ typedef struct cuda_backend {
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
-    bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=1: on) */
+    bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
+    bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
+    int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     bool segments;  /* a step may be submitted in segments at its marks (DS4_CUDA_SEGMENTS=0: one graph) */
@@ -522,7 +524,7 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
                     const float *rows_b, int64_t n_rows_b, const int32_t *idx_b, int64_t n_b,
                     const ds4_weight *sinks, float *out);
 void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
-                          float *out);
+                          int64_t n_windows, float *out);
 void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                          int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);

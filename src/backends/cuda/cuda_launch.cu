@@ -674,6 +674,10 @@ static void segment_submit(ds4_backend *be) {
 extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
 extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_impl(be)->segments = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
+extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
+extern "C" int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->moe_mma_calls;
+}
 extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq) {
     cuda_impl(be)->mv_xq = mv_xq != 0;
     cuda_impl(be)->moe_xq = moe_xq != 0;
@@ -691,6 +695,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
+    cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);

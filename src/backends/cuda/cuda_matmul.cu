@@ -551,15 +551,20 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(float *__restrict__ g, 
     if (i < n) g[i] = cuda_swiglu1(g[i], u[i], limit, weights[i / n_ff]);
 }
 
-/* Row r of dst = row idx[r] of src (rows of row_bytes, a multiple of 16,
- * 16-byte aligned): one block per row. */
+/* Row r of dst (dst_pitch bytes apart) = row idx[r] of src (rows of
+ * row_bytes, a multiple of 4, 4-byte aligned): one block per row, in
+ * 16-byte pieces where both pitches allow. */
 __global__ void __launch_bounds__(256) gather_rows_kernel(const uint8_t *__restrict__ src, int64_t row_bytes,
-                                                          const int32_t *__restrict__ idx, uint8_t *__restrict__ dst) {
+                                                          const int32_t *__restrict__ idx, uint8_t *__restrict__ dst,
+                                                          int64_t dst_pitch) {
     cuda_grid_wait();
     const int64_t r = blockIdx.x;
-    const uint4 *s = (const uint4 *)(src + (int64_t)idx[r] * row_bytes);
-    uint4 *d = (uint4 *)(dst + r * row_bytes);
-    for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) d[i] = s[i];
+    const uint8_t *s = src + (int64_t)idx[r] * row_bytes;
+    uint8_t *d = dst + r * dst_pitch;
+    if (row_bytes % 16 == 0 && dst_pitch % 16 == 0) /* the same for the whole grid */
+        for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) ((uint4 *)d)[i] = ((const uint4 *)s)[i];
+    else
+        for (int64_t i = threadIdx.x; i < row_bytes / 4; i += blockDim.x) ((uint32_t *)d)[i] = ((const uint32_t *)s)[i];
 }
 
 /* The experts of token t (blockIdx.y) summed: out[t][o] = sum over k (in
@@ -1102,20 +1107,20 @@ static const void *moe_mids(ds4_backend *be, mm_mode md, float *g, const float *
 /* The slots (token, k) of the checked expert ids `sel` sorted by expert,
  * tokens in order within one: order[i] is the slot at sorted row i, tok[i]
  * its token, and groups (expert, first, rows, 0) cover each expert's rows
- * CUDA_MV_MAX_ROWS at a time. The number of groups (at most slots). */
-static int64_t moe_group_slots(const int32_t *sel, int64_t slots, int n_used, int64_t n_expert, int32_t *order,
-                               int32_t *tok, int32_t *groups, int64_t *count) {
+ * max_rows at a time. The number of groups (at most slots). */
+static int64_t moe_group_slots(const int32_t *sel, int64_t slots, int n_used, int64_t n_expert, int64_t max_rows,
+                               int32_t *order, int32_t *tok, int32_t *groups, int64_t *count) {
     for (int64_t e = 0; e < n_expert; e++) count[e] = 0;
     for (int64_t s = 0; s < slots; s++) count[sel[s]]++;
     int64_t at = 0, n_groups = 0;
     for (int64_t e = 0; e < n_expert; e++) {
         const int64_t c = count[e];
         count[e] = at; /* now where the expert's rows start */
-        for (int64_t f = 0; f < c; f += CUDA_MV_MAX_ROWS) {
+        for (int64_t f = 0; f < c; f += max_rows) {
             int32_t *g = groups + 4 * n_groups++;
             g[0] = (int32_t)e;
             g[1] = (int32_t)(at + f);
-            g[2] = (int32_t)(c - f < CUDA_MV_MAX_ROWS ? c - f : CUDA_MV_MAX_ROWS);
+            g[2] = (int32_t)(c - f < max_rows ? c - f : max_rows);
             g[3] = 0;
         }
         at += c;
@@ -1138,17 +1143,24 @@ static int64_t moe_group_slots(const int32_t *sel, int64_t slots, int n_used, in
  * nothing enqueued) when the shapes do not suit it. */
 static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                         mm_mode mg, mm_mode mu, mm_mode md, const float *x, const int32_t *d_sel, const float *d_w,
-                        int n_used, float limit, float *out, int64_t n_rows) {
+                        int n_used, float limit, float *out, int64_t n_rows, bool mv_suits) {
     cuda_backend *cb = cuda_impl(be);
     const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2], slots = (int64_t)n_used * n_rows;
     if (!cb->moe_grouped || cb->in_step || n_rows < 2 || mg != MM_Q8_K || mu != MM_Q8_K || md != MM_Q8_K ||
         gate->type != up->type || gate->row_bytes != up->row_bytes || dim % DS4_QK_K || n_ff % DS4_QK_K ||
         slots > 65535 || n_expert > (int64_t)1 << 20)
         return false;
-    /* rows of Q8_K blocks copied in 16-byte pieces */
+    /* the tensor cores take up to 32 tokens of an expert at a time (any
+     * whole 256-blocks), the matvec kernels 8 (rows of their units) */
+    const bool mma = cb->moe_mma && cuda_mv_moe_mma_fits(gate->type, gate->row_bytes, dim) &&
+                     cuda_mv_moe_mma_fits(down->type, down->row_bytes, n_ff);
+    if (!mma && !mv_suits) return false;
+    /* rows of Q8_K blocks, sorted at a 16-byte pitch (the matvec kernels
+     * read them at their own size: whole 16-byte pieces only) */
     const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
     const int64_t xrow = nbx * (int64_t)sizeof(ds4_block_q8_K), mrow = nbm * (int64_t)sizeof(ds4_block_q8_K);
-    if (xrow % 16 || mrow % 16) return false;
+    if (!mma && (xrow % 16 || mrow % 16)) return false;
+    const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
     /* the checked ids (one wait), sorted on the host */
     int32_t *h = (int32_t *)calloc((size_t)(7 * slots), sizeof(int32_t)); /* ids, 4 per group, order, tokens */
     int64_t *count = (int64_t *)malloc((size_t)n_expert * sizeof(int64_t));
@@ -1162,7 +1174,8 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     int32_t *groups = h + slots, *order = groups + 4 * slots, *tok = order + slots; /* uploaded from groups on */
     bool ok = !cuda_failed(be);
     for (int64_t s = 0; ok && s < slots; s++) ok = h[s] >= 0 && h[s] < n_expert; /* moe_route_kernel's output */
-    const int64_t n_groups = ok ? moe_group_slots(h, slots, n_used, n_expert, order, tok, groups, count) : 0;
+    const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : CUDA_MV_MAX_ROWS;
+    const int64_t n_groups = ok ? moe_group_slots(h, slots, n_used, n_expert, max_rows, order, tok, groups, count) : 0;
     /* the groups (int4 each: 16-byte aligned at the upload's start), then the
      * slot order and the tokens (the upload covers every group slot there
      * could be, so the order's offset does not depend on the group count) */
@@ -1179,29 +1192,32 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     /* x quantised, its rows gathered into expert order */
     void *xq = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, (size_t)(n_rows * xrow));
     uint8_t *sorted = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_SORTED,
-                                              (size_t)(slots * (xrow > mrow ? xrow : mrow)));
+                                              (size_t)(slots * (xpitch > mpitch ? xpitch : mpitch)));
     const int64_t n_mid = slots * n_ff, n_part = slots * dim;
     float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
     float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)(n_mid > n_part ? n_mid : n_part) * sizeof(float));
     if (!xq || !sorted || !g || !u || !quantize_acts(be, mg, x, dim, dim, n_rows, xq, true)) return true;
     if (!cuda_launch(be, "gather_rows_kernel", gather_rows_kernel, (unsigned)slots, 256, 0, (const uint8_t *)xq, xrow,
-                     d_tok, sorted))
+                     d_tok, sorted, xpitch))
         return true;
     const ds4_weight *gu[2] = { gate, up };
     float *const gu_out[2] = { g, u };
     /* gate and up share the streaming launch (same type and rows): its split over n_ff x slots x 2 outputs */
-    if (!cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups, n_ff,
-                             n_ff * slots * 2))
+    if (mma ? !cuda_mv_moe_mma(be, gu, gu_out, 2, sorted, nbx, xpitch, d_groups, d_order, n_groups, n_ff)
+            : !cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups, n_ff,
+                                   n_ff * slots * 2))
         return true;
     /* the mids per slot (routing weights applied), gathered into expert order */
     const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
     if (!mids || !cuda_launch(be, "gather_rows_kernel", gather_rows_kernel, (unsigned)slots, 256, 0,
-                              (const uint8_t *)mids, mrow, d_order, sorted))
+                              (const uint8_t *)mids, mrow, d_order, sorted, mpitch))
         return true;
     const ds4_weight *dn[1] = { down };
     float *const dn_out[1] = { u }; /* per-slot partials [slots][dim] */
-    if (!cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups, dim, 0))
+    if (mma ? !cuda_mv_moe_mma(be, dn, dn_out, 1, sorted, nbm, mpitch, d_groups, d_order, n_groups, dim)
+            : !cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups, dim, 0))
         return true;
+    if (mma) cb->moe_mma_calls++;
     (void)cuda_launch(be, "moe_sum_rows_kernel", moe_sum_rows_kernel, dim3((unsigned)cdiv(dim, 256), (unsigned)n_rows),
                       256, 0, (const float *)u, n_used, dim, out, dim);
     return true;
@@ -1255,14 +1271,14 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
         return;
 
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
-    if (!mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used)) {
+    const bool suits = mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used);
+    if (moe_grouped(be, gate, up, down, mg, mu, md, x, d_sel, d_w, n_used, limit, out, n_rows, suits)) return;
+    if (!suits) {
         for (int64_t r = 0; r < n_rows && !cuda_failed(be); r++)
             moe_one_token(be, gate, up, down, x + r * dim, d_sel + r * n_used, d_w + r * n_used, n_used, limit,
                           out + r * dim, num);
         return;
     }
-
-    if (moe_grouped(be, gate, up, down, mg, mu, md, x, d_sel, d_w, n_used, limit, out, n_rows)) return;
 
     /* The streaming kernels, every token at once: x quantised (gate's kind,
      * and up's when it differs), gate and up in one launch, SwiGLU with the

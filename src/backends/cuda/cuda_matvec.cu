@@ -321,10 +321,19 @@ template <> struct mvq<DS4_TYPE_Q2_K> {
         mul[0] = sa & 15, mul[1] = sb & 15;
         mmul[0] = sa >> 4, mmul[1] = sb >> 4;
     }
-    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
-        const float dall = __fmul_rn(yd, cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 80)));
-        const float dmin = __fmul_rn(yd, cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 82)));
+    /* the block's float scales (d, dmin), and its term from them */
+    static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
+        d = cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 80));
+        dmin = cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 82));
+    }
+    static __device__ __forceinline__ float term_of(float d, float dm, float yd, int isum, int summs) {
+        const float dall = __fmul_rn(yd, d), dmin = __fmul_rn(yd, dm);
         return __fsub_rn(__fmul_rn(dall, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
+        float d, dm;
+        scales(blk, d, dm);
+        return term_of(d, dm, yd, isum, summs);
     }
 };
 
@@ -344,10 +353,18 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
         mul[0] = mul[1] = sc;
         mmul[0] = mmul[1] = m;
     }
-    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
-        const float d = __fmul_rn(cuda_f16_to_f32_arith(*(const uint16_t *)blk), yd);
-        const float dmin = __fmul_rn(cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 2)), yd);
+    static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
+        d = cuda_f16_to_f32_arith(*(const uint16_t *)blk);
+        dmin = cuda_f16_to_f32_arith(*(const uint16_t *)(blk + 2));
+    }
+    static __device__ __forceinline__ float term_of(float dd, float dm, float yd, int isum, int summs) {
+        const float d = __fmul_rn(dd, yd), dmin = __fmul_rn(dm, yd);
         return __fsub_rn(__fmul_rn(d, __int2float_rn(isum)), __fmul_rn(dmin, __int2float_rn(summs)));
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
+        float d, dm;
+        scales(blk, d, dm);
+        return term_of(d, dm, yd, isum, summs);
     }
 };
 
@@ -379,8 +396,17 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
         mul[0] = mul[1] = 2 * (int)(aux1 >> 28) + 1;
         mmul[0] = mmul[1] = 0;
     }
-    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int) {
-        return __fmul_rn(__fmul_rn(cuda_f16_to_f32_arith(*(const uint16_t *)blk), yd), __int2float_rn(isum));
+    static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
+        d = cuda_f16_to_f32_arith(*(const uint16_t *)blk);
+        dmin = 0.0f;
+    }
+    static __device__ __forceinline__ float term_of(float d, float, float yd, int isum, int) {
+        return __fmul_rn(__fmul_rn(d, yd), __int2float_rn(isum));
+    }
+    static __device__ __forceinline__ float term(const uint8_t *blk, float yd, int isum, int summs) {
+        float d, dm;
+        scales(blk, d, dm);
+        return term_of(d, dm, yd, isum, summs);
     }
 };
 
@@ -1033,4 +1059,230 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
     a.experts_as_parts = 1;
     a.out_token_stride = out_stride;
     return mv_launch(be, down->type, a, (int)n_tokens, 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Expert-grouped products on the int8 tensor cores                          */
+/* ------------------------------------------------------------------------ */
+/*
+ * The grouped MoE's gate/up and down for IQ2_XXS, Q2_K and Q4_K weights
+ * times Q8_K activations (the sorted rows of one expert). A block's integer
+ * sums are exact whatever adds them, so the int8 MMA m16n8k32 (s8 x s8 ->
+ * s32) makes them: one k32 step is one 32-element sub-block (the decoders'
+ * `codes`, each weight decoded once per block for all of its tokens).
+ * IQ2_XXS and Q4_K scale a sub-block's sum by its scale (an integer
+ * multiply per accumulator); Q2_K's 16-element scales (<= 15, codes <= 3)
+ * are folded into the codes (<= 45, still int8), so its sums accumulate in
+ * the MMA itself; the mins' sum (sum_j m_j bsum_j = sum_k m(k) q8_k) is a
+ * second MMA whose A fragments are the replicated mins. Each 256-block's
+ * float term is then formed as the one-row kernels form it and added to
+ * the row's sum block after block in order: the CPU's ds4_dot_q8_K_* sums,
+ * bit for bit.
+ *
+ * Tiling: a thread block is 64 weight rows (4 warps of 16) x the group's
+ * tokens (up to 32: four 8-token MMA tiles, the empty ones skipped); per
+ * 256-block stage the weights are decoded into shared memory (rows 272
+ * bytes apart: the fragment reads of 8 rows x 4 threads hit 32 banks) and
+ * the tokens' codes copied beside them. Many blocks per SM hide the loads.
+ */
+#define MOE_MMA_BM 64
+#define MOE_MMA_THREADS 128
+#define MOE_MMA_PITCH 272
+static_assert(CUDA_MOE_MMA_ROWS == 32, "four 8-token tiles per block");
+
+struct moe_mma_args {
+    const uint8_t *w[2]; /* the matrices (gate and up share a launch) */
+    float *out[2];
+    int64_t row_bytes, rows_per_expert, n_expert;
+    const uint8_t *act; /* sorted Q8_K rows, split layout, act_blocks blocks each, act_pitch bytes apart */
+    int64_t act_blocks, act_pitch;
+    const int4 *groups; /* (expert, first sorted row, rows <= 32, 0) */
+    const int32_t *order;
+    int64_t out_stride;
+};
+
+static __device__ __forceinline__ void moe_mma_s8(int (&c)[4], const int (&a)[4], int b0, int b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <uint32_t T>
+__global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a) {
+    typedef mvq<T> K;
+    constexpr bool FOLD = T == DS4_TYPE_Q2_K; /* scales folded into the codes */
+    __shared__ __align__(16) uint8_t s_w[MOE_MMA_BM * MOE_MMA_PITCH];
+    __shared__ __align__(16) uint8_t s_x[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH];
+    __shared__ int s_mul[MOE_MMA_BM][8];
+    __shared__ uint2 s_min[K::HAS_MIN ? MOE_MMA_BM : 1][8]; /* the two halves' mins, replicated in each byte */
+    __shared__ float s_d[MOE_MMA_BM], s_dm[MOE_MMA_BM], s_xd[CUDA_MOE_MMA_ROWS];
+    __shared__ __align__(16) iq2_tables s_tab[1]; /* IQ2_XXS only */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    if constexpr (T == DS4_TYPE_IQ2_XXS) /* constant data: before the wait */
+        for (int i = tid; i < (int)(sizeof(iq2_tables) / 16); i += MOE_MMA_THREADS)
+            ((uint4 *)s_tab)[i] = ((const uint4 *)&g_iq2_tables)[i];
+    cuda_grid_wait();
+    const int z = blockIdx.z;
+    const int4 grp = a.groups[blockIdx.y];
+    const int rows = grp.z;
+    if (grp.x < 0 || grp.x >= a.n_expert || rows < 1 || rows > CUDA_MOE_MMA_ROWS) return; /* the whole block */
+    const int64_t n0 = (int64_t)blockIdx.x * MOE_MMA_BM;
+    /* (not a.w[z]: a parameter array indexed at run time is copied to local memory) */
+    const uint8_t *wexp = (z ? a.w[1] : a.w[0]) + (int64_t)grp.x * a.rows_per_expert * a.row_bytes;
+    float *out = z ? a.out[1] : a.out[0];
+    const int64_t xrow = a.act_pitch;
+    const uint8_t *x0 = a.act + (int64_t)grp.y * xrow;
+    const int n_tiles = (rows + 7) >> 3;
+
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[j][k] = 0.0f;
+
+    const int ra = 16 * warp + g, rb = ra + 8; /* this thread's two weight rows in the tile */
+    for (int64_t st = 0; st < a.act_blocks; st++) {
+        __syncthreads(); /* the previous stage is read (and, first, the table is in) */
+#pragma unroll
+        for (int it = 0; it < MOE_MMA_BM * 8 / MOE_MMA_THREADS; it++) {
+            const int i = tid + it * MOE_MMA_THREADS, r = i >> 3, sub = i & 7;
+            const int64_t n = n0 + r;
+            int w[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, mul[2] = { 0, 0 }, mmul[2] = { 0, 0 };
+            float d = 0.0f, dm = 0.0f;
+            if (n < a.rows_per_expert) {
+                const uint8_t *blk = wexp + n * a.row_bytes + st * mvt<T>::BLOCK_BYTES;
+                K::codes(blk, sub, s_tab, w, mul, mmul);
+                if (sub == 0) K::scales(blk, d, dm);
+            }
+            if constexpr (FOLD) {
+#pragma unroll
+                for (int k = 0; k < 8; k++) w[k] = (int)((uint32_t)w[k] * (uint32_t)mul[k >> 2]); /* bytes <= 45 */
+            } else {
+                s_mul[r][sub] = mul[0];
+            }
+            if constexpr (K::HAS_MIN) s_min[r][sub] = make_uint2((uint32_t)mmul[0] * 0x01010101u, (uint32_t)mmul[1] * 0x01010101u);
+            if (sub == 0) s_d[r] = d, s_dm[r] = dm;
+            uint4 *dst = (uint4 *)(s_w + r * MOE_MMA_PITCH + 32 * sub);
+            dst[0] = make_uint4((uint32_t)w[0], (uint32_t)w[1], (uint32_t)w[2], (uint32_t)w[3]);
+            dst[1] = make_uint4((uint32_t)w[4], (uint32_t)w[5], (uint32_t)w[6], (uint32_t)w[7]);
+        }
+#pragma unroll
+        for (int it = 0; it < CUDA_MOE_MMA_ROWS * 16 / MOE_MMA_THREADS; it++) {
+            const int i = tid + it * MOE_MMA_THREADS, t = i >> 4, c = i & 15;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (t < rows) v = *(const uint4 *)(x0 + t * xrow + st * DS4_QK_K + 16 * c);
+            *(uint4 *)(s_x + t * MOE_MMA_PITCH + 16 * c) = v;
+        }
+        if (tid < CUDA_MOE_MMA_ROWS)
+            s_xd[tid] = tid < rows ? ((const float *)(x0 + tid * xrow + a.act_blocks * DS4_QK_K))[st] : 0.0f;
+        __syncthreads();
+
+        int isum[4][4], summs[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) isum[j][k] = 0, summs[j][k] = 0;
+        const uint8_t *pa = s_w + ra * MOE_MMA_PITCH + 4 * tq, *pb = s_w + rb * MOE_MMA_PITCH + 4 * tq;
+#pragma unroll
+        for (int sub = 0; sub < 8; sub++) {
+            const int af[4] = { *(const int *)(pa + 32 * sub), *(const int *)(pb + 32 * sub),
+                                *(const int *)(pa + 32 * sub + 16), *(const int *)(pb + 32 * sub + 16) };
+            int am[4] = { 0, 0, 0, 0 };
+            if constexpr (K::HAS_MIN) {
+                const uint2 m0 = s_min[ra][sub], m1 = s_min[rb][sub];
+                am[0] = (int)m0.x, am[1] = (int)m1.x, am[2] = (int)m0.y, am[3] = (int)m1.y;
+            }
+            int l0 = 1, l1 = 1;
+            if constexpr (!FOLD) l0 = s_mul[ra][sub], l1 = s_mul[rb][sub];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (j < n_tiles) { /* the same for the whole block */
+                    const uint8_t *xb = s_x + (8 * j + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
+                    const int b0 = *(const int *)xb, b1 = *(const int *)(xb + 16);
+                    if constexpr (FOLD) {
+                        moe_mma_s8(isum[j], af, b0, b1);
+                    } else {
+                        int c[4] = { 0, 0, 0, 0 };
+                        moe_mma_s8(c, af, b0, b1);
+                        isum[j][0] += c[0] * l0, isum[j][1] += c[1] * l0;
+                        isum[j][2] += c[2] * l1, isum[j][3] += c[3] * l1;
+                    }
+                    if constexpr (K::HAS_MIN) moe_mma_s8(summs[j], am, b0, b1);
+                }
+            }
+        }
+        /* the 256-block's terms, added in block order */
+        const float d0 = s_d[ra], d1 = s_d[rb], m0 = s_dm[ra], m1 = s_dm[rb];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (j < n_tiles) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float yd = s_xd[8 * j + 2 * tq + (k & 1)];
+                    acc[j][k] = __fadd_rn(acc[j][k], K::term_of(k < 2 ? d0 : d1, k < 2 ? m0 : m1, yd, isum[j][k],
+                                                                summs[j][k]));
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (j < n_tiles) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int t = 8 * j + 2 * tq + (k & 1);
+                const int64_t n = n0 + (k < 2 ? ra : rb);
+                if (t < rows && n < a.rows_per_expert)
+                    out[(int64_t)a.order[grp.y + t] * a.out_stride + n] = mv_finish<T>(acc[j][k]);
+            }
+        }
+    }
+}
+
+bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in) {
+    if (type != DS4_TYPE_IQ2_XXS && type != DS4_TYPE_Q2_K && type != DS4_TYPE_Q4_K) return false;
+    const int64_t bb = type == DS4_TYPE_IQ2_XXS ? 66 : type == DS4_TYPE_Q2_K ? 84 : 144;
+    return n_in > 0 && n_in % DS4_QK_K == 0 && row_bytes == n_in / DS4_QK_K * bb;
+}
+
+bool cuda_mv_moe_mma(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, const void *act,
+                     int64_t act_blocks, int64_t act_pitch, const int32_t *groups, const int32_t *order, int64_t n_groups,
+                     int64_t out_stride) {
+    const ds4_weight *w = ws[0];
+    bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 && act_blocks * DS4_QK_K == w->ne[0] &&
+              act_pitch % 16 == 0 && act_pitch >= act_blocks * (int64_t)sizeof(ds4_block_q8_K) &&
+              cuda_mv_moe_mma_fits(w->type, w->row_bytes, w->ne[0]) && w->ne[1] >= 1 && w->ne[1] <= INT32_MAX;
+    for (int z = 1; ok && z < n_mats; z++)
+        ok = ws[z]->type == w->type && ws[z]->row_bytes == w->row_bytes && ws[z]->ne[1] == w->ne[1] &&
+             ws[z]->ne[2] == w->ne[2];
+    if (!ok) {
+        cuda_fail(be, DS4_ERR_INVALID, "moe: %lld expert groups of %s do not suit the tensor-core products",
+                  (long long)n_groups, cuda_wname(w));
+        return false;
+    }
+    moe_mma_args a;
+    memset(&a, 0, sizeof a);
+    for (int z = 0; z < n_mats; z++) {
+        a.w[z] = (const uint8_t *)ws[z]->device;
+        a.out[z] = outs[z];
+    }
+    a.row_bytes = w->row_bytes;
+    a.rows_per_expert = w->ne[1];
+    a.n_expert = w->ne[2];
+    a.act = (const uint8_t *)act;
+    a.act_blocks = act_blocks;
+    a.act_pitch = act_pitch;
+    a.groups = (const int4 *)groups;
+    a.order = order;
+    a.out_stride = out_stride;
+    const dim3 grid((unsigned)((w->ne[1] + MOE_MMA_BM - 1) / MOE_MMA_BM), (unsigned)n_groups, (unsigned)n_mats);
+    switch (w->type) {
+    case DS4_TYPE_IQ2_XXS:
+        return cuda_launch(be, "moe_mma_kernel<IQ2_XXS>", moe_mma_kernel<DS4_TYPE_IQ2_XXS>, grid, MOE_MMA_THREADS, 0, a);
+    case DS4_TYPE_Q2_K:
+        return cuda_launch(be, "moe_mma_kernel<Q2_K>", moe_mma_kernel<DS4_TYPE_Q2_K>, grid, MOE_MMA_THREADS, 0, a);
+    default:
+        return cuda_launch(be, "moe_mma_kernel<Q4_K>", moe_mma_kernel<DS4_TYPE_Q4_K>, grid, MOE_MMA_THREADS, 0, a);
+    }
 }

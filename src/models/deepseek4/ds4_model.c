@@ -79,6 +79,8 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
     m->layer_limit = n_layers > 0 && n_layers < m->cfg.n_layer ? n_layers : 0;
 }
 
+void ds4_model_set_compressor_chunks(ds4_model *m, bool on) { m->comp_per_token = !on; }
+
 void ds4_model_set_profile_layers(ds4_model *m, int first, int n) {
     m->prof_first = first > 0 ? first : 0;
     m->prof_n = n > 0 ? n : 0;
@@ -224,7 +226,8 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "alloc", o->alloc }, { "free", o->free }, { "upload", o->upload }, { "download", o->download },
         { "copy", o->copy }, { "fill", o->fill }, { "bind_weight", o->bind_weight },
         { "release_weight", o->release_weight }, { "embed", o->embed }, { "rmsnorm", o->rmsnorm }, { "add", o->add },
-        { "add_weight_row", o->add_weight_row }, { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
+        { "add_weight_row", o->add_weight_row }, { "add_weight_rows_mod", o->add_weight_rows_mod },
+        { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
         { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "matmul_grouped", o->matmul_grouped },
         { "rope_tail", o->rope_tail },
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
@@ -411,14 +414,20 @@ void ds4_state_free(ds4_state *s) {
 
 /* ------------------------------------------------------------ scratch */
 
+/* Rows of room before the compressor projections of a chunk: the state rows
+ * its first window needs (up to 127 of a ratio-128 window, 4 + 3 of width
+ * 2 D for ratio 4), copied there so the chunk's windows lie in one run of
+ * rows (compressor_chunk). */
+#define COMP_PRE 128
+
 typedef struct eval_scratch {
     float *X, *X2;      /* HC state [n, hc*H] and its successor */
     float *x, *a;       /* sublayer input and its norm [n, H] */
     float *post, *comb; /* HC mix [n, hc], [n, hc*hc] */
     float *qr, *q;      /* [n, qr], [n, nh*D] */
     float *kv;          /* [n, D] */
-    float *ckv, *csc;   /* compressor projections [n, 2*D] */
-    float *ikv, *isc;   /* indexer compressor projections [n, 2*id] */
+    float *ckv, *csc;   /* compressor projections [n, 2*D], after room for COMP_PRE rows of D (compressor_chunk) */
+    float *ikv, *isc;   /* indexer compressor projections [n, 2*id], after room for 8 rows of 2*id */
     float *iq, *iw;     /* indexer queries [n, ih*id] and weights [n, ih] */
     float *iscores;     /* [n_ctx/4 + 2] */
     float *crow;        /* one pooled row [max(D, id)] */
@@ -464,8 +473,9 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
                         &s->logits_e, &s->moe, &s->g, &s->u, &s->h, &s->logits, &s->next, &s->sel, &s->sel_w,
                         &s->topk };
     const int64_t sizes[] = { n * hcH, n * hcH, n * H, n * H, n * c->n_hc, n * c->n_hc * c->n_hc, n * c->q_lora,
-                              n * c->n_head * D, n * D, n * 2 * D, n * 2 * D, n * 2 * c->idx_head_dim,
-                              n * 2 * c->idx_head_dim, n * c->idx_n_head * c->idx_head_dim,
+                              n * c->n_head * D, n * D, n * 2 * D + COMP_PRE * D, n * 2 * D + COMP_PRE * D,
+                              (n + 8) * 2 * c->idx_head_dim, (n + 8) * 2 * c->idx_head_dim,
+                              n * c->idx_n_head * c->idx_head_dim,
                               n * c->idx_n_head, n_ctx / 4 + 2, crow,
                               n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, n * H,
                               n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab, n,
@@ -529,7 +539,7 @@ static void compressor_emit(ds4_model *m, int l, int64_t t, compressor_state *cs
     /* the emitted row is made in place when there is room for it */
     const bool kept = cs->n_rows < cs->cap;
     if (kept) row = cs->rows + cs->n_rows * cs->dim;
-    be->ops->compressor_pool(be, cs->state_kv, cs->state_sc, ratio, cs->dim, row);
+    be->ops->compressor_pool(be, cs->state_kv, cs->state_sc, ratio, cs->dim, 1, row);
     TAP(is_index ? "idx_comp_pool" : "comp_pool", l, t, row, cs->dim);
     be->ops->rmsnorm(be, row, norm, m->cfg.rms_eps, row, 1, cs->dim);
     TAP(is_index ? "idx_comp_norm" : "comp_norm", l, t, row, cs->dim);
@@ -559,10 +569,97 @@ static void compressor_emit(ds4_model *m, int l, int64_t t, compressor_state *cs
  * rows row t's attention sees (its own window's, if it ends one, among
  * them): rows are only appended, so the attention of every row can follow
  * once the whole batch has gone through. */
+/*
+ * The same for a chunk of one state at consecutive positions p0 .. p0+n-1
+ * (no inspection hook: its taps are per token), in a few launches whatever
+ * n is: every score row gets its APE row in one call; the state rows the
+ * first window needs (the partial window before p0, and for ratio 4 the
+ * previous window) are copied into the room before kv and sc, so every
+ * window ending in the chunk has its candidate rows in one run of rows laid
+ * out as the state lays them out (ratio 128: its 128 rows in position
+ * order; ratio 4: the previous window's 4 rows, then its own), window w + 1
+ * `ratio` rows after window w; the windows are pooled in one call, and
+ * normalised, rotated and rounded as one block of rows appended to the
+ * compressed rows. The state is then left as token-by-token evaluation
+ * leaves it: ratio 128, row r holds the last position of residue r
+ * (positions since the last window end, then the rest of the window
+ * before); ratio 4, rows 0..3 the last complete window, rows 4..7 the
+ * positions since (then the stale rest of that copy). The same values
+ * bit for bit as compressor_pass's token by token (test_compressor_chunk).
+ */
+static void compressor_chunk(ds4_model *m, compressor_state *cs, const ds4_weight *ape, const ds4_weight *norm,
+                             bool is_index, float *kv, float *sc, int64_t p0, int64_t n, ds4_numerics num,
+                             int64_t *n_rows) {
+    ds4_backend *be = m->be;
+    const int ratio = cs->ratio;
+    const int64_t width = cs->coff * cs->dim, dim = cs->dim, end = p0 + n; /* positions < end done after */
+    be->ops->add_weight_rows_mod(be, sc, ape, p0 % ratio, n);
+    /* the run of rows from position h0: the state's rows before p0, then the chunk's */
+    const int64_t k = ratio == 4 ? 4 + p0 % 4 : p0 % ratio, h0 = p0 - k;
+    float *hkv = kv - k * width, *hsc = sc - k * width;
+    if (k) {
+        be->ops->copy(be, hkv, cs->state_kv, k * width);
+        be->ops->copy(be, hsc, cs->state_sc, k * width);
+    }
+    /* windows ending in the chunk: at e_w = e0 + w * ratio, their rows from e_w + 1 - span (offset w * ratio) */
+    const int64_t e0 = (p0 / ratio + 1) * ratio - 1;
+    const int64_t n_win = e0 < end ? (end - 1 - e0) / ratio + 1 : 0;
+    const int64_t room = cs->cap - cs->n_rows, kept = n_win < room ? n_win : (room > 0 ? room : 0);
+    /* the windows' rows, up to 256 at a time (their positions in a host array) */
+    for (int64_t w0 = 0; w0 < kept; w0 += 256) {
+        const int64_t cnt = kept - w0 < 256 ? kept - w0 : 256;
+        float *rows = cs->rows + (cs->n_rows + w0) * dim;
+        int32_t first[256];
+        be->ops->compressor_pool(be, hkv + w0 * ratio * width, hsc + w0 * ratio * width, ratio, dim, cnt, rows);
+        be->ops->rmsnorm(be, rows, norm, m->cfg.rms_eps, rows, cnt, dim);
+        for (int64_t w = 0; w < cnt; w++) first[w] = (int32_t)(e0 + (w0 + w) * ratio + 1 - ratio);
+        be->ops->rope_tail(be, rows, cnt, 1, dim, first, &m->rope_comp, false);
+        if (num == DS4_NUMERICS_DS4) {
+            if (is_index) be->ops->indexer_qat(be, rows, cnt, dim);
+            else be->ops->round_fp8_kv(be, rows, cnt, dim, m->cfg.n_rot);
+            be->ops->round_f16(be, rows, cnt * dim);
+        }
+    }
+    const int64_t n0 = cs->n_rows;
+    cs->n_rows += kept;
+    for (int64_t t = 0; t < n; t++) { /* the rows emitted up to and including row t's position */
+        const int64_t ended = p0 + t >= e0 ? (p0 + t - e0) / ratio + 1 : 0;
+        n_rows[t] = n0 + (ended < kept ? ended : kept);
+    }
+    /* the state as token-by-token evaluation leaves it */
+    float *const bufs[2][2] = { { cs->state_kv, hkv }, { cs->state_sc, hsc } };
+    for (int b = 0; b < 2; b++) {
+        float *st = bufs[b][0];
+        const float *h = bufs[b][1];
+        if (n_win == 0) { /* the chunk lies inside one window: its rows after the state's */
+            const int64_t r = ratio == 4 ? 4 + p0 % 4 : p0 % ratio;
+            be->ops->copy(be, st + r * width, h + k * width, n * width);
+            continue;
+        }
+        const int64_t e_last = e0 + (n_win - 1) * ratio, j = end - 1 - e_last; /* j positions since it */
+        if (ratio == 4) {
+            const float *last = h + (e_last - 3 - h0) * width; /* the last complete window's 4 rows */
+            be->ops->copy(be, st, last, 4 * width);
+            if (j) be->ops->copy(be, st + 4 * width, h + (e_last + 1 - h0) * width, j * width);
+            be->ops->copy(be, st + (4 + j) * width, last + j * width, (4 - j) * width);
+        } else {
+            if (j) be->ops->copy(be, st, h + (e_last + 1 - h0) * width, j * width);
+            be->ops->copy(be, st + j * width, h + (e_last + 1 - ratio + j - h0) * width, (ratio - j) * width);
+        }
+    }
+}
+
 static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
-                            const ds4_weight *norm, const float *kv, float *sc, const int32_t *pos, int64_t n,
+                            const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
                             float *row, ds4_numerics num, int64_t *n_rows) {
     ds4_backend *be = m->be;
+    bool one_run = n > 1 && !m->tap && !m->comp_per_token;
+    for (int64_t t = 1; one_run && t < n; t++) one_run = rs[t] == rs[0] && pos[t] == pos[0] + t;
+    if (one_run) {
+        layer_state *L = &rs[0]->layers[l];
+        compressor_chunk(m, is_index ? &L->index : &L->attn, ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
+        return;
+    }
     int64_t run = 0; /* first row of the run not yet stored */
     for (int64_t t = 0; t < n; t++) {
         layer_state *L = &rs[t]->layers[l];
@@ -611,7 +708,8 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     layer_state *L0 = &rs[0]->layers[l];
     const int64_t cw = (ratio == 4 ? 2 : 1) * D, iw = 2 * c->idx_head_dim;
     float *kv = direct ? window_slot(be, c, L0) : s->kv;
-    float *ckv = s->ckv, *csc = s->csc, *ikv = s->ikv, *isc = s->isc;
+    /* (after the room compressor_chunk copies state rows into) */
+    float *ckv = s->ckv + COMP_PRE * D, *csc = s->csc + COMP_PRE * D, *ikv = s->ikv + 8 * iw, *isc = s->isc + 8 * iw;
     if (direct && ratio) {
         const int64_t r = comp_state_row(&L0->attn, pos[0]);
         ckv = L0->attn.state_kv + r * cw;

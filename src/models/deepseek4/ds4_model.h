@@ -96,6 +96,10 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers);
  * its capture off times only them; n 0 turns it off. Layers past the model's
  * are ignored. */
 void ds4_model_set_profile_layers(ds4_model *m, int first, int n);
+/* A prefill chunk's compressors in a few batched calls (on, the default)
+ * or token by token as a batch of several states goes (off): the same
+ * results bit for bit; the switch is there to show that. */
+void ds4_model_set_compressor_chunks(ds4_model *m, bool on);
 
 /* Progress of ds4_model_load_progress: bytes of weights bound so far. */
 typedef void (*ds4_model_load_fn)(void *ctx, int64_t done, int64_t total);
