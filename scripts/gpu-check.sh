@@ -16,6 +16,7 @@
 #   ALLOW_SKIP=1    accept skipped CUDA tests (by default a skip is a failure:
 #                   on a GPU machine it means the device was not usable)
 #   STEP_TIMEOUT    seconds per test / sanitizer run (default 600)
+#   CPU_TESTS=0     skip `make test-c` in the build stage (CI runs the CPU tests; saves device time)
 #   STAGES          comma-separated stages to run (default build,unit,parity,sanitize):
 #                     build     make clean, CPU and CUDA builds, CPU unit tests
 #                     unit      the CUDA unit test binaries
@@ -379,7 +380,11 @@ main() {
         if ! run_step "make -j$JOBS cuda" make -j"$JOBS" cuda; then
             section "the CUDA build failed: no CUDA tests to run"
         fi
-        run_step "make test-c (CPU unit tests)" make -j"$JOBS" test-c
+        if [ "${CPU_TESTS:-1}" != 0 ]; then
+            run_step "make test-c (CPU unit tests)" make -j"$JOBS" test-c
+        else
+            record "make test-c (CPU unit tests)" "SKIP (CPU_TESTS=0)"
+        fi
     fi
 
     if [ -x build/cuda/ds4server ]; then

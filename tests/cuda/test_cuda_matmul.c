@@ -315,6 +315,11 @@ static void check_matmul_type(uint32_t type) {
     matmul_case(&p, type, 4096, 300, false, 7, 200, 5, 4100, 256, false);
     matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
+    if (bl == 1) { /* the float GEMM (16 tokens or more, K in 32s): short K, odd strides, partial tiles */
+        matmul_case(&p, type, 96, 70, false, 1, 69, 20, 101, 75, false);
+        matmul_case(&p, type, 4096, 300, false, 0, 300, 16, 4097, 301, false);
+        matmul_case(&p, type, 1024, 130, false, 0, 130, 65, 1024, 130, false);
+    }
     /* many short rows: warps stream 2 (16391 outputs) and 8 (70001) rows
      * each, the last warp of each product with fewer; an offset range with
      * several activation rows and wide strides */

@@ -188,3 +188,120 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
     return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, dim3((unsigned)gx, (unsigned)gy), G_THREADS, G_SMEM,
                        a);
 }
+
+/* ------------------------------------------------------------------------ */
+/* Float weights (F32, F16, BF16) times float activations, DS4 numerics       */
+/* ------------------------------------------------------------------------ */
+/*
+ * DS4's float products (MM_F32: float products, float sums) for many
+ * tokens: a tiled FFMA GEMM. A thread block computes 64 weight rows x 64
+ * tokens, each thread 4 x 4 of them; stages of K = 32 of both operands go
+ * to shared memory k-major as floats (half weights widened there once per
+ * tile, not once per token), so the inner step is two 16-byte shared loads
+ * and 16 FMAs. The sum over k runs in k order per output (a different order
+ * from the CPU's, as every parallel DS4 float product).
+ */
+#define F_BM 64
+#define F_BN 64
+#define F_BK 32
+#define F_THREADS 256
+#define F_PAD 4 /* floats of padding per k row of a tile */
+
+struct fgemm_args {
+    const uint8_t *w; /* first weight row (row0 applied) */
+    int64_t row_bytes, n_out;
+    const float *x;
+    int64_t x_stride, n_tok, n_in;
+    float *out;
+    int64_t out_stride;
+};
+
+template <uint32_t T> __global__ void __launch_bounds__(F_THREADS) fgemm_kernel(fgemm_args a) {
+    __shared__ __align__(16) float sw[F_BK][F_BM + F_PAD];
+    __shared__ __align__(16) float sx[F_BK][F_BN + F_PAD];
+    cuda_grid_wait();
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int64_t n0 = (int64_t)blockIdx.x * F_BM, m0 = (int64_t)blockIdx.y * F_BN;
+    /* loads: thread -> (row or token tid / 4, k chunk 8 (tid % 4)) */
+    const int lr = tid >> 2, lk = 8 * (tid & 3);
+    const bool w_ok = n0 + lr < a.n_out, x_ok = m0 + lr < a.n_tok;
+    const uint8_t *wrow = a.w + (w_ok ? (n0 + lr) * a.row_bytes : 0);
+    const float *xrow = a.x + (x_ok ? (m0 + lr) * a.x_stride : 0);
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (int64_t k0 = 0; k0 < a.n_in; k0 += F_BK) {
+        float wv[8], xv[8];
+        if (w_ok) {
+            if constexpr (T == DS4_TYPE_F32) {
+                const float4 p = *(const float4 *)(wrow + 4 * (k0 + lk)), q = *(const float4 *)(wrow + 4 * (k0 + lk) + 16);
+                wv[0] = p.x, wv[1] = p.y, wv[2] = p.z, wv[3] = p.w, wv[4] = q.x, wv[5] = q.y, wv[6] = q.z, wv[7] = q.w;
+            } else {
+                cuda_half8_to_f32<T>(*(const uint4 *)(wrow + 2 * (k0 + lk)), wv);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) wv[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) xv[i] = x_ok ? xrow[k0 + lk + i] : 0.0f;
+        __syncthreads(); /* the previous stage is read */
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            sw[lk + i][lr] = wv[i];
+            sx[lk + i][lr] = xv[i];
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < F_BK; k++) {
+            const float4 w4 = *(const float4 *)&sw[k][4 * ty], x4 = *(const float4 *)&sx[k][4 * tx];
+            const float wr[4] = { w4.x, w4.y, w4.z, w4.w }, xr[4] = { x4.x, x4.y, x4.z, x4.w };
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(wr[i], xr[j], acc[i][j]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t n = n0 + 4 * ty + i;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int64_t m = m0 + 4 * tx + j;
+            if (n < a.n_out && m < a.n_tok) a.out[m * a.out_stride + n] = acc[i][j];
+        }
+    }
+}
+
+bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t n_tok) {
+    return (type == DS4_TYPE_F32 || type == DS4_TYPE_F16 || type == DS4_TYPE_BF16) && n_tok >= CUDA_GEMM_MIN_TOKENS &&
+           n_in > 0 && n_in % F_BK == 0;
+}
+
+bool cuda_gemm_float(ds4_backend *be, uint32_t type, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
+                     const float *x, int64_t x_stride, int64_t n_tok, float *out, int64_t out_stride) {
+    fgemm_args a;
+    a.w = (const uint8_t *)w;
+    a.row_bytes = row_bytes;
+    a.n_out = n_out;
+    a.x = x;
+    a.x_stride = x_stride;
+    a.n_tok = n_tok;
+    a.n_in = n_in;
+    a.out = out;
+    a.out_stride = out_stride;
+    const int64_t gx = (n_out + F_BM - 1) / F_BM, gy = (n_tok + F_BN - 1) / F_BN;
+    if (gx > INT32_MAX || gy > 65535) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "gemm: %lld rows x %lld tokens is too large a grid", (long long)n_out,
+                  (long long)n_tok);
+        return false;
+    }
+    const dim3 grid((unsigned)gx, (unsigned)gy);
+    switch (type) {
+    case DS4_TYPE_F32: return cuda_launch(be, "fgemm_kernel<F32>", fgemm_kernel<DS4_TYPE_F32>, grid, F_THREADS, 0, a);
+    case DS4_TYPE_F16: return cuda_launch(be, "fgemm_kernel<F16>", fgemm_kernel<DS4_TYPE_F16>, grid, F_THREADS, 0, a);
+    default: return cuda_launch(be, "fgemm_kernel<BF16>", fgemm_kernel<DS4_TYPE_BF16>, grid, F_THREADS, 0, a);
+    }
+}
