@@ -253,6 +253,12 @@ static void compare_out(const char *what, op_pair *p, op_buf y, int64_t n_rows, 
 /* matmul                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* An environment switch: "0" off, "1" on, else the default. */
+static bool env_on_default(const char *name, bool dflt) {
+    const char *v = getenv(name);
+    return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
+}
+
 /* One matmul of a [n, rows] weight of `type`: out rows row0..row0+n_out,
  * n_rows activation rows (x_stride / out_stride apart), both numerics. */
 static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool quantiser, int64_t row0,
@@ -316,9 +322,12 @@ static void check_matmul_type(uint32_t type) {
     matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
     if (bl == 1) { /* the float GEMM (16 tokens or more, K in 32s): short K, odd strides, partial tiles */
+        ds4_cuda_backend_set_fgemm(p.gpu, 1);
         matmul_case(&p, type, 96, 70, false, 1, 69, 20, 101, 75, false);
         matmul_case(&p, type, 4096, 300, false, 0, 300, 16, 4097, 301, false);
         matmul_case(&p, type, 1024, 130, false, 0, 130, 65, 1024, 130, false);
+        matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
+        ds4_cuda_backend_set_fgemm(p.gpu, env_on_default("DS4_CUDA_FGEMM", false));
     }
     /* many short rows: warps stream 2 (16391 outputs) and 8 (70001) rows
      * each, the last warp of each product with fewer; an offset range with
@@ -728,10 +737,7 @@ static void moe_route(int64_t n_expert, int n_used, int32_t *sel, float *wts) {
     }
 }
 
-static bool env_on(const char *name) {
-    const char *v = getenv(name);
-    return !(v && !strcmp(v, "0"));
-}
+static bool env_on(const char *name) { return env_on_default(name, true); }
 
 /* The grouped MoE and its tensor-core products back to the backend's
  * defaults (on unless DS4_CUDA_MOE_GROUPED=0, DS4_CUDA_MOE_MMA=0). */
@@ -1001,6 +1007,7 @@ static void test_moe_launches(void) {
  * DS4_CUDA_MATVEC=0 neither path streams (the waits are not checked). */
 static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
                              int n_used, int64_t n_rows, bool grouped) {
+    ds4_cuda_backend_set_moe_mma(p->gpu, 0); /* the multi-row matvec kernels (test_moe_mma: the tensor cores) */
     moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
     int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
     float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
@@ -1037,7 +1044,6 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
 
 static void test_moe_grouped(void) {
     OPEN_PAIR(p);
-    ds4_cuda_backend_set_moe_mma(p.gpu, 0); /* the multi-row matvec kernels (test_moe_mma: the tensor cores) */
     const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K, Q4 = DS4_TYPE_Q4_K, Q8 = DS4_TYPE_Q8_0;
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 2, true);
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 17, true);

@@ -124,8 +124,9 @@ void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
  * op reads the checked expert ids back (one wait), sorts the (token,
  * expert) slots by expert and runs each expert's tokens, up to eight at a
  * time, as rows of one pass over its weights, instead of one pass per
- * slot. The same results bit for bit (test_moe_grouped); a 512-token
- * prefill of the full-size q2 model 1.14x faster on the H200. */
+ * slot. With the tensor-core products off (ds4_cuda_backend_set_moe_mma)
+ * the same results bit for bit as the streaming path (test_moe_grouped); a
+ * 512-token prefill of the full-size q2 model 1.14x faster on the H200. */
 void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
 /* The grouped MoE's products on the int8 tensor cores (on by default;
  * DS4_CUDA_MOE_MMA=0 makes off the default) where gate/up and down are
@@ -134,9 +135,9 @@ void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
  * Off, the grouped path uses the multi-row matvec kernels. */
 void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
 /* Float-weight products (F32/F16/BF16, DS4 numerics) of CUDA_GEMM_MIN_TOKENS
- * or more tokens as a tiled GEMM (on by default; DS4_CUDA_FGEMM=0 makes off
- * the default): the same products, summed in another order. Off, the
- * matmul kernels' tiles of 8 tokens. */
+ * or more tokens as a tiled GEMM (off by default until it has run on the
+ * GPU; DS4_CUDA_FGEMM=1 makes on the default): the same products, summed in
+ * another order. Off, the matmul kernels' tiles of 8 tokens. */
 void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on);
 /* How many MoE calls have run their products on the tensor cores. */
 int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be);
