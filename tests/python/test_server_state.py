@@ -56,7 +56,9 @@ def test_load_queue_full_and_no_mixups(model):
         ok = [(i, body) for i, status, _, body in results if status == 200]
         busy = [(i, retry, body) for i, status, retry, body in results if status == 503]
         assert len(ok) + len(busy) == 32, [(i, st) for i, st, _, _ in results]
-        assert len(ok) >= 5 and len(busy) >= 1
+        # at least the 4 the queue holds (the worker may not have taken the first
+        # off the queue before the burst arrives: slow under ASan on two cores)
+        assert len(ok) >= 4 and len(busy) >= 1
         for _, retry, body in busy:
             assert retry == "1" and "queue" in body["error"]["message"]
         # Each answer belongs to its own request: greedy decoding is a function of the prompt, so asking
