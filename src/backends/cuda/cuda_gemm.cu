@@ -160,6 +160,19 @@ __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
     }
 }
 
+/* The grid of a GEMM of n_out rows x n_tok tokens in bm x bn tiles (false
+ * with the error recorded when it is too large). */
+static bool gemm_grid(ds4_backend *be, int64_t n_out, int64_t n_tok, int bm, int bn, dim3 *grid) {
+    const int64_t gx = (n_out + bm - 1) / bm, gy = (n_tok + bn - 1) / bn;
+    if (gx > INT32_MAX || gy > 65535) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "gemm: %lld rows x %lld tokens is too large a grid", (long long)n_out,
+                  (long long)n_tok);
+        return false;
+    }
+    *grid = dim3((unsigned)gx, (unsigned)gy);
+    return true;
+}
+
 bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, int64_t n_tok) {
     return n_tok >= CUDA_GEMM_MIN_TOKENS && n_in % 256 == 0 && row_bytes % 16 == 0 && x_row_bytes % 16 == 0;
 }
@@ -179,14 +192,9 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
     a.n_stages = n_in / 256;
     a.out = out;
     a.out_stride = out_stride;
-    const int64_t gx = (n_out + G_BM - 1) / G_BM, gy = (n_tok + G_BN - 1) / G_BN;
-    if (gx > INT32_MAX || gy > 65535) {
-        cuda_fail(be, DS4_ERR_UNSUPPORTED, "gemm: %lld rows x %lld tokens is too large a grid", (long long)n_out,
-                  (long long)n_tok);
-        return false;
-    }
-    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, dim3((unsigned)gx, (unsigned)gy), G_THREADS, G_SMEM,
-                       a);
+    dim3 grid;
+    return gemm_grid(be, n_out, n_tok, G_BM, G_BN, &grid) &&
+           cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, grid, G_THREADS, G_SMEM, a);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -292,13 +300,8 @@ bool cuda_gemm_float(ds4_backend *be, uint32_t type, const void *w, int64_t row_
     a.n_in = n_in;
     a.out = out;
     a.out_stride = out_stride;
-    const int64_t gx = (n_out + F_BM - 1) / F_BM, gy = (n_tok + F_BN - 1) / F_BN;
-    if (gx > INT32_MAX || gy > 65535) {
-        cuda_fail(be, DS4_ERR_UNSUPPORTED, "gemm: %lld rows x %lld tokens is too large a grid", (long long)n_out,
-                  (long long)n_tok);
-        return false;
-    }
-    const dim3 grid((unsigned)gx, (unsigned)gy);
+    dim3 grid;
+    if (!gemm_grid(be, n_out, n_tok, F_BM, F_BN, &grid)) return false;
     switch (type) {
     case DS4_TYPE_F32: return cuda_launch(be, "fgemm_kernel<F32>", fgemm_kernel<DS4_TYPE_F32>, grid, F_THREADS, 0, a);
     case DS4_TYPE_F16: return cuda_launch(be, "fgemm_kernel<F16>", fgemm_kernel<DS4_TYPE_F16>, grid, F_THREADS, 0, a);
