@@ -104,6 +104,10 @@ typedef struct ds4_backend_ops {
     void (*download)(ds4_backend *be, float *host_dst, const float *src, int64_t n);
     void (*copy)(ds4_backend *be, float *dst, const float *src, int64_t n);
     void (*fill)(ds4_backend *be, float *dst, float value, int64_t n);
+    /* dst[(r * copies + c) * dim + i] = src[r * dim + i] for r < n_rows,
+     * c < copies: each row repeated `copies` times (the embedding into every
+     * HC stream). dst and src do not overlap. */
+    void (*repeat_rows)(ds4_backend *be, float *dst, const float *src, int64_t n_rows, int64_t dim, int64_t copies);
     /* Make a weight usable by this backend (e.g. upload it). */
     ds4_status (*bind_weight)(ds4_backend *be, ds4_weight *w, ds4_error *err);
     /* Bind a weight of w's name, type and shape whose bytes the backend makes

@@ -322,7 +322,7 @@ static void test_backend_create(void) {
 static void test_op_table(void) {
     ds4_backend *be = new_backend(1);
     const ds4_backend_ops *o = be->ops;
-    CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->bind_weight &&
+    CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->repeat_rows && o->bind_weight &&
           o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->add_weight_rows_mod && o->round_f16 &&
           o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
@@ -345,6 +345,12 @@ static void test_memory_ops(void) {
     be->ops->add(be, b, c, c, n);
     be->ops->download(be, g, c, n);
     for (int64_t i = 0; i < n; i++) CHECK(g[i] == h[i] + 2.5f);
+    /* repeat_rows: 5 rows of 50, each 4 times (1000 floats from 250) */
+    be->ops->repeat_rows(be, b, a, 5, 50, 4);
+    be->ops->download(be, g, b, n);
+    for (int64_t i = 0; i < n; i++) CHECK(g[i] == h[(i / 50 / 4) * 50 + i % 50]);
+    be->ops->repeat_rows(be, b, a, 5, -1, 4);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
     be->ops->free(be, a);
     be->ops->free(be, b);
     be->ops->free(be, c);

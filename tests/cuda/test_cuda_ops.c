@@ -52,6 +52,18 @@ static void test_add_and_rows(void) {
     p.cpu->ops->add(p.cpu, a.c, b.c, out.c, dim * rows);
     p.gpu->ops->add(p.gpu, a.g, b.g, out.g, dim * rows);
     op_compare("add", &p, out, dim * rows, 0, 0);
+    /* repeat_rows: the rows into 4 streams (as the embedding into the HC state), and one row */
+    op_buf rep = op_buf_poisoned(&p, 4 * dim * rows);
+    p.cpu->ops->repeat_rows(p.cpu, rep.c, a.c, rows, dim, 4);
+    p.gpu->ops->repeat_rows(p.gpu, rep.g, a.g, rows, dim, 4);
+    op_compare("repeat_rows", &p, rep, 4 * dim * rows, 0, 0);
+    p.cpu->ops->repeat_rows(p.cpu, rep.c, b.c, 1, dim, 3);
+    p.gpu->ops->repeat_rows(p.gpu, rep.g, b.g, 1, dim, 3);
+    op_compare("repeat_rows of one row", &p, rep, 4 * dim * rows, 0, 0);
+    op_expect_ok(&p);
+    p.gpu->ops->repeat_rows(p.gpu, rep.g, a.g, rows, dim, -2);
+    op_expect_error(&p, DS4_ERR_INVALID);
+    op_buf_free(&p, &rep);
     const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16 };
     for (size_t t = 0; t < 3; t++) {
         op_weight *w = op_weight_floats(&p, "ape", types[t], dim, 5, 1, hw);

@@ -77,6 +77,18 @@ static void cpu_fill(ds4_backend *be, float *dst, float value, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = value;
 }
 
+static void cpu_repeat_rows(ds4_backend *be, float *dst, const float *src, int64_t n_rows, int64_t dim,
+                            int64_t copies) {
+    if (n_rows < 0 || dim < 0 || copies < 0) {
+        cpu_fail(be, DS4_ERR_INVALID, "repeat_rows: %lld rows of %lld, %lld copies", (long long)n_rows,
+                 (long long)dim, (long long)copies);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t c = 0; c < copies; c++)
+            memcpy(dst + (r * copies + c) * dim, src + r * dim, (size_t)dim * sizeof *dst);
+}
+
 /* The CPU reads the mapping in place; binding checks that every row can be
  * dequantised, which is all the ops need. Integer tensors (token -> expert
  * tables) are bound too: no op computes with them, the model reads their
@@ -275,6 +287,7 @@ static const ds4_backend_ops CPU_OPS = {
     .download = cpu_download,
     .copy = cpu_copy,
     .fill = cpu_fill,
+    .repeat_rows = cpu_repeat_rows,
     .bind_weight = cpu_bind_weight,
     .bind_synthetic = cpu_bind_synthetic,
     .release_weight = cpu_release_weight,

@@ -351,6 +351,28 @@ static void cuda_copy(ds4_backend *be, float *dst, const float *src, int64_t n) 
     if (copy_floats(be, tmp, src, n)) (void)copy_floats(be, dst, tmp, n);
 }
 
+/* dst row q = src row q / copies: one thread per output element. */
+__global__ void repeat_rows_kernel(float *__restrict__ dst, const float *__restrict__ src, int64_t dim, int64_t copies,
+                                   int64_t n) {
+    cuda_grid_wait();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = src[(i / dim / copies) * dim + i % dim];
+}
+
+static void cuda_repeat_rows(ds4_backend *be, float *dst, const float *src, int64_t n_rows, int64_t dim,
+                             int64_t copies) {
+    if (cuda_failed(be)) return;
+    if (n_rows < 0 || dim < 0 || copies < 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "repeat_rows: %lld rows of %lld, %lld copies", (long long)n_rows,
+                  (long long)dim, (long long)copies);
+        return;
+    }
+    const int64_t n = n_rows * dim * copies;
+    if (n == 0) return;
+    const unsigned blocks = grid_for(n, 256) < 4096 ? grid_for(n, 256) : 4096;
+    (void)cuda_launch(be, "repeat_rows_kernel", repeat_rows_kernel, blocks, 256, 0, dst, src, dim, copies, n);
+}
+
 __global__ void fill_kernel(float *dst, float v, int64_t n) {
     cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -878,6 +900,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .download = cuda_download,
     .copy = cuda_copy,
     .fill = cuda_fill,
+    .repeat_rows = cuda_repeat_rows,
     .bind_weight = cuda_bind_weight,
     .bind_synthetic = cuda_bind_synthetic,
     .release_weight = cuda_release_weight,

@@ -224,7 +224,7 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
     const ds4_backend_ops *o = be->ops;
     const struct { const char *name; bool present; } need[] = {
         { "alloc", o->alloc }, { "free", o->free }, { "upload", o->upload }, { "download", o->download },
-        { "copy", o->copy }, { "fill", o->fill }, { "bind_weight", o->bind_weight },
+        { "copy", o->copy }, { "fill", o->fill }, { "repeat_rows", o->repeat_rows }, { "bind_weight", o->bind_weight },
         { "release_weight", o->release_weight }, { "embed", o->embed }, { "rmsnorm", o->rmsnorm }, { "add", o->add },
         { "add_weight_row", o->add_weight_row }, { "add_weight_rows_mod", o->add_weight_rows_mod },
         { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
@@ -947,9 +947,7 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
     /* embedding, copied into every HC stream */
     be->ops->embed(be, &m->token_embd, tokens, (int)n, s->x);
     TAP("embed", -1, -1, s->x, n * H);
-    for (int64_t t = 0; t < n; t++)
-        for (int sidx = 0; sidx < c->n_hc; sidx++)
-            be->ops->copy(be, s->X + (t * c->n_hc + sidx) * H, s->x + t * H, H);
+    be->ops->repeat_rows(be, s->X, s->x, n, H, c->n_hc);
 
     const int n_layer = m->layer_limit ? m->layer_limit : c->n_layer;
     const int prof_end = m->prof_n ? (m->prof_first + m->prof_n < n_layer ? m->prof_first + m->prof_n : n_layer) : -1;
