@@ -164,11 +164,15 @@ static int64_t dot_blocks(dot_kind k, int64_t n) { return k == KIND_Q8_0 ? n / 3
  * tol[r * n_out + o] for out[r][o] = W[row0 + o] . x[r] (see the top of the
  * file). `bytes`/`deq` are the whole weight, x rows x_stride apart.
  */
+static bool float_gemm_on; /* the float GEMM is on for the products compared (matmul_tolerances) */
+
 static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t *bytes, const float *deq, int64_t n,
                                  int64_t row0, int64_t n_out, const float *x, int64_t x_stride, int64_t n_rows) {
     const ds4_type_traits *t = ds4_type_traits_get(type);
     const int64_t rb = ds4_type_row_bytes(type, n);
     const dot_kind kind = kind_of(type, num);
+    const char *fg = getenv("DS4_CUDA_FGEMM");
+    const bool env_fgemm = fg && !strcmp(fg, "1");
     double *tol = malloc((size_t)(n_rows * n_out > 0 ? n_rows * n_out : 1) * sizeof *tol);
     ds4_block_q8_K *xk = malloc((size_t)(n / DS4_QK_K + 1) * sizeof *xk);
     act_q8_0 *x0 = malloc((size_t)(n / 32 + 1) * sizeof *x0);
@@ -196,7 +200,8 @@ static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t 
             double v;
             switch (kind) {
             case KIND_REF: v = 1e-9 * S; break;
-            case KIND_F32: v = ((double)n / 8 + (double)n / 32 + 16) * U24 * S; break;
+            /* (the float GEMM sums each output's n products one after another: n more) */
+            case KIND_F32: v = ((double)n / 8 + (double)n / 32 + 16 + (float_gemm_on || env_fgemm ? (double)n : 0)) * U24 * S; break;
             default: v = (2.0 * (double)dot_blocks(kind, n) + 8) * U24 * T; break;
             }
             tol[r * n_out + o] = v;
@@ -323,10 +328,16 @@ static void check_matmul_type(uint32_t type) {
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
     if (bl == 1) { /* the float GEMM (16 tokens or more, K in 32s): short K, odd strides, partial tiles */
         ds4_cuda_backend_set_fgemm(p.gpu, 1);
+        float_gemm_on = true;
+        const int64_t calls0 = ds4_cuda_backend_fgemm_calls(p.gpu);
         matmul_case(&p, type, 96, 70, false, 1, 69, 20, 101, 75, false);
         matmul_case(&p, type, 4096, 300, false, 0, 300, 16, 4097, 301, false);
         matmul_case(&p, type, 1024, 130, false, 0, 130, 65, 1024, 130, false);
         matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
+        /* each case once in DS4 numerics (REFERENCE keeps the double-sum kernels) */
+        CHECK_MSG(ds4_cuda_backend_fgemm_calls(p.gpu) - calls0 == 4, "%s: %lld products ran as the float GEMM",
+                  ds4_type_name(type), (long long)(ds4_cuda_backend_fgemm_calls(p.gpu) - calls0));
+        float_gemm_on = false;
         ds4_cuda_backend_set_fgemm(p.gpu, env_on_default("DS4_CUDA_FGEMM", false));
     }
     /* many short rows: warps stream 2 (16391 outputs) and 8 (70001) rows

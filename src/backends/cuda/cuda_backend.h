@@ -139,6 +139,8 @@ void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
  * GPU; DS4_CUDA_FGEMM=1 makes on the default): the same products, summed in
  * another order. Off, the matmul kernels' tiles of 8 tokens. */
 void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on);
+/* How many products have run as the float GEMM. */
+int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be);
 /* How many MoE calls have run their products on the tensor cores. */
 int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be);
 /* Why the most recent cut of a recorded step happened (the step's ops from

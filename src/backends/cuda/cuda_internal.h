@@ -159,6 +159,7 @@ typedef struct cuda_backend {
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */
     bool fgemm;       /* float-weight products of many tokens as a tiled GEMM (DS4_CUDA_FGEMM=1: on) */
+    int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     bool segments;  /* a step may be submitted in segments at its marks (DS4_CUDA_SEGMENTS=0: one graph) */

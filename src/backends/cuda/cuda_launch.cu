@@ -676,6 +676,9 @@ extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_im
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
 extern "C" void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on) { cuda_impl(be)->fgemm = on != 0; }
+extern "C" int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->fgemm_calls;
+}
 extern "C" int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->moe_mma_calls;
 }

@@ -585,7 +585,7 @@ static void compressor_emit(ds4_model *m, int l, int64_t t, compressor_state *cs
  * (positions since the last window end, then the rest of the window
  * before); ratio 4, rows 0..3 the last complete window, rows 4..7 the
  * positions since (then the stale rest of that copy). The same values
- * bit for bit as compressor_pass's token by token (test_compressor_chunk).
+ * bit for bit as compressor_pass's token by token (test_compressor_chunks_match).
  */
 static void compressor_chunk(ds4_model *m, compressor_state *cs, const ds4_weight *ape, const ds4_weight *norm,
                              bool is_index, float *kv, float *sc, int64_t p0, int64_t n, ds4_numerics num,
