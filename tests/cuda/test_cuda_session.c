@@ -259,6 +259,68 @@ static void test_decode_step_waits(void) {
     close_model(f, be, m);
 }
 
+/* A state's whole payload as bytes (its caches come to the host). */
+static uint8_t *state_bytes(const ds4_state *st, const int32_t *t, int64_t n, int64_t *size) {
+    ds4_error err = { 0 };
+    float *logits = calloc((size_t)vocab, sizeof *logits);
+    *size = ds4_state_payload_size(st, n);
+    uint8_t *b = *size > 0 ? malloc((size_t)*size) : NULL;
+    if (!b || !logits || ds4_state_save_payload(st, t, n, logits, b, *size, &err) != DS4_OK) {
+        free(b);
+        b = NULL;
+    }
+    free(logits);
+    return b;
+}
+
+/*
+ * A prefill chunk's compressors in batched calls on the GPU leave the same
+ * logits and state, byte for byte, as the GPU's token-by-token path (the
+ * same kernels row by row: pooling with a window offset, the APE rows of
+ * a run, norm / RoPE / rounding over several rows), for chunks starting
+ * inside, at and before window ends of both ratios.
+ */
+static void test_compressor_chunks_match(void) {
+    SETUP_OR_SKIP();
+    ds4_error err = { 0 };
+    gguf_file *f = NULL;
+    ds4_backend *be = NULL;
+    ds4_model *m = open_model(&f, &be);
+    if (m) {
+        static const int64_t cases[][2] = { { 0, 9 }, { 5, 7 }, { 127, 5 }, { 124, 136 }, { 1, 259 } };
+        int32_t *t = random_tokens(400);
+        float *la = malloc((size_t)vocab * sizeof *la), *lb = malloc((size_t)vocab * sizeof *lb);
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            const int64_t pre = cases[c][0], n = cases[c][1];
+            ds4_state *a = NULL, *b = NULL;
+            CHECK(ds4_state_create(m, 512, &a, &err) == DS4_OK && ds4_state_create(m, 512, &b, &err) == DS4_OK);
+            if (!a || !b) break;
+            if (pre) {
+                CHECK(ds4_model_eval(m, a, t, pre, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+                CHECK(ds4_model_eval(m, b, t, pre, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+            }
+            CHECK(ds4_model_eval(m, a, t + pre, n, DS4_NUMERICS_DS4, la, false, &err) == DS4_OK);
+            ds4_model_set_compressor_chunks(m, false);
+            CHECK(ds4_model_eval(m, b, t + pre, n, DS4_NUMERICS_DS4, lb, false, &err) == DS4_OK);
+            ds4_model_set_compressor_chunks(m, true);
+            CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%lld tokens after %lld: logits differ",
+                      (long long)n, (long long)pre);
+            int64_t sa = 0, sb = 0;
+            uint8_t *ba = state_bytes(a, t, pre + n, &sa), *bb = state_bytes(b, t, pre + n, &sb);
+            CHECK_MSG(ba && bb && sa == sb && memcmp(ba, bb, (size_t)sa) == 0, "%lld tokens after %lld: states differ",
+                      (long long)n, (long long)pre);
+            free(ba);
+            free(bb);
+            ds4_state_free(a);
+            ds4_state_free(b);
+        }
+        free(la);
+        free(lb);
+        free(t);
+    }
+    close_model(f, be, m);
+}
+
 /*
  * Recorded steps: decoded tokens replayed as CUDA graphs compute exactly
  * what launching every kernel directly computes (the same kernels with the
@@ -503,6 +565,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_decode_step_waits),
     TEST_ENTRY(test_graph_replay_matches_direct),
     TEST_ENTRY(test_batch_decode_matches_single),
+    TEST_ENTRY(test_compressor_chunks_match),
     TEST_ENTRY(test_step_break_keeps_order),
     TEST_ENTRY(test_teardown),
     { 0 },
