@@ -240,6 +240,16 @@ typedef struct ds4_backend_ops {
      * descending score order, lowest index first among ties; idx[n..k) = -1
      * when k > n. */
     void (*top_k)(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
+    /* Both for n_rows queries at once (a prefill chunk's rows that select):
+     * row r's query q + r * n_heads * dim and weights + r * n_heads score the
+     * first n_keys[r] keys (n_keys: host) into scores + r * stride, exactly
+     * as indexer_scores does for one; top_k_rows ranks row r's first n[r]
+     * scores (scores + r * stride, n: host) into idx + r * k as top_k. */
+    void (*indexer_scores_rows)(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                                int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys,
+                                int64_t n_rows, float *scores, int64_t stride);
+    void (*top_k_rows)(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows,
+                       int64_t k, int32_t *idx);
 
     /* ---- feed-forward (spec 3.7) -------------------------------------- */
     /* Router for n_rows tokens, each on its own. Row r: prob_e =

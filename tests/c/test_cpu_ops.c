@@ -326,6 +326,7 @@ static void test_op_table(void) {
           o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->add_weight_rows_mod && o->round_f16 &&
           o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
+          o->indexer_scores_rows && o->top_k_rows &&
           o->router && o->swiglu && o->moe && o->take_error);
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     ds4_backend_destroy(be);
@@ -1538,6 +1539,45 @@ static void test_top_k(void) {
     ds4_backend_destroy(be);
 }
 
+/* indexer_scores_rows and top_k_rows: each row is the one-row op's result,
+ * bit for bit (rows of different key counts, one with none); counts past
+ * the row stride are refused. */
+static void test_indexer_rows(void) {
+    ds4_backend *be = new_backend(2);
+    enum { R = 4 };
+    const int64_t heads = 8, dim = 128, stride = 90, k = 16;
+    const int64_t n_keys[R] = { 90, 17, 0, 55 };
+    float *q = fvec(R * heads * dim), *w = fvec(R * heads), *keys = fvec(stride * dim);
+    float *rows = fvec(R * stride), *one = fvec(stride);
+    int32_t *idx = calloc(R * k, sizeof *idx), *idx1 = calloc(k, sizeof *idx1);
+    fill_normal(q, R * heads * dim, 1.0);
+    fill_normal(w, R * heads, 1.0);
+    fill_normal(keys, stride * dim, 1.0);
+    const float scale = 0.3f;
+    be->ops->indexer_scores_rows(be, q, w, scale, heads, dim, keys, n_keys, R, rows, stride);
+    be->ops->top_k_rows(be, rows, stride, n_keys, R, k, idx);
+    expect_no_error(be);
+    for (int r = 0; r < R; r++) {
+        be->ops->indexer_scores(be, q + r * heads * dim, w + r * heads, scale, heads, dim, keys, n_keys[r], one);
+        CHECK_MSG(memcmp(one, rows + r * stride, (size_t)n_keys[r] * sizeof *one) == 0, "row %d scores", r);
+        be->ops->top_k(be, one, n_keys[r], k, idx1);
+        CHECK_MSG(memcmp(idx1, idx + r * k, (size_t)k * sizeof *idx1) == 0, "row %d selection", r);
+    }
+    const int64_t too_many[1] = { stride + 1 };
+    be->ops->indexer_scores_rows(be, q, w, scale, heads, dim, keys, too_many, 1, rows, stride);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    be->ops->top_k_rows(be, rows, stride, too_many, 1, k, idx);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    free(q);
+    free(w);
+    free(keys);
+    free(rows);
+    free(one);
+    free(idx);
+    free(idx1);
+    ds4_backend_destroy(be);
+}
+
 /* top_k of 1 is ds4_sample_argmax (the greedy pick the model's greedy
  * evaluation makes with it): the first maximum, NaN and -inf never above
  * anything, +inf wins, -0 ties +0, a row of only NaN / -inf gives 0. */
@@ -2018,6 +2058,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_compressor_pool),
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_top_k),
+    TEST_ENTRY(test_indexer_rows),
     TEST_ENTRY(test_top_k_one_is_argmax),
     TEST_ENTRY(test_router),
     TEST_ENTRY(test_router_rows),

@@ -345,18 +345,22 @@ static uint8_t *state_bytes(const ds4_state *st, const int32_t *t, int64_t n, in
  * the same logits and the same state, byte for byte, as token by token:
  * chunks starting at, inside and just before window ends of both ratios,
  * chunks ending there, chunks spanning several windows of both, both
- * numerics. */
+ * numerics. The same for the indexer's scores and selections made for
+ * batches of rows (the tiny model selects from position 36 on). */
 static void test_compressor_chunks_match(void) {
     if (!setup()) { CHECK(0); return; }
     ds4_error err = { 0 };
     ds4_backend *cpu = NULL;
     ds4_model *m = cpu_model(&cpu);
     if (!m) return;
-    static const int64_t cases[][2] = { { 0, 2 },   { 0, 4 },   { 0, 9 },   { 3, 2 },   { 5, 7 },  { 2, 300 },
-                                        { 126, 2 }, { 127, 1 }, { 127, 5 }, { 124, 136 }, { 0, 128 }, { 1, 259 } };
+    static const int64_t cases[][2] = { { 0, 2 },   { 0, 4 },   { 0, 9 },     { 3, 2 },   { 5, 7 },  { 2, 300 },
+                                        { 126, 2 }, { 127, 1 }, { 127, 5 },   { 124, 136 }, { 0, 128 }, { 1, 259 },
+                                        { 30, 20 }, { 36, 3 },  { 200, 140 } };
     int32_t *t = random_tokens(400);
     float *la = malloc((size_t)vocab * sizeof *la), *lb = malloc((size_t)vocab * sizeof *lb);
-    for (int num = 0; num < 2; num++) {
+    for (int mode = 0; mode < 4; mode++) {
+        const int num = mode & 1;
+        const bool idx = mode >= 2; /* 0, 1: compressor chunks on / off; 2, 3: indexer batches on / off */
         const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
             const int64_t pre = cases[c][0], n = cases[c][1];
@@ -368,13 +372,14 @@ static void test_compressor_chunks_match(void) {
                 CHECK(ds4_model_eval(m, a, t + i, 1, nm, NULL, false, &err) == DS4_OK);
                 CHECK(ds4_model_eval(m, b, t + i, 1, nm, NULL, false, &err) == DS4_OK);
             }
-            ds4_model_set_compressor_chunks(m, true);
             CHECK(ds4_model_eval(m, a, t + pre, n, nm, la, false, &err) == DS4_OK);
-            ds4_model_set_compressor_chunks(m, false);
+            if (idx) ds4_model_set_indexer_batches(m, false);
+            else ds4_model_set_compressor_chunks(m, false);
             CHECK(ds4_model_eval(m, b, t + pre, n, nm, lb, false, &err) == DS4_OK);
             ds4_model_set_compressor_chunks(m, true);
-            CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%s numerics, %lld tokens after %lld: logits",
-                      num ? "reference" : "ds4", (long long)n, (long long)pre);
+            ds4_model_set_indexer_batches(m, true);
+            CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%s, %s numerics, %lld tokens after %lld: logits",
+                      idx ? "indexer" : "compressors", num ? "reference" : "ds4", (long long)n, (long long)pre);
             int64_t sa = 0, sb = 0;
             uint8_t *ba = state_bytes(a, t, pre + n, &sa), *bb = state_bytes(b, t, pre + n, &sb);
             CHECK_MSG(ba && bb && sa == sb && memcmp(ba, bb, (size_t)sa) == 0,

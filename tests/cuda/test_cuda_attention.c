@@ -615,6 +615,73 @@ static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_key
     free(weff);
 }
 
+/* indexer_scores_rows and top_k_rows: rows of different key counts (one
+ * with none, one with fewer than k) in one call each; scores against the
+ * CPU's with indexer_case's bound, selections exactly (the CUDA side ranks
+ * its own scores: a near tie may order differently, so the CPU ranks the
+ * GPU's scores for the comparison). */
+static void indexer_rows_case(op_pair *p, int64_t n_heads, int64_t dim, const int64_t *n_keys, int64_t n_rows,
+                              int64_t stride, int64_t k) {
+    float *hq = op_rand(n_rows * n_heads * dim, 1.0), *hw = op_rand(n_rows * n_heads, 1.0);
+    float *hk = op_rand(stride * dim, 1.0);
+    op_buf q = op_buf_from(p, hq, n_rows * n_heads * dim), w = op_buf_from(p, hw, n_rows * n_heads);
+    op_buf keys = op_buf_from(p, hk, stride * dim), sc = op_buf_poisoned(p, n_rows * stride);
+    const float scale = 0.125f;
+    p->cpu->ops->indexer_scores_rows(p->cpu, q.c, w.c, scale, n_heads, dim, keys.c, n_keys, n_rows, sc.c, stride);
+    p->gpu->ops->indexer_scores_rows(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, n_keys, n_rows, sc.g, stride);
+    op_expect_ok(p);
+    float *cs = malloc((size_t)(n_rows * stride) * sizeof *cs), *gs = malloc((size_t)(n_rows * stride) * sizeof *gs);
+    p->cpu->ops->download(p->cpu, cs, sc.c, n_rows * stride);
+    p->gpu->ops->download(p->gpu, gs, sc.g, n_rows * stride);
+    int64_t bad = 0;
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t c = 0; c < n_keys[r]; c++) {
+            double mag = 0;
+            for (int64_t h = 0; h < n_heads; h++) {
+                double dm = 0;
+                for (int64_t i = 0; i < dim; i++) dm += fabs((double)hq[(r * n_heads + h) * dim + i] * hk[c * dim + i]);
+                mag += dm * fabs((double)hw[r * n_heads + h] * scale);
+            }
+            bad += !(fabs((double)gs[r * stride + c] - cs[r * stride + c]) <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
+        }
+    CHECK_MSG(bad == 0, "indexer_scores_rows %lld rows: %lld scores out of bound", (long long)n_rows, (long long)bad);
+    /* selections: both sides rank the GPU's scores */
+    op_buf gsc = op_buf_from(p, gs, n_rows * stride);
+    int32_t *ic = malloc((size_t)(n_rows * k) * sizeof *ic), *ig = malloc((size_t)(n_rows * k) * sizeof *ig);
+    op_buf idx = op_ints_from(p, ic, n_rows * k);
+    p->cpu->ops->top_k_rows(p->cpu, gsc.c, stride, n_keys, n_rows, k, (int32_t *)idx.c);
+    p->gpu->ops->top_k_rows(p->gpu, gsc.g, stride, n_keys, n_rows, k, (int32_t *)idx.g);
+    op_expect_ok(p);
+    op_ints_get(p, idx, n_rows * k, ic, ig);
+    CHECK_MSG(memcmp(ic, ig, (size_t)(n_rows * k) * sizeof *ic) == 0, "top_k_rows %lld rows, k %lld differ",
+              (long long)n_rows, (long long)k);
+    op_buf_free(p, &idx);
+    op_buf_free(p, &gsc);
+    op_buf_free(p, &q);
+    op_buf_free(p, &w);
+    op_buf_free(p, &keys);
+    op_buf_free(p, &sc);
+    free(ic);
+    free(ig);
+    free(cs);
+    free(gs);
+    free(hq);
+    free(hw);
+    free(hk);
+}
+
+static void test_indexer_rows(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    const int64_t n4[4] = { 700, 0, 300, 513 };
+    indexer_rows_case(&p, 64, 128, n4, 4, 700, 512); /* the model's shape: 512 of up to 700 */
+    const int64_t n3[3] = { 5, 40, 17 };
+    indexer_rows_case(&p, 16, 128, n3, 3, 40, 8); /* the tiny model's top-k of 8 */
+    const int64_t n1[1] = { 50 };
+    indexer_rows_case(&p, 8, 128, n1, 1, 50, 1); /* k = 1: row by row */
+    op_pair_close(&p);
+}
+
 static void test_indexer_scores(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
@@ -913,6 +980,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_attention_rows),
     TEST_ENTRY(test_compressor_pool),
     TEST_ENTRY(test_indexer_scores),
+    TEST_ENTRY(test_indexer_rows),
     TEST_ENTRY(test_top_k),
     TEST_ENTRY(test_attention_ops_errors),
     TEST_ENTRY(test_attention_bad_index),

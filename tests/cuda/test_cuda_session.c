@@ -274,11 +274,14 @@ static uint8_t *state_bytes(const ds4_state *st, const int32_t *t, int64_t n, in
 }
 
 /*
- * A prefill chunk's compressors in batched calls on the GPU leave the same
+ * A prefill chunk's compressors in batched calls, and its selecting rows'
+ * indexer scores and top-k in batches of rows, on the GPU leave the same
  * logits and state, byte for byte, as the GPU's token-by-token path (the
  * same kernels row by row: pooling with a window offset, the APE rows of
- * a run, norm / RoPE / rounding over several rows), for chunks starting
- * inside, at and before window ends of both ratios.
+ * a run, norm / RoPE / rounding over several rows, the indexer kernel with
+ * a row per grid row, the one-block select per row), for chunks starting
+ * inside, at and before window ends of both ratios, and past the point
+ * where the indexer starts to select.
  */
 static void test_compressor_chunks_match(void) {
     SETUP_OR_SKIP();
@@ -301,8 +304,10 @@ static void test_compressor_chunks_match(void) {
             }
             CHECK(ds4_model_eval(m, a, t + pre, n, DS4_NUMERICS_DS4, la, false, &err) == DS4_OK);
             ds4_model_set_compressor_chunks(m, false);
+            ds4_model_set_indexer_batches(m, false);
             CHECK(ds4_model_eval(m, b, t + pre, n, DS4_NUMERICS_DS4, lb, false, &err) == DS4_OK);
             ds4_model_set_compressor_chunks(m, true);
+            ds4_model_set_indexer_batches(m, true);
             CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%lld tokens after %lld: logits differ",
                       (long long)n, (long long)pre);
             int64_t sa = 0, sb = 0;

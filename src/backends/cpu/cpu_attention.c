@@ -251,6 +251,25 @@ void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, f
     cpu_parallel_for(be, n_keys, n_heads * dim, indexer_range, &job);
 }
 
+void cpu_indexer_scores_rows(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                             int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys, int64_t n_rows,
+                             float *scores, int64_t stride) {
+    if (n_rows < 0 || n_heads < 0 || dim < 0 || (n_rows > 0 && !n_keys)) {
+        cpu_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: %lld rows of %lld heads of %lld", (long long)n_rows,
+                 (long long)n_heads, (long long)dim);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (n_keys[r] < 0 || n_keys[r] > stride) {
+            cpu_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: row %lld scores %lld keys into rows of %lld",
+                     (long long)r, (long long)n_keys[r], (long long)stride);
+            return;
+        }
+        cpu_indexer_scores(be, q + r * n_heads * dim, weights + r * n_heads, weight_scale, n_heads, dim, keys,
+                           n_keys[r], scores + r * stride);
+    }
+}
+
 /* Rank order: a ranks above b if its score is higher, or equal with a lower
  * index. NaN ranks as -inf. */
 static bool ranks_above(const float *s, int32_t a, int32_t b) {
@@ -315,4 +334,20 @@ void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32
         return;
     }
     cpu_select_top_k(scores, n, k, idx);
+}
+
+void cpu_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows, int64_t k,
+                    int32_t *idx) {
+    if (n_rows < 0 || k < 0 || (n_rows > 0 && !n)) {
+        cpu_fail(be, DS4_ERR_INVALID, "top_k_rows: %lld rows, k %lld", (long long)n_rows, (long long)k);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (n[r] < 0 || n[r] > stride) {
+            cpu_fail(be, DS4_ERR_INVALID, "top_k_rows: row %lld ranks %lld scores of rows of %lld", (long long)r,
+                     (long long)n[r], (long long)stride);
+            return;
+        }
+        cpu_top_k(be, scores + r * stride, n[r], k, idx + r * k);
+    }
 }

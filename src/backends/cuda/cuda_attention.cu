@@ -741,9 +741,16 @@ template <int KPL, bool QSHARED>
 static __global__ void __launch_bounds__(IDX_THREADS)
     indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale,
                           int64_t n_heads, int64_t dim, const float *__restrict__ keys, int64_t n_keys,
-                          float *__restrict__ scores) {
+                          float *__restrict__ scores, const int64_t *__restrict__ row_keys, int64_t stride) {
     cuda_grid_wait();
     extern __shared__ float idx_smem[];
+    if (row_keys) { /* query row blockIdx.y of indexer_scores_rows, its own key count */
+        const int64_t y = blockIdx.y;
+        n_keys = row_keys[y];
+        q += y * n_heads * dim;
+        weights += y * n_heads;
+        scores += y * stride;
+    }
     const float *qv = q, *wv = weights;
     if constexpr (QSHARED) {
         float *qs = idx_smem, *ws = idx_smem + n_heads * dim;
@@ -785,18 +792,36 @@ static __global__ void __launch_bounds__(IDX_THREADS)
     }
 }
 
+/* n_keys: the most keys of a row; with row_keys (device), n_rows rows
+ * (grid y), row y with row_keys[y] keys. */
 template <int KPL>
 static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const float *weights, float weight_scale,
-                           int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores) {
-    const unsigned blocks = blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS);
+                           int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores,
+                           const int64_t *row_keys, int64_t n_rows, int64_t stride) {
+    const dim3 grid(blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS), (unsigned)n_rows);
     if (qshared) {
         const size_t smem = (size_t)(n_heads * dim + n_heads) * sizeof(float);
-        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, true>, blocks, IDX_THREADS, smem, q,
-                          weights, weight_scale, n_heads, dim, keys, n_keys, scores);
+        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, true>, grid, IDX_THREADS, smem, q,
+                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride);
     } else {
-        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, false>, blocks, IDX_THREADS, 0, q,
-                          weights, weight_scale, n_heads, dim, keys, n_keys, scores);
+        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, false>, grid, IDX_THREADS, 0, q,
+                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride);
     }
+}
+
+static void indexer_dispatch(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                             int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores,
+                             const int64_t *row_keys, int64_t n_rows, int64_t stride) {
+    const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT;
+    if (dim <= 128)
+        indexer_launch<4>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, n_rows,
+                          stride);
+    else if (dim <= 512)
+        indexer_launch<16>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, n_rows,
+                           stride);
+    else
+        indexer_launch<0>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, n_rows,
+                          stride);
 }
 
 void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
@@ -813,10 +838,39 @@ void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, 
         return;
     }
     if (cuda_failed(be)) return;
-    const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT;
-    if (dim <= 128) indexer_launch<4>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
-    else if (dim <= 512) indexer_launch<16>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
-    else indexer_launch<0>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores);
+    indexer_dispatch(be, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, NULL, 1, 0);
+}
+
+/* All rows in one launch (grid y = row, each row's key count uploaded as
+ * control data; blocks for the longest row, the others' extra warps idle). */
+void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                              int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys, int64_t n_rows,
+                              float *scores, int64_t stride) {
+    if (cuda_failed(be)) return;
+    if (n_rows < 0 || n_rows > 65535 || n_heads < 0 || dim < 0 || (n_rows > 0 && !n_keys)) {
+        cuda_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: %lld rows of %lld heads of %lld", (long long)n_rows,
+                  (long long)n_heads, (long long)dim);
+        return;
+    }
+    int64_t most = 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (n_keys[r] < 0 || n_keys[r] > stride) {
+            cuda_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: row %lld scores %lld keys into rows of %lld",
+                      (long long)r, (long long)n_keys[r], (long long)stride);
+            return;
+        }
+        if (n_keys[r] > most) most = n_keys[r];
+    }
+    if (most == 0) return;
+    if (!scores || (dim > 0 && !keys) || (n_heads > 0 && (!weights || (dim > 0 && !q)))) {
+        cuda_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: NULL %s",
+                  !scores ? "scores" : (dim > 0 && !keys) ? "keys" : !weights ? "weights" : "query");
+        return;
+    }
+    const int64_t *d_keys =
+        (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n_keys, (size_t)n_rows * sizeof(int64_t));
+    if (!d_keys) return;
+    indexer_dispatch(be, q, weights, weight_scale, n_heads, dim, keys, most, scores, d_keys, n_rows, stride);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -871,8 +925,21 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
 
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
-                       int32_t *__restrict__ idx) {
+                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride) {
     cuda_grid_wait();
+    if (row_n) { /* row blockIdx.x of top_k_rows: its own count, shift and size (pow2 covers every row's) */
+        const int64_t y = blockIdx.x;
+        n = row_n[y];
+        scores += y * stride;
+        idx += y * k;
+        shift = 0;
+        while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+        size = k < n ? k : n;
+        if (size == 0) {
+            for (int64_t i = threadIdx.x; i < k; i += blockDim.x) idx[i] = -1;
+            return;
+        }
+    }
     extern __shared__ unsigned long long sel[]; /* pow2 >= size keys */
     __shared__ unsigned int hist[256];
     __shared__ unsigned long long prefix, pmask;
@@ -1032,7 +1099,8 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         int pow2 = 1;
         while (pow2 < size) pow2 <<= 1;
         (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
-                          (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx);
+                          (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
+                          (const int64_t *)NULL, (int64_t)0);
         return;
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
@@ -1060,4 +1128,40 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         return;
     (void)cuda_launch(be, "topk_idx_kernel", topk_idx_kernel, blocks_for(k, TOPK_THREADS, 65535), TOPK_THREADS, 0,
                       (const unsigned long long *)sorted, n, size, k, mask, idx);
+}
+
+/* Every row in one launch of the one-block select (block = row) when
+ * 1 < k <= TOPK_SELECT_MAX (the indexer's top-k); otherwise row by row. */
+void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows, int64_t k,
+                     int32_t *idx) {
+    if (cuda_failed(be)) return;
+    if (n_rows < 0 || k < 0 || (n_rows > 0 && !n)) {
+        cuda_fail(be, DS4_ERR_INVALID, "top_k_rows: %lld rows, k %lld", (long long)n_rows, (long long)k);
+        return;
+    }
+    int64_t most = 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (n[r] < 0 || n[r] > stride || n[r] > INT32_MAX) {
+            cuda_fail(be, DS4_ERR_INVALID, "top_k_rows: row %lld ranks %lld scores of rows of %lld", (long long)r,
+                      (long long)n[r], (long long)stride);
+            return;
+        }
+        if (n[r] > most) most = n[r];
+    }
+    if (k == 0 || n_rows == 0) return;
+    if (k == 1 || k > TOPK_SELECT_MAX || n_rows > INT32_MAX || topk_sort_forced()) {
+        for (int64_t r = 0; r < n_rows && !cuda_failed(be); r++) cuda_top_k(be, scores + r * stride, n[r], k, idx + r * k);
+        return;
+    }
+    if (!idx || (most > 0 && !scores)) {
+        cuda_fail(be, DS4_ERR_INVALID, "top_k_rows: NULL %s", !idx ? "index output" : "scores");
+        return;
+    }
+    const int64_t size = k < most ? k : most;
+    int pow2 = 1;
+    while (pow2 < size) pow2 <<= 1;
+    const int64_t *d_n = (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
+    if (!d_n) return;
+    (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
+                      (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride);
 }

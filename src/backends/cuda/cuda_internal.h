@@ -56,6 +56,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_ATTN,         /* cuda_attention.cu */
     CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions */
     CUDA_SCRATCH_ATTN_ROWS,    /* cuda_attention.cu: attention_rows' per-row views */
+    CUDA_SCRATCH_IDX_ROWS,     /* cuda_attention.cu: indexer_scores_rows' / top_k_rows' per-row counts */
     CUDA_SCRATCH_TOPK_A,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_B,       /* cuda_attention.cu */
     CUDA_SCRATCH_TOPK_D,       /* cuda_attention.cu */
@@ -530,6 +531,11 @@ void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *s
 void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                          int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
+void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                              int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys, int64_t n_rows,
+                              float *scores, int64_t stride);
+void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows, int64_t k,
+                     int32_t *idx);
 
 /* cuda_hc_ffn.cu */
 void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,

@@ -80,6 +80,7 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
 }
 
 void ds4_model_set_compressor_chunks(ds4_model *m, bool on) { m->comp_per_token = !on; }
+void ds4_model_set_indexer_batches(ds4_model *m, bool on) { m->idx_per_row = !on; }
 
 void ds4_model_set_profile_layers(ds4_model *m, int first, int n) {
     m->prof_first = first > 0 ? first : 0;
@@ -232,6 +233,7 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "rope_tail", o->rope_tail },
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
         { "compressor_pool", o->compressor_pool }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
+        { "indexer_scores_rows", o->indexer_scores_rows }, { "top_k_rows", o->top_k_rows },
         { "router", o->router }, { "swiglu", o->swiglu }, { "moe", o->moe }, { "take_error", o->take_error },
     };
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
@@ -429,7 +431,7 @@ typedef struct eval_scratch {
     float *ckv, *csc;   /* compressor projections [n, 2*D], after room for COMP_PRE rows of D (compressor_chunk) */
     float *ikv, *isc;   /* indexer compressor projections [n, 2*id], after room for 8 rows of 2*id */
     float *iq, *iw;     /* indexer queries [n, ih*id] and weights [n, ih] */
-    float *iscores;     /* [n_ctx/4 + 2] */
+    float *iscores;     /* [sel_rows, score_stride]: indexer scores of rows that select */
     float *crow;        /* one pooled row [max(D, id)] */
     float *attn;        /* attention output [n, nh*D] */
     float *low;         /* [n, G*ro] */
@@ -444,11 +446,13 @@ typedef struct eval_scratch {
      * stored in float buffers, see backend.h) */
     float *sel;         /* expert ids, int32 [n, k] */
     float *sel_w;       /* routing weights [n, k] */
-    float *topk;        /* selected compressed rows, int32 [top_k] */
+    float *topk;        /* selected compressed rows, int32 [sel_rows, top_k] */
     int32_t *hash_ids;  /* host: hash layers' expert ids [n, k] */
     int64_t *n_comp;    /* host: compressed rows each row's attention sees [n] */
     int64_t *n_index;   /* host: indexer rows each row's indexer sees [n] */
     int64_t *win_off, *win_n; /* host: each row's view of its window (first row, rows) [n] */
+    int64_t score_stride;     /* n_ctx/4 + 2: the most indexer rows a state holds, and room */
+    int64_t sel_rows;         /* rows whose scores and selections are made in one call (iscores, topk) */
 } scratch;
 
 static void scratch_free(ds4_backend *be, scratch *s) {
@@ -467,6 +471,11 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
                           scratch *s) {
     memset(s, 0, sizeof *s);
     const int64_t H = c->n_embd, hcH = c->n_hc * H, D = c->head_dim;
+    /* the selecting rows' scores in batches of up to 4M floats (at least one row) */
+    s->score_stride = n_ctx / 4 + 2;
+    s->sel_rows = ((int64_t)1 << 22) / s->score_stride;
+    if (s->sel_rows > n) s->sel_rows = n;
+    if (s->sel_rows < 1) s->sel_rows = 1;
     const int64_t crow = D > c->idx_head_dim ? D : c->idx_head_dim;
     float **slots[] = { &s->X, &s->X2, &s->x, &s->a, &s->post, &s->comb, &s->qr, &s->q, &s->kv, &s->ckv, &s->csc,
                         &s->ikv, &s->isc, &s->iq, &s->iw, &s->iscores, &s->crow, &s->attn, &s->low, &s->y,
@@ -476,10 +485,10 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
                               n * c->n_head * D, n * D, n * 2 * D + COMP_PRE * D, n * 2 * D + COMP_PRE * D,
                               (n + 8) * 2 * c->idx_head_dim, (n + 8) * 2 * c->idx_head_dim,
                               n * c->idx_n_head * c->idx_head_dim,
-                              n * c->idx_n_head, n_ctx / 4 + 2, crow,
+                              n * c->idx_n_head, s->sel_rows * s->score_stride, crow,
                               n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, n * H,
                               n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab, n,
-                              n * c->n_expert_used, n * c->n_expert_used, c->idx_top_k };
+                              n * c->n_expert_used, n * c->n_expert_used, s->sel_rows * c->idx_top_k };
     bool ok = true;
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
         *slots[i] = be->ops->alloc(be, sizes[i] > 0 ? sizes[i] : 1);
@@ -684,6 +693,24 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
     }
 }
 
+/* The indexer queries of batch rows t .. n-1: up-projection of the low-rank
+ * q, RoPE, and (DS4 numerics) the QAT rounding. */
+static void idx_queries(ds4_model *m, int l, scratch *s, int64_t t, int64_t n, const int32_t *pos, const ds4_rope *rope,
+                        ds4_numerics num) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const int64_t ih = c->idx_n_head, id = c->idx_head_dim, qr = c->q_lora, m_rows = n - t;
+    float *iq = s->iq + t * ih * id;
+    be->ops->matmul(be, &m->layers[l].idx_q_b, 0, ih * id, s->qr + t * qr, qr, iq, ih * id, m_rows, num);
+    TAP_ROWS("idx_q", l, t, m_rows, iq, ih * id);
+    be->ops->rope_tail(be, iq, m_rows, ih, id, &pos[t], rope, false);
+    TAP_ROWS("idx_q_rope", l, t, m_rows, iq, ih * id);
+    if (num == DS4_NUMERICS_DS4) {
+        be->ops->indexer_qat(be, iq, m_rows * ih, id);
+        TAP_ROWS("idx_q_qat", l, t, m_rows, iq, ih * id);
+    }
+}
+
 /* Row t of the batch belongs to state rs[t] (at position pos[t]): a prefill
  * chunk has one state for every row, a batched decode one state per row. */
 static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratch *s, const int32_t *pos, int64_t n,
@@ -817,6 +844,28 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                                     s->attn + t0 * nh * D);
             TAP_ROWS("attention", l, t0, tb - t0, s->attn + t0 * nh * D, nh * D);
         }
+        /* rows tb .. t1 - 1 all select (a later row of the run sees at least
+         * as many compressed rows): without an inspection hook, their scores
+         * and selections are made for batches of rows at once */
+        if (ratio == 4 && t1 - tb > 1 && !m->tap && !m->idx_per_row) {
+            if (!iq_made) {
+                idx_queries(m, l, s, tb, n, pos, rope, num);
+                iq_made = true;
+            }
+            const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
+            const int64_t k = c->idx_top_k;
+            for (int64_t u0 = tb; u0 < t1; u0 += s->sel_rows) {
+                const int64_t cnt = t1 - u0 < s->sel_rows ? t1 - u0 : s->sel_rows;
+                be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
+                                             s->n_index + u0, cnt, s->iscores, s->score_stride);
+                be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
+                for (int64_t t = u0; t < u0 + cnt; t++)
+                    be->ops->attention(be, s->q + t * nh * D, nh, D, Lr->window + s->win_off[t] * D, s->win_n[t],
+                                       Lr->attn.rows, s->n_comp[t], (const int32_t *)s->topk + (t - u0) * k, k,
+                                       &W->sinks, s->attn + t * nh * D);
+            }
+            tb = t1;
+        }
         for (int64_t t = tb; t < t1; t++) { /* the run's state: Lr */
             const int32_t *sel = NULL; /* backend memory */
             const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
@@ -824,16 +873,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
             if (ratio == 4 && n_b > c->idx_top_k) {
                 if (!iq_made) { /* rows t .. n-1 (a later row of the same state has at least as many compressed
                                  * rows; a row of another state may not need its query) */
-                    const int64_t m_rows = n - t;
-                    float *iq = s->iq + t * ih * id;
-                    be->ops->matmul(be, &W->idx_q_b, 0, ih * id, s->qr + t * qr, qr, iq, ih * id, m_rows, num);
-                    TAP_ROWS("idx_q", l, t, m_rows, iq, ih * id);
-                    be->ops->rope_tail(be, iq, m_rows, ih, id, &pos[t], rope, false);
-                    TAP_ROWS("idx_q_rope", l, t, m_rows, iq, ih * id);
-                    if (num == DS4_NUMERICS_DS4) {
-                        be->ops->indexer_qat(be, iq, m_rows * ih, id);
-                        TAP_ROWS("idx_q_qat", l, t, m_rows, iq, ih * id);
-                    }
+                    idx_queries(m, l, s, t, n, pos, rope, num);
                     iq_made = true;
                 }
                 /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
