@@ -216,6 +216,14 @@ typedef struct ds4_backend_ops {
     void (*attention_rows)(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                            const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                            const int64_t *b_n, const ds4_weight *sinks, float *out);
+    /* The same with a selection per row (the indexer's): row r attends to
+     * its view of rows_a and to the k rows idx[r * k .. r * k + k) of rows_b
+     * (idx: int32 in backend memory, each below b_rows[r]), exactly as
+     * `attention` with idx_b = idx + r * k, n_b = k, n_rows_b = b_rows[r]. */
+    void (*attention_rows_sel)(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                               const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                               const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                               float *out);
 
     /* ---- compressor (spec 3.5) ---------------------------------------- */
     /* Per-dimension softmax-gated pooling over the compressor state.

@@ -326,7 +326,7 @@ static void test_op_table(void) {
           o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->add_weight_rows_mod && o->round_f16 &&
           o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
-          o->indexer_scores_rows && o->top_k_rows &&
+          o->indexer_scores_rows && o->top_k_rows && o->attention_rows_sel &&
           o->router && o->swiglu && o->moe && o->take_error);
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     ds4_backend_destroy(be);
@@ -1374,6 +1374,18 @@ static void test_attention_rows(void) {
     CHECK_MSG(strstr(msg, "attention_rows") && strstr(msg, "NULL"), "%s", msg);
     be->ops->attention_rows(be, q, 0, heads, dim, a, NULL, NULL, b, NULL, &ws.w, out); /* no rows: nothing to do */
     expect_no_error(be);
+    /* attention_rows_sel: each row what attention gives with its selection of 3 of its b_rows */
+    const int64_t b_rows[N] = { 3, 4, 5, 6, 11, 11, 7 };
+    const int32_t sel[N * 3] = { 0, 1, 2, 3, 0, 2, 4, 1, 0, 5, 2, 3, 10, 0, 9, 1, 2, 3, 6, 5, 4 };
+    be->ops->attention_rows_sel(be, q, N, heads, dim, a, a_off, a_n, b, b_rows, sel, 3, &ws.w, out);
+    expect_no_error(be);
+    for (int r = 0; r < N; r++) {
+        be->ops->attention(be, q + r * heads * dim, heads, dim, a + a_off[r] * dim, a_n[r], b, b_rows[r], sel + 3 * r,
+                           3, &ws.w, one);
+        CHECK_MSG(memcmp(out + r * heads * dim, one, (size_t)(heads * dim) * sizeof *one) == 0, "selected row %d", r);
+    }
+    be->ops->attention_rows_sel(be, q, N, heads, dim, a, a_off, a_n, b, b_rows, NULL, 3, &ws.w, out);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
     weight_free(&ws);
     free(q);
     free(a);

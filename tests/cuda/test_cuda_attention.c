@@ -410,9 +410,77 @@ static void attention_rows_case(op_pair *p, int64_t nh, int64_t dim) {
     free(hs);
 }
 
+/* attention_rows_sel: each row with its window view and its own selection
+ * of K compressed rows (distinct, below its own count of compressed rows;
+ * the counts grow along the run as a prefill's do), against the CPU with
+ * test_attention's tolerance; 8 heads of 512 take the shared-row kernel, 4
+ * heads the single-row kernels row by row. An index past a row's count is
+ * reported. */
+static void attention_rows_sel_case(op_pair *p, int64_t nh, int64_t dim) {
+    enum { N = 9, K = 24 };
+    const int64_t n_win = 140, n_comp = 90;
+    int64_t a_off[N], a_n[N], b_rows[N];
+    int32_t idx[N * K];
+    for (int r = 0; r < N; r++) {
+        a_off[r] = r;
+        a_n[r] = rand_range(1, n_win - r);
+        b_rows[r] = 40 + 5 * r; /* >= K */
+        for (int j = 0; j < K; j++) {
+            bool dup;
+            do {
+                idx[r * K + j] = (int32_t)rand_range(0, b_rows[r] - 1);
+                dup = false;
+                for (int i = 0; i < j; i++) dup |= idx[r * K + i] == idx[r * K + j];
+            } while (dup);
+        }
+    }
+    float *hq = op_rand(N * nh * dim, 1.0), *ha = op_rand(n_win * dim, 1.0), *hb = op_rand(n_comp * dim, 1.0);
+    float *hs = op_rand(nh, 1.0);
+    op_weight *sinks = op_weight_floats(p, "attn_sinks", DS4_TYPE_F32, nh, 1, 1, hs);
+    op_buf q = op_buf_from(p, hq, N * nh * dim), ra = op_buf_from(p, ha, n_win * dim);
+    op_buf rb = op_buf_from(p, hb, n_comp * dim), sel = op_ints_from(p, idx, N * K);
+    op_buf out = op_buf_poisoned(p, N * nh * dim + GUARD);
+    p->cpu->ops->attention_rows_sel(p->cpu, q.c, N, nh, dim, ra.c, a_off, a_n, rb.c, b_rows, (const int32_t *)sel.c, K,
+                                    &sinks->c, out.c);
+    p->gpu->ops->attention_rows_sel(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, (const int32_t *)sel.g, K,
+                                    &sinks->g, out.g);
+    op_expect_ok(p);
+    double *tol = malloc((size_t)(N * nh * dim) * sizeof *tol);
+    for (int r = 0; r < N; r++) {
+        const att_case ac = { "row", nh, dim, a_n[r], K, b_rows[r], SEL_DISTINCT, 1.0, 0.0, 1.0, DS4_TYPE_F32, 0 };
+        attention_tolerance(&ac, hq + r * nh * dim, ha + a_off[r] * dim, hb, idx + r * K, hs, tol + r * nh * dim);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "attention_rows_sel (%d rows of %d selected, %lld heads of %lld)", N, K, (long long)nh,
+             (long long)dim);
+    compare_each(what, p, out, N * nh * dim, tol);
+    expect_untouched(what, p, out, N * nh * dim, GUARD);
+    /* an index at row 4's count: reported (as attention reports it) */
+    idx[4 * K + 3] = (int32_t)b_rows[4];
+    op_buf bad = op_ints_from(p, idx, N * K);
+    p->gpu->ops->attention_rows_sel(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, (const int32_t *)bad.g, K,
+                                    &sinks->g, out.g);
+    op_expect_error(p, DS4_ERR_INVALID);
+    op_buf_free(p, &bad);
+    free(tol);
+    op_buf_free(p, &q);
+    op_buf_free(p, &ra);
+    op_buf_free(p, &rb);
+    op_buf_free(p, &sel);
+    op_buf_free(p, &out);
+    op_weight_free(p, sinks);
+    free(hq);
+    free(ha);
+    free(hb);
+    free(hs);
+}
+
 static void test_attention_rows(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
+    attention_rows_sel_case(&p, 8, 512);
+    attention_rows_sel_case(&p, 64, 512);
+    attention_rows_sel_case(&p, 4, 512);
     attention_rows_case(&p, 8, 512);
     attention_rows_case(&p, 64, 512);
     attention_rows_case(&p, 4, 512);

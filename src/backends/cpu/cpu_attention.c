@@ -328,6 +328,23 @@ void cpu_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_he
                       rows_b, b_n[r], NULL, b_n[r], sinks, out + r * n_heads * dim);
 }
 
+void cpu_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                            const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                            const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks, float *out) {
+    ds4_error err = { 0 };
+    if (!ds4_attention_rows_valid(n, q, out, a_off, a_n, b_rows, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    if (k < 0 || (n > 0 && k > 0 && !idx)) {
+        cpu_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
+        return;
+    }
+    for (int64_t r = 0; r < n; r++)
+        cpu_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL, a_n[r],
+                      rows_b, b_rows[r], idx + r * k, k, sinks, out + r * n_heads * dim);
+}
+
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx) {
     if (n < 0 || k < 0 || n > INT32_MAX) {
         cpu_fail(be, DS4_ERR_INVALID, "top_k: %lld of %lld", (long long)k, (long long)n);

@@ -308,6 +308,7 @@ static const ds4_backend_ops CPU_OPS = {
     .hc_head = cpu_hc_head,
     .attention = cpu_attention,
     .attention_rows = cpu_attention_rows,
+    .attention_rows_sel = cpu_attention_rows_sel,
     .compressor_pool = cpu_compressor_pool,
     .indexer_scores = cpu_indexer_scores,
     .top_k = cpu_top_k,

@@ -217,6 +217,7 @@ struct att_rows {
     const float *b; /* rows_b [n_rows_b, dim] */
     int64_t n_rows_b;
     const int32_t *idx; /* idx_b (device), or NULL */
+    int64_t idx_stride; /* attention_rows_sel: query row z's selection at idx + z * idx_stride */
     int64_t dim;
     cuda_dev_error *err; /* where a bad index is reported */
     int tag;             /* the sinks' name, for the message */
@@ -316,9 +317,10 @@ static_assert(MQA_DIM % ATT_THREADS == 0 && MQA_DIM % 32 == 0, "whole dims per t
 static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thread");
 
 /* One query row's view for attention_rows: window rows from a_off (a_n of
- * them), the first b_n rows of rows_b. */
+ * them), the first b_n rows of rows_b (with a selection: b_n selected
+ * rows, each below b_bound). */
 struct att_view {
-    int64_t a_off, a_n, b_n;
+    int64_t a_off, a_n, b_n, b_bound;
 };
 
 static __global__ void __launch_bounds__(ATT_THREADS)
@@ -330,7 +332,8 @@ static __global__ void __launch_bounds__(ATT_THREADS)
         const int64_t n_heads = (int64_t)gridDim.x * MQA_HG;
         rows.a += v.a_off * MQA_DIM;
         rows.n_a = v.a_n;
-        rows.n_rows_b = v.b_n;
+        rows.n_rows_b = rows.idx ? v.b_bound : v.b_n;
+        if (rows.idx) rows.idx += blockIdx.z * rows.idx_stride;
         n = v.a_n + v.b_n;
         q += blockIdx.z * n_heads * MQA_DIM;
         part += blockIdx.z * n_heads * gridDim.y * (MQA_DIM + 2);
@@ -595,22 +598,40 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
  * row split as the longest one is, so a short row's later splits are empty)
  * and one combine over all rows. Other shapes, and single rows (the decode
  * step), go through cuda_attention row by row. */
-void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
-                         const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
-                         const int64_t *b_n, const ds4_weight *sinks, float *out) {
+/* With idx (a selection of k rows per query row, each below b_rows[r]) or
+ * without (b_n[r] leading rows); b_n is b_rows without a selection. */
+static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                                const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                                const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                                float *out) {
     if (cuda_failed(be)) return;
     ds4_error err;
     memset(&err, 0, sizeof err);
-    if (!ds4_attention_rows_valid(n, q, out, a_off, a_n, b_n, &err)) {
+    if (!ds4_attention_rows_valid(n, q, out, a_off, a_n, b_rows, &err)) {
         cuda_fail(be, err.status, "%s", err.message);
         return;
     }
+    if (idx ? k < 0 : k != 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows", (long long)k);
+        return;
+    }
+    /* the rows each query row reads from rows_b */
+    int64_t *b_n = NULL;
+    if (idx) {
+        b_n = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof *b_n);
+        if (!b_n) {
+            cuda_fail(be, DS4_ERR_NOMEM, "attention_rows_sel: out of memory for %lld rows", (long long)n);
+            return;
+        }
+        for (int64_t r = 0; r < n; r++) b_n[r] = k;
+    }
+    const int64_t *bn = idx ? b_n : b_rows;
     int64_t longest = 0;
     bool need_a = false, need_b = false;
     for (int64_t r = 0; r < n; r++) {
-        if (a_n[r] + b_n[r] > longest) longest = a_n[r] + b_n[r];
+        if (a_n[r] + bn[r] > longest) longest = a_n[r] + bn[r];
         need_a |= a_n[r] > 0;
-        need_b |= b_n[r] > 0;
+        need_b |= bn[r] > 0;
     }
     const bool batched = n > 1 && n <= 65535 && mqa_shape(n_heads, dim) && sinks && sinks->device &&
                          weight_has_dequant(sinks) && sinks->ne[0] >= n_heads &&
@@ -619,15 +640,19 @@ void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_h
     if (!batched) { /* (cuda_attention reports what does not suit) */
         for (int64_t r = 0; r < n && !cuda_failed(be); r++)
             cuda_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL,
-                           a_n[r], rows_b, b_n[r], NULL, b_n[r], sinks, out + r * n_heads * dim);
+                           a_n[r], rows_b, b_rows[r], idx ? idx + r * k : NULL, bn[r], sinks,
+                           out + r * n_heads * dim);
+        free(b_n);
         return;
     }
     att_view *hv = (att_view *)malloc((size_t)n * sizeof *hv);
     if (!hv) {
+        free(b_n);
         cuda_fail(be, DS4_ERR_NOMEM, "attention_rows: out of memory for %lld views", (long long)n);
         return;
     }
-    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ a_off[r], a_n[r], b_n[r] };
+    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ a_off[r], a_n[r], bn[r], b_rows[r] };
+    free(b_n);
     const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
     free(hv);
     if (!views) return;
@@ -645,9 +670,11 @@ void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_h
     memset(&rows, 0, sizeof rows); /* padding too: recorded steps compare argument bytes */
     rows.a = rows_a;
     rows.b = rows_b;
+    rows.idx = idx && k > 0 ? idx : NULL;
+    rows.idx_stride = k;
     rows.dim = dim;
     rows.err = cuda_dev_error_of(be);
-    rows.tag = -1;
+    rows.tag = rows.idx ? cuda_check_tag(be, sinks->name) : -1;
     const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
     const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits, (unsigned)n);
     if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, longest,
@@ -656,6 +683,24 @@ void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_h
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
                       ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim,
                       sink_ptr, sink_type, out);
+}
+
+void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                         const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                         const int64_t *b_n, const ds4_weight *sinks, float *out) {
+    attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_n, NULL, 0, sinks, out);
+}
+
+void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                             float *out) {
+    if (!idx && k > 0 && n > 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: NULL selection of %lld rows", (long long)k);
+        return;
+    }
+    attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx ? idx : NULL, idx ? k : 0,
+                        sinks, out);
 }
 
 /* ------------------------------------------------------------------------ */

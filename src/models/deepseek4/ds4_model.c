@@ -234,6 +234,7 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
         { "compressor_pool", o->compressor_pool }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
         { "indexer_scores_rows", o->indexer_scores_rows }, { "top_k_rows", o->top_k_rows },
+        { "attention_rows_sel", o->attention_rows_sel },
         { "router", o->router }, { "swiglu", o->swiglu }, { "moe", o->moe }, { "take_error", o->take_error },
     };
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
@@ -859,10 +860,9 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                 be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
                                              s->n_index + u0, cnt, s->iscores, s->score_stride);
                 be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
-                for (int64_t t = u0; t < u0 + cnt; t++)
-                    be->ops->attention(be, s->q + t * nh * D, nh, D, Lr->window + s->win_off[t] * D, s->win_n[t],
-                                       Lr->attn.rows, s->n_comp[t], (const int32_t *)s->topk + (t - u0) * k, k,
-                                       &W->sinks, s->attn + t * nh * D);
+                be->ops->attention_rows_sel(be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0,
+                                            s->win_n + u0, Lr->attn.rows, s->n_comp + u0, (const int32_t *)s->topk, k,
+                                            &W->sinks, s->attn + u0 * nh * D);
             }
             tb = t1;
         }
