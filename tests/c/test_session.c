@@ -11,6 +11,7 @@
 #include "session/engine.h"
 #include "session/sampling.h"
 #include "test.h"
+#include "test_state.h"
 
 static char model_a[256], model_b[256];
 static ds4_engine *engine;
@@ -327,20 +328,6 @@ static void test_load_refuses_incomplete_backend(void) {
  * selection) decode one token each in one call, and every row's logits are
  * those of a single-token decode of its state, bit for bit on the CPU.
  */
-/* A state's whole payload (caches, compressor states, window) as bytes. */
-static uint8_t *state_bytes(const ds4_state *st, const int32_t *t, int64_t n, int64_t *size) {
-    ds4_error err = { 0 };
-    float *logits = calloc((size_t)vocab, sizeof *logits);
-    *size = ds4_state_payload_size(st, n);
-    uint8_t *b = *size > 0 ? malloc((size_t)*size) : NULL;
-    if (!b || !logits || ds4_state_save_payload(st, t, n, logits, b, *size, &err) != DS4_OK) {
-        free(b);
-        b = NULL;
-    }
-    free(logits);
-    return b;
-}
-
 /* A prefill chunk's compressors in batched calls (compressor_chunk) leave
  * the same logits and the same state, byte for byte, as token by token:
  * chunks starting at, inside and just before window ends of both ratios,
@@ -381,7 +368,8 @@ static void test_compressor_chunks_match(void) {
             CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%s, %s numerics, %lld tokens after %lld: logits",
                       idx ? "indexer" : "compressors", num ? "reference" : "ds4", (long long)n, (long long)pre);
             int64_t sa = 0, sb = 0;
-            uint8_t *ba = state_bytes(a, t, pre + n, &sa), *bb = state_bytes(b, t, pre + n, &sb);
+            uint8_t *ba = test_state_bytes(a, t, pre + n, vocab, &sa);
+            uint8_t *bb = test_state_bytes(b, t, pre + n, vocab, &sb);
             CHECK_MSG(ba && bb && sa == sb && memcmp(ba, bb, (size_t)sa) == 0,
                       "%s numerics, %lld tokens after %lld: the states differ", num ? "reference" : "ds4",
                       (long long)n, (long long)pre);

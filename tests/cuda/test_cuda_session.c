@@ -22,6 +22,7 @@
 #include "models/deepseek4/ds4_synth.h"
 #include "session/sampling.h"
 #include "test.h"
+#include "test_state.h"
 
 static char model_path[256];
 static ds4_engine *cpu_engine, *gpu_engine;
@@ -259,20 +260,6 @@ static void test_decode_step_waits(void) {
     close_model(f, be, m);
 }
 
-/* A state's whole payload as bytes (its caches come to the host). */
-static uint8_t *state_bytes(const ds4_state *st, const int32_t *t, int64_t n, int64_t *size) {
-    ds4_error err = { 0 };
-    float *logits = calloc((size_t)vocab, sizeof *logits);
-    *size = ds4_state_payload_size(st, n);
-    uint8_t *b = *size > 0 ? malloc((size_t)*size) : NULL;
-    if (!b || !logits || ds4_state_save_payload(st, t, n, logits, b, *size, &err) != DS4_OK) {
-        free(b);
-        b = NULL;
-    }
-    free(logits);
-    return b;
-}
-
 /*
  * A prefill chunk's compressors in batched calls, and its selecting rows'
  * indexer scores and top-k in batches of rows, on the GPU leave the same
@@ -311,7 +298,8 @@ static void test_compressor_chunks_match(void) {
             CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%lld tokens after %lld: logits differ",
                       (long long)n, (long long)pre);
             int64_t sa = 0, sb = 0;
-            uint8_t *ba = state_bytes(a, t, pre + n, &sa), *bb = state_bytes(b, t, pre + n, &sb);
+            uint8_t *ba = test_state_bytes(a, t, pre + n, vocab, &sa);
+            uint8_t *bb = test_state_bytes(b, t, pre + n, vocab, &sb);
             CHECK_MSG(ba && bb && sa == sb && memcmp(ba, bb, (size_t)sa) == 0, "%lld tokens after %lld: states differ",
                       (long long)n, (long long)pre);
             free(ba);
