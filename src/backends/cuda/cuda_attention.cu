@@ -1195,7 +1195,8 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     }
     if (k == 0 || n_rows == 0) return;
     if (k == 1 || k > TOPK_SELECT_MAX || n_rows > INT32_MAX || topk_sort_forced()) {
-        for (int64_t r = 0; r < n_rows && !cuda_failed(be); r++) cuda_top_k(be, scores + r * stride, n[r], k, idx + r * k);
+        for (int64_t r = 0; r < n_rows && !cuda_failed(be); r++)
+            cuda_top_k(be, scores + r * stride, n[r], k, idx + r * k);
         return;
     }
     if (!idx || (most > 0 && !scores)) {
@@ -1205,7 +1206,8 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     const int64_t size = k < most ? k : most;
     int pow2 = 1;
     while (pow2 < size) pow2 <<= 1;
-    const int64_t *d_n = (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
+    const int64_t *d_n =
+        (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
     if (!d_n) return;
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
                       (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride);

@@ -244,7 +244,8 @@ template <uint32_t T> __global__ void __launch_bounds__(F_THREADS) fgemm_kernel(
         float wv[8], xv[8];
         if (w_ok) {
             if constexpr (T == DS4_TYPE_F32) {
-                const float4 p = *(const float4 *)(wrow + 4 * (k0 + lk)), q = *(const float4 *)(wrow + 4 * (k0 + lk) + 16);
+                const float4 p = *(const float4 *)(wrow + 4 * (k0 + lk));
+                const float4 q = *(const float4 *)(wrow + 4 * (k0 + lk) + 16);
                 wv[0] = p.x, wv[1] = p.y, wv[2] = p.z, wv[3] = p.w, wv[4] = q.x, wv[5] = q.y, wv[6] = q.z, wv[7] = q.w;
             } else {
                 cuda_half8_to_f32<T>(*(const uint4 *)(wrow + 2 * (k0 + lk)), wv);
