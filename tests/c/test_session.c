@@ -345,9 +345,11 @@ static void test_compressor_chunks_match(void) {
                                         { 30, 20 }, { 36, 3 },  { 200, 140 } };
     int32_t *t = random_tokens(400);
     float *la = malloc((size_t)vocab * sizeof *la), *lb = malloc((size_t)vocab * sizeof *lb);
-    for (int mode = 0; mode < 4; mode++) {
+    for (int mode = 0; mode < 6; mode++) {
         const int num = mode & 1;
-        const bool idx = mode >= 2; /* 0, 1: compressor chunks on / off; 2, 3: indexer batches on / off */
+        /* 0, 1: compressor chunks on / off; 2, 3: indexer batches on / off; 4, 5: batches of at most 7 rows */
+        const bool idx = mode >= 2;
+        ds4_model_set_indexer_batches(m, mode >= 4 ? 7 : -1);
         const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
             const int64_t pre = cases[c][0], n = cases[c][1];
@@ -360,11 +362,11 @@ static void test_compressor_chunks_match(void) {
                 CHECK(ds4_model_eval(m, b, t + i, 1, nm, NULL, false, &err) == DS4_OK);
             }
             CHECK(ds4_model_eval(m, a, t + pre, n, nm, la, false, &err) == DS4_OK);
-            if (idx) ds4_model_set_indexer_batches(m, false);
+            if (idx) ds4_model_set_indexer_batches(m, 0);
             else ds4_model_set_compressor_chunks(m, false);
             CHECK(ds4_model_eval(m, b, t + pre, n, nm, lb, false, &err) == DS4_OK);
             ds4_model_set_compressor_chunks(m, true);
-            ds4_model_set_indexer_batches(m, true);
+            ds4_model_set_indexer_batches(m, mode >= 4 ? 7 : -1);
             CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%s, %s numerics, %lld tokens after %lld: logits",
                       idx ? "indexer" : "compressors", num ? "reference" : "ds4", (long long)n, (long long)pre);
             int64_t sa = 0, sb = 0;
@@ -383,6 +385,7 @@ static void test_compressor_chunks_match(void) {
             ds4_state_free(b);
         }
     }
+    ds4_model_set_indexer_batches(m, -1);
     free(la);
     free(lb);
     free(t);

@@ -455,6 +455,26 @@ static void attention_rows_sel_case(op_pair *p, int64_t nh, int64_t dim) {
              (long long)dim);
     compare_each(what, p, out, N * nh * dim, tol);
     expect_untouched(what, p, out, N * nh * dim, GUARD);
+    /* and bit for bit the GPU's one-row attention of each row (the model's
+     * batched selecting rows promise the row-by-row results) */
+    {
+        float *hb_rows = malloc((size_t)(N * nh * dim) * sizeof *hb_rows);
+        float *h1 = malloc((size_t)(nh * dim) * sizeof *h1);
+        op_buf one = op_buf_poisoned(p, nh * dim);
+        p->gpu->ops->download(p->gpu, hb_rows, out.g, N * nh * dim);
+        int bad_rows = 0;
+        for (int r = 0; r < N; r++) {
+            p->gpu->ops->attention(p->gpu, q.g + r * nh * dim, nh, dim, ra.g + a_off[r] * dim, a_n[r], rb.g, b_rows[r],
+                                   (const int32_t *)sel.g + r * K, K, &sinks->g, one.g);
+            p->gpu->ops->download(p->gpu, h1, one.g, nh * dim);
+            bad_rows += memcmp(h1, hb_rows + r * nh * dim, (size_t)(nh * dim) * sizeof *h1) != 0;
+        }
+        op_expect_ok(p);
+        CHECK_MSG(bad_rows == 0, "%s: %d rows differ from one-row attention", what, bad_rows);
+        op_buf_free(p, &one);
+        free(hb_rows);
+        free(h1);
+    }
     /* an index at row 4's count: reported (as attention reports it) */
     idx[4 * K + 3] = (int32_t)b_rows[4];
     op_buf bad = op_ints_from(p, idx, N * K);
@@ -572,7 +592,8 @@ static void compressor_windows_case(op_pair *p, int ratio, int64_t dim, int64_t 
     p->gpu->ops->compressor_pool(p->gpu, bkv.g, bsc.g, ratio, dim, nw, out.g);
     op_expect_ok(p);
     char what[96];
-    snprintf(what, sizeof what, "compressor_pool ratio %d dim %lld, %lld windows", ratio, (long long)dim, (long long)nw);
+    snprintf(what, sizeof what, "compressor_pool ratio %d dim %lld, %lld windows", ratio, (long long)dim,
+             (long long)nw);
     const int c = ratio == 4 ? 8 : ratio;
     double *tol = malloc((size_t)(nw * dim) * sizeof *tol);
     for (int64_t w = 0; w < nw; w++)
@@ -710,7 +731,8 @@ static void indexer_rows_case(op_pair *p, int64_t n_heads, int64_t dim, const in
                 for (int64_t i = 0; i < dim; i++) dm += fabs((double)hq[(r * n_heads + h) * dim + i] * hk[c * dim + i]);
                 mag += dm * fabs((double)hw[r * n_heads + h] * scale);
             }
-            bad += !(fabs((double)gs[r * stride + c] - cs[r * stride + c]) <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
+            const double d = fabs((double)gs[r * stride + c] - cs[r * stride + c]);
+            bad += !(d <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
         }
     CHECK_MSG(bad == 0, "indexer_scores_rows %lld rows: %lld scores out of bound", (long long)n_rows, (long long)bad);
     /* selections: both sides rank the GPU's scores */

@@ -291,10 +291,10 @@ static void test_compressor_chunks_match(void) {
             }
             CHECK(ds4_model_eval(m, a, t + pre, n, DS4_NUMERICS_DS4, la, false, &err) == DS4_OK);
             ds4_model_set_compressor_chunks(m, false);
-            ds4_model_set_indexer_batches(m, false);
+            ds4_model_set_indexer_batches(m, 0);
             CHECK(ds4_model_eval(m, b, t + pre, n, DS4_NUMERICS_DS4, lb, false, &err) == DS4_OK);
             ds4_model_set_compressor_chunks(m, true);
-            ds4_model_set_indexer_batches(m, true);
+            ds4_model_set_indexer_batches(m, -1);
             CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%lld tokens after %lld: logits differ",
                       (long long)n, (long long)pre);
             int64_t sa = 0, sb = 0;

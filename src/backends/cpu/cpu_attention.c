@@ -342,7 +342,7 @@ void cpu_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t 
     }
     for (int64_t r = 0; r < n; r++)
         cpu_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL, a_n[r],
-                      rows_b, b_rows[r], idx + r * k, k, sinks, out + r * n_heads * dim);
+                      rows_b, b_rows[r], idx ? idx + r * k : NULL, k, sinks, out + r * n_heads * dim);
 }
 
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx) {

@@ -695,8 +695,8 @@ void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t
                              const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                              const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
                              float *out) {
-    if (!idx && k > 0 && n > 0) {
-        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: NULL selection of %lld rows", (long long)k);
+    if (k < 0 || (!idx && k > 0 && n > 0)) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
         return;
     }
     attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx ? idx : NULL, idx ? k : 0,

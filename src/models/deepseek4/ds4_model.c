@@ -80,7 +80,7 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
 }
 
 void ds4_model_set_compressor_chunks(ds4_model *m, bool on) { m->comp_per_token = !on; }
-void ds4_model_set_indexer_batches(ds4_model *m, bool on) { m->idx_per_row = !on; }
+void ds4_model_set_indexer_batches(ds4_model *m, int rows) { m->idx_batch = rows < 0 ? 0 : rows == 0 ? -1 : rows; }
 
 void ds4_model_set_profile_layers(ds4_model *m, int first, int n) {
     m->prof_first = first > 0 ? first : 0;
@@ -848,15 +848,17 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         /* rows tb .. t1 - 1 all select (a later row of the run sees at least
          * as many compressed rows): without an inspection hook, their scores
          * and selections are made for batches of rows at once */
-        if (ratio == 4 && t1 - tb > 1 && !m->tap && !m->idx_per_row) {
+        if (ratio == 4 && t1 - tb > 1 && !m->tap && m->idx_batch >= 0) {
+            /* (m->idx_batch: 0 the scratch's batch, else at most that many rows) */
+            const int64_t per = m->idx_batch > 0 && m->idx_batch < s->sel_rows ? m->idx_batch : s->sel_rows;
             if (!iq_made) {
                 idx_queries(m, l, s, tb, n, pos, rope, num);
                 iq_made = true;
             }
             const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
             const int64_t k = c->idx_top_k;
-            for (int64_t u0 = tb; u0 < t1; u0 += s->sel_rows) {
-                const int64_t cnt = t1 - u0 < s->sel_rows ? t1 - u0 : s->sel_rows;
+            for (int64_t u0 = tb; u0 < t1; u0 += per) {
+                const int64_t cnt = t1 - u0 < per ? t1 - u0 : per;
                 be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
                                              s->n_index + u0, cnt, s->iscores, s->score_stride);
                 be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);

@@ -100,10 +100,11 @@ void ds4_model_set_profile_layers(ds4_model *m, int first, int n);
  * or token by token as a batch of several states goes (off): the same
  * results bit for bit; the switch is there to show that. */
 void ds4_model_set_compressor_chunks(ds4_model *m, bool on);
-/* The indexer scores and top-k selections of a chunk's rows that select (a
- * prompt past 4 x top_k tokens) in batches of rows (on, the default) or row
- * by row (off): the same results bit for bit. */
-void ds4_model_set_indexer_batches(ds4_model *m, bool on);
+/* The indexer scores, top-k selections and attention of a chunk's rows that
+ * select (a prompt past 4 x top_k tokens) in batches of rows: rows < 0 as
+ * many as the scratch holds (the default), 0 row by row, else at most that
+ * many per batch. The same results bit for bit. */
+void ds4_model_set_indexer_batches(ds4_model *m, int rows);
 
 /* Progress of ds4_model_load_progress: bytes of weights bound so far. */
 typedef void (*ds4_model_load_fn)(void *ctx, int64_t done, int64_t total);
