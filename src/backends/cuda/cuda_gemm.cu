@@ -52,13 +52,6 @@ struct gemm_args {
     int64_t out_stride;
 };
 
-static __device__ __forceinline__ void mma_s8(int (&c)[4], const int (&a)[4], const int (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 /* Four int8 codes at a 2-byte aligned shared address. */
 static __device__ __forceinline__ int lds_s8x4(const uint8_t *p) {
     const uint16_t *h = (const uint16_t *)p;
@@ -134,7 +127,7 @@ __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     int c[4] = { 0, 0, 0, 0 };
-                    mma_s8(c, af[i], bf);
+                    cuda_mma_s8(c, af[i], bf[0], bf[1]);
                     acc[i][j][0] = __fadd_rn(acc[i][j][0], __fmul_rn(__fmul_rn(wd[i][0], xd0), __int2float_rn(c[0])));
                     acc[i][j][1] = __fadd_rn(acc[i][j][1], __fmul_rn(__fmul_rn(wd[i][0], xd1), __int2float_rn(c[1])));
                     acc[i][j][2] = __fadd_rn(acc[i][j][2], __fmul_rn(__fmul_rn(wd[i][1], xd0), __int2float_rn(c[2])));

@@ -441,6 +441,15 @@ static __device__ __forceinline__ float cuda_f16_to_f32(uint16_t h) {
     return __uint_as_float(((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | ((uint32_t)(h & 0x3ffu) << 13));
 }
 
+/* c += a . b on the int8 tensor cores (mma m16n8k32, s8 x s8 -> s32, A
+ * row-major, B column-major): the fragments of one warp, exact integer sums. */
+static __device__ __forceinline__ void cuda_mma_s8(int (&c)[4], const int (&a)[4], int b0, int b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 /* binary16 -> float by the hardware conversion alone: exact for finite
  * values and infinities, a NaN becomes the canonical NaN. For scales that
  * are only multiplied (a product of a NaN is the canonical NaN anyway). */

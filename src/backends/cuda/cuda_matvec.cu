@@ -1101,13 +1101,6 @@ struct moe_mma_args {
     int64_t out_stride;
 };
 
-static __device__ __forceinline__ void moe_mma_s8(int (&c)[4], const int (&a)[4], int b0, int b1) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <uint32_t T>
 __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a) {
     typedef mvq<T> K;
@@ -1201,14 +1194,14 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
                     const uint8_t *xb = s_x + (8 * j + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
                     const int b0 = *(const int *)xb, b1 = *(const int *)(xb + 16);
                     if constexpr (FOLD) {
-                        moe_mma_s8(isum[j], af, b0, b1);
+                        cuda_mma_s8(isum[j], af, b0, b1);
                     } else {
                         int c[4] = { 0, 0, 0, 0 };
-                        moe_mma_s8(c, af, b0, b1);
+                        cuda_mma_s8(c, af, b0, b1);
                         isum[j][0] += c[0] * l0, isum[j][1] += c[1] * l0;
                         isum[j][2] += c[2] * l1, isum[j][3] += c[3] * l1;
                     }
-                    if constexpr (K::HAS_MIN) moe_mma_s8(summs[j], am, b0, b1);
+                    if constexpr (K::HAS_MIN) cuda_mma_s8(summs[j], am, b0, b1);
                 }
             }
         }
