@@ -117,6 +117,21 @@ bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const
     return true;
 }
 
+bool ds4_row_counts_valid(const char *op, const char *what, const int64_t *counts, int64_t n_rows, int64_t stride,
+                          int64_t *most, ds4_error *err) {
+    int64_t m = 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (counts[r] < 0 || counts[r] > stride) {
+            ds4_error_set(err, DS4_ERR_INVALID, "%s: row %lld has %lld %s, outside 0 .. %lld (the rows' stride)", op,
+                          (long long)r, (long long)counts[r], what, (long long)stride);
+            return false;
+        }
+        if (counts[r] > m) m = counts[r];
+    }
+    if (most) *most = m;
+    return true;
+}
+
 bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows, ds4_error *err) {
     if (n < 1 || n > DS4_PRODUCTS_MAX || !p || n_rows < 0 || (n_rows > 0 && !x)) {
         ds4_error_set(err, DS4_ERR_INVALID, "matmul_multi: %d products (1 to %d) of %lld rows%s", n, DS4_PRODUCTS_MAX,

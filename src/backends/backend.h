@@ -378,6 +378,11 @@ void *ds4_fill_host_bytes(const ds4_weight *w, const ds4_fill *fill, const char 
 
 /* attention_rows' view arrays and buffers, as both backends check them:
  * false with the message in err (status DS4_ERR_INVALID). */
+/* indexer_scores_rows' and top_k_rows' per-row counts (host, n_rows of
+ * them, `what` they count), as both backends check them: each within
+ * 0 .. stride; the largest into *most (may be NULL). */
+bool ds4_row_counts_valid(const char *op, const char *what, const int64_t *counts, int64_t n_rows, int64_t stride,
+                          int64_t *most, ds4_error *err);
 bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const int64_t *a_off, const int64_t *a_n,
                               const int64_t *b_n, ds4_error *err);
 

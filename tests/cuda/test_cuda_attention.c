@@ -745,6 +745,22 @@ static void indexer_rows_case(op_pair *p, int64_t n_heads, int64_t dim, const in
     op_ints_get(p, idx, n_rows * k, ic, ig);
     CHECK_MSG(memcmp(ic, ig, (size_t)(n_rows * k) * sizeof *ic) == 0, "top_k_rows %lld rows, k %lld differ",
               (long long)n_rows, (long long)k);
+    /* a count past the stride: refused on both sides, with the same message */
+    const int64_t too_many[1] = { stride + 1 };
+    for (int op = 0; op < 2; op++) {
+        if (op == 0) {
+            p->cpu->ops->indexer_scores_rows(p->cpu, q.c, w.c, scale, n_heads, dim, keys.c, too_many, 1, sc.c, stride);
+            p->gpu->ops->indexer_scores_rows(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, too_many, 1, sc.g, stride);
+        } else {
+            p->cpu->ops->top_k_rows(p->cpu, gsc.c, stride, too_many, 1, k, (int32_t *)idx.c);
+            p->gpu->ops->top_k_rows(p->gpu, gsc.g, stride, too_many, 1, k, (int32_t *)idx.g);
+        }
+        ds4_error ec = { 0 }, eg = { 0 };
+        CHECK(p->cpu->ops->take_error(p->cpu, &ec) == DS4_ERR_INVALID);
+        CHECK(p->gpu->ops->take_error(p->gpu, &eg) == DS4_ERR_INVALID);
+        CHECK_MSG(strcmp(ec.message, eg.message) == 0 && strstr(eg.message, "stride"), "cpu \"%s\" cuda \"%s\"",
+                  ec.message, eg.message);
+    }
     op_buf_free(p, &idx);
     op_buf_free(p, &gsc);
     op_buf_free(p, &q);

@@ -259,12 +259,12 @@ void cpu_indexer_scores_rows(ds4_backend *be, const float *q, const float *weigh
                  (long long)n_heads, (long long)dim);
         return;
     }
+    ds4_error err = { 0 };
+    if (!ds4_row_counts_valid("indexer_scores_rows", "keys", n_keys, n_rows, stride, NULL, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
+        return;
+    }
     for (int64_t r = 0; r < n_rows; r++) {
-        if (n_keys[r] < 0 || n_keys[r] > stride) {
-            cpu_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: row %lld scores %lld keys into rows of %lld",
-                     (long long)r, (long long)n_keys[r], (long long)stride);
-            return;
-        }
         cpu_indexer_scores(be, q + r * n_heads * dim, weights + r * n_heads, weight_scale, n_heads, dim, keys,
                            n_keys[r], scores + r * stride);
     }
@@ -359,12 +359,10 @@ void cpu_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const 
         cpu_fail(be, DS4_ERR_INVALID, "top_k_rows: %lld rows, k %lld", (long long)n_rows, (long long)k);
         return;
     }
-    for (int64_t r = 0; r < n_rows; r++) {
-        if (n[r] < 0 || n[r] > stride) {
-            cpu_fail(be, DS4_ERR_INVALID, "top_k_rows: row %lld ranks %lld scores of rows of %lld", (long long)r,
-                     (long long)n[r], (long long)stride);
-            return;
-        }
-        cpu_top_k(be, scores + r * stride, n[r], k, idx + r * k);
+    ds4_error err = { 0 };
+    if (!ds4_row_counts_valid("top_k_rows", "scores", n, n_rows, stride, NULL, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
+        return;
     }
+    for (int64_t r = 0; r < n_rows; r++) cpu_top_k(be, scores + r * stride, n[r], k, idx + r * k);
 }

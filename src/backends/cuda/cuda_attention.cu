@@ -898,13 +898,11 @@ void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weig
         return;
     }
     int64_t most = 0;
-    for (int64_t r = 0; r < n_rows; r++) {
-        if (n_keys[r] < 0 || n_keys[r] > stride) {
-            cuda_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: row %lld scores %lld keys into rows of %lld",
-                      (long long)r, (long long)n_keys[r], (long long)stride);
-            return;
-        }
-        if (n_keys[r] > most) most = n_keys[r];
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_row_counts_valid("indexer_scores_rows", "keys", n_keys, n_rows, stride, &most, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
     }
     if (most == 0) return;
     if (!scores || (dim > 0 && !keys) || (n_heads > 0 && (!weights || (dim > 0 && !q)))) {
@@ -1185,13 +1183,15 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
         return;
     }
     int64_t most = 0;
-    for (int64_t r = 0; r < n_rows; r++) {
-        if (n[r] < 0 || n[r] > stride || n[r] > INT32_MAX) {
-            cuda_fail(be, DS4_ERR_INVALID, "top_k_rows: row %lld ranks %lld scores of rows of %lld", (long long)r,
-                      (long long)n[r], (long long)stride);
-            return;
-        }
-        if (n[r] > most) most = n[r];
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_row_counts_valid("top_k_rows", "scores", n, n_rows, stride, &most, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    if (most > INT32_MAX) { /* (as top_k refuses it) */
+        cuda_fail(be, DS4_ERR_INVALID, "top_k_rows: a row of %lld scores", (long long)most);
+        return;
     }
     if (k == 0 || n_rows == 0) return;
     if (k == 1 || k > TOPK_SELECT_MAX || n_rows > INT32_MAX || topk_sort_forced()) {
