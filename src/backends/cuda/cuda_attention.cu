@@ -597,9 +597,9 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
  * them (grid z = query row, each row's view uploaded as control data; every
  * row split as the longest one is, so a short row's later splits are empty)
  * and one combine over all rows. Other shapes, and single rows (the decode
- * step), go through cuda_attention row by row. */
-/* With idx (a selection of k rows per query row, each below b_rows[r]) or
- * without (b_n[r] leading rows); b_n is b_rows without a selection. */
+ * step), go through cuda_attention row by row. With idx (attention_rows_sel)
+ * a query row reads the k rows of its selection, each below b_rows[r];
+ * without, the first b_rows[r] rows (k is 0). */
 static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                                 const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                                 const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
@@ -611,27 +611,13 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
         cuda_fail(be, err.status, "%s", err.message);
         return;
     }
-    if (idx ? k < 0 : k != 0) {
-        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows", (long long)k);
-        return;
-    }
-    /* the rows each query row reads from rows_b */
-    int64_t *b_n = NULL;
-    if (idx) {
-        b_n = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof *b_n);
-        if (!b_n) {
-            cuda_fail(be, DS4_ERR_NOMEM, "attention_rows_sel: out of memory for %lld rows", (long long)n);
-            return;
-        }
-        for (int64_t r = 0; r < n; r++) b_n[r] = k;
-    }
-    const int64_t *bn = idx ? b_n : b_rows;
+    const auto b_count = [&](int64_t r) { return idx ? k : b_rows[r]; }; /* the rows row r reads from rows_b */
     int64_t longest = 0;
     bool need_a = false, need_b = false;
     for (int64_t r = 0; r < n; r++) {
-        if (a_n[r] + bn[r] > longest) longest = a_n[r] + bn[r];
+        if (a_n[r] + b_count(r) > longest) longest = a_n[r] + b_count(r);
         need_a |= a_n[r] > 0;
-        need_b |= bn[r] > 0;
+        need_b |= b_count(r) > 0;
     }
     const bool batched = n > 1 && n <= 65535 && mqa_shape(n_heads, dim) && sinks && sinks->device &&
                          weight_has_dequant(sinks) && sinks->ne[0] >= n_heads &&
@@ -640,19 +626,16 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     if (!batched) { /* (cuda_attention reports what does not suit) */
         for (int64_t r = 0; r < n && !cuda_failed(be); r++)
             cuda_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL,
-                           a_n[r], rows_b, b_rows[r], idx ? idx + r * k : NULL, bn[r], sinks,
+                           a_n[r], rows_b, b_rows[r], idx ? idx + r * k : NULL, b_count(r), sinks,
                            out + r * n_heads * dim);
-        free(b_n);
         return;
     }
     att_view *hv = (att_view *)malloc((size_t)n * sizeof *hv);
     if (!hv) {
-        free(b_n);
         cuda_fail(be, DS4_ERR_NOMEM, "attention_rows: out of memory for %lld views", (long long)n);
         return;
     }
-    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ a_off[r], a_n[r], bn[r], b_rows[r] };
-    free(b_n);
+    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ a_off[r], a_n[r], b_count(r), b_rows[r] };
     const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
     free(hv);
     if (!views) return;
@@ -699,8 +682,7 @@ void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t
         cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
         return;
     }
-    attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx ? idx : NULL, idx ? k : 0,
-                        sinks, out);
+    attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, idx ? k : 0, sinks, out);
 }
 
 /* ------------------------------------------------------------------------ */
