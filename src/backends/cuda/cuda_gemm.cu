@@ -277,9 +277,9 @@ template <uint32_t T> __global__ void __launch_bounds__(F_THREADS) fgemm_kernel(
     }
 }
 
-bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t n_tok) {
+bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_tok) {
     return (type == DS4_TYPE_F32 || type == DS4_TYPE_F16 || type == DS4_TYPE_BF16) && n_tok >= CUDA_GEMM_MIN_TOKENS &&
-           n_in > 0 && n_in % F_BK == 0;
+           n_in > 0 && n_in % F_BK == 0 && row_bytes % 16 == 0;
 }
 
 bool cuda_gemm_float(ds4_backend *be, uint32_t type, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,

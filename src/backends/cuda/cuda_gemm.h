@@ -22,8 +22,9 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
                     int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride);
 
 /* true when float weights of `type` (F32, F16, BF16) with n_in-element rows
- * times n_tok float activation rows can use the tiled float GEMM. */
-bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t n_tok);
+ * (row_bytes apart) times n_tok float activation rows can use the tiled
+ * float GEMM. */
+bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_tok);
 
 /* out[m][o] = W[o] . x[m] (DS4's float products: float FMAs, float sums)
  * for o < n_out, m < n_tok; w the first weight row (16-byte aligned rows of

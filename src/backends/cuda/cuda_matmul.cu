@@ -848,8 +848,7 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
                        out_stride);
         return;
     }
-    if (mode == MM_F32 && cuda_impl(be)->fgemm && cuda_gemm_float_fits(w->type, n_in, n_rows) &&
-        w->row_bytes % 16 == 0) {
+    if (mode == MM_F32 && cuda_impl(be)->fgemm && cuda_gemm_float_fits(w->type, n_in, w->row_bytes, n_rows)) {
         if (cuda_gemm_float(be, w->type, cuda_weight_row(w, row0), w->row_bytes, n_in, n_out, x, x_stride, n_rows, out,
                             out_stride))
             cuda_impl(be)->fgemm_calls++;
