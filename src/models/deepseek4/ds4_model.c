@@ -541,6 +541,26 @@ static int64_t comp_state_row(const compressor_state *cs, int64_t p) {
  * a row that is normalised, rotated and rounded, and appended (or made in
  * `row` and dropped when the rows are full); a ratio-4 compressor's current
  * window then becomes the previous one. t is the batch row (for the taps). */
+/* cnt pooled rows of dim made compressed rows (spec 3.5 step 5): the norm,
+ * RoPE at first[w] (the first position of each row's window) and, under
+ * DS4 numerics, the FP8 (attention) or QAT (indexer) and F16 rounding. t
+ * is the batch row the taps name (one row: the per-token path). */
+static void compressor_rows(ds4_model *m, int l, int64_t t, const ds4_weight *norm, bool is_index, float *rows,
+                            int64_t cnt, int64_t dim, const int32_t *first, ds4_numerics num) {
+    ds4_backend *be = m->be;
+    be->ops->rmsnorm(be, rows, norm, m->cfg.rms_eps, rows, cnt, dim);
+    TAP(is_index ? "idx_comp_norm" : "comp_norm", l, t, rows, cnt * dim);
+    be->ops->rope_tail(be, rows, cnt, 1, dim, first, &m->rope_comp, false);
+    TAP(is_index ? "idx_comp_rope" : "comp_rope", l, t, rows, cnt * dim);
+    if (num == DS4_NUMERICS_DS4) {
+        if (is_index) be->ops->indexer_qat(be, rows, cnt, dim);
+        else be->ops->round_fp8_kv(be, rows, cnt, dim, m->cfg.n_rot);
+        TAP(is_index ? "idx_comp_qat" : "comp_fp8", l, t, rows, cnt * dim);
+        be->ops->round_f16(be, rows, cnt * dim);
+        TAP(is_index ? "idx_comp_f16" : "comp_f16", l, t, rows, cnt * dim);
+    }
+}
+
 static void compressor_emit(ds4_model *m, int l, int64_t t, compressor_state *cs, const ds4_weight *norm,
                             bool is_index, int64_t p, float *row, ds4_numerics num) {
     ds4_backend *be = m->be;
@@ -551,18 +571,8 @@ static void compressor_emit(ds4_model *m, int l, int64_t t, compressor_state *cs
     if (kept) row = cs->rows + cs->n_rows * cs->dim;
     be->ops->compressor_pool(be, cs->state_kv, cs->state_sc, ratio, cs->dim, 1, row);
     TAP(is_index ? "idx_comp_pool" : "comp_pool", l, t, row, cs->dim);
-    be->ops->rmsnorm(be, row, norm, m->cfg.rms_eps, row, 1, cs->dim);
-    TAP(is_index ? "idx_comp_norm" : "comp_norm", l, t, row, cs->dim);
-    int32_t first = (int32_t)(p + 1 - ratio);
-    be->ops->rope_tail(be, row, 1, 1, cs->dim, &first, &m->rope_comp, false);
-    TAP(is_index ? "idx_comp_rope" : "comp_rope", l, t, row, cs->dim);
-    if (num == DS4_NUMERICS_DS4) {
-        if (is_index) be->ops->indexer_qat(be, row, 1, cs->dim);
-        else be->ops->round_fp8_kv(be, row, 1, cs->dim, m->cfg.n_rot);
-        TAP(is_index ? "idx_comp_qat" : "comp_fp8", l, t, row, cs->dim);
-        be->ops->round_f16(be, row, cs->dim);
-        TAP(is_index ? "idx_comp_f16" : "comp_f16", l, t, row, cs->dim);
-    }
+    const int32_t first = (int32_t)(p + 1 - ratio);
+    compressor_rows(m, l, t, norm, is_index, row, 1, cs->dim, &first, num);
     if (kept) cs->n_rows++;
     if (ratio == 4) { /* the current window becomes the previous one */
         be->ops->copy(be, cs->state_kv, cs->state_kv + 4 * width, 4 * width);
@@ -621,14 +631,8 @@ static void compressor_chunk(ds4_model *m, compressor_state *cs, const ds4_weigh
         float *rows = cs->rows + (cs->n_rows + w0) * dim;
         int32_t first[256];
         be->ops->compressor_pool(be, hkv + w0 * ratio * width, hsc + w0 * ratio * width, ratio, dim, cnt, rows);
-        be->ops->rmsnorm(be, rows, norm, m->cfg.rms_eps, rows, cnt, dim);
         for (int64_t w = 0; w < cnt; w++) first[w] = (int32_t)(e0 + (w0 + w) * ratio + 1 - ratio);
-        be->ops->rope_tail(be, rows, cnt, 1, dim, first, &m->rope_comp, false);
-        if (num == DS4_NUMERICS_DS4) {
-            if (is_index) be->ops->indexer_qat(be, rows, cnt, dim);
-            else be->ops->round_fp8_kv(be, rows, cnt, dim, m->cfg.n_rot);
-            be->ops->round_f16(be, rows, cnt * dim);
-        }
+        compressor_rows(m, -1, -1, norm, is_index, rows, cnt, dim, first, num); /* (no taps on this path) */
     }
     const int64_t n0 = cs->n_rows;
     cs->n_rows += kept;
