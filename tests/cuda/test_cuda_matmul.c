@@ -164,6 +164,12 @@ static int64_t dot_blocks(dot_kind k, int64_t n) { return k == KIND_Q8_0 ? n / 3
  * tol[r * n_out + o] for out[r][o] = W[row0 + o] . x[r] (see the top of the
  * file). `bytes`/`deq` are the whole weight, x rows x_stride apart.
  */
+/* An environment switch: "0" off, "1" on, else the default. */
+static bool env_on_default(const char *name, bool dflt) {
+    const char *v = getenv(name);
+    return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
+}
+
 static bool float_gemm_on; /* the float GEMM is on for the products compared (matmul_tolerances) */
 
 static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t *bytes, const float *deq, int64_t n,
@@ -171,8 +177,7 @@ static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t 
     const ds4_type_traits *t = ds4_type_traits_get(type);
     const int64_t rb = ds4_type_row_bytes(type, n);
     const dot_kind kind = kind_of(type, num);
-    const char *fg = getenv("DS4_CUDA_FGEMM");
-    const bool env_fgemm = fg && !strcmp(fg, "1");
+    const bool env_fgemm = env_on_default("DS4_CUDA_FGEMM", false);
     double *tol = malloc((size_t)(n_rows * n_out > 0 ? n_rows * n_out : 1) * sizeof *tol);
     ds4_block_q8_K *xk = malloc((size_t)(n / DS4_QK_K + 1) * sizeof *xk);
     act_q8_0 *x0 = malloc((size_t)(n / 32 + 1) * sizeof *x0);
@@ -257,12 +262,6 @@ static void compare_out(const char *what, op_pair *p, op_buf y, int64_t n_rows, 
 /* ------------------------------------------------------------------------ */
 /* matmul                                                                    */
 /* ------------------------------------------------------------------------ */
-
-/* An environment switch: "0" off, "1" on, else the default. */
-static bool env_on_default(const char *name, bool dflt) {
-    const char *v = getenv(name);
-    return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
-}
 
 /* One matmul of a [n, rows] weight of `type`: out rows row0..row0+n_out,
  * n_rows activation rows (x_stride / out_stride apart), both numerics. */

@@ -910,6 +910,13 @@ void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weig
  * order (higher score first, then the lower index) and every key is
  * distinct (and non-zero: ordered() of -inf is 0x007fffff).
  */
+/* The bits of n - 1: the index part of a key (host and device). */
+static __host__ __device__ __forceinline__ int topk_shift(int64_t n) {
+    int shift = 0;
+    while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+    return shift;
+}
+
 static __device__ __forceinline__ unsigned long long topk_key(const float *scores, int64_t i, int64_t n, int shift) {
     uint32_t u = __float_as_uint(scores[i]);
     if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u; /* NaN ranks as -inf */
@@ -957,8 +964,7 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
         n = row_n[y];
         scores += y * stride;
         idx += y * k;
-        shift = 0;
-        while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+        shift = topk_shift(n);
         size = k < n ? k : n;
         if (size == 0) {
             for (int64_t i = threadIdx.x; i < k; i += blockDim.x) idx[i] = -1;
@@ -1107,8 +1113,7 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
                           (const unsigned long long *)NULL, n, (int64_t)0, k, 0ull, idx);
         return;
     }
-    int shift = 0;
-    while (shift < 32 && ((uint64_t)(n - 1) >> shift) != 0) shift++;
+    const int shift = topk_shift(n);
     if (size == 1 && !topk_sort_forced()) {
         const unsigned nb = blocks_for(n, TOPK_MAX_THREADS * 4, TOPK_MAX_BLOCKS);
         unsigned long long *part = (unsigned long long *)cuda_scratch(
