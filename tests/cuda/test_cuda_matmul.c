@@ -14,7 +14,11 @@
  *               most one float rounding: tol = 2.5e-7 |c| + 1e-9 S.
  *   DS4 F32/F16/BF16   float sums in different orders: the CPU's 8 lanes of
  *               n/8 terms (+3 levels) and the GPU's 32 lanes of n/32 (+5):
- *               tol = (n/8 + n/32 + 16) u S (the worst-case bound).
+ *               tol = (n/8 + n/32 + 16) u S (the worst-case bound); F16
+ *               products of 16 or more tokens (the tensor-core GEMM: x split
+ *               into two binary16 parts to 2^-22, stages of 64 products summed
+ *               by the MMAs) 32 u S more, and normwise within 1e-5 of the
+ *               exact products (normwise_vs_exact).
  *   DS4 Q8_0 / Q8_K kinds   the quantised activations are bit-identical and
  *               each block term uses the CPU's float operations, so only the
  *               float sum over the nb blocks may differ in order:
@@ -170,14 +174,15 @@ static bool env_on_default(const char *name, bool dflt) {
     return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
 }
 
-static bool float_gemm_on; /* the float GEMM is on for the products compared (matmul_tolerances) */
+static bool float_gemm_on; /* the F16 GEMM's cases run (matmul_case also bounds the normwise error) */
+static double x_amp = 1.0; /* the activations' scale in matmul_case */
 
 static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t *bytes, const float *deq, int64_t n,
                                  int64_t row0, int64_t n_out, const float *x, int64_t x_stride, int64_t n_rows) {
     const ds4_type_traits *t = ds4_type_traits_get(type);
     const int64_t rb = ds4_type_row_bytes(type, n);
     const dot_kind kind = kind_of(type, num);
-    const bool env_fgemm = env_on_default("DS4_CUDA_FGEMM", false);
+    const bool f16_gemm = type == DS4_TYPE_F16 && n_rows >= 16 && env_on_default("DS4_CUDA_FGEMM", true);
     double *tol = malloc((size_t)(n_rows * n_out > 0 ? n_rows * n_out : 1) * sizeof *tol);
     ds4_block_q8_K *xk = malloc((size_t)(n / DS4_QK_K + 1) * sizeof *xk);
     act_q8_0 *x0 = malloc((size_t)(n / 32 + 1) * sizeof *x0);
@@ -206,7 +211,9 @@ static double *matmul_tolerances(uint32_t type, ds4_numerics num, const uint8_t 
             switch (kind) {
             case KIND_REF: v = 1e-9 * S; break;
             /* (the float GEMM sums each output's n products one after another: n more) */
-            case KIND_F32: v = ((double)n / 8 + (double)n / 32 + 16 + (float_gemm_on || env_fgemm ? (double)n : 0)) * U24 * S; break;
+            /* (the F16 tensor-core GEMM: x split to 2^-22, stages of 64 products summed by the
+             * tensor cores, 32 more) */
+            case KIND_F32: v = ((double)n / 8 + (double)n / 32 + 16 + (f16_gemm ? 32.0 : 0.0)) * U24 * S; break;
             default: v = (2.0 * (double)dot_blocks(kind, n) + 8) * U24 * T; break;
             }
             tol[r * n_out + o] = v;
@@ -263,6 +270,28 @@ static void compare_out(const char *what, op_pair *p, op_buf y, int64_t n_rows, 
 /* matmul                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* ||g - e|| / ||e|| over the outputs, e the exact (float64) products: the
+ * worst-case bounds above are loose enough to pass a product of x rounded to
+ * binary16 (relative error ~1e-4 normwise), this holds the F16 GEMM's split
+ * activations to float accuracy. */
+static void normwise_vs_exact(const char *what, op_pair *p, op_buf y, const float *deq, int64_t n, int64_t row0,
+                              int64_t n_out, const float *x, int64_t x_stride, int64_t n_rows, int64_t out_stride) {
+    float *hg = malloc((size_t)(n_rows * out_stride) * sizeof *hg);
+    p->gpu->ops->download(p->gpu, hg, y.g, n_rows * out_stride);
+    double num = 0, den = 0;
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t o = 0; o < n_out; o++) {
+            const float *w = deq + (row0 + o) * n, *xr = x + r * x_stride;
+            double e = 0;
+            for (int64_t i = 0; i < n; i++) e += (double)w[i] * xr[i];
+            const double d = hg[r * out_stride + o] - e;
+            num += d * d, den += e * e;
+        }
+    const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    CHECK_MSG(rel <= 1e-5, "%s: normwise error %.3g from the exact products (bound 1e-5)", what, rel);
+    free(hg);
+}
+
 /* One matmul of a [n, rows] weight of `type`: out rows row0..row0+n_out,
  * n_rows activation rows (x_stride / out_stride apart), both numerics. */
 static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool quantiser, int64_t row0,
@@ -271,7 +300,7 @@ static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool
     uint8_t *bytes = weight_bytes(type, n, rows, quantiser, &deq);
     op_weight *w = op_weight_make(p, "blk.0.test_matmul.weight", type, n, rows, 1, bytes);
     const int64_t nx = n_rows > 0 ? (n_rows - 1) * x_stride + n : 1;
-    float *hx = op_rand(nx, 1.0);
+    float *hx = op_rand(nx, x_amp);
     op_buf x = op_buf_from(p, hx, nx);
     for (int ni = 0; ni < 2; ni++) {
         const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
@@ -287,6 +316,8 @@ static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool
                  (long long)n_out, (long long)n_rows, (long long)x_stride, (long long)out_stride,
                  exact ? " bit-exact" : "");
         compare_out(what, p, y, n_rows, n_out, out_stride, tol, num == DS4_NUMERICS_REFERENCE ? 2.5e-7 : 0.0, exact);
+        if (float_gemm_on && num == DS4_NUMERICS_DS4) normwise_vs_exact(what, p, y, deq, n, row0, n_out, hx, x_stride,
+                                                                        n_rows, out_stride);
         free(tol);
         op_buf_free(p, &y);
     }
@@ -325,7 +356,7 @@ static void check_matmul_type(uint32_t type) {
     matmul_case(&p, type, 4096, 300, false, 7, 200, 5, 4100, 256, false);
     matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
-    if (bl == 1) { /* the float GEMM (16 tokens or more, K in 32s): short K, odd strides, partial tiles */
+    if (type == DS4_TYPE_F16) { /* the F16 GEMM (16 tokens or more, K in 32s): short K, odd strides, partial tiles */
         ds4_cuda_backend_set_fgemm(p.gpu, 1);
         float_gemm_on = true;
         const int64_t calls0 = ds4_cuda_backend_fgemm_calls(p.gpu);
@@ -333,11 +364,17 @@ static void check_matmul_type(uint32_t type) {
         matmul_case(&p, type, 4096, 300, false, 0, 300, 16, 4097, 301, false);
         matmul_case(&p, type, 1024, 130, false, 0, 130, 65, 1024, 130, false);
         matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
+        /* activations far from 1: the split's power-of-two scale down (|x| past binary16's range) and up */
+        x_amp = 3e4;
+        matmul_case(&p, type, 1024, 130, false, 0, 130, 40, 1024, 130, false);
+        x_amp = 1e-9;
+        matmul_case(&p, type, 1024, 130, false, 0, 130, 40, 1024, 130, false);
+        x_amp = 1.0;
         /* each case once in DS4 numerics (REFERENCE keeps the double-sum kernels) */
-        CHECK_MSG(ds4_cuda_backend_fgemm_calls(p.gpu) - calls0 == 4, "%s: %lld products ran as the float GEMM",
+        CHECK_MSG(ds4_cuda_backend_fgemm_calls(p.gpu) - calls0 == 6, "%s: %lld products ran as the F16 GEMM",
                   ds4_type_name(type), (long long)(ds4_cuda_backend_fgemm_calls(p.gpu) - calls0));
         float_gemm_on = false;
-        ds4_cuda_backend_set_fgemm(p.gpu, env_on_default("DS4_CUDA_FGEMM", false));
+        ds4_cuda_backend_set_fgemm(p.gpu, env_on_default("DS4_CUDA_FGEMM", true));
     }
     /* many short rows: warps stream 2 (16391 outputs) and 8 (70001) rows
      * each, the last warp of each product with fewer; an offset range with
@@ -1275,7 +1312,7 @@ static void multi_case(op_pair *p, const uint32_t *types, const int64_t *n_outs,
         w[j] = op_weight_make(p, name, types[j], n_in, n_outs[j] + 2, 1, bytes[j]);
     }
     const int64_t nx = n_rows > 0 ? (n_rows - 1) * x_stride + n_in : 1;
-    float *hx = op_rand(nx, 1.0);
+    float *hx = op_rand(nx, x_amp);
     op_buf x = op_buf_from(p, hx, nx);
     for (int ni = 0; ni < 2; ni++) {
         const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;

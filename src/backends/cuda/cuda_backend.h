@@ -134,10 +134,11 @@ void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
  * product the CPU's Q8_K dot bit for bit (its block terms in its order).
  * Off, the grouped path uses the multi-row matvec kernels. */
 void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
-/* Float-weight products (F32/F16/BF16, DS4 numerics) of CUDA_GEMM_MIN_TOKENS
- * or more tokens as a tiled GEMM (off by default until it has run on the
- * GPU; DS4_CUDA_FGEMM=1 makes on the default): the same products, summed in
- * another order. Off, the matmul kernels' tiles of 8 tokens. */
+/* F16-weight products (DS4 numerics) of CUDA_GEMM_MIN_TOKENS or more tokens
+ * on the f16 tensor cores, activations split into two binary16 parts (on by
+ * default; DS4_CUDA_FGEMM=0 makes off the default): the same products to
+ * within float rounding, summed in another order. Off, the matmul kernels'
+ * tiles of 8 tokens. */
 void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on);
 /* How many products have run as the float GEMM. */
 int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be);

@@ -20,6 +20,7 @@
  * this one is multiplied. Activation rows are padded to 304 bytes in shared
  * memory so the B-fragment reads of 8 tokens hit 8 different banks.
  */
+#include <cuda_fp16.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -191,114 +192,232 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
 }
 
 /* ------------------------------------------------------------------------ */
-/* Float weights (F32, F16, BF16) times float activations, DS4 numerics       */
+/* F16 weights times float activations on the f16 tensor cores              */
 /* ------------------------------------------------------------------------ */
 /*
- * DS4's float products (MM_F32: float products, float sums) for many
- * tokens: a tiled FFMA GEMM. A thread block computes 64 weight rows x 64
- * tokens, each thread 4 x 4 of them; stages of K = 32 of both operands go
- * to shared memory k-major as floats (half weights widened there once per
- * tile, not once per token), so the inner step is two 16-byte shared loads
- * and 16 FMAs. The sum over k runs in k order per output (a different order
- * from the CPU's, as every parallel DS4 float product).
+ * DS4's F16 products (MM_F32: float activations, float sums) for many
+ * tokens. The weights are binary16 already; each activation row is scaled by
+ * a power of two s (its largest |x| lands in [2^14, 2^15)) and split into two
+ * binary16 parts, hi = f16(x 2^s) and lo = f16(x 2^s - hi): hi + lo carries 22
+ * of the 24 bits of x (and the scale keeps the parts out of binary16's
+ * overflow and mostly out of its subnormals). The MMA m16n8k16 (f16 x f16 ->
+ * f32) forms w hi and w lo exactly and sums them in float; each K = 32 stage
+ * is summed from zero by the MMAs and then added (rounded) to the float
+ * accumulator, so the tensor cores' truncating sums only ever see a stage's
+ * 64 products; the result is multiplied by 2^-s. The error is of the order
+ * of the float sums' own (a different order of summation, as in every
+ * parallel DS4 float product; test_cuda_matmul bounds it).
+ *
+ * Tiling: a thread block computes 64 weight rows x 64 tokens with 4 warps
+ * (2 x 2, each 32 x 32: two 16-row A fragments by four 8-token B fragments,
+ * both parts of x), three K = 32 stages in flight through cp.async; rows are
+ * 80 bytes apart in shared memory so ldmatrix's 8-row reads hit 32 banks.
  */
-#define F_BM 64
-#define F_BN 64
-#define F_BK 32
-#define F_THREADS 256
-#define F_PAD 4 /* floats of padding per k row of a tile */
+#define H_BM 64
+#define H_BN 64
+#define H_BK 32
+#define H_STAGES 3
+#define H_THREADS 128
+#define H_PITCH 40 /* halves per row of a stage in shared memory (32 + 8) */
+#define H_WSTAGE (H_BM * H_PITCH)
+#define H_XSTAGE (2 * H_BN * H_PITCH) /* hi rows, then lo rows */
+#define H_STAGE (H_WSTAGE + H_XSTAGE)
 
-struct fgemm_args {
+struct hgemm_args {
     const uint8_t *w; /* first weight row (row0 applied) */
     int64_t row_bytes, n_out;
-    const float *x;
-    int64_t x_stride, n_tok, n_in;
+    const uint16_t *xs; /* split rows: hi (n_in halves), then lo, 2 n_in halves per token */
+    const float *unscale; /* 2^-s per token */
+    int64_t n_tok, n_in;
     float *out;
     int64_t out_stride;
 };
 
-template <uint32_t T> __global__ void __launch_bounds__(F_THREADS) fgemm_kernel(fgemm_args a) {
-    __shared__ __align__(16) float sw[F_BK][F_BM + F_PAD];
-    __shared__ __align__(16) float sx[F_BK][F_BN + F_PAD];
+/* One block per token row: s, then the two parts. */
+__global__ void __launch_bounds__(256) split_f16_kernel(const float *x, int64_t x_stride, int64_t n, uint16_t *xs,
+                                                        float *unscale) {
     cuda_grid_wait();
-    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    const int64_t n0 = (int64_t)blockIdx.x * F_BM, m0 = (int64_t)blockIdx.y * F_BN;
-    /* loads: thread -> (row or token tid / 4, k chunk 8 (tid % 4)) */
-    const int lr = tid >> 2, lk = 8 * (tid & 3);
-    const bool w_ok = n0 + lr < a.n_out, x_ok = m0 + lr < a.n_tok;
-    const uint8_t *wrow = a.w + (w_ok ? (n0 + lr) * a.row_bytes : 0);
-    const float *xrow = a.x + (x_ok ? (m0 + lr) * a.x_stride : 0);
-    float acc[4][4];
+    __shared__ float s_max[8];
+    const int64_t r = blockIdx.x;
+    const float *xr = x + r * x_stride;
+    float m = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, fabsf(xr[i])); /* fmaxf drops NaNs */
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if ((threadIdx.x & 31) == 0) s_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, s_max[i]);
+    int s = 0;
+    if (m > 0.0f && m <= 3.4e38f) { /* finite: max |x| 2^s in [2^14, 2^15), s within float's normal range */
+        int e;
+        frexpf(m, &e); /* m = f 2^e, f in [0.5, 1) */
+        s = 15 - e;
+        s = s > 120 ? 120 : s < -120 ? -120 : s;
+    }
+    uint16_t *hi = xs + r * 2 * n, *lo = hi + n;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = ldexpf(xr[i], s);
+        const __half h = __float2half_rn(v);
+        const float rest = v - __half2float(h); /* exact; NaN only when v is not finite (then hi carries it) */
+        const __half l = __float2half_rn(rest == rest ? rest : 0.0f);
+        hi[i] = __half_as_ushort(h);
+        lo[i] = __half_as_ushort(l);
+    }
+    if (threadIdx.x == 0) unscale[r] = ldexpf(1.0f, -s);
+}
+
+static __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void hgemm_load(const hgemm_args &a, uint16_t *st, int64_t n0, int64_t m0,
+                                                  int64_t k0) {
+    const int t = threadIdx.x;
 #pragma unroll
-        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
-    for (int64_t k0 = 0; k0 < a.n_in; k0 += F_BK) {
-        float wv[8], xv[8];
-        if (w_ok) {
-            if constexpr (T == DS4_TYPE_F32) {
-                const float4 p = *(const float4 *)(wrow + 4 * (k0 + lk));
-                const float4 q = *(const float4 *)(wrow + 4 * (k0 + lk) + 16);
-                wv[0] = p.x, wv[1] = p.y, wv[2] = p.z, wv[3] = p.w, wv[4] = q.x, wv[5] = q.y, wv[6] = q.z, wv[7] = q.w;
-            } else {
-                cuda_half8_to_f32<T>(*(const uint4 *)(wrow + 2 * (k0 + lk)), wv);
+    for (int it = 0; it < H_BM * 4 / H_THREADS; it++) { /* 4 pieces of 16 bytes per row */
+        const int i = t + it * H_THREADS, r = i >> 2, c = i & 3;
+        const bool ok = n0 + r < a.n_out;
+        const uint8_t *src = a.w + (ok ? (n0 + r) * a.row_bytes + 2 * k0 + 16 * c : 0);
+        cp_async16(st + r * H_PITCH + 8 * c, src, ok);
+    }
+#pragma unroll
+    for (int it = 0; it < 2 * H_BN * 4 / H_THREADS; it++) {
+        const int i = t + it * H_THREADS, r = i >> 2, c = i & 3; /* r: token (r & 63), part (r >> 6) */
+        const int tok = r & (H_BN - 1), part = r >> 6;
+        const bool ok = m0 + tok < a.n_tok;
+        const uint16_t *src = a.xs + (ok ? (m0 + tok) * 2 * a.n_in + part * a.n_in + k0 + 8 * c : 0);
+        cp_async16(st + H_WSTAGE + r * H_PITCH + 8 * c, src, ok);
+    }
+}
+
+static_assert(2 * H_BN == 128 && H_BN == 64, "hgemm_load's token / part split");
+
+__global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
+    __shared__ __align__(16) uint16_t smem[H_STAGES * H_STAGE];
+    cuda_grid_wait();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int64_t n0 = (int64_t)blockIdx.x * H_BM, m0 = (int64_t)blockIdx.y * H_BN;
+    const int64_t n_stages = a.n_in / H_BK;
+    /* ldmatrix row addresses of this lane: A rows (lane & 15) at k (lane >> 4) * 8; B tokens
+     * ((lane >> 4) << 3) + (lane & 7) at k ((lane >> 3) & 1) * 8 */
+    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
+    const int b_tok = ((lane >> 4) << 3) + (lane & 7), b_k = ((lane >> 3) & 1) * 8;
+    const unsigned base = cuda_smem_addr(smem);
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < H_STAGES - 1; s++) {
+        if (s < n_stages) hgemm_load(a, smem + s * H_STAGE, n0, m0, (int64_t)s * H_BK);
+        cp_async_commit();
+    }
+    for (int64_t st = 0; st < n_stages; st++) {
+        cp_async_wait<H_STAGES - 2>();
+        __syncthreads(); /* stage st is in; the buffer of st - 1 is free */
+        if (st + H_STAGES - 1 < n_stages)
+            hgemm_load(a, smem + ((st + H_STAGES - 1) % H_STAGES) * H_STAGE, n0, m0, (st + H_STAGES - 1) * H_BK);
+        cp_async_commit();
+        const unsigned sw = base + 2u * (unsigned)((st % H_STAGES) * H_STAGE), sx = sw + 2u * H_WSTAGE;
+        float c[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) c[i][j][k] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < H_BK; kk += 16) {
+            uint32_t af[2][4], bh[2][4], bl[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                ldmatrix_x4(af[i], sw + 2u * (unsigned)((wm + 16 * i + a_row) * H_PITCH + kk + a_k));
+#pragma unroll
+            for (int jj = 0; jj < 2; jj++) { /* two 8-token tiles per ldmatrix */
+                const int tok = wn + 16 * jj + b_tok;
+                ldmatrix_x4(bh[jj], sx + 2u * (unsigned)(tok * H_PITCH + kk + b_k));
+                ldmatrix_x4(bl[jj], sx + 2u * (unsigned)((H_BN + tok) * H_PITCH + kk + b_k));
             }
-        } else {
 #pragma unroll
-            for (int i = 0; i < 8; i++) wv[i] = 0.0f;
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    mma_f16(c[i][j], af[i], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
+                    mma_f16(c[i][j], af[i], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
+                }
         }
 #pragma unroll
-        for (int i = 0; i < 8; i++) xv[i] = x_ok ? xrow[k0 + lk + i] : 0.0f;
-        __syncthreads(); /* the previous stage is read */
+        for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            sw[lk + i][lr] = wv[i];
-            sx[lk + i][lr] = xv[i];
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int k = 0; k < F_BK; k++) {
-            const float4 w4 = *(const float4 *)&sw[k][4 * ty], x4 = *(const float4 *)&sx[k][4 * tx];
-            const float wr[4] = { w4.x, w4.y, w4.z, w4.w }, xr[4] = { x4.x, x4.y, x4.z, x4.w };
+            for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(wr[i], xr[j], acc[i][j]);
-        }
+                for (int k = 0; k < 4; k++) acc[i][j][k] = __fadd_rn(acc[i][j][k], c[i][j][k]);
     }
+    cp_async_wait<0>();
+
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int64_t n = n0 + 4 * ty + i;
+    for (int j = 0; j < 4; j++) {
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int64_t m = m0 + 4 * tx + j;
-            if (n < a.n_out && m < a.n_tok) a.out[m * a.out_stride + n] = acc[i][j];
+        for (int k2 = 0; k2 < 2; k2++) {
+            const int64_t m = m0 + wn + 8 * j + 2 * tq + k2;
+            if (m >= a.n_tok) continue;
+            const float us = a.unscale[m];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int64_t n = n0 + wm + 16 * i + g + 8 * h;
+                    if (n < a.n_out) a.out[m * a.out_stride + n] = __fmul_rn(acc[i][j][2 * h + k2], us);
+                }
+            }
         }
     }
 }
 
-bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_tok) {
-    return (type == DS4_TYPE_F32 || type == DS4_TYPE_F16 || type == DS4_TYPE_BF16) && n_tok >= CUDA_GEMM_MIN_TOKENS &&
-           n_in > 0 && n_in % F_BK == 0 && row_bytes % 16 == 0;
+bool cuda_gemm_f16_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_tok) {
+    return type == DS4_TYPE_F16 && n_tok >= CUDA_GEMM_MIN_TOKENS && n_in > 0 && n_in % H_BK == 0 &&
+           row_bytes % 16 == 0 && row_bytes >= 2 * n_in;
 }
 
-bool cuda_gemm_float(ds4_backend *be, uint32_t type, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
-                     const float *x, int64_t x_stride, int64_t n_tok, float *out, int64_t out_stride) {
-    fgemm_args a;
+size_t cuda_gemm_f16_scratch(int64_t n_in, int64_t n_tok) {
+    return (size_t)n_tok * (size_t)n_in * 4u + (size_t)n_tok * sizeof(float);
+}
+
+bool cuda_gemm_f16(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const float *x,
+                   int64_t x_stride, int64_t n_tok, float *out, int64_t out_stride, void *scratch) {
+    if (n_tok > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_UNSUPPORTED, "gemm: %lld tokens is too many", (long long)n_tok);
+        return false;
+    }
+    hgemm_args a;
     a.w = (const uint8_t *)w;
     a.row_bytes = row_bytes;
     a.n_out = n_out;
-    a.x = x;
-    a.x_stride = x_stride;
+    a.xs = (const uint16_t *)scratch;
+    a.unscale = (const float *)((const uint8_t *)scratch + (size_t)n_tok * (size_t)n_in * 4u);
     a.n_tok = n_tok;
     a.n_in = n_in;
     a.out = out;
     a.out_stride = out_stride;
     dim3 grid;
-    if (!gemm_grid(be, n_out, n_tok, F_BM, F_BN, &grid)) return false;
-    switch (type) {
-    case DS4_TYPE_F32: return cuda_launch(be, "fgemm_kernel<F32>", fgemm_kernel<DS4_TYPE_F32>, grid, F_THREADS, 0, a);
-    case DS4_TYPE_F16: return cuda_launch(be, "fgemm_kernel<F16>", fgemm_kernel<DS4_TYPE_F16>, grid, F_THREADS, 0, a);
-    default: return cuda_launch(be, "fgemm_kernel<BF16>", fgemm_kernel<DS4_TYPE_BF16>, grid, F_THREADS, 0, a);
-    }
+    return gemm_grid(be, n_out, n_tok, H_BM, H_BN, &grid) &&
+           cuda_launch(be, "split_f16_kernel", split_f16_kernel, (unsigned)n_tok, 256, 0, x, x_stride, n_in,
+                       (uint16_t *)scratch, (float *)a.unscale) &&
+           cuda_launch(be, "hgemm_kernel", hgemm_kernel, grid, H_THREADS, 0, a);
 }

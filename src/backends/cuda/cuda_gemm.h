@@ -5,6 +5,7 @@
 #define DS4_BACKENDS_CUDA_GEMM_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "backends/backend.h"
@@ -21,15 +22,19 @@ bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, i
 bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
                     int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride);
 
-/* true when float weights of `type` (F32, F16, BF16) with n_in-element rows
- * (row_bytes apart) times n_tok float activation rows can use the tiled
- * float GEMM. */
-bool cuda_gemm_float_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_tok);
+/* true when F16 weights with n_in-element rows (row_bytes apart) times n_tok
+ * float activation rows can use the f16 tensor-core GEMM. */
+bool cuda_gemm_f16_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_tok);
 
-/* out[m][o] = W[o] . x[m] (DS4's float products: float FMAs, float sums)
- * for o < n_out, m < n_tok; w the first weight row (16-byte aligned rows of
- * row_bytes). false with the error recorded when it could not be launched. */
-bool cuda_gemm_float(ds4_backend *be, uint32_t type, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
-                     const float *x, int64_t x_stride, int64_t n_tok, float *out, int64_t out_stride);
+/* Bytes of device scratch cuda_gemm_f16 needs for n_tok rows of n_in (the
+ * split activations and their scales; 16-byte aligned). */
+size_t cuda_gemm_f16_scratch(int64_t n_in, int64_t n_tok);
+
+/* out[m][o] = W[o] . x[m] (DS4's float products: float activations, float
+ * sums) for o < n_out, m < n_tok; w the first weight row (16-byte aligned
+ * rows of row_bytes). false with the error recorded when it could not be
+ * launched. */
+bool cuda_gemm_f16(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const float *x,
+                   int64_t x_stride, int64_t n_tok, float *out, int64_t out_stride, void *scratch);
 
 #endif

@@ -700,7 +700,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
-    cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", false); /* not yet run on the GPU */
+    cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);

@@ -848,9 +848,10 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
                        out_stride);
         return;
     }
-    if (mode == MM_F32 && cuda_impl(be)->fgemm && cuda_gemm_float_fits(w->type, n_in, w->row_bytes, n_rows)) {
-        if (cuda_gemm_float(be, w->type, cuda_weight_row(w, row0), w->row_bytes, n_in, n_out, x, x_stride, n_rows, out,
-                            out_stride))
+    if (mode == MM_F32 && cuda_impl(be)->fgemm && cuda_gemm_f16_fits(w->type, n_in, w->row_bytes, n_rows)) {
+        void *xs = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, cuda_gemm_f16_scratch(n_in, n_rows));
+        if (xs && cuda_gemm_f16(be, cuda_weight_row(w, row0), w->row_bytes, n_in, n_out, x, x_stride, n_rows, out,
+                                out_stride, xs))
             cuda_impl(be)->fgemm_calls++;
         return;
     }
