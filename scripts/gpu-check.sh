@@ -24,6 +24,8 @@
 #                               (every quant scheme, both numerics, greedy 32) and on the
 #                               oracle models of tests/oracle (reference numerics)
 #                     sanitize  compute-sanitizer memcheck/racecheck/initcheck on the CUDA tests
+#                               (SAN_ONLY="BIN:FILTER ...", e.g. "test_cuda_matmul:test_moe_mma": only
+#                               the tests of BIN whose names contain FILTER)
 #                     full      full-size q2 model in /dev/shm: synth (timed), parity of the first
 #                               2 layers cpu vs cuda, 128 greedy tokens on CUDA (finite logits,
 #                               peak device memory), layer parity on the generated tokens
@@ -46,7 +48,10 @@
 #                               times each kernel of one N-token prefill (to $OUT/ncu-prefill.md);
 #                               KERN_CTX=0 skips the decoded token; KERN_LAYERS=FIRST,COUNT times only those
 #                               layers of the prefill (bench --profile-layers); KERN_AB="VAR=1 ..." adds a
-#                               prefill table per variable (ncu-prefill-VAR.md)
+#                               prefill table per variable (ncu-prefill-VAR.md); KERN_DETAIL="REGEX,..."
+#                               writes ncu's full report (--set full: occupancy, stall reasons, memory
+#                               charts) of the first launch of each kernel matching a REGEX in that
+#                               prefill to $OUT/ncu-detail-REGEX.txt
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -267,7 +272,8 @@ print(", ".join(f(e) for e in ("decode", "prefill")))' "$js" 2>/dev/null)
 # bench.json, each kernel's share of the measured bandwidth). With
 # KERN_PREFILL=N (e.g. 128) also every kernel of one N-token prefill on a
 # fresh state, to $OUT/ncu-prefill.md (KERN_LAYERS=FIRST,COUNT: only those
-# layers; KERN_AB="VAR=1 ...": once more per setting).
+# layers; KERN_AB="VAR=1 ...": once more per setting; KERN_DETAIL: the full
+# report of one launch per named kernel).
 ncu_env=() # VAR=VALUE settings ncu_table runs its bench with
 ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
     local name=$1 label=$2 out="${OUT:-$TMP}"
@@ -313,6 +319,23 @@ kernels_stage() {
             ncu_env=("${envs[@]}")
             ncu_table "prefill-${v//[^A-Za-z0-9_]/_}" "$what, $v" "${pargs[@]}"
             ncu_env=()
+        done
+        local k kd=${KERN_DETAIL:-}
+        for k in ${kd//,/ }; do # the full ncu report of one launch of each named kernel
+            section "ncu: details of $k ($what)"
+            local kn=${k//[^A-Za-z0-9_]/_}
+            if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --set full -k "regex:$k" --launch-count 1 \
+                -f -o "$TMP/detail-$kn" build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda \
+                "${pargs[@]}" >"$TMP/ncu-detail-$kn.log" 2>&1 &&
+                "$ncu" -i "$TMP/detail-$kn.ncu-rep" --page details >"$out/ncu-detail-$kn.txt" 2>&1 &&
+                [ -s "$out/ncu-detail-$kn.txt" ]; then
+                grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slots Busy" \
+                    "$out/ncu-detail-$kn.txt" | head -n 20
+                record "ncu details ($k)" PASS
+            else
+                tail -n 20 "$TMP/ncu-detail-$kn.log"
+                record "ncu details ($k)" FAIL
+            fi
         done
     fi
 }
@@ -448,22 +471,30 @@ main() {
     elif [ -n "$san" ]; then
         # All sanitizer runs at once (they are CPU-bound; the GPU has room),
         # each with its own log, then reported in order.
-        local tool pids=() runs=()
-        section "compute-sanitizer memcheck/racecheck/initcheck on ${#bins[@]} test binaries, in parallel"
-        for b in "${bins[@]}"; do
+        local tool pids=() runs=() targets=() tg
+        if [ -n "${SAN_ONLY:-}" ]; then # BIN:FILTER entries: those tests of those binaries only
+            for tg in $SAN_ONLY; do targets+=("build/cuda/tests/${tg%%:*}:${tg#*:}"); done
+        else
+            for b in "${bins[@]}"; do targets+=("$b:"); done
+        fi
+        section "compute-sanitizer memcheck/racecheck/initcheck on ${#targets[@]} test binaries, in parallel"
+        for tg in "${targets[@]}"; do
+            b=${tg%%:*}
+            local filter=${tg#*:}
             for tool in memcheck racecheck initcheck; do
                 # racecheck of whole-model runs takes far longer than the step
                 # limit (its kernels are all covered by the per-op tests)
                 if [ "$tool" = racecheck ] && [ "$(basename "$b")" = test_cuda_session ]; then continue; fi
                 local extra=()
                 [ "$tool" = memcheck ] && extra=(--leak-check full)
-                log="$TMP/$(basename "$b").$tool.log"
+                log="$TMP/$(basename "$b")${filter:+.$filter}.$tool.log"
                 (
-                    timeout "$STEP_TIMEOUT" "$san" --tool "$tool" "${extra[@]}" --error-exitcode 86 "$b" >"$log" 2>&1
+                    timeout "$STEP_TIMEOUT" "$san" --tool "$tool" "${extra[@]}" --error-exitcode 86 "$b" $filter \
+                        >"$log" 2>&1
                     echo $? >"$log.rc"
                 ) &
                 pids+=($!)
-                runs+=("$tool $b")
+                runs+=("$tool $b${filter:+ $filter}")
             done
         done
         wait "${pids[@]}"
@@ -471,7 +502,9 @@ main() {
         for run in "${runs[@]}"; do
             tool=${run%% *}
             b=${run#* }
-            log="$TMP/$(basename "$b").$tool.log"
+            filter=""
+            case "$b" in *" "*) filter=${b#* }; b=${b%% *} ;; esac
+            log="$TMP/$(basename "$b")${filter:+.$filter}.$tool.log"
             rc=$(cat "$log.rc" 2>/dev/null || echo 1)
             section "compute-sanitizer --tool $tool $b (exit $rc)"
             grep -E "ERROR SUMMARY|passed, .* failed|LEAK SUMMARY|Invalid|Race|Uninitialized" "$log" | head -n 20

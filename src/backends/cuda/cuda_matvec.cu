@@ -1083,7 +1083,10 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
  * tokens (up to 32: four 8-token MMA tiles, the empty ones skipped); per
  * 256-block stage the weights are decoded into shared memory (rows 272
  * bytes apart: the fragment reads of 8 rows x 4 threads hit 32 banks) and
- * the tokens' codes copied beside them. Many blocks per SM hide the loads.
+ * the tokens' codes copied beside them. The stages are pipelined: while
+ * stage st is decoded (from its raw blocks in shared memory) and
+ * multiplied, stage st + 1's raw blocks are in flight to registers and its
+ * activation codes to the other of two buffers (cp.async).
  */
 #define MOE_MMA_BM 64
 #define MOE_MMA_THREADS 128
@@ -1101,16 +1104,99 @@ struct moe_mma_args {
     int64_t out_stride;
 };
 
+/* A stage's raw weight blocks go to shared memory by cp.async in pieces of
+ * CH bytes (16 where the block size allows, else 4): a block of BB bytes
+ * starts `shift` = (its address & (CH - 1)) bytes into its first piece
+ * (IQ2_XXS's 66-byte blocks: 0 or 2; Q2_K's 84 and Q4_K's 144: 0) and sits
+ * so in its row of shared memory. Two threads share a row. */
+template <uint32_t T> struct moe_raw {
+    static constexpr int BB = mvt<T>::BLOCK_BYTES;
+    static constexpr int CH = BB % 16 == 0 ? 16 : 4;
+    static constexpr int PIECES = (BB % CH == 0 ? BB : BB + 2 + CH - 1) / CH; /* pieces a row's block may span */
+    static constexpr int PITCH = (CH * PIECES + 15) / 16 * 16;                /* bytes per row in shared memory */
+};
+static_assert(MOE_MMA_THREADS == 2 * MOE_MMA_BM, "two threads per weight row in moe_raw_fetch");
+
+/* The cp.asyncs of stage st's raw blocks (rows n0..; rows past n_rows read
+ * nothing and are zero-filled); no copy reads past the block. */
+template <uint32_t T>
+static __device__ __forceinline__ void moe_raw_fetch(uint8_t *s_raw, const uint8_t *wexp, int64_t row_bytes,
+                                                     int64_t n_rows, int64_t n0, int64_t st) {
+    typedef moe_raw<T> R;
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const bool ok = n0 + r < n_rows;
+    const uint8_t *blk = wexp + (ok ? (n0 + r) * row_bytes + st * R::BB : 0);
+    const int shift = (int)((uintptr_t)blk & (R::CH - 1));
+    const uint8_t *src = blk - shift;
+    uint8_t *dst = s_raw + r * R::PITCH;
+#pragma unroll
+    for (int j = half; j < R::PIECES; j += 2) {
+        const int left = shift + R::BB - R::CH * j; /* the block's bytes from this piece on */
+        const int n = !ok ? 0 : left >= R::CH ? R::CH : left;
+        if constexpr (R::CH == 16) {
+            cp_async16(dst + 16 * j, src + 16 * j, ok);
+        } else {
+            const unsigned d = cuda_smem_addr(dst + 4 * j);
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src + 4 * j), "r"(n)
+                         : "memory");
+        }
+    }
+}
+
+/* Where the block of row n at stage st starts in its row of shared memory. */
+template <uint32_t T>
+static __device__ __forceinline__ int moe_raw_shift(const uint8_t *wexp, int64_t row_bytes, int64_t n, int64_t st) {
+    return (int)((uintptr_t)(wexp + n * row_bytes + st * moe_raw<T>::BB) & (moe_raw<T>::CH - 1));
+}
+
+/* Shared memory of moe_mma_kernel<T> (dynamic: Q4_K's passes 48 KB), in order. */
+template <uint32_t T> struct moe_smem {
+    static constexpr bool FOLD = T == DS4_TYPE_Q2_K, HAS_MIN = mvq<T>::HAS_MIN;
+    static constexpr int HALVES = T == DS4_TYPE_Q2_K ? 2 : 1; /* distinct mins per sub-block */
+    static constexpr size_t W = 0;                                                  /* decoded codes */
+    static constexpr size_t X = W + MOE_MMA_BM * MOE_MMA_PITCH;                     /* 2 stages of activation codes */
+    static constexpr size_t RAW = X + 2 * CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH;       /* 2 stages of raw blocks */
+    static constexpr size_t MUL = RAW + 2 * MOE_MMA_BM * moe_raw<T>::PITCH;        /* int [64][8] */
+    static constexpr size_t MIN = MUL + (FOLD ? 0 : MOE_MMA_BM * 8 * 4);            /* u32 [64][8][HALVES] */
+    static constexpr size_t D = MIN + (HAS_MIN ? MOE_MMA_BM * 8 * HALVES * 4 : 0); /* float d[64], dm[64] */
+    static constexpr size_t XD = D + 2 * MOE_MMA_BM * 4;                            /* float [2][32] */
+    static constexpr size_t TAB = XD + 2 * CUDA_MOE_MMA_ROWS * 4;                   /* IQ2_XXS tables */
+    static constexpr size_t BYTES = TAB + (T == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
+};
+
+/* Stage st's activation codes of the group's first 8 n_tiles rows into s_x
+ * (cp.async; rows past the group's zero-filled), and this thread's scale
+ * (tid < 32) for s_xd. */
+static __device__ __forceinline__ void moe_x_fetch(uint8_t *s_x, const uint8_t *x0, int64_t xrow, int rows,
+                                                   int n_tiles, int64_t act_blocks, int64_t st, float *xd) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int it = 0; it < CUDA_MOE_MMA_ROWS * 16 / MOE_MMA_THREADS; it++) {
+        const int i = tid + it * MOE_MMA_THREADS, t = i >> 4, c = i & 15;
+        if (t < 8 * n_tiles)
+            cp_async16(s_x + t * MOE_MMA_PITCH + 16 * c, x0 + (t < rows ? t * xrow + st * DS4_QK_K + 16 * c : 0),
+                       t < rows);
+    }
+    cp_async_commit();
+    if (tid < CUDA_MOE_MMA_ROWS) *xd = tid < rows ? ((const float *)(x0 + tid * xrow + act_blocks * DS4_QK_K))[st] : 0.0f;
+}
+
 template <uint32_t T>
 __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a) {
     typedef mvq<T> K;
-    constexpr bool FOLD = T == DS4_TYPE_Q2_K; /* scales folded into the codes */
-    __shared__ __align__(16) uint8_t s_w[MOE_MMA_BM * MOE_MMA_PITCH];
-    __shared__ __align__(16) uint8_t s_x[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH];
-    __shared__ int s_mul[MOE_MMA_BM][8];
-    __shared__ uint2 s_min[K::HAS_MIN ? MOE_MMA_BM : 1][8]; /* the two halves' mins, replicated in each byte */
-    __shared__ float s_d[MOE_MMA_BM], s_dm[MOE_MMA_BM], s_xd[CUDA_MOE_MMA_ROWS];
-    __shared__ __align__(16) iq2_tables s_tab[1]; /* IQ2_XXS only */
+    typedef moe_raw<T> R;
+    typedef moe_smem<T> L;
+    constexpr bool FOLD = L::FOLD; /* scales folded into the codes */
+    constexpr int HALVES = L::HALVES;
+    extern __shared__ __align__(16) uint8_t moe_sm[];
+    uint8_t *s_w = moe_sm + L::W;
+    uint8_t(*s_x)[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH] = (uint8_t(*)[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH])(moe_sm + L::X);
+    uint8_t(*s_raw)[MOE_MMA_BM * R::PITCH] = (uint8_t(*)[MOE_MMA_BM * R::PITCH])(moe_sm + L::RAW);
+    int(*s_mul)[8] = (int(*)[8])(moe_sm + L::MUL);
+    uint32_t(*s_min)[8][HALVES] = (uint32_t(*)[8][HALVES])(moe_sm + L::MIN); /* the halves' mins, in each byte */
+    float *s_d = (float *)(moe_sm + L::D), *s_dm = s_d + MOE_MMA_BM;
+    float(*s_xd)[CUDA_MOE_MMA_ROWS] = (float(*)[CUDA_MOE_MMA_ROWS])(moe_sm + L::XD);
+    iq2_tables *s_tab = (iq2_tables *)(moe_sm + L::TAB); /* IQ2_XXS only */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     if constexpr (T == DS4_TYPE_IQ2_XXS) /* constant data: before the wait */
         for (int i = tid; i < (int)(sizeof(iq2_tables) / 16); i += MOE_MMA_THREADS)
@@ -1134,17 +1220,29 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
 #pragma unroll
         for (int k = 0; k < 4; k++) acc[j][k] = 0.0f;
 
+    /* the pipeline: stage st + 1's raw weights (registers) and activations
+     * (cp.async) are in flight while stage st is decoded and multiplied */
+    float xd_next = 0.0f;
+    moe_raw_fetch<T>(s_raw[0], wexp, a.row_bytes, a.rows_per_expert, n0, 0);
+    moe_x_fetch(s_x[0], x0, xrow, rows, n_tiles, a.act_blocks, 0, &xd_next); /* (commits both) */
+    if (tid < CUDA_MOE_MMA_ROWS) s_xd[0][tid] = xd_next;
+    cp_async_wait<0>();
+
     const int ra = 16 * warp + g, rb = ra + 8; /* this thread's two weight rows in the tile */
     for (int64_t st = 0; st < a.act_blocks; st++) {
-        __syncthreads(); /* the previous stage is read (and, first, the table is in) */
-#pragma unroll
+        __syncthreads(); /* stage st's raw blocks and activations are in; the previous MMAs are done */
+        const bool more = st + 1 < a.act_blocks;
+        if (more) {
+            moe_raw_fetch<T>(s_raw[(st + 1) & 1], wexp, a.row_bytes, a.rows_per_expert, n0, st + 1);
+            moe_x_fetch(s_x[(st + 1) & 1], x0, xrow, rows, n_tiles, a.act_blocks, st + 1, &xd_next);
+        }
+#pragma unroll 2
         for (int it = 0; it < MOE_MMA_BM * 8 / MOE_MMA_THREADS; it++) {
             const int i = tid + it * MOE_MMA_THREADS, r = i >> 3, sub = i & 7;
-            const int64_t n = n0 + r;
             int w[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, mul[2] = { 0, 0 }, mmul[2] = { 0, 0 };
             float d = 0.0f, dm = 0.0f;
-            if (n < a.rows_per_expert) {
-                const uint8_t *blk = wexp + n * a.row_bytes + st * mvt<T>::BLOCK_BYTES;
+            if (n0 + r < a.rows_per_expert) {
+                const uint8_t *blk = s_raw[st & 1] + r * R::PITCH + moe_raw_shift<T>(wexp, a.row_bytes, n0 + r, st);
                 K::codes(blk, sub, s_tab, w, mul, mmul);
                 if (sub == 0) K::scales(blk, d, dm);
             }
@@ -1154,22 +1252,18 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
             } else {
                 s_mul[r][sub] = mul[0];
             }
-            if constexpr (K::HAS_MIN) s_min[r][sub] = make_uint2((uint32_t)mmul[0] * 0x01010101u, (uint32_t)mmul[1] * 0x01010101u);
+            if constexpr (K::HAS_MIN) {
+                s_min[r][sub][0] = (uint32_t)mmul[0] * 0x01010101u;
+                s_min[r][sub][HALVES - 1] = (uint32_t)mmul[1] * 0x01010101u; /* (Q4_K: the same min) */
+            }
             if (sub == 0) s_d[r] = d, s_dm[r] = dm;
             uint4 *dst = (uint4 *)(s_w + r * MOE_MMA_PITCH + 32 * sub);
             dst[0] = make_uint4((uint32_t)w[0], (uint32_t)w[1], (uint32_t)w[2], (uint32_t)w[3]);
             dst[1] = make_uint4((uint32_t)w[4], (uint32_t)w[5], (uint32_t)w[6], (uint32_t)w[7]);
         }
-#pragma unroll
-        for (int it = 0; it < CUDA_MOE_MMA_ROWS * 16 / MOE_MMA_THREADS; it++) {
-            const int i = tid + it * MOE_MMA_THREADS, t = i >> 4, c = i & 15;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (t < rows) v = *(const uint4 *)(x0 + t * xrow + st * DS4_QK_K + 16 * c);
-            *(uint4 *)(s_x + t * MOE_MMA_PITCH + 16 * c) = v;
-        }
-        if (tid < CUDA_MOE_MMA_ROWS)
-            s_xd[tid] = tid < rows ? ((const float *)(x0 + tid * xrow + a.act_blocks * DS4_QK_K))[st] : 0.0f;
-        __syncthreads();
+        __syncthreads(); /* the decoded stage is in */
+        const uint8_t *sx = s_x[st & 1];
+        const float *sxd = s_xd[st & 1];
 
         int isum[4][4], summs[4][4];
 #pragma unroll
@@ -1183,15 +1277,15 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
                                 *(const int *)(pa + 32 * sub + 16), *(const int *)(pb + 32 * sub + 16) };
             int am[4] = { 0, 0, 0, 0 };
             if constexpr (K::HAS_MIN) {
-                const uint2 m0 = s_min[ra][sub], m1 = s_min[rb][sub];
-                am[0] = (int)m0.x, am[1] = (int)m1.x, am[2] = (int)m0.y, am[3] = (int)m1.y;
+                am[0] = (int)s_min[ra][sub][0], am[1] = (int)s_min[rb][sub][0];
+                am[2] = (int)s_min[ra][sub][HALVES - 1], am[3] = (int)s_min[rb][sub][HALVES - 1];
             }
             int l0 = 1, l1 = 1;
             if constexpr (!FOLD) l0 = s_mul[ra][sub], l1 = s_mul[rb][sub];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if (j < n_tiles) { /* the same for the whole block */
-                    const uint8_t *xb = s_x + (8 * j + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
+                    const uint8_t *xb = sx + (8 * j + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
                     const int b0 = *(const int *)xb, b1 = *(const int *)(xb + 16);
                     if constexpr (FOLD) {
                         cuda_mma_s8(isum[j], af, b0, b1);
@@ -1212,11 +1306,15 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
             if (j < n_tiles) {
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    const float yd = s_xd[8 * j + 2 * tq + (k & 1)];
+                    const float yd = sxd[8 * j + 2 * tq + (k & 1)];
                     acc[j][k] = __fadd_rn(acc[j][k], K::term_of(k < 2 ? d0 : d1, k < 2 ? m0 : m1, yd, isum[j][k],
                                                                 summs[j][k]));
                 }
             }
+        }
+        if (more) { /* the next stage's copies land here, behind this stage's work */
+            if (tid < CUDA_MOE_MMA_ROWS) s_xd[(st + 1) & 1][tid] = xd_next;
+            cp_async_wait<0>();
         }
     }
 #pragma unroll
@@ -1231,6 +1329,13 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
             }
         }
     }
+}
+
+template <uint32_t T> static bool moe_mma_launch(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a) {
+    /* per call: the attribute belongs to the current device */
+    const size_t smem = moe_smem<T>::BYTES;
+    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T>, smem, "moe (tensor cores)", a.act_blocks) &&
+           cuda_launch(be, name, moe_mma_kernel<T>, grid, MOE_MMA_THREADS, smem, a);
 }
 
 bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in) {
@@ -1271,11 +1376,8 @@ bool cuda_mv_moe_mma(ds4_backend *be, const ds4_weight *const *ws, float *const 
     a.out_stride = out_stride;
     const dim3 grid((unsigned)((w->ne[1] + MOE_MMA_BM - 1) / MOE_MMA_BM), (unsigned)n_groups, (unsigned)n_mats);
     switch (w->type) {
-    case DS4_TYPE_IQ2_XXS:
-        return cuda_launch(be, "moe_mma_kernel<IQ2_XXS>", moe_mma_kernel<DS4_TYPE_IQ2_XXS>, grid, MOE_MMA_THREADS, 0, a);
-    case DS4_TYPE_Q2_K:
-        return cuda_launch(be, "moe_mma_kernel<Q2_K>", moe_mma_kernel<DS4_TYPE_Q2_K>, grid, MOE_MMA_THREADS, 0, a);
-    default:
-        return cuda_launch(be, "moe_mma_kernel<Q4_K>", moe_mma_kernel<DS4_TYPE_Q4_K>, grid, MOE_MMA_THREADS, 0, a);
+    case DS4_TYPE_IQ2_XXS: return moe_mma_launch<DS4_TYPE_IQ2_XXS>(be, "moe_mma_kernel<IQ2_XXS>", grid, a);
+    case DS4_TYPE_Q2_K: return moe_mma_launch<DS4_TYPE_Q2_K>(be, "moe_mma_kernel<Q2_K>", grid, a);
+    default: return moe_mma_launch<DS4_TYPE_Q4_K>(be, "moe_mma_kernel<Q4_K>", grid, a);
     }
 }
