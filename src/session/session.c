@@ -57,7 +57,6 @@ struct ds4_session {
     void *progress_ctx;
 };
 
-#define PROGRESS_CHUNK 256 /* tokens between progress reports */
 
 /* ------------------------------------------------------------ engine */
 
@@ -174,7 +173,7 @@ void ds4_session_set_progress(ds4_session *s, ds4_progress_fn fn, void *ctx) {
  * emptied. A callback that asks to stop ends the evaluation early with
  * DS4_ERR_INVALID ("interrupted"); what was evaluated stays. */
 static ds4_status evaluate(ds4_session *s, const int32_t *tokens, int64_t n, ds4_error *err) {
-    int64_t chunk = s->progress ? PROGRESS_CHUNK : n;
+    int64_t chunk = s->progress ? ds4_model_eval_chunk(s->engine->model) : n; /* a report per model chunk */
     for (int64_t done = 0; done < n;) {
         int64_t len = n - done < chunk ? n - done : chunk;
         ds4_status st = ds4_model_eval(s->engine->model, s->state, tokens + done, len, s->engine->num, s->logits,

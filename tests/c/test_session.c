@@ -393,6 +393,59 @@ static void test_compressor_chunks_match(void) {
     ds4_backend_destroy(cpu);
 }
 
+/* The layer-major chunk size (ds4_model_set_eval_chunk) does not change
+ * anything: 300 tokens in one call as one chunk (the default), in chunks of
+ * 7, 128 and 256 (and one after a prefix), the same logits and the same
+ * state byte for byte, both numerics. */
+static void test_eval_chunk_sizes_match(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    ds4_backend *cpu = NULL;
+    ds4_model *m = cpu_model(&cpu);
+    if (!m) return;
+    CHECK(ds4_model_eval_chunk(m) == DS4_EVAL_CHUNK);
+    enum { N = 300 };
+    int32_t *t = random_tokens(N + 1);
+    float *la = malloc((size_t)vocab * sizeof *la), *lb = malloc((size_t)vocab * sizeof *lb);
+    static const int64_t chunks[] = { 7, 128, 256 };
+    for (int num = 0; num < 2; num++) {
+        const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        ds4_state *a = NULL;
+        CHECK(ds4_state_create(m, 512, &a, &err) == DS4_OK);
+        if (!a) break;
+        CHECK(ds4_model_eval(m, a, t, N, nm, la, false, &err) == DS4_OK);
+        int64_t sa = 0;
+        uint8_t *ba = test_state_bytes(a, t, N, vocab, &sa);
+        for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
+            ds4_state *b = NULL;
+            CHECK(ds4_state_create(m, 512, &b, &err) == DS4_OK);
+            if (!b) break;
+            ds4_model_set_eval_chunk(m, chunks[c]);
+            CHECK(ds4_model_eval_chunk(m) == chunks[c]);
+            CHECK(ds4_model_eval(m, b, t, 5, nm, NULL, false, &err) == DS4_OK); /* chunks off the start too */
+            CHECK(ds4_model_eval(m, b, t + 5, N - 5, nm, lb, false, &err) == DS4_OK);
+            ds4_model_set_eval_chunk(m, 0);
+            CHECK_MSG(memcmp(la, lb, (size_t)vocab * sizeof *la) == 0, "%s numerics, chunks of %lld: logits",
+                      num ? "reference" : "ds4", (long long)chunks[c]);
+            int64_t sb = 0;
+            uint8_t *bb = test_state_bytes(b, t, N, vocab, &sb);
+            CHECK_MSG(ba && bb && sa == sb && memcmp(ba, bb, (size_t)sa) == 0,
+                      "%s numerics, chunks of %lld: the states differ", num ? "reference" : "ds4",
+                      (long long)chunks[c]);
+            free(bb);
+            ds4_state_free(b);
+        }
+        free(ba);
+        ds4_state_free(a);
+    }
+    CHECK(ds4_model_eval_chunk(m) == DS4_EVAL_CHUNK);
+    free(la);
+    free(lb);
+    free(t);
+    ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+}
+
 static void test_batch_decode_matches_single(void) {
     if (!setup()) { CHECK(0); return; }
     ds4_error err = { 0 };
@@ -661,6 +714,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
     TEST_ENTRY(test_compressor_chunks_match),
+    TEST_ENTRY(test_eval_chunk_sizes_match),
     TEST_ENTRY(test_greedy_eval_matches_argmax),
     TEST_ENTRY(test_session_decode_greedy),
     TEST_ENTRY(test_session_decode_batch),

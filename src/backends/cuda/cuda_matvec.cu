@@ -1156,9 +1156,11 @@ template <uint32_t T> struct moe_smem {
     static constexpr size_t W = 0;                                                  /* decoded codes */
     static constexpr size_t X = W + MOE_MMA_BM * MOE_MMA_PITCH;                     /* 2 stages of activation codes */
     static constexpr size_t RAW = X + 2 * CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH;       /* 2 stages of raw blocks */
-    static constexpr size_t MUL = RAW + 2 * MOE_MMA_BM * moe_raw<T>::PITCH;        /* int [64][8] */
-    static constexpr size_t MIN = MUL + (FOLD ? 0 : MOE_MMA_BM * 8 * 4);            /* u32 [64][8][HALVES] */
-    static constexpr size_t D = MIN + (HAS_MIN ? MOE_MMA_BM * 8 * HALVES * 4 : 0); /* float d[64], dm[64] */
+    /* (rows of the scale tables padded by a word: the fragment reads of rows g = 0..7 hit 8 banks) */
+    static constexpr int MUL_PITCH = 9, MIN_PITCH = 8 * HALVES + 1;
+    static constexpr size_t MUL = RAW + 2 * MOE_MMA_BM * moe_raw<T>::PITCH;                /* int [64][9] */
+    static constexpr size_t MIN = MUL + (FOLD ? 0 : (MOE_MMA_BM * MUL_PITCH * 4 + 15) / 16 * 16); /* u32 [64][..] */
+    static constexpr size_t D = MIN + (HAS_MIN ? (MOE_MMA_BM * MIN_PITCH * 4 + 15) / 16 * 16 : 0); /* d[64], dm[64] */
     static constexpr size_t XD = D + 2 * MOE_MMA_BM * 4;                            /* float [2][32] */
     static constexpr size_t TAB = XD + 2 * CUDA_MOE_MMA_ROWS * 4;                   /* IQ2_XXS tables */
     static constexpr size_t BYTES = TAB + (T == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
@@ -1192,8 +1194,8 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
     uint8_t *s_w = moe_sm + L::W;
     uint8_t(*s_x)[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH] = (uint8_t(*)[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH])(moe_sm + L::X);
     uint8_t(*s_raw)[MOE_MMA_BM * R::PITCH] = (uint8_t(*)[MOE_MMA_BM * R::PITCH])(moe_sm + L::RAW);
-    int(*s_mul)[8] = (int(*)[8])(moe_sm + L::MUL);
-    uint32_t(*s_min)[8][HALVES] = (uint32_t(*)[8][HALVES])(moe_sm + L::MIN); /* the halves' mins, in each byte */
+    int *s_mul = (int *)(moe_sm + L::MUL);             /* [row * MUL_PITCH + sub] */
+    uint32_t *s_min = (uint32_t *)(moe_sm + L::MIN); /* [row * MIN_PITCH + sub * HALVES + half]: mins, in each byte */
     float *s_d = (float *)(moe_sm + L::D), *s_dm = s_d + MOE_MMA_BM;
     float(*s_xd)[CUDA_MOE_MMA_ROWS] = (float(*)[CUDA_MOE_MMA_ROWS])(moe_sm + L::XD);
     iq2_tables *s_tab = (iq2_tables *)(moe_sm + L::TAB); /* IQ2_XXS only */
@@ -1250,16 +1252,20 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
 #pragma unroll
                 for (int k = 0; k < 8; k++) w[k] = (int)((uint32_t)w[k] * (uint32_t)mul[k >> 2]); /* bytes <= 45 */
             } else {
-                s_mul[r][sub] = mul[0];
+                s_mul[r * L::MUL_PITCH + sub] = mul[0];
             }
             if constexpr (K::HAS_MIN) {
-                s_min[r][sub][0] = (uint32_t)mmul[0] * 0x01010101u;
-                s_min[r][sub][HALVES - 1] = (uint32_t)mmul[1] * 0x01010101u; /* (Q4_K: the same min) */
+                s_min[r * L::MIN_PITCH + sub * HALVES] = (uint32_t)mmul[0] * 0x01010101u;
+                s_min[r * L::MIN_PITCH + sub * HALVES + HALVES - 1] = (uint32_t)mmul[1] * 0x01010101u; /* (Q4_K: the same min) */
             }
             if (sub == 0) s_d[r] = d, s_dm[r] = dm;
+            /* the half first that keeps a quarter warp's 8 stores (subs 0..7 of a row) on 32 banks */
             uint4 *dst = (uint4 *)(s_w + r * MOE_MMA_PITCH + 32 * sub);
-            dst[0] = make_uint4((uint32_t)w[0], (uint32_t)w[1], (uint32_t)w[2], (uint32_t)w[3]);
-            dst[1] = make_uint4((uint32_t)w[4], (uint32_t)w[5], (uint32_t)w[6], (uint32_t)w[7]);
+            const uint4 lo = make_uint4((uint32_t)w[0], (uint32_t)w[1], (uint32_t)w[2], (uint32_t)w[3]);
+            const uint4 hi = make_uint4((uint32_t)w[4], (uint32_t)w[5], (uint32_t)w[6], (uint32_t)w[7]);
+            const bool swap = (sub >> 2) & 1;
+            dst[swap] = swap ? hi : lo;
+            dst[!swap] = swap ? lo : hi;
         }
         __syncthreads(); /* the decoded stage is in */
         const uint8_t *sx = s_x[st & 1];
@@ -1277,11 +1283,11 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
                                 *(const int *)(pa + 32 * sub + 16), *(const int *)(pb + 32 * sub + 16) };
             int am[4] = { 0, 0, 0, 0 };
             if constexpr (K::HAS_MIN) {
-                am[0] = (int)s_min[ra][sub][0], am[1] = (int)s_min[rb][sub][0];
-                am[2] = (int)s_min[ra][sub][HALVES - 1], am[3] = (int)s_min[rb][sub][HALVES - 1];
+                const uint32_t *ma = s_min + ra * L::MIN_PITCH + sub * HALVES, *mb = s_min + rb * L::MIN_PITCH + sub * HALVES;
+                am[0] = (int)ma[0], am[1] = (int)mb[0], am[2] = (int)ma[HALVES - 1], am[3] = (int)mb[HALVES - 1];
             }
             int l0 = 1, l1 = 1;
-            if constexpr (!FOLD) l0 = s_mul[ra][sub], l1 = s_mul[rb][sub];
+            if constexpr (!FOLD) l0 = s_mul[ra * L::MUL_PITCH + sub], l1 = s_mul[rb * L::MUL_PITCH + sub];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if (j < n_tiles) { /* the same for the whole block */

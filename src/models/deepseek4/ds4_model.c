@@ -34,7 +34,6 @@
 #include "core/quant.h"
 #include "models/deepseek4/ds4_synth.h"
 
-#define EVAL_CHUNK 256 /* tokens per layer-major pass (bounds scratch memory) */
 
 /* The inspection hook (ds4_model_set_tap): a no-op unless a harness set it. */
 #define TAP(name, layer, token, buf, n)                                                 \
@@ -81,6 +80,8 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
 
 void ds4_model_set_compressor_chunks(ds4_model *m, bool on) { m->comp_per_token = !on; }
 void ds4_model_set_indexer_batches(ds4_model *m, int rows) { m->idx_batch = rows < 0 ? 0 : rows == 0 ? -1 : rows; }
+void ds4_model_set_eval_chunk(ds4_model *m, int64_t n) { m->eval_chunk = n < 1 ? DS4_EVAL_CHUNK : n; }
+int64_t ds4_model_eval_chunk(const ds4_model *m) { return m->eval_chunk > 0 ? m->eval_chunk : DS4_EVAL_CHUNK; }
 
 void ds4_model_set_profile_layers(ds4_model *m, int first, int n) {
     m->prof_first = first > 0 ? first : 0;
@@ -1065,7 +1066,7 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
             return ds4_error_set(err, DS4_ERR_INVALID, "token %d at index %lld is outside the vocabulary (0..%lld)",
                                  tokens[t], (long long)t, (long long)c->n_vocab - 1);
-    const int64_t chunk = n < EVAL_CHUNK ? n : EVAL_CHUNK;
+    const int64_t max_chunk = ds4_model_eval_chunk(m), chunk = n < max_chunk ? n : max_chunk;
     st->greedy_logits = false; /* set again only by a greedy evaluation that completes */
     ds4_status status = ensure_scratch(m, st, chunk, st->n_ctx, all_logits, err);
     if (status) return status;
@@ -1144,7 +1145,7 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
                                      (long long)j, (long long)i);
         if (st->n_ctx > max_ctx) max_ctx = st->n_ctx;
     }
-    const int64_t chunk = n_seq < EVAL_CHUNK ? n_seq : EVAL_CHUNK;
+    const int64_t max_chunk = ds4_model_eval_chunk(m), chunk = n_seq < max_chunk ? n_seq : max_chunk;
     for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* the first state's scratch is used */
     ds4_state *first = states[0];
     ds4_status status = ensure_scratch(m, first, chunk, max_ctx, true, err);

@@ -105,6 +105,15 @@ void ds4_model_set_compressor_chunks(ds4_model *m, bool on);
  * many as the scratch holds (the default), 0 row by row, else at most that
  * many per batch. The same results bit for bit. */
 void ds4_model_set_indexer_batches(ds4_model *m, int rows);
+/* Tokens of an evaluation that go through the layers together (a chunk:
+ * each layer's products see this many rows at once; the scratch of a state
+ * that evaluates that many holds them, about 0.56 MB per row for the
+ * full-size model). n < 1 restores the default, DS4_EVAL_CHUNK. The
+ * results do not depend on it on the CPU (bit for bit); on a GPU, rows of
+ * chunks too small for its batched kernels are summed in another order. */
+#define DS4_EVAL_CHUNK 1024
+void ds4_model_set_eval_chunk(ds4_model *m, int64_t n);
+int64_t ds4_model_eval_chunk(const ds4_model *m);
 
 /* Progress of ds4_model_load_progress: bytes of weights bound so far. */
 typedef void (*ds4_model_load_fn)(void *ctx, int64_t done, int64_t total);

@@ -35,6 +35,7 @@ struct ds4_model {
     int prof_first, prof_n; /* layers inside the backend's profiler range (prof_n 0: none) */
     bool comp_per_token;    /* compressors token by token even for a chunk (ds4_model_set_compressor_chunks) */
     int idx_batch; /* selecting rows per batch (ds4_model_set_indexer_batches): 0 the scratch's, -1 row by row, n */
+    int64_t eval_chunk; /* tokens per layer-major pass (ds4_model_set_eval_chunk) */
 };
 
 /* Compressor state of one layer: kv and score rows plus the emitted rows. */
