@@ -530,6 +530,23 @@ static void test_greedy_eval_matches_argmax(void) {
     CHECK_MSG(ds4_model_eval_greedy(m, b, t, 37, DS4_NUMERICS_DS4, &next, &err) == DS4_OK, "%s", err.message);
     CHECK_EQ_INT(next, ds4_sample_argmax(lg, vocab));
     CHECK(ds4_state_pos(a) == 37 && ds4_state_pos(b) == 37);
+    {
+        /* the kept logits are b's own: another state's prefill and a batched
+         * decode (which use the model's chunk scratch) leave them as they were */
+        ds4_state *c = NULL, *d = NULL;
+        CHECK(ds4_state_create(m, 128, &c, &err) == DS4_OK && ds4_state_create(m, 128, &d, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, c, t + 40, 20, DS4_NUMERICS_DS4, lg + vocab, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, d, t + 20, 9, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+        ds4_state *cd[2] = { c, d };
+        const int32_t two[2] = { t[1], t[2] };
+        CHECK(ds4_model_eval_batch(m, cd, two, 2, DS4_NUMERICS_DS4, lg + vocab, &err) == DS4_OK);
+        CHECK_MSG(ds4_model_fetch_logits(m, b, lg + 2 * vocab, &err) == DS4_OK, "%s", err.message);
+        CHECK_MSG(memcmp(lg, lg + 2 * vocab, (size_t)vocab * sizeof *lg) == 0,
+                  "the greedy prefill's kept logits changed under other states' evaluations");
+        CHECK(ds4_model_fetch_logits(m, c, lg + 2 * vocab, &err) == DS4_ERR_INVALID); /* c's last was batched */
+        ds4_state_free(c);
+        ds4_state_free(d);
+    }
     for (int step = 0; step < 12; step++) {
         const int32_t tok = next;
         CHECK(ds4_model_eval(m, a, &tok, 1, DS4_NUMERICS_DS4, lg, false, &err) == DS4_OK);

@@ -336,8 +336,12 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     return DS4_OK;
 }
 
+static void scratch_free(ds4_backend *be, struct eval_scratch *s);
+static void slot_free(ds4_backend *be, scratch_slot *slot);
+
 void ds4_model_free(ds4_model *m) {
     if (!m) return;
+    slot_free(m->be, &m->chunk_scratch);
     for (int64_t i = 0; i < m->n_bound; i++) {
         m->be->ops->release_weight(m->be, m->bound[i]);
         free(m->names[i]);
@@ -398,15 +402,10 @@ ds4_status ds4_state_create(ds4_model *m, int64_t n_ctx, ds4_state **out, ds4_er
     return DS4_OK;
 }
 
-static void scratch_free(ds4_backend *be, struct eval_scratch *s);
-
 void ds4_state_free(ds4_state *s) {
     if (!s) return;
     ds4_backend *be = s->model->be;
-    if (s->scratch) {
-        scratch_free(be, s->scratch);
-        free(s->scratch);
-    }
+    slot_free(be, &s->scratch);
     for (int l = 0; s->layers && l < s->model->cfg.n_layer; l++) {
         be->ops->free(be, s->layers[l].window);
         compressor_free(be, &s->layers[l].attn);
@@ -1030,28 +1029,29 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
     }
 }
 
-/* The evaluation scratch of `st` for chunks of `rows` tokens and states of
- * up to n_ctx positions (reallocated when it is smaller). */
-static ds4_status ensure_scratch(ds4_model *m, ds4_state *st, int64_t rows, int64_t n_ctx, bool all_logits,
-                                 ds4_error *err) {
-    if (st->scratch && st->scratch_rows >= rows && st->scratch_ctx >= n_ctx &&
-        (!all_logits || st->scratch_all_logits))
-        return DS4_OK;
-    if (st->scratch) {
-        scratch_free(m->be, st->scratch);
-        free(st->scratch);
-        st->scratch = NULL;
+static void slot_free(ds4_backend *be, scratch_slot *slot) {
+    if (slot->s) {
+        scratch_free(be, slot->s);
+        free(slot->s);
     }
-    st->greedy_logits = false; /* the kept logits went with the old scratch */
+    memset(slot, 0, sizeof *slot);
+}
+
+/* A scratch in `slot` for chunks of `rows` tokens and states of up to n_ctx
+ * positions (reallocated when it is smaller). */
+static ds4_status ensure_scratch(ds4_model *m, scratch_slot *slot, int64_t rows, int64_t n_ctx, bool all_logits,
+                                 ds4_error *err) {
+    if (slot->s && slot->rows >= rows && slot->ctx >= n_ctx && (!all_logits || slot->all_logits)) return DS4_OK;
+    slot_free(m->be, slot);
     scratch *fresh = calloc(1, sizeof *fresh);
     if (!fresh || !scratch_alloc(m->be, &m->cfg, rows, n_ctx, all_logits, fresh)) {
         free(fresh);
         return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory for a %lld-token batch", (long long)rows);
     }
-    st->scratch = fresh;
-    st->scratch_rows = rows;
-    st->scratch_ctx = n_ctx;
-    st->scratch_all_logits = all_logits;
+    slot->s = fresh;
+    slot->rows = rows;
+    slot->ctx = n_ctx;
+    slot->all_logits = all_logits;
     return DS4_OK;
 }
 
@@ -1068,7 +1068,12 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
                                  tokens[t], (long long)t, (long long)c->n_vocab - 1);
     const int64_t max_chunk = ds4_model_eval_chunk(m), chunk = n < max_chunk ? n : max_chunk;
     st->greedy_logits = false; /* set again only by a greedy evaluation that completes */
-    ds4_status status = ensure_scratch(m, st, chunk, st->n_ctx, all_logits, err);
+    /* one row: the state's own scratch; several: the model's, and the state's
+     * own keeps a greedy evaluation's logits (made before anything changes) */
+    const bool own = n == 1;
+    scratch_slot *slot = own ? &st->scratch : &m->chunk_scratch;
+    ds4_status status = ensure_scratch(m, slot, chunk, st->n_ctx, all_logits, err);
+    if (!status && greedy && !own) status = ensure_scratch(m, &st->scratch, 1, st->n_ctx, false, err);
     if (status) return status;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
     ds4_state **rs = malloc((size_t)chunk * sizeof *rs);
@@ -1085,13 +1090,16 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
         if (logits && all_logits) out = logits + off * c->n_vocab;
         else if (logits && last) out = logits;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)(st->pos + t);
-        eval_chunk(m, rs, pos, tokens + off, len, num, out, last ? greedy : NULL, all_logits, n == 1, st->scratch);
+        eval_chunk(m, rs, pos, tokens + off, len, num, out, last ? greedy : NULL, all_logits, n == 1, slot->s);
         st->pos += len;
     }
     free(pos);
     free(rs);
     /* An op that failed (bad shape, device fault) recorded why; the state is
      * then unusable and the caller must discard it. */
+    /* the last row's logits (at the start of the chunk's) stay with the state */
+    if (greedy && !own && !m->layer_limit)
+        m->be->ops->copy(m->be, st->scratch.s->logits, m->chunk_scratch.s->logits, m->cfg.n_vocab);
     status = m->be->ops->take_error(m->be, err);
     st->greedy_logits = !status && greedy && !m->layer_limit;
     if (status) return ds4_error_prefix(err, "evaluation failed at position %lld", (long long)st->pos);
@@ -1101,10 +1109,10 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
 ds4_status ds4_model_fetch_logits(ds4_model *m, ds4_state *st, float *logits, ds4_error *err) {
     if (!st || st->model != m || !logits)
         return ds4_error_set(err, DS4_ERR_INVALID, "fetch logits: %s", !logits ? "no place for them" : "not a state of this model");
-    if (!st->greedy_logits || !st->scratch)
+    if (!st->greedy_logits || !st->scratch.s)
         return ds4_error_set(err, DS4_ERR_INVALID,
                              "fetch logits: the state's last evaluation was not a greedy one (its logits are not kept)");
-    m->be->ops->download(m->be, logits, st->scratch->logits, m->cfg.n_vocab); /* the last row's, at the start */
+    m->be->ops->download(m->be, logits, st->scratch.s->logits, m->cfg.n_vocab); /* the last row's, at the start */
     ds4_status status = m->be->ops->take_error(m->be, err);
     if (status) return ds4_error_prefix(err, "fetch logits");
     return DS4_OK;
@@ -1146,9 +1154,8 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
         if (st->n_ctx > max_ctx) max_ctx = st->n_ctx;
     }
     const int64_t max_chunk = ds4_model_eval_chunk(m), chunk = n_seq < max_chunk ? n_seq : max_chunk;
-    for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* the first state's scratch is used */
-    ds4_state *first = states[0];
-    ds4_status status = ensure_scratch(m, first, chunk, max_ctx, true, err);
+    for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* (no logits are kept) */
+    ds4_status status = ensure_scratch(m, &m->chunk_scratch, chunk, max_ctx, true, err);
     if (status) return status;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
     if (!pos) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
@@ -1156,7 +1163,7 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
         const int64_t len = n_seq - off < chunk ? n_seq - off : chunk;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)states[off + t]->pos;
         eval_chunk(m, states + off, pos, tokens + off, len, num, logits ? logits + off * c->n_vocab : NULL,
-                   greedy ? greedy + off : NULL, true, true, first->scratch);
+                   greedy ? greedy + off : NULL, true, true, m->chunk_scratch.s);
         for (int64_t t = 0; t < len; t++) states[off + t]->pos++;
     }
     free(pos);

@@ -18,6 +18,15 @@ typedef struct layer_weights {
     bool has_bias;
 } layer_weights;
 
+/* An evaluation scratch (ds4_model.c) and what it has room for: `rows`
+ * tokens of states of up to `ctx` positions (its indexer scores), logits for
+ * all of them when all_logits. */
+typedef struct scratch_slot {
+    struct eval_scratch *s;
+    int64_t rows, ctx;
+    bool all_logits;
+} scratch_slot;
+
 struct ds4_model {
     ds4_config cfg;
     gguf_file *file;
@@ -36,6 +45,10 @@ struct ds4_model {
     bool comp_per_token;    /* compressors token by token even for a chunk (ds4_model_set_compressor_chunks) */
     int idx_batch; /* selecting rows per batch (ds4_model_set_indexer_batches): 0 the scratch's, -1 row by row, n */
     int64_t eval_chunk; /* tokens per layer-major pass (ds4_model_set_eval_chunk) */
+    /* the scratch of evaluations of several rows (prefill chunks, batched
+     * decode): one for the model, as its evaluations run one at a time,
+     * instead of one of a chunk's size in every state that prefilled */
+    scratch_slot chunk_scratch;
 };
 
 /* Compressor state of one layer: kv and score rows plus the emitted rows. */
@@ -65,14 +78,11 @@ struct ds4_state {
     ds4_model *model;
     int64_t n_ctx, pos;
     layer_state *layers;
-    /* Evaluation scratch kept between calls (decode steps would otherwise
-     * allocate and free it every token): room for scratch_rows tokens, and
-     * logits for all of them when scratch_all_logits. A batched decode uses
-     * the scratch of its first state. */
-    struct eval_scratch *scratch;
-    int64_t scratch_rows;
-    int64_t scratch_ctx; /* the largest state the scratch serves (its indexer scores) */
-    bool scratch_all_logits;
+    /* This state's own evaluation scratch, kept between calls (decode steps
+     * would otherwise allocate and free it every token): one row, for its
+     * decoded tokens and the logits a greedy evaluation keeps. Evaluations of
+     * several rows use the model's (ds4_model.chunk_scratch). */
+    scratch_slot scratch;
     /* the scratch holds the logits of this state's last evaluation, made by
      * ds4_model_eval_greedy and not brought back (ds4_model_fetch_logits) */
     bool greedy_logits;
