@@ -108,6 +108,11 @@ typedef struct ds4_backend_ops {
      * c < copies: each row repeated `copies` times (the embedding into every
      * HC stream). dst and src do not overlap. */
     void (*repeat_rows)(ds4_backend *be, float *dst, const float *src, int64_t n_rows, int64_t dim, int64_t copies);
+    /* dst[i][0 .. width) = src[i][0 .. width) for i < n: n copies of one
+     * width in one call (dst, src: host arrays of n backend pointers; the
+     * rows of a batch of states going to their own states). No destination
+     * overlaps another copy's source or destination. */
+    void (*copy_rows)(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n);
     /* Make a weight usable by this backend (e.g. upload it). */
     ds4_status (*bind_weight)(ds4_backend *be, ds4_weight *w, ds4_error *err);
     /* Bind a weight of w's name, type and shape whose bytes the backend makes

@@ -352,6 +352,25 @@ static void test_memory_ops(void) {
     for (int64_t i = 0; i < n; i++) CHECK(g[i] == h[(i / 50 / 4) * 50 + i % 50]);
     be->ops->repeat_rows(be, b, a, 5, -1, 4);
     CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    /* copy_rows: 7 rows of 30 of a to scattered places of c (rows 3 i + 1 apart, reversed), the rest kept */
+    be->ops->fill(be, c, -1.0f, n);
+    float *dsts[7];
+    const float *srcs[7];
+    for (int i = 0; i < 7; i++) dsts[i] = c + (3 * (6 - i) + 1) * 30 + i, srcs[i] = a + 30 * i;
+    be->ops->copy_rows(be, dsts, srcs, 30, 7);
+    be->ops->download(be, g, c, n);
+    int64_t written = 0;
+    for (int i = 0; i < 7; i++)
+        for (int j = 0; j < 30; j++) CHECK(g[dsts[i] - c + j] == h[30 * i + j]);
+    for (int64_t i = 0; i < n; i++) written += g[i] != -1.0f;
+    CHECK_EQ_INT(written, 7 * 30);
+    be->ops->copy_rows(be, dsts, srcs, 30, 0); /* nothing */
+    expect_no_error(be);
+    be->ops->copy_rows(be, dsts, srcs, -1, 7);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    dsts[3] = NULL;
+    be->ops->copy_rows(be, dsts, srcs, 30, 7);
+    CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
     be->ops->free(be, a);
     be->ops->free(be, b);
     be->ops->free(be, c);

@@ -63,6 +63,28 @@ static void test_add_and_rows(void) {
     op_expect_ok(&p);
     p.gpu->ops->repeat_rows(p.gpu, rep.g, a.g, rows, dim, -2);
     op_expect_error(&p, DS4_ERR_INVALID);
+    /* copy_rows: every row of a to a scattered place (reversed, odd offsets), the rest kept (-3) */
+    if (rows <= 9) {
+        float *hfill = malloc((size_t)(4 * dim * rows) * sizeof *hfill);
+        for (int64_t i = 0; i < 4 * dim * rows; i++) hfill[i] = -3.0f;
+        op_buf sc = op_buf_from(&p, hfill, 4 * dim * rows);
+        free(hfill);
+        float *dc[9], *dg[9];
+        const float *sc_c[9], *sc_g[9];
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t at = (rows - 1 - r) * 3 * dim + 7 * r;
+            dc[r] = sc.c + at, dg[r] = sc.g + at;
+            sc_c[r] = a.c + r * dim, sc_g[r] = a.g + r * dim;
+        }
+        p.cpu->ops->copy_rows(p.cpu, dc, sc_c, dim, rows);
+        p.gpu->ops->copy_rows(p.gpu, dg, sc_g, dim, rows);
+        op_compare("copy_rows", &p, sc, 4 * dim * rows, 0, 0);
+        op_expect_ok(&p);
+        dg[2] = NULL;
+        p.gpu->ops->copy_rows(p.gpu, dg, sc_g, dim, rows);
+        op_expect_error(&p, DS4_ERR_INVALID);
+        op_buf_free(&p, &sc);
+    }
     op_buf_free(&p, &rep);
     const uint32_t types[] = { DS4_TYPE_F32, DS4_TYPE_F16, DS4_TYPE_BF16 };
     for (size_t t = 0; t < 3; t++) {

@@ -89,6 +89,22 @@ static void cpu_repeat_rows(ds4_backend *be, float *dst, const float *src, int64
             memcpy(dst + (r * copies + c) * dim, src + r * dim, (size_t)dim * sizeof *dst);
 }
 
+static void cpu_copy_rows(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n) {
+    if (n < 0 || width < 0 || (n > 0 && (!dst || !src))) {
+        cpu_fail(be, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld%s", (long long)n, (long long)width,
+                 n > 0 && (!dst || !src) ? " without their pointers" : "");
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (!dst[i] || !src[i]) {
+            cpu_fail(be, DS4_ERR_INVALID, "copy_rows: copy %lld has no %s", (long long)i, dst[i] ? "source" : "destination");
+            return;
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (width > 0) memmove(dst[i], src[i], (size_t)width * sizeof(float));
+}
+
 /* The CPU reads the mapping in place; binding checks that every row can be
  * dequantised, which is all the ops need. Integer tensors (token -> expert
  * tables) are bound too: no op computes with them, the model reads their
@@ -288,6 +304,7 @@ static const ds4_backend_ops CPU_OPS = {
     .copy = cpu_copy,
     .fill = cpu_fill,
     .repeat_rows = cpu_repeat_rows,
+    .copy_rows = cpu_copy_rows,
     .bind_weight = cpu_bind_weight,
     .bind_synthetic = cpu_bind_synthetic,
     .release_weight = cpu_release_weight,

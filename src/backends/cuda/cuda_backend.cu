@@ -373,6 +373,40 @@ static void cuda_repeat_rows(ds4_backend *be, float *dst, const float *src, int6
     (void)cuda_launch(be, "repeat_rows_kernel", repeat_rows_kernel, blocks, 256, 0, dst, src, dim, copies, n);
 }
 
+/* Copy i = blockIdx.x of n: width floats from ptrs[n + i] to ptrs[i]. */
+__global__ void copy_rows_kernel(const uint64_t *__restrict__ ptrs, int64_t n, int64_t width) {
+    cuda_grid_wait();
+    float *dst = (float *)ptrs[blockIdx.x];
+    const float *src = (const float *)ptrs[n + blockIdx.x];
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}
+
+static void cuda_copy_rows(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n) {
+    if (cuda_failed(be)) return;
+    bool ok = n >= 0 && width >= 0 && n <= INT32_MAX && (n == 0 || (dst && src));
+    for (int64_t i = 0; ok && i < n; i++) ok = dst[i] && src[i];
+    if (!ok) {
+        cuda_fail(be, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld, with a missing pointer or a bad count",
+                  (long long)n, (long long)width);
+        return;
+    }
+    if (n == 0 || width == 0) return;
+    uint64_t *host = (uint64_t *)malloc((size_t)(2 * n) * sizeof *host);
+    if (!host) {
+        cuda_fail(be, DS4_ERR_NOMEM, "copy_rows: out of host memory for %lld pointers", (long long)(2 * n));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        host[i] = (uint64_t)(uintptr_t)dst[i];
+        host[n + i] = (uint64_t)(uintptr_t)src[i];
+    }
+    const uint64_t *table =
+        (const uint64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_COPY_ROWS, host, (size_t)(2 * n) * sizeof *host);
+    free(host);
+    if (!table) return;
+    (void)cuda_launch(be, "copy_rows_kernel", copy_rows_kernel, (unsigned)n, 256, 0, table, n, width);
+}
+
 __global__ void fill_kernel(float *dst, float v, int64_t n) {
     cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -901,6 +935,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .copy = cuda_copy,
     .fill = cuda_fill,
     .repeat_rows = cuda_repeat_rows,
+    .copy_rows = cuda_copy_rows,
     .bind_weight = cuda_bind_weight,
     .bind_synthetic = cuda_bind_synthetic,
     .release_weight = cuda_release_weight,

@@ -663,6 +663,19 @@ static void compressor_chunk(ds4_model *m, compressor_state *cs, const ds4_weigh
     }
 }
 
+/* Every row of the batch is a state of its own (a batched decode of up to
+ * 64 states; larger batches, and any batch with a state twice, take the
+ * row-by-row paths): their rows' copies into their states go in one
+ * copy_rows call, as no row's copy can touch another's state. */
+#define OWN_STATES_MAX 64
+static bool rows_own_states(ds4_model *m, ds4_state *const *rs, int64_t n) {
+    if (n < 2 || n > OWN_STATES_MAX || m->tap) return false;
+    for (int64_t i = 1; i < n; i++)
+        for (int64_t j = 0; j < i; j++)
+            if (rs[i] == rs[j]) return false;
+    return true;
+}
+
 static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
                             const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
                             float *row, ds4_numerics num, int64_t *n_rows) {
@@ -672,6 +685,27 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
     if (one_run) {
         layer_state *L = &rs[0]->layers[l];
         compressor_chunk(m, is_index ? &L->index : &L->attn, ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
+        return;
+    }
+    if (rows_own_states(m, rs, n)) { /* position bias per row, the rows into their states at once, then the window ends */
+        float *dst[2][OWN_STATES_MAX] = { { NULL } };
+        const float *src[2][OWN_STATES_MAX] = { { NULL } };
+        int64_t width = 0;
+        for (int64_t t = 0; t < n; t++) {
+            compressor_state *cs = is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn;
+            width = cs->coff * cs->dim;
+            be->ops->add_weight_row(be, sc + t * width, ape, pos[t] % cs->ratio, 1);
+            const int64_t r = comp_state_row(cs, pos[t]);
+            dst[0][t] = cs->state_kv + r * width, src[0][t] = kv + t * width;
+            dst[1][t] = cs->state_sc + r * width, src[1][t] = sc + t * width;
+        }
+        be->ops->copy_rows(be, dst[0], src[0], width, n);
+        be->ops->copy_rows(be, dst[1], src[1], width, n);
+        for (int64_t t = 0; t < n; t++) {
+            compressor_state *cs = is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn;
+            if ((pos[t] + 1) % cs->ratio == 0) compressor_emit(m, l, t, cs, norm, is_index, pos[t], row, num);
+            n_rows[t] = cs->n_rows;
+        }
         return;
     }
     int64_t run = 0; /* first row of the run not yet stored */
@@ -813,6 +847,14 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     if (ratio == 4)
         compressor_pass(m, rs, l, true, &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow, num, s->n_index);
     const int64_t Wn = c->sliding_window;
+    /* a batch of states: every row's KV row into its own window in one call */
+    const bool own = !direct && rows_own_states(m, rs, n);
+    if (own) {
+        float *dst[OWN_STATES_MAX] = { NULL };
+        const float *src[OWN_STATES_MAX] = { NULL };
+        for (int64_t t = 0; t < n; t++) dst[t] = window_slot(be, c, &rs[t]->layers[l]), src[t] = kv + t * D;
+        be->ops->copy_rows(be, dst, src, D, n);
+    }
     for (int64_t t0 = 0; t0 < n;) {
         /* a run of rows of one state at consecutive positions whose window
          * slots follow one another (the window does not move in between):
@@ -821,7 +863,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
          * after it lie past the end of that view) */
         layer_state *Lr = &rs[t0]->layers[l];
         int64_t t1 = t0 + 1;
-        if (direct) {
+        if (direct || own) { /* (own: its slot was taken and filled above) */
             window_commit(Lr);
         } else {
             float *slot = window_slot(be, c, Lr);
