@@ -117,6 +117,23 @@ bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const
     return true;
 }
 
+bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,
+                                const int64_t *a_n, const float *const *rows_b, const int64_t *b_n, ds4_error *err) {
+    if (n < 0 || (n > 0 && (!rows_a || !a_n || !rows_b || !b_n || !q || !out))) {
+        ds4_error_set(err, DS4_ERR_INVALID, "attention_states: %lld rows (a NULL array or buffer)", (long long)n);
+        return false;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        if (a_n[r] < 0 || b_n[r] < 0 || (a_n[r] > 0 && !rows_a[r]) || (b_n[r] > 0 && !rows_b[r])) {
+            ds4_error_set(err, DS4_ERR_INVALID, "attention_states: row %lld: %lld window rows%s, %lld compressed rows%s",
+                          (long long)r, (long long)a_n[r], rows_a[r] ? "" : " (none given)", (long long)b_n[r],
+                          rows_b[r] ? "" : " (none given)");
+            return false;
+        }
+    }
+    return true;
+}
+
 bool ds4_row_counts_valid(const char *op, const char *what, const int64_t *counts, int64_t n_rows, int64_t stride,
                           int64_t *most, ds4_error *err) {
     int64_t m = 0;

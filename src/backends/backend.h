@@ -221,6 +221,14 @@ typedef struct ds4_backend_ops {
     void (*attention_rows)(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                            const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                            const int64_t *b_n, const ds4_weight *sinks, float *out);
+    /* attention_rows for rows of different states (a batched decode): row
+     * r attends to its a_n[r] window rows from rows_a[r] and to the first
+     * b_n[r] rows of rows_b[r] (host arrays of n backend pointers; a pointer
+     * may be NULL where its count is 0), exactly as `attention` with
+     * rows_a = rows_a[r], rows_b = rows_b[r], n_b = n_rows_b = b_n[r]. */
+    void (*attention_states)(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                             const float *const *rows_a, const int64_t *a_n, const float *const *rows_b,
+                             const int64_t *b_n, const ds4_weight *sinks, float *out);
     /* The same with a selection per row (the indexer's): row r attends to
      * its view of rows_a and to the k rows idx[r * k .. r * k + k) of rows_b
      * (idx: int32 in backend memory, each below b_rows[r]), exactly as
@@ -390,6 +398,10 @@ bool ds4_row_counts_valid(const char *op, const char *what, const int64_t *count
                           int64_t *most, ds4_error *err);
 bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const int64_t *a_off, const int64_t *a_n,
                               const int64_t *b_n, ds4_error *err);
+/* attention_states' arrays as both backends check them (counts >= 0, a
+ * pointer wherever its count is not 0). */
+bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,
+                                const int64_t *a_n, const float *const *rows_b, const int64_t *b_n, ds4_error *err);
 
 /* matmul_multi's arguments as both backends check them (the count, every
  * weight present with p[0]'s row length, outputs within the weights and

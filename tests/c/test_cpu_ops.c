@@ -1393,6 +1393,27 @@ static void test_attention_rows(void) {
     CHECK_MSG(strstr(msg, "attention_rows") && strstr(msg, "NULL"), "%s", msg);
     be->ops->attention_rows(be, q, 0, heads, dim, a, NULL, NULL, b, NULL, &ws.w, out); /* no rows: nothing to do */
     expect_no_error(be);
+    /* attention_states: rows of "different states" (windows and compressed rows of their own, here slices
+     * of a and b at per-row places: the compressed rows end at b's end), each exactly what attention gives */
+    {
+        const float *ra[N], *rb[N];
+        for (int r = 0; r < N; r++) ra[r] = a_n[r] ? a + a_off[r] * dim : NULL, rb[r] = b_n[r] ? b + (n_comp - b_n[r]) * dim : NULL;
+        be->ops->attention_states(be, q, N, heads, dim, ra, a_n, rb, b_n, &ws.w, out);
+        expect_no_error(be);
+        for (int r = 0; r < N; r++) {
+            be->ops->attention(be, q + r * heads * dim, heads, dim, ra[r], a_n[r], rb[r], b_n[r], NULL, b_n[r], &ws.w,
+                               one);
+            CHECK_MSG(memcmp(out + r * heads * dim, one, (size_t)(heads * dim) * sizeof *one) == 0, "state row %d", r);
+        }
+        rb[4] = NULL; /* row 4 reads 11 compressed rows */
+        be->ops->attention_states(be, q, N, heads, dim, ra, a_n, rb, b_n, &ws.w, out);
+        CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+        CHECK_MSG(strstr(msg, "attention_states") && strstr(msg, "row 4"), "%s", msg);
+        be->ops->attention_states(be, q, N, heads, dim, NULL, a_n, rb, b_n, &ws.w, out);
+        CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+        be->ops->attention_states(be, q, 0, heads, dim, NULL, NULL, NULL, NULL, &ws.w, out); /* no rows */
+        expect_no_error(be);
+    }
     /* attention_rows_sel: each row what attention gives with its selection of 3 of its b_rows */
     const int64_t b_rows[N] = { 3, 4, 5, 6, 11, 11, 7 };
     const int32_t sel[N * 3] = { 0, 1, 2, 3, 0, 2, 4, 1, 0, 5, 2, 3, 10, 0, 9, 1, 2, 3, 6, 5, 4 };

@@ -390,6 +390,35 @@ static void attention_rows_case(op_pair *p, int64_t nh, int64_t dim) {
     snprintf(what, sizeof what, "attention_rows (13 rows, %lld heads of %lld)", (long long)nh, (long long)dim);
     compare_each(what, p, out, N * nh * dim, tol);
     expect_untouched(what, p, out, N * nh * dim, GUARD);
+    /* attention_states: the same rows as rows of different states, odd rows reading the compressed rows of
+     * another buffer (another allocation, other values) */
+    {
+        float *hb2 = op_rand(n_comp * dim, 1.0);
+        op_buf rb2 = op_buf_from(p, hb2, n_comp * dim);
+        const float *pa_c[N], *pa_g[N], *pb_c[N], *pb_g[N];
+        for (int r = 0; r < N; r++) {
+            pa_c[r] = ra.c + a_off[r] * dim, pa_g[r] = ra.g + a_off[r] * dim;
+            pb_c[r] = r & 1 ? rb2.c : rb.c, pb_g[r] = r & 1 ? rb2.g : rb.g;
+        }
+        op_buf out2 = op_buf_poisoned(p, N * nh * dim + GUARD);
+        p->cpu->ops->attention_states(p->cpu, q.c, N, nh, dim, pa_c, a_n, pb_c, b_n, &sinks->c, out2.c);
+        p->gpu->ops->attention_states(p->gpu, q.g, N, nh, dim, pa_g, a_n, pb_g, b_n, &sinks->g, out2.g);
+        op_expect_ok(p);
+        for (int r = 0; r < N; r++) {
+            const att_case ac = { "row", nh, dim, a_n[r], b_n[r], b_n[r], SEL_NONE, 1.0, 0.0, 1.0, DS4_TYPE_F32, 0 };
+            attention_tolerance(&ac, hq + r * nh * dim, ha + a_off[r] * dim, r & 1 ? hb2 : hb, NULL, hs,
+                                tol + r * nh * dim);
+        }
+        snprintf(what, sizeof what, "attention_states (13 rows, %lld heads of %lld)", (long long)nh, (long long)dim);
+        compare_each(what, p, out2, N * nh * dim, tol);
+        expect_untouched(what, p, out2, N * nh * dim, GUARD);
+        pb_g[2] = NULL; /* row 2 reads every compressed row */
+        p->gpu->ops->attention_states(p->gpu, q.g, N, nh, dim, pa_g, a_n, pb_g, b_n, &sinks->g, out2.g);
+        op_expect_error_with(p, "attention_states missing rows", "attention_states", "row 2", NULL);
+        op_buf_free(p, &out2);
+        op_buf_free(p, &rb2);
+        free(hb2);
+    }
     /* a negative view, NULL arrays */
     int64_t bad_off[N];
     memcpy(bad_off, a_off, sizeof bad_off);

@@ -328,6 +328,19 @@ void cpu_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_he
                       rows_b, b_n[r], NULL, b_n[r], sinks, out + r * n_heads * dim);
 }
 
+void cpu_attention_states(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                          const float *const *rows_a, const int64_t *a_n, const float *const *rows_b, const int64_t *b_n,
+                          const ds4_weight *sinks, float *out) {
+    ds4_error err = { 0 };
+    if (!ds4_attention_states_valid(n, q, out, rows_a, a_n, rows_b, b_n, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    for (int64_t r = 0; r < n; r++)
+        cpu_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a[r], a_n[r], rows_b[r], b_n[r], NULL, b_n[r],
+                      sinks, out + r * n_heads * dim);
+}
+
 void cpu_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks, float *out) {

@@ -325,6 +325,7 @@ static const ds4_backend_ops CPU_OPS = {
     .hc_head = cpu_hc_head,
     .attention = cpu_attention,
     .attention_rows = cpu_attention_rows,
+    .attention_states = cpu_attention_states,
     .attention_rows_sel = cpu_attention_rows_sel,
     .compressor_pool = cpu_compressor_pool,
     .indexer_scores = cpu_indexer_scores,

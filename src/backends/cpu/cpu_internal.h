@@ -170,6 +170,9 @@ void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *st
 void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale, int64_t n_heads,
                         int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);
+void cpu_attention_states(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                          const float *const *rows_a, const int64_t *a_n, const float *const *rows_b, const int64_t *b_n,
+                          const ds4_weight *sinks, float *out);
 void cpu_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks, float *out);

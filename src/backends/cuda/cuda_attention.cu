@@ -316,11 +316,13 @@ static __global__ void __launch_bounds__(ATT_THREADS)
 static_assert(MQA_DIM % ATT_THREADS == 0 && MQA_DIM % 32 == 0, "whole dims per thread and lane");
 static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thread");
 
-/* One query row's view for attention_rows: window rows from a_off (a_n of
- * them), the first b_n rows of rows_b (with a selection: b_n selected
- * rows, each below b_bound). */
+/* One query row's view for attention_rows: a_n window rows from a, the
+ * first b_n rows of b (with a selection: b_n selected rows of b, each below
+ * b_bound); a row's own pointers, so the rows of a batch may be of
+ * different states (attention_states). */
 struct att_view {
-    int64_t a_off, a_n, b_n, b_bound;
+    const float *a, *b;
+    int64_t a_n, b_n, b_bound;
 };
 
 static __global__ void __launch_bounds__(ATT_THREADS)
@@ -330,7 +332,8 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     if (views) { /* query row blockIdx.z of a run, its own view (attention_rows) */
         const att_view v = views[blockIdx.z];
         const int64_t n_heads = (int64_t)gridDim.x * MQA_HG;
-        rows.a += v.a_off * MQA_DIM;
+        rows.a = v.a;
+        rows.b = v.b;
         rows.n_a = v.a_n;
         rows.n_rows_b = rows.idx ? v.b_bound : v.b_n;
         if (rows.idx) rows.idx += blockIdx.z * rows.idx_stride;
@@ -600,34 +603,35 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
  * step), go through cuda_attention row by row. With idx (attention_rows_sel)
  * a query row reads the k rows of its selection, each below b_rows[r];
  * without, the first b_rows[r] rows (k is 0). */
+/* Row r's rows: its window from a_of[r] (else rows_a + a_off[r] rows), its
+ * compressed rows from b_of[r] (else rows_b). */
+struct att_bases {
+    const float *rows_a, *rows_b;
+    const int64_t *a_off;
+    const float *const *a_of, *const *b_of;
+    int64_t dim;
+    const float *a(int64_t r) const { return a_of ? a_of[r] : rows_a ? rows_a + a_off[r] * dim : NULL; }
+    const float *b(int64_t r) const { return b_of ? b_of[r] : rows_b; }
+};
+
 static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
-                                const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
-                                const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
-                                float *out) {
+                                const att_bases &base, const int64_t *a_n, const int64_t *b_rows, const int32_t *idx,
+                                int64_t k, const ds4_weight *sinks, float *out) {
     if (cuda_failed(be)) return;
-    ds4_error err;
-    memset(&err, 0, sizeof err);
-    if (!ds4_attention_rows_valid(n, q, out, a_off, a_n, b_rows, &err)) {
-        cuda_fail(be, err.status, "%s", err.message);
-        return;
-    }
     const auto b_count = [&](int64_t r) { return idx ? k : b_rows[r]; }; /* the rows row r reads from rows_b */
     int64_t longest = 0;
-    bool need_a = false, need_b = false;
+    bool have = true; /* every row's rows where it reads any */
     for (int64_t r = 0; r < n; r++) {
         if (a_n[r] + b_count(r) > longest) longest = a_n[r] + b_count(r);
-        need_a |= a_n[r] > 0;
-        need_b |= b_count(r) > 0;
+        have &= (a_n[r] == 0 || base.a(r)) && (b_count(r) == 0 || base.b(r));
     }
     const bool batched = n > 1 && n <= 65535 && mqa_shape(n_heads, dim) && sinks && sinks->device &&
                          weight_has_dequant(sinks) && sinks->ne[0] >= n_heads &&
-                         (cuda_is_float_type(sinks->type) || ds4_cuda_dequant_supported(sinks->type)) &&
-                         (!need_a || rows_a) && (!need_b || rows_b);
+                         (cuda_is_float_type(sinks->type) || ds4_cuda_dequant_supported(sinks->type)) && have;
     if (!batched) { /* (cuda_attention reports what does not suit) */
         for (int64_t r = 0; r < n && !cuda_failed(be); r++)
-            cuda_attention(be, q + r * n_heads * dim, n_heads, dim, rows_a ? rows_a + a_off[r] * dim : NULL,
-                           a_n[r], rows_b, b_rows[r], idx ? idx + r * k : NULL, b_count(r), sinks,
-                           out + r * n_heads * dim);
+            cuda_attention(be, q + r * n_heads * dim, n_heads, dim, base.a(r), a_n[r], base.b(r), b_rows[r],
+                           idx ? idx + r * k : NULL, b_count(r), sinks, out + r * n_heads * dim);
         return;
     }
     att_view *hv = (att_view *)malloc((size_t)n * sizeof *hv);
@@ -635,7 +639,7 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
         cuda_fail(be, DS4_ERR_NOMEM, "attention_rows: out of memory for %lld views", (long long)n);
         return;
     }
-    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ a_off[r], a_n[r], b_count(r), b_rows[r] };
+    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r] };
     const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
     free(hv);
     if (!views) return;
@@ -650,9 +654,7 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     uint32_t sink_type;
     if (!att_sink_values(be, sinks, scratch + part_floats, &sink_ptr, &sink_type)) return;
     att_rows rows;
-    memset(&rows, 0, sizeof rows); /* padding too: recorded steps compare argument bytes */
-    rows.a = rows_a;
-    rows.b = rows_b;
+    memset(&rows, 0, sizeof rows); /* padding too: recorded steps compare argument bytes (a, b: each view's) */
     rows.idx = idx && k > 0 ? idx : NULL;
     rows.idx_stride = k;
     rows.dim = dim;
@@ -668,21 +670,54 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
                       sink_ptr, sink_type, out);
 }
 
+/* attention_rows' and attention_rows_sel's arguments checked, their bases */
+static bool rows_bases(ds4_backend *be, int64_t n, const float *q, const float *out, const float *rows_a,
+                       const int64_t *a_off, const int64_t *a_n, const float *rows_b, const int64_t *b_rows,
+                       int64_t dim, att_bases *base) {
+    if (cuda_failed(be)) return false;
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_attention_rows_valid(n, q, out, a_off, a_n, b_rows, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return false;
+    }
+    *base = att_bases{ rows_a, rows_b, a_off, NULL, NULL, dim };
+    return true;
+}
+
 void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                          const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                          const int64_t *b_n, const ds4_weight *sinks, float *out) {
-    attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_n, NULL, 0, sinks, out);
+    att_bases base;
+    if (rows_bases(be, n, q, out, rows_a, a_off, a_n, rows_b, b_n, dim, &base))
+        attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_n, NULL, 0, sinks, out);
+}
+
+void cuda_attention_states(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                           const float *const *rows_a, const int64_t *a_n, const float *const *rows_b,
+                           const int64_t *b_n, const ds4_weight *sinks, float *out) {
+    if (cuda_failed(be)) return;
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_attention_states_valid(n, q, out, rows_a, a_n, rows_b, b_n, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    const att_bases base{ NULL, NULL, NULL, rows_a, rows_b, dim };
+    attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_n, NULL, 0, sinks, out);
 }
 
 void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                              const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                              const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
                              float *out) {
+    att_bases base;
+    if (!rows_bases(be, n, q, out, rows_a, a_off, a_n, rows_b, b_rows, dim, &base)) return;
     if (k < 0 || (!idx && k > 0 && n > 0)) {
         cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
         return;
     }
-    attention_rows_impl(be, q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, idx ? k : 0, sinks, out);
+    attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_rows, idx, idx ? k : 0, sinks, out);
 }
 
 /* ------------------------------------------------------------------------ */

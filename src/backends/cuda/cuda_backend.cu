@@ -956,6 +956,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .hc_head = cuda_hc_head,
     .attention = cuda_attention,
     .attention_rows = cuda_attention_rows,
+    .attention_states = cuda_attention_states,
     .attention_rows_sel = cuda_attention_rows_sel,
     .compressor_pool = cuda_compressor_pool,
     .indexer_scores = cuda_indexer_scores,

@@ -533,6 +533,9 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
 void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                          const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                          const int64_t *b_n, const ds4_weight *sinks, float *out);
+void cuda_attention_states(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                           const float *const *rows_a, const int64_t *a_n, const float *const *rows_b, const int64_t *b_n,
+                           const ds4_weight *sinks, float *out);
 void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                              const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                              const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,

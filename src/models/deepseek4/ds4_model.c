@@ -849,6 +849,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     const int64_t Wn = c->sliding_window;
     /* a batch of states: every row's KV row into its own window in one call */
     const bool own = !direct && rows_own_states(m, rs, n);
+    bool plain[OWN_STATES_MAX] = { false }; /* own: rows that attend without a selection, in one call below */
     if (own) {
         float *dst[OWN_STATES_MAX] = { NULL };
         const float *src[OWN_STATES_MAX] = { NULL };
@@ -885,7 +886,9 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
          * in one call, every compressed row they see taking part */
         int64_t tb = t0;
         while (tb < t1 && !(ratio == 4 && s->n_comp[tb] > c->idx_top_k)) tb++;
-        if (tb > t0) {
+        if (tb > t0 && own) { /* (a run of one row) */
+            plain[t0] = true;
+        } else if (tb > t0) {
             be->ops->attention_rows(be, s->q + t0 * nh * D, tb - t0, nh, D, Lr->window, s->win_off + t0,
                                     s->win_n + t0, ratio ? Lr->attn.rows : NULL, s->n_comp + t0, &W->sinks,
                                     s->attn + t0 * nh * D);
@@ -940,6 +943,25 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
                                ratio ? Lr->attn.rows : NULL, n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
             TAP("attention", l, t, s->attn + t * nh * D, nh * D);
         }
+        t0 = t1;
+    }
+    /* a batch of states: the rows without a selection, each with its own
+     * window and compressed rows, in one call per block of such rows */
+    for (int64_t t0 = 0; own && t0 < n;) {
+        if (!plain[t0]) {
+            t0++;
+            continue;
+        }
+        int64_t t1 = t0 + 1;
+        while (t1 < n && plain[t1]) t1++;
+        const float *ra[OWN_STATES_MAX] = { NULL }, *rb[OWN_STATES_MAX] = { NULL };
+        for (int64_t t = t0; t < t1; t++) {
+            const layer_state *Lt = &rs[t]->layers[l];
+            ra[t] = Lt->window + s->win_off[t] * D;
+            rb[t] = ratio ? Lt->attn.rows : NULL;
+        }
+        be->ops->attention_states(be, s->q + t0 * nh * D, t1 - t0, nh, D, ra + t0, s->win_n + t0, rb + t0,
+                                  s->n_comp + t0, &W->sinks, s->attn + t0 * nh * D);
         t0 = t1;
     }
     be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
