@@ -138,6 +138,10 @@ typedef struct ds4_backend_ops {
      * the rows of a position table (R positions, repeating) for a run of
      * consecutive positions starting at one of residue `first`. */
     void (*add_weight_rows_mod)(ds4_backend *be, float *x, const ds4_weight *w, int64_t first, int64_t n_rows);
+    /* x[r][i] += W row rows[r] [i] (rows: host, n_rows of them, each in [0,
+     * R)): the rows of a position table for rows at positions of their own
+     * (a batch of states). */
+    void (*add_weight_rows_at)(ds4_backend *be, float *x, const ds4_weight *w, const int64_t *rows, int64_t n_rows);
     /* In-place round trip through IEEE half precision (round to nearest even). */
     void (*round_f16)(ds4_backend *be, float *x, int64_t n);
     /* FP8 E4M3 round trip of dims [0, dim - n_rope) of each row, in blocks of 64

@@ -563,6 +563,26 @@ static void test_add_weight_row(void) {
     CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
     be->ops->add_weight_rows_mod(be, x, &tw.w, -1, mrows);
     CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    /* add_weight_rows_at: rows of positions of their own (a batch of states) */
+    {
+        int64_t at[15];
+        for (int64_t r = 0; r < mrows; r++) at[r] = (r * 7 + 3) % n;
+        fill_normal(x, mrows * dim, 1.0);
+        memcpy(x0, x, (size_t)(mrows * dim) * sizeof *x);
+        be->ops->add_weight_rows_at(be, x, &tw.w, at, mrows);
+        expect_no_error(be);
+        for (int64_t r = 0; r < mrows; r++) {
+            weight_row(&tw.w, at[r], row);
+            for (int64_t i = 0; i < dim; i++) CHECK(x[r * dim + i] == x0[r * dim + i] + row[i]);
+        }
+        at[9] = n; /* outside the table: refused before any row changes */
+        memcpy(x0, x, (size_t)(mrows * dim) * sizeof *x);
+        be->ops->add_weight_rows_at(be, x, &tw.w, at, mrows);
+        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+        CHECK(memcmp(x, x0, (size_t)(mrows * dim) * sizeof *x) == 0);
+        be->ops->add_weight_rows_at(be, x, &tw.w, NULL, mrows);
+        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+    }
     weight_free(&tw);
     free(src);
     free(x);

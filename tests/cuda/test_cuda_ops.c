@@ -106,6 +106,16 @@ static void test_add_and_rows(void) {
         op_expect_error(&p, DS4_ERR_INVALID);
         p.gpu->ops->add_weight_rows_mod(p.gpu, a.g, &w->g, -1, rows);
         op_expect_error(&p, DS4_ERR_INVALID);
+        /* rows at positions of their own: table rows in any order, repeated */
+        int64_t at[9];
+        for (int64_t r = 0; r < rows && r < 9; r++) at[r] = (r * 3 + 4) % 5;
+        p.cpu->ops->add_weight_rows_at(p.cpu, a.c, &w->c, at, rows < 9 ? rows : 9);
+        p.gpu->ops->add_weight_rows_at(p.gpu, a.g, &w->g, at, rows < 9 ? rows : 9);
+        op_compare("add_weight_rows_at", &p, a, dim * rows, 0, 0);
+        op_expect_ok(&p);
+        at[2] = 5; /* outside the table */
+        p.gpu->ops->add_weight_rows_at(p.gpu, a.g, &w->g, at, rows < 9 ? rows : 9);
+        op_expect_error(&p, DS4_ERR_INVALID);
         op_weight_free(&p, w);
     }
     op_buf_free(&p, &a);

@@ -270,6 +270,32 @@ static void cpu_add_weight_rows_mod(ds4_backend *be, float *x, const ds4_weight 
     free(v);
 }
 
+static void cpu_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight *w, const int64_t *rows,
+                                   int64_t n_rows) {
+    const ds4_type_traits *t = ds4_type_traits_get(w->type);
+    const int64_t dim = w->ne[0], R = cpu_weight_rows(w);
+    bool ok = t && t->dequant_row && n_rows >= 0 && (n_rows == 0 || rows);
+    int64_t bad = -1;
+    for (int64_t r = 0; ok && r < n_rows; r++)
+        if (rows[r] < 0 || rows[r] >= R) ok = false, bad = r;
+    if (!ok) {
+        cpu_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s, %lld rows)%s%lld", (long long)n_rows,
+                 cpu_wname(w), ds4_type_name(w->type), (long long)R, bad >= 0 ? "; row index at " : "",
+                 (long long)(bad >= 0 ? bad : 0));
+        return;
+    }
+    float *v = malloc((size_t)(dim > 0 ? dim : 1) * sizeof *v);
+    if (!v) {
+        cpu_fail(be, DS4_ERR_NOMEM, "add_weight_rows_at: out of memory");
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        t->dequant_row(cpu_weight_row(w, rows[r]), v, dim);
+        for (int64_t i = 0; i < dim; i++) x[r * dim + i] += v[i];
+    }
+    free(v);
+}
+
 static void cpu_round_f16(ds4_backend *be, float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = ds4_round_f16(x[i]);
 }
@@ -313,6 +339,7 @@ static const ds4_backend_ops CPU_OPS = {
     .add = cpu_add,
     .add_weight_row = cpu_add_weight_row,
     .add_weight_rows_mod = cpu_add_weight_rows_mod,
+    .add_weight_rows_at = cpu_add_weight_rows_at,
     .round_f16 = cpu_round_f16,
     .round_fp8_kv = cpu_round_fp8_kv,
     .indexer_qat = cpu_indexer_qat,

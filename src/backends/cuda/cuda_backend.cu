@@ -785,6 +785,47 @@ static void cuda_add_weight_rows_mod(ds4_backend *be, float *x, const ds4_weight
                       in_place ? w->type : (uint32_t)DS4_TYPE_F32, dim, R, first, n_rows * dim);
 }
 
+/* x[r][i] += W row idx[r] [i]: one thread per element. */
+__global__ void add_rows_idx_kernel(float *x, const void *w, uint32_t type, int64_t dim, const int32_t *idx, int64_t n) {
+    cuda_grid_wait();
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = __fadd_rn(x[i], cuda_load_float(w, type, (int64_t)idx[i / dim] * dim + i % dim));
+}
+
+static void cuda_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight *w, const int64_t *rows,
+                                    int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    const int64_t dim = w->ne[0], R = cuda_weight_rows(w);
+    bool ok = w->device && ds4_cuda_dequant_supported(w->type) && n_rows >= 0 && n_rows <= INT32_MAX &&
+              (n_rows == 0 || rows);
+    int64_t bad = -1;
+    for (int64_t r = 0; ok && r < n_rows; r++)
+        if (rows[r] < 0 || rows[r] >= R) ok = false, bad = r;
+    if (!ok) {
+        cuda_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s, %lld rows)%s%lld", (long long)n_rows,
+                  cuda_wname(w), ds4_type_name(w->type), (long long)R, bad >= 0 ? "; row index at " : "",
+                  (long long)(bad >= 0 ? bad : 0));
+        return;
+    }
+    if (n_rows == 0 || dim == 0) return;
+    int32_t *h = (int32_t *)malloc((size_t)n_rows * sizeof *h);
+    if (!h) {
+        cuda_fail(be, DS4_ERR_NOMEM, "add_weight_rows_at: out of host memory");
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++) h[r] = (int32_t)rows[r];
+    const int32_t *idx = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ROW_IDX, h, (size_t)n_rows * sizeof *h);
+    free(h);
+    if (!idx) return;
+    /* float tables are read in place; others are dequantised first (every row) */
+    const bool in_place = cuda_is_float_type(w->type);
+    const void *v = in_place ? (const void *)cuda_weight_row(w, 0)
+                             : (const void *)weight_row_floats(be, w, 0, R, "add_weight_rows_at");
+    if (!v) return;
+    (void)cuda_launch(be, "add_rows_idx_kernel", add_rows_idx_kernel, grid_for(n_rows * dim, 256), 256, 0, x, v,
+                      in_place ? w->type : (uint32_t)DS4_TYPE_F32, dim, idx, n_rows * dim);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Rounding (bit-identical to src/core/rounding.c)                           */
 /* ------------------------------------------------------------------------ */
@@ -944,6 +985,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .add = cuda_add,
     .add_weight_row = cuda_add_weight_row,
     .add_weight_rows_mod = cuda_add_weight_rows_mod,
+    .add_weight_rows_at = cuda_add_weight_rows_at,
     .round_f16 = cuda_round_f16,
     .round_fp8_kv = cuda_round_fp8_kv,
     .indexer_qat = cuda_indexer_qat,

@@ -47,6 +47,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_COPY = 0,     /* cuda_backend.cu: overlapping copies */
     CUDA_SCRATCH_CTRL,         /* cuda_backend.cu: small control arrays (tokens, positions) */
     CUDA_SCRATCH_COPY_ROWS,    /* cuda_backend.cu: copy_rows' pointer table */
+    CUDA_SCRATCH_ROW_IDX,      /* cuda_backend.cu: add_weight_rows_at's table rows */
     CUDA_SCRATCH_MATMUL_ACT,   /* cuda_matmul.cu: quantised activations */
     CUDA_SCRATCH_MATMUL_CTRL,  /* cuda_matmul.cu: expert ids / weights */
     CUDA_SCRATCH_MOE_GATE,     /* cuda_matmul.cu */

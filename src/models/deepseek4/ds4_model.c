@@ -687,18 +687,19 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
         compressor_chunk(m, is_index ? &L->index : &L->attn, ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
         return;
     }
-    if (rows_own_states(m, rs, n)) { /* position bias per row, the rows into their states at once, then the window ends */
+    if (rows_own_states(m, rs, n)) { /* the position biases, the rows into their states, then the window ends */
         float *dst[2][OWN_STATES_MAX] = { { NULL } };
         const float *src[2][OWN_STATES_MAX] = { { NULL } };
-        int64_t width = 0;
+        int64_t at[OWN_STATES_MAX] = { 0 }, width = 0;
         for (int64_t t = 0; t < n; t++) {
             compressor_state *cs = is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn;
             width = cs->coff * cs->dim;
-            be->ops->add_weight_row(be, sc + t * width, ape, pos[t] % cs->ratio, 1);
+            at[t] = pos[t] % cs->ratio;
             const int64_t r = comp_state_row(cs, pos[t]);
             dst[0][t] = cs->state_kv + r * width, src[0][t] = kv + t * width;
             dst[1][t] = cs->state_sc + r * width, src[1][t] = sc + t * width;
         }
+        be->ops->add_weight_rows_at(be, sc, ape, at, n);
         be->ops->copy_rows(be, dst[0], src[0], width, n);
         be->ops->copy_rows(be, dst[1], src[1], width, n);
         for (int64_t t = 0; t < n; t++) {
