@@ -111,7 +111,7 @@ typedef struct ds4_backend_ops {
     /* dst[i][0 .. width) = src[i][0 .. width) for i < n: n copies of one
      * width in one call (dst, src: host arrays of n backend pointers; the
      * rows of a batch of states going to their own states). No destination
-     * overlaps another copy's source or destination. */
+     * overlaps any copy's source (its own too) or another destination. */
     void (*copy_rows)(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n);
     /* Make a weight usable by this backend (e.g. upload it). */
     ds4_status (*bind_weight)(ds4_backend *be, ds4_weight *w, ds4_error *err);

@@ -327,7 +327,8 @@ static void test_op_table(void) {
           o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
           o->indexer_scores_rows && o->top_k_rows && o->attention_rows_sel &&
-          o->router && o->swiglu && o->moe && o->take_error);
+          o->router && o->swiglu && o->moe && o->take_error && o->copy_rows && o->add_weight_rows_at &&
+          o->attention_rows && o->attention_states);
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     ds4_backend_destroy(be);
 }

@@ -453,7 +453,8 @@ static void test_batch_decode_matches_single(void) {
     ds4_model *m = cpu_model(&cpu);
     if (!m) return;
     enum { K = 5, STEPS = 9 };
-    const int64_t prefix[K] = { 1, 14, 31, 122, 130 }; /* (122: a ratio-128 window ends at 127 in the batch) */
+    /* (122: a ratio-128 window ends at 127 in the batch; rows that select (122, 130) between rows that do not) */
+    const int64_t prefix[K] = { 130, 1, 122, 14, 31 };
     ds4_state *batch[K] = { 0 }, *single[K] = { 0 };
     int32_t *t = random_tokens(200 + K * STEPS);
     float *lb = malloc((size_t)(K * vocab) * sizeof *lb), *ls = malloc((size_t)vocab * sizeof *ls);

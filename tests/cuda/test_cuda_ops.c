@@ -113,9 +113,10 @@ static void test_add_and_rows(void) {
         p.gpu->ops->add_weight_rows_at(p.gpu, a.g, &w->g, at, rows < 9 ? rows : 9);
         op_compare("add_weight_rows_at", &p, a, dim * rows, 0, 0);
         op_expect_ok(&p);
-        at[2] = 5; /* outside the table */
+        at[2] = 5; /* outside the table: refused, nothing changed */
         p.gpu->ops->add_weight_rows_at(p.gpu, a.g, &w->g, at, rows < 9 ? rows : 9);
         op_expect_error(&p, DS4_ERR_INVALID);
+        op_compare("add_weight_rows_at refused", &p, a, dim * rows, 0, 0);
         op_weight_free(&p, w);
     }
     op_buf_free(&p, &a);

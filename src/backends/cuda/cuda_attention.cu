@@ -636,7 +636,8 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     }
     att_view *hv = (att_view *)malloc((size_t)n * sizeof *hv);
     if (!hv) {
-        cuda_fail(be, DS4_ERR_NOMEM, "attention_rows: out of memory for %lld views", (long long)n);
+        cuda_fail(be, DS4_ERR_NOMEM, "%s: out of memory for %lld views", base.a_of ? "attention_states" : "attention_rows",
+                  (long long)n);
         return;
     }
     for (int64_t r = 0; r < n; r++) hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r] };

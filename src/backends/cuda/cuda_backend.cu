@@ -383,12 +383,16 @@ __global__ void copy_rows_kernel(const uint64_t *__restrict__ ptrs, int64_t n, i
 
 static void cuda_copy_rows(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n) {
     if (cuda_failed(be)) return;
-    bool ok = n >= 0 && width >= 0 && n <= INT32_MAX && (n == 0 || (dst && src));
-    for (int64_t i = 0; ok && i < n; i++) ok = dst[i] && src[i];
-    if (!ok) {
-        cuda_fail(be, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld, with a missing pointer or a bad count",
-                  (long long)n, (long long)width);
+    if (n < 0 || width < 0 || n > INT32_MAX || (n > 0 && (!dst || !src))) {
+        cuda_fail(be, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld%s", (long long)n, (long long)width,
+                  n > 0 && (!dst || !src) ? " without their pointers" : "");
         return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (!dst[i] || !src[i]) {
+            cuda_fail(be, DS4_ERR_INVALID, "copy_rows: copy %lld has no %s", (long long)i, dst[i] ? "source" : "destination");
+            return;
+        }
     }
     if (n == 0 || width == 0) return;
     uint64_t *host = (uint64_t *)malloc((size_t)(2 * n) * sizeof *host);

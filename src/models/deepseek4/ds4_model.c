@@ -226,16 +226,20 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
     const ds4_backend_ops *o = be->ops;
     const struct { const char *name; bool present; } need[] = {
         { "alloc", o->alloc }, { "free", o->free }, { "upload", o->upload }, { "download", o->download },
-        { "copy", o->copy }, { "fill", o->fill }, { "repeat_rows", o->repeat_rows }, { "bind_weight", o->bind_weight },
+        { "copy", o->copy }, { "fill", o->fill }, { "repeat_rows", o->repeat_rows }, { "copy_rows", o->copy_rows },
+        { "bind_weight", o->bind_weight },
         { "release_weight", o->release_weight }, { "embed", o->embed }, { "rmsnorm", o->rmsnorm }, { "add", o->add },
         { "add_weight_row", o->add_weight_row }, { "add_weight_rows_mod", o->add_weight_rows_mod },
+        { "add_weight_rows_at", o->add_weight_rows_at },
         { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
         { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "matmul_grouped", o->matmul_grouped },
+        { "matmul_multi", o->matmul_multi },
         { "rope_tail", o->rope_tail },
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
         { "compressor_pool", o->compressor_pool }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
         { "indexer_scores_rows", o->indexer_scores_rows }, { "top_k_rows", o->top_k_rows },
-        { "attention_rows_sel", o->attention_rows_sel },
+        { "attention_rows", o->attention_rows }, { "attention_rows_sel", o->attention_rows_sel },
+        { "attention_states", o->attention_states },
         { "router", o->router }, { "swiglu", o->swiglu }, { "moe", o->moe }, { "take_error", o->take_error },
     };
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
