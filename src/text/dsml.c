@@ -237,23 +237,37 @@ static const char *blk_where(const dsml_block *b, char *out, size_t cap) {
 }
 
 /*
- * Attribute `attr` of the tag s[t0..t1]: the text between `attr="` and the
- * next '"', entity-unescaped [ds4_server.c:dsml_attr]. Returns 1 with *out
- * set, 0 when absent or unterminated, -1 on allocation failure.
+ * Attribute `attr` of the tag s[t0..t1]: the value of its `attr="..."`
+ * (up to the next '"'), entity-unescaped [ds4_server.c:dsml_attr]. The
+ * tag's attributes are read in order (after the tag name, each a name, '='
+ * and a quoted value, separated by white space), so text inside another
+ * attribute's value never counts: a parameter named `xstring=` is not a
+ * `string=` attribute. Returns 1 with *out set, 0 when absent, unterminated
+ * or not in that form, -1 on allocation failure.
  */
+static int is_tag_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
 static int tag_attr(const char *s, size_t t0, size_t t1, const char *attr, char **out) {
-    char pat[32];
-    snprintf(pat, sizeof(pat), "%s=\"", attr);
-    const char *p = mem_find(s + t0, t1 - t0, pat, strlen(pat));
-    if (!p) return 0;
-    p += strlen(pat);
-    const char *q = memchr(p, '"', (size_t)(s + t1 - p));
-    if (!q) return 0;
-    chat_buf v = {0};
-    dsml_unescape(&v, p, (size_t)(q - p));
-    chat_buf_putc(&v, '\0');
-    *out = chat_buf_take(&v, NULL);
-    return *out ? 1 : -1;
+    const size_t alen = strlen(attr);
+    size_t i = t0;
+    while (i < t1 && !is_tag_space(s[i])) i++; /* the tag name */
+    for (;;) {
+        while (i < t1 && is_tag_space(s[i])) i++;
+        const size_t n0 = i;
+        while (i < t1 && s[i] != '=' && !is_tag_space(s[i])) i++;
+        if (i + 1 >= t1 || s[i] != '=' || s[i + 1] != '"' || i == n0) return 0;
+        const size_t n1 = i, v0 = i + 2;
+        const char *q = memchr(s + v0, '"', t1 - v0);
+        if (!q) return 0;
+        if (n1 - n0 == alen && !memcmp(s + n0, attr, alen)) {
+            chat_buf v = {0};
+            dsml_unescape(&v, s + v0, (size_t)(q - (s + v0)));
+            chat_buf_putc(&v, '\0');
+            *out = chat_buf_take(&v, NULL);
+            return *out ? 1 : -1;
+        }
+        i = (size_t)(q - s) + 1;
+    }
 }
 
 /* Parse a parameter tag whose '<' is at b->pos: name and string type. */

@@ -410,6 +410,45 @@ static char *render_calls(const ds4_chat_tool_call *calls, size_t n) {
     return out;
 }
 
+/* Parameter names that hold attribute-like text (`string=`, `name="`) render
+ * and parse back as the same call: the parser reads a tag's attributes in
+ * order, never a match inside another attribute's value (a fuzzer found
+ * `{"tool_callstring=":1}` failing to round-trip). A tag whose attributes
+ * are not name="value" pairs is refused. */
+static void test_dsml_attribute_like_names(void) {
+    static const char *const ARGS[] = {
+        "{\"tool_callstring=\":1}",
+        "{\"xstring=\":\"v\",\"a name=\":2,\"b\":\"string=\\\"true\\\"\"}",
+        "{\"string\":\"s\",\"name\":3}",
+    };
+    static const char *const WANT[] = {
+        "{\"tool_callstring=\":1}",
+        "{\"xstring=\":\"v\",\"a name=\":2,\"b\":\"string=\\\"true\\\"\"}",
+        "{\"string\":\"s\",\"name\":3}",
+    };
+    for (size_t i = 0; i < N_OF(ARGS); i++) {
+        ds4_chat_tool_call call = {.name = "f string=", .arguments = (char *)ARGS[i]};
+        char *block = render_calls(&call, 1);
+        ds4_chat_reply r;
+        ds4_error err = {0};
+        CHECK_MSG(ds4_chat_parse_reply(block, strlen(block), 0, &r, &err) == DS4_OK, "%s: %s", ARGS[i], err.message);
+        CHECK_EQ_INT(r.n_calls, 1);
+        if (r.n_calls == 1) {
+            CHECK_STR(r.calls[0].name, "f string=");
+            CHECK_STR(r.calls[0].arguments, WANT[i]);
+        }
+        ds4_chat_reply_free(&r);
+        free(block);
+    }
+    const char *bad = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n"
+                      "<｜DSML｜parameter name=\"a\" string>1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+    ds4_chat_reply r;
+    ds4_error err = {0};
+    ds4_status st = ds4_chat_parse_reply(bad, strlen(bad), 0, &r, &err);
+    CHECK_MSG(st == DS4_OK || st == DS4_ERR_FORMAT, "status %d", st);
+    ds4_chat_reply_free(&r);
+}
+
 static void test_render_dsml_canonical(void) {
     ds4_chat_tool_call calls[] = {
         {.name = "run", .arguments = " {\"b\": \"x > y && z & w\", \"a\": [1, 2,\n {\"k\": \"v v\"}], \"n\": null,"
@@ -1265,6 +1304,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_tool_schema_from_openai),
     TEST_ENTRY(test_render_spec_tool_example),
     TEST_ENTRY(test_render_dsml_canonical),
+    TEST_ENTRY(test_dsml_attribute_like_names),
     TEST_ENTRY(test_render_exact_replay),
     TEST_ENTRY(test_render_completion),
     TEST_ENTRY(test_segments_encode_prompt),
