@@ -524,9 +524,68 @@ static void attention_rows_sel_case(op_pair *p, int64_t nh, int64_t dim) {
     free(hs);
 }
 
+/* Rows far apart in length (up to 9,000 keys, past the 2,048 where a row's
+ * split size starts to grow with its length) in one shared-row launch, as
+ * attention_rows and as attention_states (rows of their own compressed-row
+ * buffers): each row bit for bit what the GPU's one-row attention gives it,
+ * whatever rows share its batch. */
+static void attention_rows_long_case(op_pair *p, int64_t nh) {
+    enum { N = 5 };
+    const int64_t dim = 512, n_win = 128, n_comp = 9000;
+    const int64_t a_off[N] = { 0, 3, 0, 7, 1 }, a_n[N] = { 128, 100, 0, 121, 60 };
+    const int64_t b_n[N] = { 3000, 9000, 40, 500, 2100 };
+    float *hq = op_rand(N * nh * dim, 1.0), *ha = op_rand(n_win * dim, 1.0), *hb = op_rand(n_comp * dim, 1.0);
+    float *hs = op_rand(nh, 1.0);
+    op_weight *sinks = op_weight_floats(p, "attn_sinks", DS4_TYPE_F32, nh, 1, 1, hs);
+    op_buf q = op_buf_from(p, hq, N * nh * dim), ra = op_buf_from(p, ha, n_win * dim);
+    op_buf rb = op_buf_from(p, hb, n_comp * dim);
+    op_buf out = op_buf_poisoned(p, N * nh * dim), out2 = op_buf_poisoned(p, N * nh * dim), one = op_buf_poisoned(p, nh * dim);
+    p->gpu->ops->attention_rows(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_n, &sinks->g, out.g);
+    const float *pa[N], *pb[N];
+    for (int r = 0; r < N; r++) pa[r] = ra.g + a_off[r] * dim, pb[r] = rb.g + (n_comp - b_n[r]) * dim;
+    p->gpu->ops->attention_states(p->gpu, q.g, N, nh, dim, pa, a_n, pb, b_n, &sinks->g, out2.g);
+    op_expect_ok(p);
+    float *h_rows = malloc((size_t)(N * nh * dim) * sizeof *h_rows), *h_states = malloc((size_t)(N * nh * dim) * sizeof *h_states);
+    float *h1 = malloc((size_t)(nh * dim) * sizeof *h1);
+    p->gpu->ops->download(p->gpu, h_rows, out.g, N * nh * dim);
+    p->gpu->ops->download(p->gpu, h_states, out2.g, N * nh * dim);
+    int bad_rows = 0, bad_states = 0, nan = 0;
+    for (int r = 0; r < N; r++) {
+        p->gpu->ops->attention(p->gpu, q.g + r * nh * dim, nh, dim, ra.g + a_off[r] * dim, a_n[r], rb.g, b_n[r], NULL,
+                               b_n[r], &sinks->g, one.g);
+        p->gpu->ops->download(p->gpu, h1, one.g, nh * dim);
+        bad_rows += memcmp(h1, h_rows + r * nh * dim, (size_t)(nh * dim) * sizeof *h1) != 0;
+        p->gpu->ops->attention(p->gpu, q.g + r * nh * dim, nh, dim, pa[r], a_n[r], pb[r], b_n[r], NULL, b_n[r],
+                               &sinks->g, one.g);
+        p->gpu->ops->download(p->gpu, h1, one.g, nh * dim);
+        bad_states += memcmp(h1, h_states + r * nh * dim, (size_t)(nh * dim) * sizeof *h1) != 0;
+        for (int64_t i = 0; i < nh * dim; i++) nan += isnan(h1[i]);
+    }
+    op_expect_ok(p);
+    CHECK_MSG(bad_rows == 0 && bad_states == 0 && nan == 0,
+              "long rows, %lld heads: %d attention_rows rows and %d attention_states rows differ from one-row "
+              "attention (%d NaN)", (long long)nh, bad_rows, bad_states, nan);
+    free(h_rows);
+    free(h_states);
+    free(h1);
+    op_buf_free(p, &q);
+    op_buf_free(p, &ra);
+    op_buf_free(p, &rb);
+    op_buf_free(p, &out);
+    op_buf_free(p, &out2);
+    op_buf_free(p, &one);
+    op_weight_free(p, sinks);
+    free(hq);
+    free(ha);
+    free(hb);
+    free(hs);
+}
+
 static void test_attention_rows(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
+    attention_rows_long_case(&p, 64);
+    attention_rows_long_case(&p, 8);
     attention_rows_sel_case(&p, 8, 512);
     attention_rows_sel_case(&p, 64, 512);
     attention_rows_sel_case(&p, 4, 512);

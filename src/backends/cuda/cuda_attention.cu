@@ -323,6 +323,7 @@ static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thre
 struct att_view {
     const float *a, *b;
     int64_t a_n, b_n, b_bound;
+    int64_t rps; /* rows per split: the row's own, as a single row's launch splits it (the grid has the most) */
 };
 
 static __global__ void __launch_bounds__(ATT_THREADS)
@@ -331,6 +332,7 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     cuda_grid_wait();
     if (views) { /* query row blockIdx.z of a run, its own view (attention_rows) */
         const att_view v = views[blockIdx.z];
+        rows_per_split = v.rps;
         const int64_t n_heads = (int64_t)gridDim.x * MQA_HG;
         rows.a = v.a;
         rows.b = v.b;
@@ -598,7 +600,8 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
 /* The rows of a run: for the model's shape (dim 512, heads in groups of
  * 8) and more than one row, one launch of the shared-row kernel over all of
  * them (grid z = query row, each row's view uploaded as control data; every
- * row split as the longest one is, so a short row's later splits are empty)
+ * row split as a launch of its own would split it, the grid as the row with
+ * the most splits, so a shorter row's later splits are empty)
  * and one combine over all rows. Other shapes, and single rows (the decode
  * step), go through cuda_attention row by row. With idx (attention_rows_sel)
  * a query row reads the k rows of its selection, each below b_rows[r];
@@ -640,13 +643,22 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
                   (long long)n);
         return;
     }
-    for (int64_t r = 0; r < n; r++) hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r] };
+    /* each row split as its own launch would split it (so its partials, and
+     * its result, are the same bit for bit whatever rows share the batch);
+     * the grid has the most splits, a row's later ones are empty (exact zeros
+     * in the combine) */
+    int64_t n_splits = 1;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t ns, rps;
+        att_splits(a_n[r] + b_count(r), n_heads / MQA_HG, MQA_MIN_ROWS, &ns, &rps);
+        if (ns < 1) rps = ATT_TILE; /* no rows: empty partials */
+        if (ns > n_splits) n_splits = ns;
+        hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r], rps };
+    }
     const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
     free(hv);
     if (!views) return;
-    int64_t n_splits, rows_per_split;
-    att_splits(longest, n_heads / MQA_HG, MQA_MIN_ROWS, &n_splits, &rows_per_split);
-    if (n_splits < 1) n_splits = 1, rows_per_split = ATT_TILE; /* no rows anywhere: empty partials */
+    const int64_t rows_per_split = ATT_TILE; /* (each view has its own) */
     const size_t part_floats = (size_t)n * (size_t)n_heads * (size_t)n_splits * (size_t)(dim + 2);
     const size_t sink_floats = cuda_is_float_type(sinks->type) ? 0 : (size_t)sinks->ne[0];
     float *scratch = (float *)cuda_scratch(be, CUDA_SCRATCH_ATTN, (part_floats + sink_floats) * sizeof(float));
