@@ -476,6 +476,32 @@ static void test_batch_decode_matches_single(void) {
         }
     }
     CHECK_MSG(bad == 0, "%d of %d batched rows differ from single-token decode", bad, K * STEPS);
+    {
+        /* row by row (ds4_model_set_state_batches off): the same logits as the batched calls */
+        ds4_state *off[K] = { 0 }, *on[K] = { 0 };
+        float *lo = malloc((size_t)(K * vocab) * sizeof *lo);
+        for (int i = 0; i < K; i++) {
+            CHECK(ds4_state_create(m, 256, &off[i], &err) == DS4_OK && ds4_state_create(m, 256, &on[i], &err) == DS4_OK);
+            CHECK(ds4_model_eval(m, off[i], t + 7 * i, prefix[i], DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+            CHECK(ds4_model_eval(m, on[i], t + 7 * i, prefix[i], DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+        }
+        int differ = 0;
+        for (int step = 0; step < 3; step++) {
+            int32_t next[K];
+            for (int i = 0; i < K; i++) next[i] = t[200 + step * K + i];
+            ds4_model_set_state_batches(m, false);
+            CHECK(ds4_model_eval_batch(m, off, next, K, DS4_NUMERICS_DS4, lo, &err) == DS4_OK);
+            ds4_model_set_state_batches(m, true);
+            CHECK(ds4_model_eval_batch(m, on, next, K, DS4_NUMERICS_DS4, lb, &err) == DS4_OK);
+            differ += memcmp(lo, lb, (size_t)(K * vocab) * sizeof *lo) != 0;
+        }
+        CHECK_MSG(differ == 0, "%d batched steps differ with the state batches off", differ);
+        for (int i = 0; i < K; i++) {
+            ds4_state_free(off[i]);
+            ds4_state_free(on[i]);
+        }
+        free(lo);
+    }
     /* a batch of one is a decode step; NULL logits are allowed */
     CHECK(ds4_model_eval_batch(m, batch, &t[0], 1, DS4_NUMERICS_DS4, NULL, &err) == DS4_OK);
     /* refused, with nothing advanced: the same state twice, a full context,

@@ -441,6 +441,36 @@ static void test_batch_decode_matches_single(void) {
         fprintf(stderr, "  batched decode of %d streams: worst row %.3g normwise from single decode; %llu graphs\n",
                 K, worst, (unsigned long long)(c1.graphs - c0.graphs));
         CHECK_MSG(worst <= 1e-3, "a batched row is %.3g normwise from single-token decode", worst);
+        {
+            /* the batch's row-by-row path (ds4_model_set_state_batches off) gives the same logits bit for bit:
+             * copy_rows, add_weight_rows_at and attention_states compute what the per-row ops do */
+            ds4_state *off[K] = { 0 }, *on[K] = { 0 };
+            float *lo = malloc((size_t)(K * vocab) * sizeof *lo);
+            bool made = true;
+            for (int i = 0; i < K; i++) {
+                made &= ds4_state_create(m, 256, &off[i], &err) == DS4_OK && ds4_state_create(m, 256, &on[i], &err) == DS4_OK;
+                if (!made) break;
+                CHECK(ds4_model_eval(m, off[i], t + i, prefix[i], DS4_NUMERICS_REFERENCE, NULL, false, &err) == DS4_OK);
+                CHECK(ds4_model_eval(m, on[i], t + i, prefix[i], DS4_NUMERICS_REFERENCE, NULL, false, &err) == DS4_OK);
+            }
+            CHECK(made);
+            int differ = 0;
+            for (int step = 0; made && step < 3; step++) {
+                int32_t next[K];
+                for (int i = 0; i < K; i++) next[i] = t[120 + step * K + i];
+                ds4_model_set_state_batches(m, false);
+                CHECK(ds4_model_eval_batch(m, off, next, K, DS4_NUMERICS_REFERENCE, lo, &err) == DS4_OK);
+                ds4_model_set_state_batches(m, true);
+                CHECK(ds4_model_eval_batch(m, on, next, K, DS4_NUMERICS_REFERENCE, lb, &err) == DS4_OK);
+                differ += memcmp(lo, lb, (size_t)(K * vocab) * sizeof *lo) != 0;
+            }
+            CHECK_MSG(differ == 0, "%d batched steps differ with the state batches off", differ);
+            for (int i = 0; i < K; i++) {
+                ds4_state_free(off[i]);
+                ds4_state_free(on[i]);
+            }
+            free(lo);
+        }
         for (int i = 0; i < K; i++) {
             ds4_state_free(batch[i]);
             ds4_state_free(single[i]);

@@ -80,6 +80,7 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
 
 void ds4_model_set_compressor_chunks(ds4_model *m, bool on) { m->comp_per_token = !on; }
 void ds4_model_set_indexer_batches(ds4_model *m, int rows) { m->idx_batch = rows < 0 ? 0 : rows == 0 ? -1 : rows; }
+void ds4_model_set_state_batches(ds4_model *m, bool on) { m->no_state_batches = !on; }
 void ds4_model_set_eval_chunk(ds4_model *m, int64_t n) { m->eval_chunk = n < 1 ? DS4_EVAL_CHUNK : n; }
 int64_t ds4_model_eval_chunk(const ds4_model *m) { return m->eval_chunk > 0 ? m->eval_chunk : DS4_EVAL_CHUNK; }
 
@@ -673,7 +674,7 @@ static void compressor_chunk(ds4_model *m, compressor_state *cs, const ds4_weigh
  * copy_rows call, as no row's copy can touch another's state. */
 #define OWN_STATES_MAX 64
 static bool rows_own_states(ds4_model *m, ds4_state *const *rs, int64_t n) {
-    if (n < 2 || n > OWN_STATES_MAX || m->tap) return false;
+    if (n < 2 || n > OWN_STATES_MAX || m->tap || m->no_state_batches) return false;
     for (int64_t i = 1; i < n; i++)
         for (int64_t j = 0; j < i; j++)
             if (rs[i] == rs[j]) return false;

@@ -111,6 +111,12 @@ void ds4_model_set_indexer_batches(ds4_model *m, int rows);
  * full-size model). n < 1 restores the default, DS4_EVAL_CHUNK. The
  * results do not depend on it on the CPU (bit for bit); on a GPU, rows of
  * chunks too small for its batched kernels are summed in another order. */
+/* A batch of distinct states (ds4_model_eval_batch of up to 64) moves its
+ * rows into their states, adds their position biases and attends the rows
+ * without a selection in one call each (on, the default), or row by row
+ * (off): the same results; the switch is there to show that and to
+ * measure it. */
+void ds4_model_set_state_batches(ds4_model *m, bool on);
 #define DS4_EVAL_CHUNK 1024
 void ds4_model_set_eval_chunk(ds4_model *m, int64_t n);
 int64_t ds4_model_eval_chunk(const ds4_model *m);
