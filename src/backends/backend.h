@@ -253,6 +253,12 @@ typedef struct ds4_backend_ops {
      * lane A rows) and writes out[w * dim ..]. */
     void (*compressor_pool)(ds4_backend *be, const float *state_kv, const float *state_score, int ratio,
                             int64_t dim, int64_t n_windows, float *out);
+    /* compressor_pool of one window for each of n states (a batch of states
+     * whose windows end together): window w reads the rows of state_kv[w] /
+     * state_score[w] (host arrays of backend pointers) and writes
+     * out[w * dim ..]. */
+    void (*compressor_pool_states)(ds4_backend *be, const float *const *state_kv, const float *const *state_score,
+                                   int ratio, int64_t dim, int64_t n, float *out);
 
     /* ---- indexer (spec 3.6) ------------------------------------------- */
     /* score[c] = sum_h relu(q_h . keys[c]) * w_h, for c < n_keys, heads in

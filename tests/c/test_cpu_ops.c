@@ -328,7 +328,7 @@ static void test_op_table(void) {
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
           o->indexer_scores_rows && o->top_k_rows && o->attention_rows_sel &&
           o->router && o->swiglu && o->moe && o->take_error && o->copy_rows && o->add_weight_rows_at &&
-          o->attention_rows && o->attention_states);
+          o->attention_rows && o->attention_states && o->compressor_pool_states);
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     ds4_backend_destroy(be);
 }
@@ -1512,6 +1512,18 @@ static void test_compressor_pool(void) {
             CHECK(memcmp(one, out + w * dim, (size_t)dim * sizeof *one) == 0);
         }
         be->ops->compressor_pool(be, kv, sc, ratio, dim, -1, out);
+        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+        /* compressor_pool_states: each window from a state of its own (here windows of kv in reverse order) */
+        const float *pk[5], *ps[5];
+        for (int64_t w = 0; w < nw; w++) pk[w] = kv + (nw - 1 - w) * ratio * width, ps[w] = sc + (nw - 1 - w) * ratio * width;
+        be->ops->compressor_pool_states(be, pk, ps, ratio, dim, nw, out);
+        expect_no_error(be);
+        for (int64_t w = 0; w < nw; w++) {
+            be->ops->compressor_pool(be, pk[w], ps[w], ratio, dim, 1, one);
+            CHECK(memcmp(one, out + w * dim, (size_t)dim * sizeof *one) == 0);
+        }
+        ps[2] = NULL;
+        be->ops->compressor_pool_states(be, pk, ps, ratio, dim, nw, out);
         CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
         free(kv);
         free(sc);

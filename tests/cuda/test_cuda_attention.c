@@ -706,6 +706,40 @@ static void compressor_windows_case(op_pair *p, int ratio, int64_t dim, int64_t 
     }
     op_expect_ok(p);
     CHECK_MSG(bad == 0, "%s: %d windows differ from one-window pools", what, bad);
+    /* compressor_pool_states: the windows as windows of states of their own (in reverse order), against the
+     * CPU's and bit for bit the GPU's one-window pools */
+    if (nw <= 64) {
+        const float *kc[64], *sc_c[64], *kg[64], *sg[64];
+        for (int64_t w = 0; w < nw; w++) {
+            const int64_t at = (nw - 1 - w) * ratio * width;
+            kc[w] = bkv.c + at, sc_c[w] = bsc.c + at, kg[w] = bkv.g + at, sg[w] = bsc.g + at;
+        }
+        op_buf out2 = op_buf_poisoned(p, nw * dim + GUARD);
+        p->cpu->ops->compressor_pool_states(p->cpu, kc, sc_c, ratio, dim, nw, out2.c);
+        p->gpu->ops->compressor_pool_states(p->gpu, kg, sg, ratio, dim, nw, out2.g);
+        op_expect_ok(p);
+        double *tol2 = malloc((size_t)(nw * dim) * sizeof *tol2); /* window w is window nw - 1 - w above */
+        for (int64_t w = 0; w < nw; w++)
+            for (int64_t j = 0; j < dim; j++) tol2[w * dim + j] = tol[(nw - 1 - w) * dim + j];
+        snprintf(what, sizeof what, "compressor_pool_states ratio %d dim %lld, %lld windows", ratio, (long long)dim,
+                 (long long)nw);
+        compare_each(what, p, out2, nw * dim, tol2);
+        expect_untouched(what, p, out2, nw * dim, GUARD);
+        p->gpu->ops->download(p->gpu, hw, out2.g, nw * dim);
+        int bad2 = 0;
+        for (int64_t w = 0; w < nw; w++) {
+            p->gpu->ops->compressor_pool(p->gpu, kg[w], sg[w], ratio, dim, 1, one.g);
+            p->gpu->ops->download(p->gpu, h1, one.g, dim);
+            bad2 += memcmp(h1, hw + w * dim, (size_t)dim * sizeof *h1) != 0;
+        }
+        op_expect_ok(p);
+        CHECK_MSG(bad2 == 0, "%s: %d windows differ from one-window pools", what, bad2);
+        sg[0] = NULL;
+        p->gpu->ops->compressor_pool_states(p->gpu, kg, sg, ratio, dim, nw, out2.g);
+        op_expect_error(p, DS4_ERR_INVALID);
+        free(tol2);
+        op_buf_free(p, &out2);
+    }
     free(hw);
     free(h1);
     free(tol);

@@ -355,6 +355,7 @@ static const ds4_backend_ops CPU_OPS = {
     .attention_states = cpu_attention_states,
     .attention_rows_sel = cpu_attention_rows_sel,
     .compressor_pool = cpu_compressor_pool,
+    .compressor_pool_states = cpu_compressor_pool_states,
     .indexer_scores = cpu_indexer_scores,
     .top_k = cpu_top_k,
     .indexer_scores_rows = cpu_indexer_scores_rows,

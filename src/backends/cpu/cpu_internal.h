@@ -167,6 +167,8 @@ void cpu_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t dim
                    const ds4_weight *sinks, float *out);
 void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
                          int64_t n_windows, float *out);
+void cpu_compressor_pool_states(ds4_backend *be, const float *const *state_kv, const float *const *state_score,
+                               int ratio, int64_t dim, int64_t n, float *out);
 void cpu_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale, int64_t n_heads,
                         int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cpu_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);

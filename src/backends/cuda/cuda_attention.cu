@@ -742,13 +742,17 @@ void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t
  * lane B)); all -inf gives 0. */
 static __global__ void __launch_bounds__(POOL_THREADS)
     compressor_pool_kernel(const float *__restrict__ kv, const float *__restrict__ sc, int ratio, int64_t dim,
-                           float *__restrict__ out) {
+                           float *__restrict__ out, const uint64_t *__restrict__ states, int64_t n_states) {
     cuda_grid_wait();
     const bool overlap = ratio == 4;
     const int64_t width = overlap ? 2 * dim : dim;
-    /* window blockIdx.y: its rows from blockIdx.y * ratio on */
-    kv += (int64_t)blockIdx.y * ratio * width;
-    sc += (int64_t)blockIdx.y * ratio * width;
+    if (states) { /* window blockIdx.y: the rows of its own state (compressor_pool_states) */
+        kv = (const float *)states[blockIdx.y];
+        sc = (const float *)states[n_states + blockIdx.y];
+    } else { /* window blockIdx.y: its rows from blockIdx.y * ratio on */
+        kv += (int64_t)blockIdx.y * ratio * width;
+        sc += (int64_t)blockIdx.y * ratio * width;
+    }
     out += (int64_t)blockIdx.y * dim;
     for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < dim; j += (int64_t)gridDim.x * blockDim.x) {
         float m = -INFINITY;
@@ -798,7 +802,41 @@ void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *s
     if (cuda_failed(be)) return;
     (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel,
                       dim3(blocks_for(dim, POOL_THREADS, 65535), (unsigned)n_windows), POOL_THREADS, 0, state_kv,
-                      state_score, ratio, dim, out);
+                      state_score, ratio, dim, out, (const uint64_t *)NULL, (int64_t)0);
+}
+
+void cuda_compressor_pool_states(ds4_backend *be, const float *const *state_kv, const float *const *state_score,
+                                 int ratio, int64_t dim, int64_t n, float *out) {
+    if (cuda_failed(be)) return;
+    if (ratio < 1 || dim <= 0 || n < 0 || n > 65535 || (n > 0 && (!state_kv || !state_score || !out))) {
+        cuda_fail(be, DS4_ERR_INVALID, "compressor_pool_states: ratio %d, dim %lld, %lld windows%s", ratio,
+                  (long long)dim, (long long)n, n > 0 && (!state_kv || !state_score || !out) ? " (a NULL array)" : "");
+        return;
+    }
+    for (int64_t w = 0; w < n; w++) {
+        if (!state_kv[w] || !state_score[w]) {
+            cuda_fail(be, DS4_ERR_INVALID, "compressor_pool_states: window %lld has no %s", (long long)w,
+                      state_kv[w] ? "scores" : "state");
+            return;
+        }
+    }
+    if (n == 0) return;
+    uint64_t *host = (uint64_t *)malloc((size_t)(2 * n) * sizeof *host);
+    if (!host) {
+        cuda_fail(be, DS4_ERR_NOMEM, "compressor_pool_states: out of host memory");
+        return;
+    }
+    for (int64_t w = 0; w < n; w++) {
+        host[w] = (uint64_t)(uintptr_t)state_kv[w];
+        host[n + w] = (uint64_t)(uintptr_t)state_score[w];
+    }
+    const uint64_t *table =
+        (const uint64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_POOL_STATES, host, (size_t)(2 * n) * sizeof *host);
+    free(host);
+    if (!table) return;
+    (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel,
+                      dim3(blocks_for(dim, POOL_THREADS, 65535), (unsigned)n), POOL_THREADS, 0, (const float *)NULL,
+                      (const float *)NULL, ratio, dim, out, table, n);
 }
 
 /* ------------------------------------------------------------------------ */

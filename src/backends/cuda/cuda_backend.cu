@@ -1005,6 +1005,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .attention_states = cuda_attention_states,
     .attention_rows_sel = cuda_attention_rows_sel,
     .compressor_pool = cuda_compressor_pool,
+    .compressor_pool_states = cuda_compressor_pool_states,
     .indexer_scores = cuda_indexer_scores,
     .top_k = cuda_top_k,
     .indexer_scores_rows = cuda_indexer_scores_rows,

@@ -48,6 +48,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_CTRL,         /* cuda_backend.cu: small control arrays (tokens, positions) */
     CUDA_SCRATCH_COPY_ROWS,    /* cuda_backend.cu: copy_rows' pointer table */
     CUDA_SCRATCH_ROW_IDX,      /* cuda_backend.cu: add_weight_rows_at's table rows */
+    CUDA_SCRATCH_POOL_STATES,  /* cuda_attention.cu: compressor_pool_states' pointer table */
     CUDA_SCRATCH_MATMUL_ACT,   /* cuda_matmul.cu: quantised activations */
     CUDA_SCRATCH_MATMUL_CTRL,  /* cuda_matmul.cu: expert ids / weights */
     CUDA_SCRATCH_MOE_GATE,     /* cuda_matmul.cu */
@@ -546,6 +547,8 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
                     const ds4_weight *sinks, float *out);
 void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *state_score, int ratio, int64_t dim,
                           int64_t n_windows, float *out);
+void cuda_compressor_pool_states(ds4_backend *be, const float *const *state_kv, const float *const *state_score,
+                               int ratio, int64_t dim, int64_t n, float *out);
 void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                          int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores);
 void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int32_t *idx);

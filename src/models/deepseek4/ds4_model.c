@@ -237,7 +237,7 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "matmul_multi", o->matmul_multi },
         { "rope_tail", o->rope_tail },
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
-        { "compressor_pool", o->compressor_pool }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
+        { "compressor_pool", o->compressor_pool }, { "compressor_pool_states", o->compressor_pool_states }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
         { "indexer_scores_rows", o->indexer_scores_rows }, { "top_k_rows", o->top_k_rows },
         { "attention_rows", o->attention_rows }, { "attention_rows_sel", o->attention_rows_sel },
         { "attention_states", o->attention_states },
@@ -427,6 +427,7 @@ void ds4_state_free(ds4_state *s) {
  * 2 D for ratio 4), copied there so the chunk's windows lie in one run of
  * rows (compressor_chunk). */
 #define COMP_PRE 128
+#define OWN_STATES_MAX 64 /* a batch of states taking the batched paths (rows_own_states) */
 
 typedef struct eval_scratch {
     float *X, *X2;      /* HC state [n, hc*H] and its successor */
@@ -438,7 +439,7 @@ typedef struct eval_scratch {
     float *ikv, *isc;   /* indexer compressor projections [n, 2*id], after room for 8 rows of 2*id */
     float *iq, *iw;     /* indexer queries [n, ih*id] and weights [n, ih] */
     float *iscores;     /* [sel_rows, score_stride]: indexer scores of rows that select */
-    float *crow;        /* one pooled row [max(D, id)] */
+    float *crow;        /* pooled rows [min(n, OWN_STATES_MAX), max(D, id)]: one per state whose window ends */
     float *attn;        /* attention output [n, nh*D] */
     float *low;         /* [n, G*ro] */
     float *y;           /* sublayer output [n, H] */
@@ -491,7 +492,8 @@ static bool scratch_alloc(ds4_backend *be, const ds4_config *c, int64_t n, int64
                               n * c->n_head * D, n * D, n * 2 * D + COMP_PRE * D, n * 2 * D + COMP_PRE * D,
                               (n + 8) * 2 * c->idx_head_dim, (n + 8) * 2 * c->idx_head_dim,
                               n * c->idx_n_head * c->idx_head_dim,
-                              n * c->idx_n_head, s->sel_rows * s->score_stride, crow,
+                              n * c->idx_n_head, s->sel_rows * s->score_stride,
+                              (n < OWN_STATES_MAX ? n : OWN_STATES_MAX) * crow,
                               n * c->n_head * D, n * c->o_groups * c->o_lora, n * H, n * c->n_expert, n * H,
                               n * c->n_ff, n * c->n_ff, n * H, (all_logits ? n : 1) * c->n_vocab, n,
                               n * c->n_expert_used, n * c->n_expert_used, s->sel_rows * c->idx_top_k };
@@ -672,7 +674,6 @@ static void compressor_chunk(ds4_model *m, compressor_state *cs, const ds4_weigh
  * 64 states; larger batches, and any batch with a state twice, take the
  * row-by-row paths): their rows' copies into their states go in one
  * copy_rows call, as no row's copy can touch another's state. */
-#define OWN_STATES_MAX 64
 static bool rows_own_states(ds4_model *m, ds4_state *const *rs, int64_t n) {
     if (n < 2 || n > OWN_STATES_MAX || m->tap || m->no_state_batches) return false;
     for (int64_t i = 1; i < n; i++)
@@ -707,11 +708,45 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
         be->ops->add_weight_rows_at(be, sc, ape, at, n);
         be->ops->copy_rows(be, dst[0], src[0], width, n);
         be->ops->copy_rows(be, dst[1], src[1], width, n);
+        /* the states whose windows end here: pooled, normalised, rotated and
+         * rounded as one block of rows (in `row`), each kept row copied to its
+         * state's compressed rows, ratio 4's current windows made the previous */
+        int64_t e_t[OWN_STATES_MAX], ne = 0, dim = 0;
         for (int64_t t = 0; t < n; t++) {
             compressor_state *cs = is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn;
-            if ((pos[t] + 1) % cs->ratio == 0) compressor_emit(m, l, t, cs, norm, is_index, pos[t], row, num);
-            n_rows[t] = cs->n_rows;
+            if ((pos[t] + 1) % cs->ratio == 0) e_t[ne++] = t;
+            dim = cs->dim;
         }
+        if (ne > 0) {
+            const float *pk[OWN_STATES_MAX] = { NULL }, *ps[OWN_STATES_MAX] = { NULL };
+            float *kd[OWN_STATES_MAX] = { NULL }, *sd[OWN_STATES_MAX] = { NULL };
+            const float *kept_src[OWN_STATES_MAX] = { NULL }, *k4[OWN_STATES_MAX] = { NULL }, *s4[OWN_STATES_MAX] = { NULL };
+            float *kept_dst[OWN_STATES_MAX] = { NULL };
+            int32_t first[OWN_STATES_MAX];
+            int64_t n_kept = 0;
+            int ratio = 0;
+            for (int64_t e = 0; e < ne; e++) {
+                compressor_state *cs = is_index ? &rs[e_t[e]]->layers[l].index : &rs[e_t[e]]->layers[l].attn;
+                ratio = cs->ratio;
+                pk[e] = cs->state_kv, ps[e] = cs->state_sc;
+                first[e] = (int32_t)(pos[e_t[e]] + 1 - ratio);
+                if (cs->n_rows < cs->cap) { /* (else made and dropped, as compressor_emit does) */
+                    kept_dst[n_kept] = cs->rows + cs->n_rows * dim, kept_src[n_kept++] = row + e * dim;
+                    cs->n_rows++;
+                }
+                kd[e] = cs->state_kv, k4[e] = cs->state_kv + 4 * width;
+                sd[e] = cs->state_sc, s4[e] = cs->state_sc + 4 * width;
+            }
+            be->ops->compressor_pool_states(be, pk, ps, ratio, dim, ne, row);
+            compressor_rows(m, -1, -1, norm, is_index, row, ne, dim, first, num); /* (no taps on this path) */
+            be->ops->copy_rows(be, kept_dst, kept_src, dim, n_kept);
+            if (ratio == 4) { /* the current window becomes the previous one */
+                be->ops->copy_rows(be, kd, k4, 4 * width, ne);
+                be->ops->copy_rows(be, sd, s4, 4 * width, ne);
+            }
+        }
+        for (int64_t t = 0; t < n; t++)
+            n_rows[t] = (is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn)->n_rows;
         return;
     }
     int64_t run = 0; /* first row of the run not yet stored */
