@@ -524,16 +524,17 @@ static void attention_rows_sel_case(op_pair *p, int64_t nh, int64_t dim) {
     free(hs);
 }
 
-/* Rows far apart in length (up to 9,000 keys, past the 2,048 where a row's
- * split size starts to grow with its length) in one shared-row launch, as
+/* Rows far apart in length (up to 17,000 keys: past the 2,048 keys (64
+ * heads) and the 16,384 (8 heads) where a row's split size starts to grow
+ * with its length) in one shared-row launch, as
  * attention_rows and as attention_states (rows of their own compressed-row
  * buffers): each row bit for bit what the GPU's one-row attention gives it,
  * whatever rows share its batch. */
 static void attention_rows_long_case(op_pair *p, int64_t nh) {
     enum { N = 5 };
-    const int64_t dim = 512, n_win = 128, n_comp = 9000;
+    const int64_t dim = 512, n_win = 128, n_comp = 17000;
     const int64_t a_off[N] = { 0, 3, 0, 7, 1 }, a_n[N] = { 128, 100, 0, 121, 60 };
-    const int64_t b_n[N] = { 3000, 9000, 40, 500, 2100 };
+    const int64_t b_n[N] = { 3000, 17000, 40, 500, 16500 };
     float *hq = op_rand(N * nh * dim, 1.0), *ha = op_rand(n_win * dim, 1.0), *hb = op_rand(n_comp * dim, 1.0);
     float *hs = op_rand(nh, 1.0);
     op_weight *sinks = op_weight_floats(p, "attn_sinks", DS4_TYPE_F32, nh, 1, 1, hs);

@@ -411,7 +411,8 @@ static void test_batch_decode_matches_single(void) {
     ds4_model *m = open_model(&f, &be);
     if (m) {
         enum { K = 4, STEPS = 6 };
-        const int64_t prefix[K] = { 3, 20, 45, 90 };
+        /* (3 and 19 end a ratio-4 window together at step 0, 46 and 90 at step 1; 46 and 90 select) */
+        const int64_t prefix[K] = { 3, 19, 46, 90 };
         ds4_state *batch[K] = { 0 }, *single[K] = { 0 };
         int32_t *t = random_tokens(120 + K * STEPS);
         float *lb = malloc((size_t)(K * vocab) * sizeof *lb), *ls = malloc((size_t)vocab * sizeof *ls);
@@ -444,30 +445,35 @@ static void test_batch_decode_matches_single(void) {
         {
             /* the batch's row-by-row path (ds4_model_set_state_batches off) gives the same logits bit for bit:
              * copy_rows, add_weight_rows_at and attention_states compute what the per-row ops do */
-            ds4_state *off[K] = { 0 }, *on[K] = { 0 };
             float *lo = malloc((size_t)(K * vocab) * sizeof *lo);
-            bool made = true;
-            for (int i = 0; i < K; i++) {
-                made &= ds4_state_create(m, 256, &off[i], &err) == DS4_OK && ds4_state_create(m, 256, &on[i], &err) == DS4_OK;
-                if (!made) break;
-                CHECK(ds4_model_eval(m, off[i], t + i, prefix[i], DS4_NUMERICS_REFERENCE, NULL, false, &err) == DS4_OK);
-                CHECK(ds4_model_eval(m, on[i], t + i, prefix[i], DS4_NUMERICS_REFERENCE, NULL, false, &err) == DS4_OK);
-            }
-            CHECK(made);
-            int differ = 0;
-            for (int step = 0; made && step < 3; step++) {
-                int32_t next[K];
-                for (int i = 0; i < K; i++) next[i] = t[120 + step * K + i];
-                ds4_model_set_state_batches(m, false);
-                CHECK(ds4_model_eval_batch(m, off, next, K, DS4_NUMERICS_REFERENCE, lo, &err) == DS4_OK);
-                ds4_model_set_state_batches(m, true);
-                CHECK(ds4_model_eval_batch(m, on, next, K, DS4_NUMERICS_REFERENCE, lb, &err) == DS4_OK);
-                differ += memcmp(lo, lb, (size_t)(K * vocab) * sizeof *lo) != 0;
-            }
-            CHECK_MSG(differ == 0, "%d batched steps differ with the state batches off", differ);
-            for (int i = 0; i < K; i++) {
-                ds4_state_free(off[i]);
-                ds4_state_free(on[i]);
+            for (int ni = 0; ni < 2; ni++) { /* both numerics (DS4's FP8 / QAT / F16 rounding of a block of rows) */
+                const ds4_numerics nm = ni ? DS4_NUMERICS_DS4 : DS4_NUMERICS_REFERENCE;
+                ds4_state *off[K] = { 0 }, *on[K] = { 0 };
+                bool made = true;
+                for (int i = 0; i < K; i++) {
+                    made &= ds4_state_create(m, 256, &off[i], &err) == DS4_OK &&
+                            ds4_state_create(m, 256, &on[i], &err) == DS4_OK;
+                    if (!made) break;
+                    CHECK(ds4_model_eval(m, off[i], t + i, prefix[i], nm, NULL, false, &err) == DS4_OK);
+                    CHECK(ds4_model_eval(m, on[i], t + i, prefix[i], nm, NULL, false, &err) == DS4_OK);
+                }
+                CHECK(made);
+                int differ = 0;
+                for (int step = 0; made && step < 3; step++) {
+                    int32_t next[K];
+                    for (int i = 0; i < K; i++) next[i] = t[120 + step * K + i];
+                    ds4_model_set_state_batches(m, false);
+                    CHECK(ds4_model_eval_batch(m, off, next, K, nm, lo, &err) == DS4_OK);
+                    ds4_model_set_state_batches(m, true);
+                    CHECK(ds4_model_eval_batch(m, on, next, K, nm, lb, &err) == DS4_OK);
+                    differ += memcmp(lo, lb, (size_t)(K * vocab) * sizeof *lo) != 0;
+                }
+                CHECK_MSG(differ == 0, "%s numerics: %d batched steps differ with the state batches off",
+                          ni ? "ds4" : "reference", differ);
+                for (int i = 0; i < K; i++) {
+                    ds4_state_free(off[i]);
+                    ds4_state_free(on[i]);
+                }
             }
             free(lo);
         }

@@ -622,12 +622,8 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
                                 int64_t k, const ds4_weight *sinks, float *out) {
     if (cuda_failed(be)) return;
     const auto b_count = [&](int64_t r) { return idx ? k : b_rows[r]; }; /* the rows row r reads from rows_b */
-    int64_t longest = 0;
     bool have = true; /* every row's rows where it reads any */
-    for (int64_t r = 0; r < n; r++) {
-        if (a_n[r] + b_count(r) > longest) longest = a_n[r] + b_count(r);
-        have &= (a_n[r] == 0 || base.a(r)) && (b_count(r) == 0 || base.b(r));
-    }
+    for (int64_t r = 0; r < n; r++) have &= (a_n[r] == 0 || base.a(r)) && (b_count(r) == 0 || base.b(r));
     const bool batched = n > 1 && n <= 65535 && mqa_shape(n_heads, dim) && sinks && sinks->device &&
                          weight_has_dequant(sinks) && sinks->ne[0] >= n_heads &&
                          (cuda_is_float_type(sinks->type) || ds4_cuda_dequant_supported(sinks->type)) && have;
@@ -675,7 +671,8 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     rows.tag = rows.idx ? cuda_check_tag(be, sinks->name) : -1;
     const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
     const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits, (unsigned)n);
-    if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, longest,
+    /* (n 0: each view has its row's count; a constant keeps a recorded step's node unchanged) */
+    if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, (int64_t)0,
                      rows_per_split, kq_scale, scratch, views))
         return;
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
