@@ -117,6 +117,21 @@ bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const
     return true;
 }
 
+bool ds4_pointer_pairs_valid(const char *op, const char *item, const void *const *a, const char *a_name,
+                             const void *const *b, const char *b_name, int64_t n, ds4_error *err) {
+    if (n < 0 || (n > 0 && (!a || !b))) {
+        ds4_error_set(err, DS4_ERR_INVALID, "%s: %lld %ss%s", op, (long long)n, item, n < 0 ? "" : " without their pointers");
+        return false;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (!a[i] || !b[i]) {
+            ds4_error_set(err, DS4_ERR_INVALID, "%s: %s %lld has no %s", op, item, (long long)i, a[i] ? b_name : a_name);
+            return false;
+        }
+    }
+    return true;
+}
+
 bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,
                                 const int64_t *a_n, const float *const *rows_b, const int64_t *b_n, ds4_error *err) {
     if (n < 0 || (n > 0 && (!rows_a || !a_n || !rows_b || !b_n || !q || !out))) {

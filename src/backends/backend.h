@@ -408,6 +408,12 @@ bool ds4_row_counts_valid(const char *op, const char *what, const int64_t *count
                           int64_t *most, ds4_error *err);
 bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const int64_t *a_off, const int64_t *a_n,
                               const int64_t *b_n, ds4_error *err);
+/* n pairs of backend pointers (host arrays a, b; copy_rows' destinations
+ * and sources, compressor_pool_states' state rows and scores), as both
+ * backends check them: n >= 0, the arrays there when n > 0 and no pointer
+ * NULL; false with the message in err ("OP: ITEM i has no B_NAME"). */
+bool ds4_pointer_pairs_valid(const char *op, const char *item, const void *const *a, const char *a_name,
+                             const void *const *b, const char *b_name, int64_t n, ds4_error *err);
 /* attention_states' arrays as both backends check them (counts >= 0, a
  * pointer wherever its count is not 0). */
 bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,

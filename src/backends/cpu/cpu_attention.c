@@ -218,17 +218,15 @@ void cpu_compressor_pool(ds4_backend *be, const float *state_kv, const float *st
 
 void cpu_compressor_pool_states(ds4_backend *be, const float *const *state_kv, const float *const *state_score,
                                 int ratio, int64_t dim, int64_t n, float *out) {
-    if (ratio < 1 || dim <= 0 || n < 0 || (n > 0 && (!state_kv || !state_score || !out))) {
-        cpu_fail(be, DS4_ERR_INVALID, "compressor_pool_states: ratio %d, dim %lld, %lld windows%s", ratio,
-                 (long long)dim, (long long)n, n > 0 && (!state_kv || !state_score || !out) ? " (a NULL array)" : "");
+    ds4_error err = { 0 };
+    if (ratio < 1 || dim <= 0 || (n > 0 && !out))
+        ds4_error_set(&err, DS4_ERR_INVALID, "compressor_pool_states: ratio %d, dim %lld%s", ratio, (long long)dim,
+                      n > 0 && !out ? ", no output" : "");
+    else ds4_pointer_pairs_valid("compressor_pool_states", "window", (const void *const *)state_kv, "state",
+                                 (const void *const *)state_score, "scores", n, &err);
+    if (err.status) {
+        cpu_fail(be, err.status, "%s", err.message);
         return;
-    }
-    for (int64_t w = 0; w < n; w++) {
-        if (!state_kv[w] || !state_score[w]) {
-            cpu_fail(be, DS4_ERR_INVALID, "compressor_pool_states: window %lld has no %s", (long long)w,
-                     state_kv[w] ? "scores" : "state");
-            return;
-        }
     }
     for (int64_t w = 0; w < n; w++) pool_window(state_kv[w], state_score[w], ratio, dim, out + w * dim);
 }

@@ -90,16 +90,13 @@ static void cpu_repeat_rows(ds4_backend *be, float *dst, const float *src, int64
 }
 
 static void cpu_copy_rows(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n) {
-    if (n < 0 || width < 0 || (n > 0 && (!dst || !src))) {
-        cpu_fail(be, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld%s", (long long)n, (long long)width,
-                 n > 0 && (!dst || !src) ? " without their pointers" : "");
+    ds4_error err = { 0 };
+    if (width < 0) ds4_error_set(&err, DS4_ERR_INVALID, "copy_rows: copies of %lld", (long long)width);
+    else ds4_pointer_pairs_valid("copy_rows", "copy", (const void *const *)dst, "destination",
+                                 (const void *const *)src, "source", n, &err);
+    if (err.status) {
+        cpu_fail(be, err.status, "%s", err.message);
         return;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (!dst[i] || !src[i]) {
-            cpu_fail(be, DS4_ERR_INVALID, "copy_rows: copy %lld has no %s", (long long)i, dst[i] ? "source" : "destination");
-            return;
-        }
     }
     for (int64_t i = 0; i < n; i++)
         if (width > 0) memcpy(dst[i], src[i], (size_t)width * sizeof(float)); /* (no overlaps: the contract) */

@@ -805,31 +805,20 @@ void cuda_compressor_pool(ds4_backend *be, const float *state_kv, const float *s
 void cuda_compressor_pool_states(ds4_backend *be, const float *const *state_kv, const float *const *state_score,
                                  int ratio, int64_t dim, int64_t n, float *out) {
     if (cuda_failed(be)) return;
-    if (ratio < 1 || dim <= 0 || n < 0 || n > 65535 || (n > 0 && (!state_kv || !state_score || !out))) {
-        cuda_fail(be, DS4_ERR_INVALID, "compressor_pool_states: ratio %d, dim %lld, %lld windows%s", ratio,
-                  (long long)dim, (long long)n, n > 0 && (!state_kv || !state_score || !out) ? " (a NULL array)" : "");
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (ratio < 1 || dim <= 0 || n > 65535 || (n > 0 && !out))
+        ds4_error_set(&err, DS4_ERR_INVALID, "compressor_pool_states: ratio %d, dim %lld%s", ratio, (long long)dim,
+                      n > 0 && !out ? ", no output" : n > 65535 ? ", too many windows" : "");
+    else ds4_pointer_pairs_valid("compressor_pool_states", "window", (const void *const *)state_kv, "state",
+                                 (const void *const *)state_score, "scores", n, &err);
+    if (err.status) {
+        cuda_fail(be, err.status, "%s", err.message);
         return;
-    }
-    for (int64_t w = 0; w < n; w++) {
-        if (!state_kv[w] || !state_score[w]) {
-            cuda_fail(be, DS4_ERR_INVALID, "compressor_pool_states: window %lld has no %s", (long long)w,
-                      state_kv[w] ? "scores" : "state");
-            return;
-        }
     }
     if (n == 0) return;
-    uint64_t *host = (uint64_t *)malloc((size_t)(2 * n) * sizeof *host);
-    if (!host) {
-        cuda_fail(be, DS4_ERR_NOMEM, "compressor_pool_states: out of host memory");
-        return;
-    }
-    for (int64_t w = 0; w < n; w++) {
-        host[w] = (uint64_t)(uintptr_t)state_kv[w];
-        host[n + w] = (uint64_t)(uintptr_t)state_score[w];
-    }
-    const uint64_t *table =
-        (const uint64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_POOL_STATES, host, (size_t)(2 * n) * sizeof *host);
-    free(host);
+    const uint64_t *table = cuda_upload_pointer_pairs(be, CUDA_SCRATCH_POOL_STATES, (const void *const *)state_kv,
+                                                      (const void *const *)state_score, n, "compressor_pool_states");
     if (!table) return;
     (void)cuda_launch(be, "compressor_pool_kernel", compressor_pool_kernel,
                       dim3(blocks_for(dim, POOL_THREADS, 65535), (unsigned)n), POOL_THREADS, 0, (const float *)NULL,

@@ -381,32 +381,36 @@ __global__ void copy_rows_kernel(const uint64_t *__restrict__ ptrs, int64_t n, i
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
-static void cuda_copy_rows(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n) {
-    if (cuda_failed(be)) return;
-    if (n < 0 || width < 0 || n > INT32_MAX || (n > 0 && (!dst || !src))) {
-        cuda_fail(be, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld%s", (long long)n, (long long)width,
-                  n > 0 && (!dst || !src) ? " without their pointers" : "");
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (!dst[i] || !src[i]) {
-            cuda_fail(be, DS4_ERR_INVALID, "copy_rows: copy %lld has no %s", (long long)i, dst[i] ? "source" : "destination");
-            return;
-        }
-    }
-    if (n == 0 || width == 0) return;
+const uint64_t *cuda_upload_pointer_pairs(ds4_backend *be, cuda_scratch_slot slot, const void *const *a,
+                                          const void *const *b, int64_t n, const char *op) {
     uint64_t *host = (uint64_t *)malloc((size_t)(2 * n) * sizeof *host);
     if (!host) {
-        cuda_fail(be, DS4_ERR_NOMEM, "copy_rows: out of host memory for %lld pointers", (long long)(2 * n));
-        return;
+        cuda_fail(be, DS4_ERR_NOMEM, "%s: out of host memory for %lld pointers", op, (long long)(2 * n));
+        return NULL;
     }
     for (int64_t i = 0; i < n; i++) {
-        host[i] = (uint64_t)(uintptr_t)dst[i];
-        host[n + i] = (uint64_t)(uintptr_t)src[i];
+        host[i] = (uint64_t)(uintptr_t)a[i];
+        host[n + i] = (uint64_t)(uintptr_t)b[i];
     }
-    const uint64_t *table =
-        (const uint64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_COPY_ROWS, host, (size_t)(2 * n) * sizeof *host);
+    const uint64_t *table = (const uint64_t *)cuda_upload_ctrl(be, slot, host, (size_t)(2 * n) * sizeof *host);
     free(host);
+    return table;
+}
+
+static void cuda_copy_rows(ds4_backend *be, float *const *dst, const float *const *src, int64_t width, int64_t n) {
+    if (cuda_failed(be)) return;
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (width < 0 || n > INT32_MAX) ds4_error_set(&err, DS4_ERR_INVALID, "copy_rows: %lld copies of %lld", (long long)n, (long long)width);
+    else ds4_pointer_pairs_valid("copy_rows", "copy", (const void *const *)dst, "destination",
+                                 (const void *const *)src, "source", n, &err);
+    if (err.status) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    if (n == 0 || width == 0) return;
+    const uint64_t *table = cuda_upload_pointer_pairs(be, CUDA_SCRATCH_COPY_ROWS, (const void *const *)dst,
+                                                      (const void *const *)src, n, "copy_rows");
     if (!table) return;
     (void)cuda_launch(be, "copy_rows_kernel", copy_rows_kernel, (unsigned)n, 256, 0, table, n, width);
 }
