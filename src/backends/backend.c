@@ -132,6 +132,18 @@ bool ds4_pointer_pairs_valid(const char *op, const char *item, const void *const
     return true;
 }
 
+bool ds4_table_rows_valid(const int64_t *rows, int64_t n_rows, int64_t n_table, int64_t *bad) {
+    *bad = -1;
+    if (n_rows < 0 || (n_rows > 0 && !rows)) return false;
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (rows[r] < 0 || rows[r] >= n_table) {
+            *bad = r;
+            return false;
+        }
+    }
+    return true;
+}
+
 bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,
                                 const int64_t *a_n, const float *const *rows_b, const int64_t *b_n, ds4_error *err) {
     if (n < 0 || (n > 0 && (!rows_a || !a_n || !rows_b || !b_n || !q || !out))) {

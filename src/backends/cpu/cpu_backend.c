@@ -271,11 +271,8 @@ static void cpu_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight *
                                    int64_t n_rows) {
     const ds4_type_traits *t = ds4_type_traits_get(w->type);
     const int64_t dim = w->ne[0], R = cpu_weight_rows(w);
-    bool ok = t && t->dequant_row && n_rows >= 0 && (n_rows == 0 || rows);
     int64_t bad = -1;
-    for (int64_t r = 0; ok && r < n_rows; r++)
-        if (rows[r] < 0 || rows[r] >= R) ok = false, bad = r;
-    if (!ok) {
+    if (!t || !t->dequant_row || !ds4_table_rows_valid(rows, n_rows, R, &bad)) {
         cpu_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s, %lld rows)%s%lld", (long long)n_rows,
                  cpu_wname(w), ds4_type_name(w->type), (long long)R, bad >= 0 ? "; row index at " : "",
                  (long long)(bad >= 0 ? bad : 0));

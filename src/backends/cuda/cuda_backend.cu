@@ -804,12 +804,9 @@ static void cuda_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight 
                                     int64_t n_rows) {
     if (cuda_failed(be)) return;
     const int64_t dim = w->ne[0], R = cuda_weight_rows(w);
-    bool ok = w->device && ds4_cuda_dequant_supported(w->type) && n_rows >= 0 && n_rows <= INT32_MAX &&
-              (n_rows == 0 || rows);
     int64_t bad = -1;
-    for (int64_t r = 0; ok && r < n_rows; r++)
-        if (rows[r] < 0 || rows[r] >= R) ok = false, bad = r;
-    if (!ok) {
+    if (!w->device || !ds4_cuda_dequant_supported(w->type) || n_rows > INT32_MAX ||
+        !ds4_table_rows_valid(rows, n_rows, R, &bad)) {
         cuda_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s, %lld rows)%s%lld", (long long)n_rows,
                   cuda_wname(w), ds4_type_name(w->type), (long long)R, bad >= 0 ? "; row index at " : "",
                   (long long)(bad >= 0 ? bad : 0));

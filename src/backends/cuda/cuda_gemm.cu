@@ -53,6 +53,16 @@ struct gemm_args {
     int64_t out_stride;
 };
 
+/* A warp tile's accumulators (2 A fragments x 4 B fragments x 4) set to 0. */
+static __device__ __forceinline__ void zero_tile(float (&t)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) t[i][j][k] = 0.0f;
+}
+
 /* Four int8 codes at a 2-byte aligned shared address. */
 static __device__ __forceinline__ int lds_s8x4(const uint8_t *p) {
     const uint16_t *h = (const uint16_t *)p;
@@ -85,12 +95,7 @@ __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
     const int64_t n0 = (int64_t)blockIdx.x * G_BM, m0 = (int64_t)blockIdx.y * G_BN;
 
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+    zero_tile(acc);
 
     load_stage(a, smem, smem + G_WSTAGE, n0, m0, 0);
     cp_async_commit();
@@ -316,12 +321,7 @@ __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
     const unsigned base = cuda_smem_addr(smem);
 
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+    zero_tile(acc);
 
 #pragma unroll
     for (int s = 0; s < H_STAGES - 1; s++) {
@@ -336,12 +336,7 @@ __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
         cp_async_commit();
         const unsigned sw = base + 2u * (unsigned)((st % H_STAGES) * H_STAGE), sx = sw + 2u * H_WSTAGE;
         float c[2][4][4];
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int k = 0; k < 4; k++) c[i][j][k] = 0.0f;
+        zero_tile(c);
 #pragma unroll
         for (int kk = 0; kk < H_BK; kk += 16) {
             uint32_t af[2][4], bh[2][4], bl[2][4];
