@@ -33,7 +33,8 @@
 #                               on its own (JSON/Markdown to $OUT; OPS_ROWS, default 1,8), then once per
 #                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0;
 #                               "A=0,B=1" sets two at once);
-#                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2)
+#                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2),
+#                               OPS_AB_ARGS options of the OPS_AB runs only (e.g. "--only experts")
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
@@ -51,7 +52,8 @@
 #                               prefill table per variable (ncu-prefill-VAR.md); KERN_DETAIL="REGEX,..."
 #                               writes ncu's full report (--set full: occupancy, stall reasons, memory
 #                               charts) of the first launch of each kernel matching a REGEX in that
-#                               prefill to $OUT/ncu-detail-REGEX.txt
+#                               prefill to $OUT/ncu-detail-REGEX.txt; KERN_TOKEN_DETAIL="REGEX,..." the
+#                               same for kernels of the decoded token ($OUT/ncu-detail-token-REGEX.txt)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -292,6 +294,31 @@ ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
     fi
 }
 
+# The full ncu report of one launch of each kernel named in the comma-separated
+# REGEXES (ncu-detail-NAME.txt; KERN_TOKEN_DETAIL's are named token-NAME).
+ncu_details() { # ncu_details LABEL REGEXES BENCH_ARGS...
+    local what=$1 kd=$2 out="${OUT:-$TMP}" k kn pre=
+    shift 2
+    [ "$what" = token ] && pre=token-
+    for k in ${kd//,/ }; do
+        section "ncu: details of $k ($what)"
+        kn=$pre${k//[^A-Za-z0-9_]/_}
+        if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --set full --kernel-name-base demangled \
+            -k "regex:$k" --launch-count 1 \
+            -f -o "$TMP/detail-$kn" build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda \
+            "$@" >"$TMP/ncu-detail-$kn.log" 2>&1 &&
+            "$ncu" -i "$TMP/detail-$kn.ncu-rep" --page details >"$out/ncu-detail-$kn.txt" 2>&1 &&
+            [ -s "$out/ncu-detail-$kn.txt" ]; then
+            grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slots Busy" \
+                "$out/ncu-detail-$kn.txt" | head -n 20
+            record "ncu details ($pre$k)" PASS
+        else
+            tail -n 20 "$TMP/ncu-detail-$kn.log"
+            record "ncu details ($pre$k)" FAIL
+        fi
+    done
+}
+
 kernels_stage() {
     local out="${OUT:-$TMP}" ncu
     ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n1)
@@ -306,8 +333,9 @@ kernels_stage() {
         [ "${bw[1]}" = "" ] && bw=()
     fi
     if [ "${KERN_CTX:-2048}" != 0 ]; then
-        ncu_table token "decoded token 2 at context ${KERN_CTX:-2048}" --ctx "${KERN_CTX:-2048}" \
-            --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2
+        local targs=(--ctx "${KERN_CTX:-2048}" --prefill 1 --gen 3 --repeat 1 --warmup 0 --ttft 0 --profile-token 2)
+        ncu_table token "decoded token 2 at context ${KERN_CTX:-2048}" "${targs[@]}"
+        ncu_details "token" "${KERN_TOKEN_DETAIL:-}" "${targs[@]}"
     fi
     if [ -n "${KERN_PREFILL:-}" ]; then
         local pargs=(--ctx "$((KERN_PREFILL + 8))" --prefill "$KERN_PREFILL" --gen 1 --repeat 1 --warmup 1 --ttft 0
@@ -320,23 +348,7 @@ kernels_stage() {
             ncu_table "prefill-${v//[^A-Za-z0-9_]/_}" "$what, $v" "${pargs[@]}"
             ncu_env=()
         done
-        local k kd=${KERN_DETAIL:-}
-        for k in ${kd//,/ }; do # the full ncu report of one launch of each named kernel
-            section "ncu: details of $k ($what)"
-            local kn=${k//[^A-Za-z0-9_]/_}
-            if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --set full -k "regex:$k" --launch-count 1 \
-                -f -o "$TMP/detail-$kn" build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda \
-                "${pargs[@]}" >"$TMP/ncu-detail-$kn.log" 2>&1 &&
-                "$ncu" -i "$TMP/detail-$kn.ncu-rep" --page details >"$out/ncu-detail-$kn.txt" 2>&1 &&
-                [ -s "$out/ncu-detail-$kn.txt" ]; then
-                grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slots Busy" \
-                    "$out/ncu-detail-$kn.txt" | head -n 20
-                record "ncu details ($k)" PASS
-            else
-                tail -n 20 "$TMP/ncu-detail-$kn.log"
-                record "ncu details ($k)" FAIL
-            fi
-        done
+        ncu_details "$what" "${KERN_DETAIL:-}" "${pargs[@]}"
     fi
 }
 
@@ -354,7 +366,7 @@ ops_stage() {
         section "bench --ops with $v"
         envs_of "$v"
         if env "${envs[@]}" timeout "$STEP_TIMEOUT" build/cuda/ds4server bench --ops --backend cuda --rows "${OPS_ROWS:-1,8}" \
-            --repeat 3 ${OPS_ARGS:-} --json "$out/ops-${v//[^A-Za-z0-9_]/_}.json" --md "$out/ops-${v//[^A-Za-z0-9_]/_}.md"; then
+            --repeat 3 ${OPS_ARGS:-} ${OPS_AB_ARGS:-} --json "$out/ops-${v//[^A-Za-z0-9_]/_}.json" --md "$out/ops-${v//[^A-Za-z0-9_]/_}.md"; then
             record "bench --ops ($v)" PASS
         else
             record "bench --ops ($v)" "FAIL (exit $?)"

@@ -207,6 +207,15 @@ static inline bool cuda_env_flag(const char *name, bool dflt) {
     if (e && e[0] == '1' && !e[1]) return true;
     return dflt;
 }
+/* A whole number from the environment within [lo, hi] (a tuning setting);
+ * unset or anything else: `dflt`. */
+static inline long cuda_env_long(const char *name, long dflt, long lo, long hi) {
+    const char *e = getenv(name);
+    if (!e || !*e) return dflt;
+    char *end = NULL;
+    const long v = strtol(e, &end, 10);
+    return end && !*end && v >= lo && v <= hi ? v : dflt;
+}
 /* The host's monotonic clock in nanoseconds. */
 uint64_t cuda_now_ns(void);
 

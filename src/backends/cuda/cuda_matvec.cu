@@ -834,19 +834,23 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
 
 /* Rows per warp when a warp holds whole rows (no K split): double while at
  * least MV_MIN_WARPS warps would remain of n_warps, so short rows stream
- * back to back (DS4_CUDA_MV_RPW=0: one row per warp). */
+ * back to back (DS4_CUDA_MV_RPW=0: one row per warp; DS4_CUDA_MV_MIN_WARPS
+ * sets the bound, for tuning). */
 static int rows_per_warp(bool whole_rows, int64_t n_warps) {
     static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
+    static const long min_warps = cuda_env_long("DS4_CUDA_MV_MIN_WARPS", MV_MIN_WARPS, 1, 1L << 20);
     int r = 1;
     if (!whole_rows || !multi) return 1;
-    while (r < MV_MAX_RPW && n_warps / (2 * r) >= MV_MIN_WARPS) r *= 2;
+    while (r < MV_MAX_RPW && n_warps / (2 * r) >= min_warps) r *= 2;
     return r;
 }
 
-/* Parts per output for n_outputs warps' worth of rows of `units` units. */
+/* Parts per output for n_outputs warps' worth of rows of `units` units
+ * (DS4_CUDA_MV_TARGET_WARPS sets the warps aimed at, for tuning). */
 static int split_for(int64_t n_outputs, int64_t units) {
+    static const long target = cuda_env_long("DS4_CUDA_MV_TARGET_WARPS", MV_TARGET_WARPS, 1, 1L << 20);
     int p = 1;
-    while (p < MV_WARPS && n_outputs * p < MV_TARGET_WARPS && 2 * p <= units) p *= 2;
+    while (p < MV_WARPS && n_outputs * p < target && 2 * p <= units) p *= 2;
     return p;
 }
 
