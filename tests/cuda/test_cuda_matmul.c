@@ -356,6 +356,10 @@ static void check_matmul_type(uint32_t type) {
     matmul_case(&p, type, 4096, 300, false, 7, 200, 5, 4100, 256, false);
     matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
+    /* batched-decode shapes (9 to 64 rows): few output tiles, so the GEMMs
+     * split K over several blocks and sum the parts in order */
+    matmul_case(&p, type, 4096, 1024, false, 0, 1024, 32, 4096, 1024, false);
+    matmul_case(&p, type, 4096, 520, false, 8, 512, 9, 4100, 515, false);
     if (type == DS4_TYPE_F16) { /* the F16 GEMM (16 tokens or more, K in 32s): short K, odd strides, partial tiles */
         ds4_cuda_backend_set_fgemm(p.gpu, 1);
         float_gemm_on = true;
@@ -639,6 +643,9 @@ static void check_matmul_grouped_type(uint32_t type) {
     grouped_case(&p, type, 8, 4096, 300, 0, 1, 8 * 4096, 8 * 300, false);
     grouped_case(&p, type, 8, 4096, 300, 0, 37, 8 * 4096, 8 * 300, false);
     grouped_case(&p, type, 8, 4096, 100, 3, 5, 8 * 4096 + 64, 8 * 100 + 7, false);
+    /* a batched decode's 32 rows (Q8_0: one split-K GEMM launch for all groups) */
+    grouped_case(&p, type, 8, 4096, 128, 0, 32, 8 * 4096, 8 * 128, false);
+    grouped_case(&p, type, 8, 4096, 100, 3, 12, 8 * 4096 + 64, 8 * 100 + 7, false);
     grouped_case(&p, type, 1, 4096, 200, 0, 3, 4096, 200, false);
     /* groups of an odd 2051 rows with two rows per warp: warps that straddle two groups */
     grouped_case(&p, type, 8, 256, 2051, 0, 1, 8 * 256, 8 * 2051, false);

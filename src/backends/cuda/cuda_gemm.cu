@@ -38,6 +38,7 @@
 #define G_XSTAGE (G_BN * G_XPAD)
 #define G_STAGE (G_WSTAGE + G_XSTAGE)
 #define G_SMEM (2 * G_STAGE)
+#define GEMM_MAX_SPLITS 16
 
 static_assert(G_WROW % 16 == 0 && G_XROW % 16 == 0 && G_XPAD % 16 == 0, "cp.async pieces");
 
@@ -51,6 +52,12 @@ struct gemm_args {
     int64_t n_stages; /* K / 256 */
     float *out;
     int64_t out_stride;
+    /* groups (gridDim.z = n_groups x splits): group g's weight rows start
+     * g w_group_bytes on, its activation blocks g x_group_bytes into each
+     * row, its outputs g n_out into each output row */
+    int64_t w_group_bytes, x_group_bytes;
+    int splits;
+    float *part; /* splits > 1: partial sums [group][split][n_tok][n_out], else NULL */
 };
 
 /* A warp tile's accumulators (2 A fragments x 4 B fragments x 4) set to 0. */
@@ -93,16 +100,21 @@ __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
     const int g = lane >> 2, tq = lane & 3;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32; /* this warp's rows / tokens in the tile */
     const int64_t n0 = (int64_t)blockIdx.x * G_BM, m0 = (int64_t)blockIdx.y * G_BN;
+    /* this block's group, and its stages: all of K, or its split's share */
+    const int grp = (int)blockIdx.z / a.splits, zs = (int)blockIdx.z % a.splits;
+    a.w += grp * a.w_group_bytes;
+    a.x += grp * a.x_group_bytes;
+    const int64_t st0 = a.n_stages * zs / a.splits, st1 = a.n_stages * (zs + 1) / a.splits;
 
     float acc[2][4][4];
     zero_tile(acc);
 
-    load_stage(a, smem, smem + G_WSTAGE, n0, m0, 0);
+    load_stage(a, smem, smem + G_WSTAGE, n0, m0, st0);
     cp_async_commit();
-    for (int64_t st = 0; st < a.n_stages; st++) {
-        uint8_t *cur = smem + (st & 1) * G_STAGE;
-        if (st + 1 < a.n_stages) {
-            uint8_t *nxt = smem + ((st + 1) & 1) * G_STAGE;
+    for (int64_t st = st0; st < st1; st++) {
+        uint8_t *cur = smem + ((st - st0) & 1) * G_STAGE;
+        if (st + 1 < st1) {
+            uint8_t *nxt = smem + ((st - st0 + 1) & 1) * G_STAGE;
             load_stage(a, nxt, nxt + G_WSTAGE, n0, m0, st + 1);
         }
         cp_async_commit();
@@ -145,6 +157,8 @@ __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
     }
     cp_async_wait<0>();
 
+    float *out = a.part ? a.part + (int64_t)blockIdx.z * a.n_tok * a.n_out : a.out + grp * a.n_out;
+    const int64_t stride = a.part ? a.n_out : a.out_stride;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
 #pragma unroll
@@ -153,10 +167,56 @@ __global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
             for (int k = 0; k < 4; k++) {
                 const int64_t n = n0 + wm + 16 * i + g + (k >= 2 ? 8 : 0);
                 const int64_t m = m0 + wn + 8 * j + 2 * tq + (k & 1);
-                if (n < a.n_out && m < a.n_tok) a.out[m * a.out_stride + n] = acc[i][j][k];
+                if (n < a.n_out && m < a.n_tok) out[m * stride + n] = acc[i][j][k];
             }
         }
     }
+}
+
+/* Split K: out[m][g n_out + n] = (group g's partial sums, in split order,
+ * from 0) times unscale[m] when given. One thread per output. */
+__global__ void __launch_bounds__(256) gemm_reduce_kernel(const float *__restrict__ part, int splits, int64_t n_groups,
+                                                          int64_t n_tok, int64_t n_out,
+                                                          const float *__restrict__ unscale, float *__restrict__ out,
+                                                          int64_t out_stride) {
+    cuda_grid_wait();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, per = n_tok * n_out;
+    if (i >= n_groups * per) return;
+    const int64_t g = i / per, r = i - g * per, m = r / n_out, n = r - m * n_out;
+    const float *p = part + g * splits * per + r;
+    float s = 0.0f;
+    for (int z = 0; z < splits; z++) s = __fadd_rn(s, p[(int64_t)z * per]);
+    out[m * out_stride + g * n_out + n] = unscale ? __fmul_rn(s, unscale[m]) : s;
+}
+
+/* How many ways to split K for a grid of `tiles` output tiles of n_stages
+ * stages each: while the tiles alone leave the device short of about two
+ * blocks per multiprocessor (skinny products: a batched decode's 9 to 64
+ * rows), each tile's stages are shared out over several blocks, each
+ * keeping at least min_stages of them (DS4_CUDA_GEMM_SPLIT=0: never). */
+static int gemm_splits(ds4_backend *be, int64_t tiles, int64_t n_stages, int64_t min_stages) {
+    static const bool on = cuda_env_flag("DS4_CUDA_GEMM_SPLIT", true);
+    const int64_t want = 2 * (int64_t)cuda_sm_count(cuda_impl(be));
+    if (!on || tiles >= want) return 1;
+    int64_t s = (want + tiles - 1) / tiles;
+    const int64_t most = n_stages / min_stages;
+    if (s > most) s = most;
+    if (s > GEMM_MAX_SPLITS) s = GEMM_MAX_SPLITS;
+    return s > 1 ? (int)s : 1;
+}
+
+/* The partial-sum buffer of a split launch (NULL with the error recorded). */
+static float *gemm_parts(ds4_backend *be, int splits, int64_t n_groups, int64_t n_tok, int64_t n_out) {
+    return (float *)cuda_scratch(be, CUDA_SCRATCH_GEMM_PART,
+                                 (size_t)splits * (size_t)n_groups * (size_t)n_tok * (size_t)n_out * 4u);
+}
+
+/* The reduction of a split launch into out (rows out_stride apart). */
+static bool gemm_reduce(ds4_backend *be, const float *part, int splits, int64_t n_groups, int64_t n_tok,
+                        int64_t n_out, const float *unscale, float *out, int64_t out_stride) {
+    const int64_t n = n_groups * n_tok * n_out;
+    return cuda_launch(be, "gemm_reduce_kernel", gemm_reduce_kernel, (unsigned)((n + 255) / 256), 256, 0, part,
+                       splits, n_groups, n_tok, n_out, unscale, out, out_stride);
 }
 
 /* The grid of a GEMM of n_out rows x n_tok tokens in bm x bn tiles (false
@@ -178,6 +238,12 @@ bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, i
 
 bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
                     int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride) {
+    return cuda_gemm_q8_0_grouped(be, w, row_bytes, n_in, n_out, 1, xq, x_row_bytes, n_tok, out, out_stride);
+}
+
+bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
+                            int64_t n_groups, const void *xq, int64_t x_row_bytes, int64_t n_tok, float *out,
+                            int64_t out_stride) {
     /* per call: the attribute belongs to the current device, and a process
      * may drive several */
     if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel, G_SMEM, "matmul (int8 GEMM)", n_in)) return false;
@@ -191,9 +257,19 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
     a.n_stages = n_in / 256;
     a.out = out;
     a.out_stride = out_stride;
+    a.w_group_bytes = n_out * row_bytes;
+    a.x_group_bytes = (n_in / DS4_QK8_0) * 36;
+    a.part = NULL;
     dim3 grid;
-    return gemm_grid(be, n_out, n_tok, G_BM, G_BN, &grid) &&
-           cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, grid, G_THREADS, G_SMEM, a);
+    if (n_groups < 1 || n_groups > 2048 || !gemm_grid(be, n_out, n_tok, G_BM, G_BN, &grid)) {
+        if (!cuda_failed(be)) cuda_fail(be, DS4_ERR_INVALID, "gemm: %lld groups", (long long)n_groups);
+        return false;
+    }
+    a.splits = gemm_splits(be, (int64_t)grid.x * grid.y * n_groups, a.n_stages, 2);
+    grid.z = (unsigned)(a.splits * n_groups);
+    if (a.splits > 1 && !(a.part = gemm_parts(be, a.splits, n_groups, n_tok, n_out))) return false;
+    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, grid, G_THREADS, G_SMEM, a) &&
+           (a.splits == 1 || gemm_reduce(be, a.part, a.splits, n_groups, n_tok, n_out, NULL, out, out_stride));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -236,6 +312,7 @@ struct hgemm_args {
     int64_t n_tok, n_in;
     float *out;
     int64_t out_stride;
+    float *part; /* split K (gridDim.z > 1): unscaled partial sums [split][n_tok][n_out], else NULL */
 };
 
 /* One block per token row: s, then the two parts. */
@@ -313,7 +390,9 @@ __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
     const int64_t n0 = (int64_t)blockIdx.x * H_BM, m0 = (int64_t)blockIdx.y * H_BN;
-    const int64_t n_stages = a.n_in / H_BK;
+    /* this block's K = 32 stages [s0, s0 + n_stages): all of K, or its split's share */
+    const int64_t all = a.n_in / H_BK, s0 = all * blockIdx.z / gridDim.z;
+    const int64_t n_stages = all * (blockIdx.z + 1) / gridDim.z - s0;
     /* ldmatrix row addresses of this lane: A rows (lane & 15) at k (lane >> 4) * 8; B tokens
      * ((lane >> 4) << 3) + (lane & 7) at k ((lane >> 3) & 1) * 8 */
     const int a_row = lane & 15, a_k = (lane >> 4) * 8;
@@ -325,14 +404,14 @@ __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
 
 #pragma unroll
     for (int s = 0; s < H_STAGES - 1; s++) {
-        if (s < n_stages) hgemm_load(a, smem + s * H_STAGE, n0, m0, (int64_t)s * H_BK);
+        if (s < n_stages) hgemm_load(a, smem + s * H_STAGE, n0, m0, (s0 + s) * H_BK);
         cp_async_commit();
     }
     for (int64_t st = 0; st < n_stages; st++) {
         cp_async_wait<H_STAGES - 2>();
         __syncthreads(); /* stage st is in; the buffer of st - 1 is free */
         if (st + H_STAGES - 1 < n_stages)
-            hgemm_load(a, smem + ((st + H_STAGES - 1) % H_STAGES) * H_STAGE, n0, m0, (st + H_STAGES - 1) * H_BK);
+            hgemm_load(a, smem + ((st + H_STAGES - 1) % H_STAGES) * H_STAGE, n0, m0, (s0 + st + H_STAGES - 1) * H_BK);
         cp_async_commit();
         const unsigned sw = base + 2u * (unsigned)((st % H_STAGES) * H_STAGE), sx = sw + 2u * H_WSTAGE;
         float c[2][4][4];
@@ -378,7 +457,9 @@ __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int64_t n = n0 + wm + 16 * i + g + 8 * h;
-                    if (n < a.n_out) a.out[m * a.out_stride + n] = __fmul_rn(acc[i][j][2 * h + k2], us);
+                    if (n >= a.n_out) continue;
+                    if (a.part) a.part[((int64_t)blockIdx.z * a.n_tok + m) * a.n_out + n] = acc[i][j][2 * h + k2];
+                    else a.out[m * a.out_stride + n] = __fmul_rn(acc[i][j][2 * h + k2], us);
                 }
             }
         }
@@ -410,9 +491,13 @@ bool cuda_gemm_f16(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_
     a.n_in = n_in;
     a.out = out;
     a.out_stride = out_stride;
+    a.part = NULL;
     dim3 grid;
-    return gemm_grid(be, n_out, n_tok, H_BM, H_BN, &grid) &&
-           cuda_launch(be, "split_f16_kernel", split_f16_kernel, (unsigned)n_tok, 256, 0, x, x_stride, n_in,
+    if (!gemm_grid(be, n_out, n_tok, H_BM, H_BN, &grid)) return false;
+    grid.z = (unsigned)gemm_splits(be, (int64_t)grid.x * grid.y, n_in / H_BK, 4);
+    if (grid.z > 1 && !(a.part = gemm_parts(be, (int)grid.z, 1, n_tok, n_out))) return false;
+    return cuda_launch(be, "split_f16_kernel", split_f16_kernel, (unsigned)n_tok, 256, 0, x, x_stride, n_in,
                        (uint16_t *)scratch, (float *)a.unscale) &&
-           cuda_launch(be, "hgemm_kernel", hgemm_kernel, grid, H_THREADS, 0, a);
+           cuda_launch(be, "hgemm_kernel", hgemm_kernel, grid, H_THREADS, 0, a) &&
+           (grid.z == 1 || gemm_reduce(be, a.part, (int)grid.z, 1, n_tok, n_out, a.unscale, out, out_stride));
 }

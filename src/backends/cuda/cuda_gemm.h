@@ -10,7 +10,7 @@
 
 #include "backends/backend.h"
 
-#define CUDA_GEMM_MIN_TOKENS 16 /* below this the matvec / tile kernels are used */
+#define CUDA_GEMM_MIN_TOKENS 9 /* below this the matvec / tile kernels are used */
 
 /* true when a Q8_0 weight of n_in-element rows (row_bytes apart) times n_tok
  * DS4 Q8_0 activation rows (x_row_bytes apart) can use the int8 GEMM. */
@@ -21,6 +21,16 @@ bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, i
  * with the error recorded when it could not be launched. */
 bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
                     int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride);
+
+/* n_groups such products in one launch (the matmul_grouped op): group g
+ * multiplies weight rows [g n_out, (g + 1) n_out) by elements
+ * [g n_in, (g + 1) n_in) of each activation row (whole Q8_0 blocks: the rows
+ * hold n_groups n_in elements) into outputs [g n_out, (g + 1) n_out) of each
+ * output row. Skinny products (few tokens) split K over several blocks and
+ * sum the parts in order. */
+bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
+                            int64_t n_groups, const void *xq, int64_t x_row_bytes, int64_t n_tok, float *out,
+                            int64_t out_stride);
 
 /* true when F16 weights with n_in-element rows (row_bytes apart) times n_tok
  * float activation rows can use the f16 tensor-core GEMM. */

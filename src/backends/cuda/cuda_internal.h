@@ -56,6 +56,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_MOE_ACT,      /* cuda_matmul.cu */
     CUDA_SCRATCH_MOE_SORTED,   /* cuda_matmul.cu: activations in expert order */
     CUDA_SCRATCH_MOE_GROUPS,   /* cuda_matmul.cu: expert groups and slot order */
+    CUDA_SCRATCH_GEMM_PART,    /* cuda_gemm.cu: split-K partial sums */
     CUDA_SCRATCH_ATTN,         /* cuda_attention.cu */
     CUDA_SCRATCH_ATTN_CTRL,    /* cuda_attention.cu: positions */
     CUDA_SCRATCH_ATTN_ROWS,    /* cuda_attention.cu: attention_rows' per-row views */
@@ -136,6 +137,7 @@ typedef struct cuda_graph_rec {
 
 typedef struct cuda_backend {
     int device;
+    int sm_count; /* the device's multiprocessors (0: not asked yet; cuda_sm_count) */
     cudaStream_t stream;
     ds4_error error; /* first error since the last take_error; DS4_OK if none */
     void *scratch[CUDA_SCRATCH_SLOTS];
@@ -206,6 +208,18 @@ static inline bool cuda_env_flag(const char *name, bool dflt) {
     if (e && e[0] == '0' && !e[1]) return false;
     if (e && e[0] == '1' && !e[1]) return true;
     return dflt;
+}
+/* The device's multiprocessor count (asked once; 1 when it cannot be). */
+static inline int cuda_sm_count(cuda_backend *cb) {
+    if (!cb->sm_count) {
+        int n = 0;
+        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, cb->device) != cudaSuccess || n < 1) {
+            (void)cudaGetLastError();
+            n = 1;
+        }
+        cb->sm_count = n;
+    }
+    return cb->sm_count;
 }
 /* A whole number from the environment within [lo, hi] (a tuning setting);
  * unset or anything else: `dflt`. */

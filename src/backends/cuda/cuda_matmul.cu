@@ -980,6 +980,16 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
                mode == MM_F32 ? n_in : n_in / blk, out, out_stride, n_rows, NULL, 0);
         return;
     }
+    const int64_t len = n_groups * n_in, xq_row_bytes = (len / DS4_QK8_0) * (int64_t)sizeof(act_q8_0);
+    if (mode == MM_Q8_0 && gemm_enabled() && n_in % DS4_QK8_0 == 0 && n_groups <= 2048 &&
+        cuda_gemm_q8_0_fits(n_in, w->row_bytes, xq_row_bytes, n_rows)) {
+        /* one launch for every group: each row quantised once, as above */
+        const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, len, n_rows, false);
+        if (act)
+            cuda_gemm_q8_0_grouped(be, w->device, w->row_bytes, n_in, n_out, n_groups, act, xq_row_bytes, n_rows,
+                                   out, out_stride);
+        return;
+    }
     for (int64_t g = 0; g < n_groups && !cuda_failed(be); g++)
         cuda_matmul(be, w, g * n_out, n_out, x + g * n_in, x_stride, out + g * n_out, out_stride, n_rows, num);
 }
