@@ -17,6 +17,9 @@
 #                   on a GPU machine it means the device was not usable)
 #   STEP_TIMEOUT    seconds per test / sanitizer run (default 600)
 #   CPU_TESTS=0     skip `make test-c` in the build stage (CI runs the CPU tests; saves device time)
+#   CPU_BUILD=0     skip the CPU build too (only build/cuda; not with the parity stage)
+#   UNIT_ONLY       "[VAR=V,...:]BIN[:FILTER] ..." runs only those CUDA tests in the unit stage
+#                   (e.g. "test_cuda_matmul:test_moe DS4_CUDA_GRAPH=0:test_cuda_session"), no second runs
 #   STAGES          comma-separated stages to run (default build,unit,parity,sanitize):
 #                     build     make clean, CPU and CUDA builds, CPU unit tests
 #                     unit      the CUDA unit test binaries
@@ -411,7 +414,11 @@ main() {
     fi
     if has_stage build; then
         run_step "make clean" make clean
-        run_step "make -j$JOBS (CPU build)" make -j"$JOBS"
+        if [ "${CPU_BUILD:-1}" != 0 ]; then
+            run_step "make -j$JOBS (CPU build)" make -j"$JOBS"
+        else
+            record "make -j$JOBS (CPU build)" "SKIP (CPU_BUILD=0)"
+        fi
         if ! run_step "make -j$JOBS cuda" make -j"$JOBS" cuda; then
             section "the CUDA build failed: no CUDA tests to run"
         fi
@@ -442,13 +449,18 @@ main() {
     if [ ${#bins[@]} -eq 0 ]; then record "CUDA test binaries" "FAIL (none built)"; fi
     local bins_to_test=("${bins[@]}")
 
-    local b log rc counts name envs
+    local b log rc counts name envs variants=1
     has_stage unit || bins_to_test=()
+    if [ -n "${UNIT_ONLY:-}" ]; then # [VAR=V,...:]BIN[:FILTER] entries: those tests only, no second runs
+        bins_to_test=()
+        variants=0
+        for b in $UNIT_ONLY; do bins_to_test+=("$b"); done
+    fi
     # second runs: the session tests with every launch direct (no recorded
     # steps), the attention tests with every top-k through the device-wide sort
     # and with the per-head kernel, the product tests with every activation
     # quantised by its own kernel ("A=0,B=0:binary" sets both)
-    for b in "${bins_to_test[@]}" $(has_stage unit && [ -x build/cuda/tests/test_cuda_session ] &&
+    for b in "${bins_to_test[@]}" $(has_stage unit && [ $variants = 1 ] && [ -x build/cuda/tests/test_cuda_session ] &&
         echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul"); do
         envs=()
         name=$b
@@ -456,9 +468,14 @@ main() {
             envs_of "${b%%:*}"
             b=${b#*:}
         fi
+        local filter=
+        if [ $variants = 0 ]; then # UNIT_ONLY: BIN[:FILTER] under build/cuda/tests
+            [[ $b == *:* ]] && filter=${b#*:}
+            b=build/cuda/tests/${b%%:*}
+        fi
         section "$name"
-        log="$TMP/$(basename "$b").log"
-        env "${envs[@]}" timeout "$STEP_TIMEOUT" "$b" >"$log" 2>&1
+        log="$TMP/$(basename "$b")${filter:+.$filter}.log"
+        env "${envs[@]}" timeout "$STEP_TIMEOUT" "$b" $filter >"$log" 2>&1
         rc=$?
         cat "$log"
         counts=$(test_counts "$log")

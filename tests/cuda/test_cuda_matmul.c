@@ -1096,6 +1096,64 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
     moe_free(p, &m);
 }
 
+/* Inside a recorded step (a batched decode) the slots of 16 tokens or more
+ * are grouped on the device (moe_group_kernel): no wait for the ids, more
+ * launches than the per-slot path (the grouping, gathers and the sum), and
+ * the same results bit for bit as the per-slot launches in a step and as
+ * the per-slot path outside one. With DS4_CUDA_GRAPH=0 there are no
+ * recorded steps (the host groups them; only the results are compared). */
+static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
+                          int n_used, int64_t n_rows) {
+    ds4_cuda_backend_set_moe_mma(p->gpu, 0);
+    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
+    int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
+    float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
+    for (int64_t r = 0; r < n_rows; r++) moe_route(n_expert, n_used, sel + r * n_used, wts + r * n_used);
+    float *hx = op_rand(n_rows * dim, 1.0);
+    op_buf x = op_buf_from(p, hx, n_rows * dim);
+    op_buf y = op_buf_poisoned(p, n_rows * dim), y_off = op_buf_poisoned(p, n_rows * dim);
+    op_buf y_on = op_buf_poisoned(p, n_rows * dim);
+    op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
+    char what[128];
+    snprintf(what, sizeof what, "moe %s/%s in a step, %lld tokens over %lld experts", ds4_type_name(tg),
+             ds4_type_name(td), (long long)n_rows, (long long)n_expert);
+    ds4_cuda_backend_set_moe_grouped(p->gpu, 0);
+    moe_gpu(p, &m, x, dsel, dw, n_used, 0.7f, y, n_rows); /* outside a step, per slot */
+    op_expect_ok(p);
+    ds4_backend_counters c[4];
+    for (int on = 0; on < 2; on++) {
+        ds4_cuda_backend_set_moe_grouped(p->gpu, on);
+        for (int rep = 0; rep < 2; rep++) { /* counted the second time (the first may grow scratch) */
+            c[2 * on] = op_gpu_counters(p);
+            p->gpu->ops->step_begin(p->gpu);
+            moe_gpu(p, &m, x, dsel, dw, n_used, 0.7f, on ? y_on : y_off, n_rows);
+            p->gpu->ops->step_end(p->gpu);
+            c[2 * on + 1] = op_gpu_counters(p);
+            op_expect_ok(p);
+        }
+    }
+    default_moe_grouped(p);
+    if (env_on("DS4_CUDA_GRAPH") && launch_counts_apply()) {
+        CHECK_MSG(c[3].syncs - c[2].syncs == c[1].syncs - c[0].syncs, "%s: %llu waits grouped, %llu per slot", what,
+                  (unsigned long long)(c[3].syncs - c[2].syncs), (unsigned long long)(c[1].syncs - c[0].syncs));
+        CHECK_MSG(c[3].launches - c[2].launches > c[1].launches - c[0].launches,
+                  "%s: %llu launches grouped, %llu per slot (not grouped on the device?)", what,
+                  (unsigned long long)(c[3].launches - c[2].launches), (unsigned long long)(c[1].launches - c[0].launches));
+    }
+    expect_same_rows(p, what, y_off.g, y.g, n_rows, dim, dim);
+    expect_same_rows(p, what, y_on.g, y.g, n_rows, dim, dim);
+    op_buf_free(p, &x);
+    op_buf_free(p, &y);
+    op_buf_free(p, &y_off);
+    op_buf_free(p, &y_on);
+    op_buf_free(p, &dsel);
+    op_buf_free(p, &dw);
+    free(hx);
+    free(sel);
+    free(wts);
+    moe_free(p, &m);
+}
+
 static void test_moe_grouped(void) {
     OPEN_PAIR(p);
     const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K, Q4 = DS4_TYPE_Q4_K, Q8 = DS4_TYPE_Q8_0;
@@ -1107,6 +1165,10 @@ static void test_moe_grouped(void) {
     moe_grouped_case(&p, Q4, Q4, 1024, 1024, 2, 2, 2, true);
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 1, false); /* one token: the streaming path */
     moe_grouped_case(&p, Q8, Q8, 2048, 1024, 12, 6, 9, false);  /* Q8_0 activations: not grouped */
+    /* recorded steps: grouped on the device; 40 tokens over 8 experts split experts past 8 rows */
+    moe_step_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 17);
+    moe_step_case(&p, IQ2, Q2, 2048, 1024, 8, 6, 40);
+    moe_step_case(&p, Q4, Q4, 1024, 1024, 64, 6, 32);
     default_moe_grouped(&p);
     op_pair_close(&p);
 }

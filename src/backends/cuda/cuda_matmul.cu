@@ -1150,34 +1150,66 @@ static int64_t moe_group_slots(const int32_t *sel, int64_t slots, int n_used, in
     return n_groups;
 }
 
-/* Several tokens' routed experts grouped by expert (the backend's
- * moe_grouped, outside recorded steps, Q8_K activations throughout): the
- * checked ids come back to the host, which sorts the slots; x rows are
- * gathered into expert order, gate and up run per group (one pass over an
- * expert's rows for up to eight of its tokens), the mids are made per slot
- * as on the streaming path, gathered, and down runs per group into
- * per-slot partials summed over each token's experts in order. false (and
- * nothing enqueued) when the shapes do not suit it. */
-static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
-                        mm_mode mg, mm_mode mu, mm_mode md, const float *x, const int32_t *d_sel, const float *d_w,
-                        int n_used, float limit, float *out, int64_t n_rows, bool mv_suits) {
-    cuda_backend *cb = cuda_impl(be);
-    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2], slots = (int64_t)n_used * n_rows;
-    if (!cb->moe_grouped || cb->in_step || n_rows < 2 || mg != MM_Q8_K || mu != MM_Q8_K || md != MM_Q8_K ||
-        gate->type != up->type || gate->row_bytes != up->row_bytes || dim % DS4_QK_K || n_ff % DS4_QK_K ||
-        slots > 65535 || n_expert > (int64_t)1 << 20)
-        return false;
-    /* the tensor cores take up to 32 tokens of an expert at a time (any
-     * whole 256-blocks), the matvec kernels 8 (rows of their units) */
-    const bool mma = cb->moe_mma && cuda_mv_moe_mma_fits(gate->type, gate->row_bytes, dim) &&
-                     cuda_mv_moe_mma_fits(down->type, down->row_bytes, n_ff);
-    if (!mma && !mv_suits) return false;
-    /* rows of Q8_K blocks, sorted at a 16-byte pitch (the matvec kernels
-     * read them at their own size: whole 16-byte pieces only) */
-    const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
-    const int64_t xrow = nbx * (int64_t)sizeof(ds4_block_q8_K), mrow = nbm * (int64_t)sizeof(ds4_block_q8_K);
-    if (!mma && (xrow % 16 || mrow % 16)) return false;
-    const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
+/* moe_group_slots on the device, for recorded steps (nothing waits for the
+ * ids): one block of MOE_DEV_THREADS. Thread e counts expert e's slots,
+ * the starts are prefix sums, then thread e lists its slots in order, so
+ * order, tokens and groups are the host's exactly; the groups past the
+ * last (up to `slots`, the grid's bound) get no rows, and their blocks do
+ * nothing. The ids are the route kernel's checked ones (in range). */
+#define MOE_DEV_THREADS 256
+#define MOE_DEV_MAX_SLOTS 4096
+#define MOE_DEV_MAX_EXPERTS 1024
+#define MOE_DEV_MIN_ROWS 16 /* fewer tokens share few experts: the per-slot launches are as fast */
+__global__ void __launch_bounds__(MOE_DEV_THREADS) moe_group_kernel(const int32_t *__restrict__ sel, int slots,
+                                                                    int n_used, int n_expert, int max_rows,
+                                                                    int4 *__restrict__ groups,
+                                                                    int32_t *__restrict__ order,
+                                                                    int32_t *__restrict__ tok) {
+    cuda_grid_wait();
+    __shared__ int32_t s_sel[MOE_DEV_MAX_SLOTS];
+    __shared__ int32_t s_at[MOE_DEV_MAX_EXPERTS], s_g0[MOE_DEV_MAX_EXPERTS];
+    __shared__ int32_t s_groups;
+    for (int i = threadIdx.x; i < slots; i += blockDim.x) s_sel[i] = sel[i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        int c = 0;
+        for (int i = 0; i < slots; i++) c += s_sel[i] == e;
+        s_at[e] = c;
+        s_g0[e] = (c + max_rows - 1) / max_rows;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) { /* exclusive prefix sums of the rows and of the groups */
+        int at = 0, g0 = 0;
+        for (int e = 0; e < n_expert; e++) {
+            const int c = s_at[e], g = s_g0[e];
+            s_at[e] = at;
+            s_g0[e] = g0;
+            at += c;
+            g0 += g;
+        }
+        s_groups = g0;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        const int at = s_at[e];
+        int c = 0;
+        for (int i = 0; i < slots; i++)
+            if (s_sel[i] == e) {
+                order[at + c] = i;
+                tok[at + c] = i / n_used;
+                c++;
+            }
+        for (int f = 0; f < c; f += max_rows)
+            groups[s_g0[e] + f / max_rows] = make_int4(e, at + f, c - f < max_rows ? c - f : max_rows, 0);
+    }
+    for (int g = s_groups + threadIdx.x; g < slots; g += blockDim.x) groups[g] = make_int4(0, 0, 0, 0);
+}
+
+/* The host's grouping (moe_grouped outside steps): the checked ids read
+ * back (one wait), sorted, the groups and the slot order uploaded; NULL
+ * with the error recorded when that failed. */
+static const int32_t *moe_sort_on_host(ds4_backend *be, const int32_t *d_sel, int64_t slots, int n_used,
+                                       int64_t n_expert, int64_t max_rows, int64_t *n_groups_out) {
     /* the checked ids (one wait), sorted on the host */
     int32_t *h = (int32_t *)calloc((size_t)(7 * slots), sizeof(int32_t)); /* ids, 4 per group, order, tokens */
     int64_t *count = (int64_t *)malloc((size_t)n_expert * sizeof(int64_t));
@@ -1185,13 +1217,12 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         free(h);
         free(count);
         cuda_fail(be, DS4_ERR_NOMEM, "moe: out of host memory for %lld expert slots", (long long)slots);
-        return true;
+        return NULL;
     }
     be->ops->download(be, (float *)h, (const float *)d_sel, slots);
     int32_t *groups = h + slots, *order = groups + 4 * slots, *tok = order + slots; /* uploaded from groups on */
     bool ok = !cuda_failed(be);
     for (int64_t s = 0; ok && s < slots; s++) ok = h[s] >= 0 && h[s] < n_expert; /* moe_route_kernel's output */
-    const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : CUDA_MV_MAX_ROWS;
     const int64_t n_groups = ok ? moe_group_slots(h, slots, n_used, n_expert, max_rows, order, tok, groups, count) : 0;
     /* the groups (int4 each: 16-byte aligned at the upload's start), then the
      * slot order and the tokens (the upload covers every group slot there
@@ -1203,8 +1234,21 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     free(count);
     if (!dev) {
         if (!cuda_failed(be)) cuda_fail(be, DS4_ERR_DEVICE, "moe: the expert ids read back are out of range");
-        return true;
+        return NULL;
     }
+    *n_groups_out = n_groups;
+    return dev;
+}
+
+/* The grouped products on `dev` = (groups [4 slots], order [slots], tokens
+ * [slots]) of n_groups groups: see moe_grouped. */
+static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                            mm_mode mg, mm_mode md, const float *x, const float *d_w, int n_used, float limit,
+                            float *out, int64_t n_rows, bool mma, const int32_t *dev, int64_t n_groups, int64_t xrow,
+                            int64_t xpitch, int64_t mrow, int64_t mpitch) {
+    cuda_backend *cb = cuda_impl(be);
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], slots = (int64_t)n_used * n_rows;
+    const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
     const int32_t *d_groups = dev, *d_order = dev + 4 * slots, *d_tok = d_order + slots;
     /* x quantised, its rows gathered into expert order */
     void *xq = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, (size_t)(n_rows * xrow));
@@ -1238,6 +1282,59 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     (void)cuda_launch(be, "moe_sum_rows_kernel", moe_sum_rows_kernel, dim3((unsigned)cdiv(dim, 256), (unsigned)n_rows),
                       256, 0, (const float *)u, n_used, dim, out, dim);
     return true;
+}
+
+/* Several tokens' routed experts grouped by expert (the backend's
+ * moe_grouped, Q8_K activations throughout). Outside recorded steps the
+ * checked ids come back to the host, which sorts the slots; inside one
+ * (a batched decode of MOE_DEV_MIN_ROWS tokens or more) moe_group_kernel
+ * sorts them on the device and the launches cover `slots` groups, the
+ * empty ones idle (the matvec kernels: groups of up to eight). x rows are
+ * gathered into expert order, gate and up run per group (one pass over an
+ * expert's rows for up to eight of its tokens), the mids are made per slot
+ * as on the streaming path, gathered, and down runs per group into
+ * per-slot partials summed over each token's experts in order. false (and
+ * nothing enqueued) when the shapes do not suit it. */
+static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
+                        mm_mode mg, mm_mode mu, mm_mode md, const float *x, const int32_t *d_sel, const float *d_w,
+                        int n_used, float limit, float *out, int64_t n_rows, bool mv_suits) {
+    cuda_backend *cb = cuda_impl(be);
+    const int64_t dim = gate->ne[0], n_ff = gate->ne[1], n_expert = gate->ne[2], slots = (int64_t)n_used * n_rows;
+    if (!cb->moe_grouped || n_rows < 2 || mg != MM_Q8_K || mu != MM_Q8_K || md != MM_Q8_K ||
+        gate->type != up->type || gate->row_bytes != up->row_bytes || dim % DS4_QK_K || n_ff % DS4_QK_K ||
+        slots > 65535 || n_expert > (int64_t)1 << 20)
+        return false;
+    const bool on_device = cb->in_step; /* no wait for the ids inside a recorded step */
+    if (on_device && (!mv_suits || n_rows < MOE_DEV_MIN_ROWS || slots > MOE_DEV_MAX_SLOTS ||
+                      n_expert > MOE_DEV_MAX_EXPERTS))
+        return false;
+    /* the tensor cores take up to 32 tokens of an expert at a time (any
+     * whole 256-blocks), the matvec kernels 8 (rows of their units) */
+    const bool mma = !on_device && cb->moe_mma && cuda_mv_moe_mma_fits(gate->type, gate->row_bytes, dim) &&
+                     cuda_mv_moe_mma_fits(down->type, down->row_bytes, n_ff);
+    if (!mma && !mv_suits) return false;
+    /* rows of Q8_K blocks, sorted at a 16-byte pitch (the matvec kernels
+     * read them at their own size: whole 16-byte pieces only) */
+    const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
+    const int64_t xrow = nbx * (int64_t)sizeof(ds4_block_q8_K), mrow = nbm * (int64_t)sizeof(ds4_block_q8_K);
+    if (!mma && (xrow % 16 || mrow % 16)) return false;
+    const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
+    const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : CUDA_MV_MAX_ROWS;
+    const int32_t *dev;
+    int64_t n_groups;
+    if (on_device) {
+        int32_t *d = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_GROUPS, (size_t)(6 * slots) * sizeof(int32_t));
+        if (!d || !cuda_launch(be, "moe_group_kernel", moe_group_kernel, 1u, MOE_DEV_THREADS, 0, d_sel, (int)slots,
+                               n_used, (int)n_expert, (int)max_rows, (int4 *)d, d + 4 * slots, d + 5 * slots))
+            return true;
+        dev = d;
+        n_groups = slots; /* the bound: the groups past the last have no rows */
+    } else {
+        dev = moe_sort_on_host(be, d_sel, slots, n_used, n_expert, max_rows, &n_groups);
+        if (!dev) return true;
+    }
+    return moe_grouped_run(be, gate, up, down, mg, md, x, d_w, n_used, limit, out, n_rows, mma, dev, n_groups, xrow,
+                           xpitch, mrow, mpitch);
 }
 
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
