@@ -797,6 +797,7 @@ static bool env_on(const char *name) { return env_on_default(name, true); }
  * defaults (on unless DS4_CUDA_MOE_GROUPED=0, DS4_CUDA_MOE_MMA=0). */
 static void default_moe_grouped(op_pair *p) {
     ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED"));
+    ds4_cuda_backend_set_moe_step_group(p->gpu, env_on_default("DS4_CUDA_MOE_STEP_GROUP", false));
     ds4_cuda_backend_set_moe_mma(p->gpu, env_on("DS4_CUDA_MOE_MMA"));
 }
 
@@ -1096,8 +1097,8 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
     moe_free(p, &m);
 }
 
-/* Inside a recorded step (a batched decode) the slots of 16 tokens or more
- * are grouped on the device (moe_group_kernel): no wait for the ids, more
+/* Inside a recorded step (a batched decode), with the step grouping on, the
+ * slots of 16 tokens or more are grouped on the device (moe_group_kernel): no wait for the ids, more
  * launches than the per-slot path (the grouping, gathers and the sum), and
  * the same results bit for bit as the per-slot launches in a step and as
  * the per-slot path outside one. With DS4_CUDA_GRAPH=0 there are no
@@ -1105,6 +1106,7 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
 static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
                           int n_used, int64_t n_rows) {
     ds4_cuda_backend_set_moe_mma(p->gpu, 0);
+    ds4_cuda_backend_set_moe_step_group(p->gpu, 1);
     moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
     int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
     float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);

@@ -1287,7 +1287,7 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
 /* Several tokens' routed experts grouped by expert (the backend's
  * moe_grouped, Q8_K activations throughout). Outside recorded steps the
  * checked ids come back to the host, which sorts the slots; inside one
- * (a batched decode of MOE_DEV_MIN_ROWS tokens or more) moe_group_kernel
+ * (with moe_step_group: a batched decode of MOE_DEV_MIN_ROWS tokens or more) moe_group_kernel
  * sorts them on the device and the launches cover `slots` groups, the
  * empty ones idle (the matvec kernels: groups of up to eight). x rows are
  * gathered into expert order, gate and up run per group (one pass over an
@@ -1305,7 +1305,7 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         slots > 65535 || n_expert > (int64_t)1 << 20)
         return false;
     const bool on_device = cb->in_step; /* no wait for the ids inside a recorded step */
-    if (on_device && (!mv_suits || n_rows < MOE_DEV_MIN_ROWS || slots > MOE_DEV_MAX_SLOTS ||
+    if (on_device && (!cb->moe_step_group || !mv_suits || n_rows < MOE_DEV_MIN_ROWS || slots > MOE_DEV_MAX_SLOTS ||
                       n_expert > MOE_DEV_MAX_EXPERTS))
         return false;
     /* the tensor cores take up to 32 tokens of an expert at a time (any
