@@ -797,7 +797,8 @@ static bool env_on(const char *name) { return env_on_default(name, true); }
  * defaults (on unless DS4_CUDA_MOE_GROUPED=0, DS4_CUDA_MOE_MMA=0). */
 static void default_moe_grouped(op_pair *p) {
     ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED"));
-    ds4_cuda_backend_set_moe_step_group(p->gpu, env_on_default("DS4_CUDA_MOE_STEP_GROUP", false));
+    const char *sg = getenv("DS4_CUDA_MOE_STEP_GROUP");
+    ds4_cuda_backend_set_moe_step_group(p->gpu, sg ? atoi(sg) : 0);
     ds4_cuda_backend_set_moe_mma(p->gpu, env_on("DS4_CUDA_MOE_MMA"));
 }
 
@@ -1104,9 +1105,9 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
  * the per-slot path outside one. With DS4_CUDA_GRAPH=0 there are no
  * recorded steps (the host groups them; only the results are compared). */
 static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
-                          int n_used, int64_t n_rows) {
+                          int n_used, int64_t n_rows, int step_rows) {
     ds4_cuda_backend_set_moe_mma(p->gpu, 0);
-    ds4_cuda_backend_set_moe_step_group(p->gpu, 1);
+    ds4_cuda_backend_set_moe_step_group(p->gpu, step_rows);
     moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
     int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
     float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
@@ -1117,8 +1118,8 @@ static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int
     op_buf y_on = op_buf_poisoned(p, n_rows * dim);
     op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
     char what[128];
-    snprintf(what, sizeof what, "moe %s/%s in a step, %lld tokens over %lld experts", ds4_type_name(tg),
-             ds4_type_name(td), (long long)n_rows, (long long)n_expert);
+    snprintf(what, sizeof what, "moe %s/%s in a step, %lld tokens over %lld experts, groups of %d", ds4_type_name(tg),
+             ds4_type_name(td), (long long)n_rows, (long long)n_expert, step_rows);
     ds4_cuda_backend_set_moe_grouped(p->gpu, 0);
     moe_gpu(p, &m, x, dsel, dw, n_used, 0.7f, y, n_rows); /* outside a step, per slot */
     op_expect_ok(p);
@@ -1168,9 +1169,11 @@ static void test_moe_grouped(void) {
     moe_grouped_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 1, false); /* one token: the streaming path */
     moe_grouped_case(&p, Q8, Q8, 2048, 1024, 12, 6, 9, false);  /* Q8_0 activations: not grouped */
     /* recorded steps: grouped on the device; 40 tokens over 8 experts split experts past 8 rows */
-    moe_step_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 17);
-    moe_step_case(&p, IQ2, Q2, 2048, 1024, 8, 6, 40);
-    moe_step_case(&p, Q4, Q4, 1024, 1024, 64, 6, 32);
+    moe_step_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 17, 8);
+    moe_step_case(&p, IQ2, Q2, 2048, 1024, 8, 6, 40, 8);
+    moe_step_case(&p, IQ2, Q2, 2048, 1024, 8, 6, 40, 2);
+    moe_step_case(&p, IQ2, Q2, 2048, 1024, 12, 6, 24, 1);
+    moe_step_case(&p, Q4, Q4, 1024, 1024, 64, 6, 32, 4);
     default_moe_grouped(&p);
     op_pair_close(&p);
 }

@@ -134,16 +134,18 @@ void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
  * product the CPU's Q8_K dot bit for bit (its block terms in its order).
  * Off, the grouped path uses the multi-row matvec kernels. */
 void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
-/* The grouping inside recorded steps too (off by default;
- * DS4_CUDA_MOE_STEP_GROUP=1 makes on the default; needs moe_grouped): a
- * batched decode's MoE of 16 tokens or more sorts its slots by expert on the
- * device (no wait) and runs the multi-row matvec kernels per group of up to
- * eight tokens, bit for bit the per-slot results. Measured on the H200 it is
- * slower than the per-slot launches (32 streams of the full-size q2 model:
- * 1.57 ms per layer's experts vs 1.11: the eight-row kernel costs about
- * twice a one-row pass for the one or two tokens most experts get), so it
- * stays off until the grouped kernel suits small groups. */
-void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int on);
+/* The grouping inside recorded steps too, in groups of up to max_rows
+ * tokens (1, 2, 4 or 8; anything else: off, the default;
+ * DS4_CUDA_MOE_STEP_GROUP=N sets the default; needs moe_grouped): a batched
+ * decode's MoE of 16 tokens or more sorts its slots by expert on the device
+ * (no wait) and runs the matvec kernels of max_rows rows per group (with 1,
+ * the per-slot passes in expert order), bit for bit the per-slot results.
+ * Measured on the H200 with groups of 8 it is slower than the per-slot
+ * launches (32 streams of the full-size q2 model: 1.57 ms per layer's
+ * experts vs 1.11: the eight-row kernel costs about twice a one-row pass for
+ * the one or two tokens most experts get), so it stays off until a group
+ * size is measured faster. */
+void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_rows);
 /* F16-weight products (DS4 numerics) of CUDA_GEMM_MIN_TOKENS or more tokens
  * on the f16 tensor cores, activations split into two binary16 parts (on by
  * default; DS4_CUDA_FGEMM=0 makes off the default): the same products to

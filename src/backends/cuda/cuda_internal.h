@@ -163,7 +163,8 @@ typedef struct cuda_backend {
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
-    bool moe_step_group; /* ... and inside recorded steps, sorted on the device (DS4_CUDA_MOE_STEP_GROUP=1: on) */
+    int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
+                        * (1, 2, 4 or 8; 0: off, the default; DS4_CUDA_MOE_STEP_GROUP=N) */
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */
     bool fgemm;       /* F16-weight products of many tokens on the tensor cores (DS4_CUDA_FGEMM=0: off) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */

@@ -675,8 +675,10 @@ extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl
 extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_impl(be)->segments = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
-extern "C" void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int on) {
-    cuda_impl(be)->moe_step_group = on != 0;
+/* A group size the grouped matvec kernels have (1, 2, 4, 8), else 0 (off). */
+static int step_group_rows(long r) { return r == 1 || r == 2 || r == 4 || r == 8 ? (int)r : 0; }
+extern "C" void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_rows) {
+    cuda_impl(be)->moe_step_rows = step_group_rows(max_rows);
 }
 extern "C" void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on) { cuda_impl(be)->fgemm = on != 0; }
 extern "C" int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be) {
@@ -703,7 +705,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
-    cb->moe_step_group = cuda_env_flag("DS4_CUDA_MOE_STEP_GROUP", false);
+    cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);

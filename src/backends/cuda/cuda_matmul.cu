@@ -1244,8 +1244,8 @@ static const int32_t *moe_sort_on_host(ds4_backend *be, const int32_t *d_sel, in
  * [slots]) of n_groups groups: see moe_grouped. */
 static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                             mm_mode mg, mm_mode md, const float *x, const float *d_w, int n_used, float limit,
-                            float *out, int64_t n_rows, bool mma, const int32_t *dev, int64_t n_groups, int64_t xrow,
-                            int64_t xpitch, int64_t mrow, int64_t mpitch) {
+                            float *out, int64_t n_rows, bool mma, int max_rows, const int32_t *dev, int64_t n_groups,
+                            int64_t xrow, int64_t xpitch, int64_t mrow, int64_t mpitch) {
     cuda_backend *cb = cuda_impl(be);
     const int64_t dim = gate->ne[0], n_ff = gate->ne[1], slots = (int64_t)n_used * n_rows;
     const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
@@ -1265,8 +1265,8 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
     float *const gu_out[2] = { g, u };
     /* gate and up share the streaming launch (same type and rows): its split over n_ff x slots x 2 outputs */
     if (mma ? !cuda_mv_moe_mma(be, gu, gu_out, 2, sorted, nbx, xpitch, d_groups, d_order, n_groups, n_ff)
-            : !cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups, n_ff,
-                                   n_ff * slots * 2))
+            : !cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups,
+                                   max_rows, n_ff, n_ff * slots * 2))
         return true;
     /* the mids per slot (routing weights applied), gathered into expert order */
     const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
@@ -1276,7 +1276,8 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
     const ds4_weight *dn[1] = { down };
     float *const dn_out[1] = { u }; /* per-slot partials [slots][dim] */
     if (mma ? !cuda_mv_moe_mma(be, dn, dn_out, 1, sorted, nbm, mpitch, d_groups, d_order, n_groups, dim)
-            : !cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups, dim, 0))
+            : !cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups,
+                                   max_rows, dim, 0))
         return true;
     if (mma) cb->moe_mma_calls++;
     (void)cuda_launch(be, "moe_sum_rows_kernel", moe_sum_rows_kernel, dim3((unsigned)cdiv(dim, 256), (unsigned)n_rows),
@@ -1305,7 +1306,7 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         slots > 65535 || n_expert > (int64_t)1 << 20)
         return false;
     const bool on_device = cb->in_step; /* no wait for the ids inside a recorded step */
-    if (on_device && (!cb->moe_step_group || !mv_suits || n_rows < MOE_DEV_MIN_ROWS || slots > MOE_DEV_MAX_SLOTS ||
+    if (on_device && (!cb->moe_step_rows || !mv_suits || n_rows < MOE_DEV_MIN_ROWS || slots > MOE_DEV_MAX_SLOTS ||
                       n_expert > MOE_DEV_MAX_EXPERTS))
         return false;
     /* the tensor cores take up to 32 tokens of an expert at a time (any
@@ -1319,7 +1320,7 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     const int64_t xrow = nbx * (int64_t)sizeof(ds4_block_q8_K), mrow = nbm * (int64_t)sizeof(ds4_block_q8_K);
     if (!mma && (xrow % 16 || mrow % 16)) return false;
     const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
-    const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : CUDA_MV_MAX_ROWS;
+    const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : on_device ? cb->moe_step_rows : CUDA_MV_MAX_ROWS;
     const int32_t *dev;
     int64_t n_groups;
     if (on_device) {
@@ -1333,8 +1334,8 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         dev = moe_sort_on_host(be, d_sel, slots, n_used, n_expert, max_rows, &n_groups);
         if (!dev) return true;
     }
-    return moe_grouped_run(be, gate, up, down, mg, md, x, d_w, n_used, limit, out, n_rows, mma, dev, n_groups, xrow,
-                           xpitch, mrow, mpitch);
+    return moe_grouped_run(be, gate, up, down, mg, md, x, d_w, n_used, limit, out, n_rows, mma, (int)max_rows, dev,
+                           n_groups, xrow, xpitch, mrow, mpitch);
 }
 
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,

@@ -996,9 +996,10 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
 
 bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,
                          const void *act, int64_t act_stride, const int32_t *groups, const int32_t *order,
-                         int64_t n_groups, int64_t out_stride, int64_t split_outputs) {
+                         int64_t n_groups, int max_rows, int64_t out_stride, int64_t split_outputs) {
     const ds4_weight *w = ws[0];
     bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 &&
+              (max_rows == 1 || max_rows == 2 || max_rows == 4 || max_rows == 8) &&
               cuda_mv_fits(w->type, kind, w->row_bytes, w->ne[0]);
     for (int z = 1; ok && z < n_mats; z++)
         ok = ws[z]->type == w->type && ws[z]->row_bytes == w->row_bytes && ws[z]->ne[1] == w->ne[1] &&
@@ -1023,7 +1024,7 @@ bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *co
     a.act_stride = act_stride;
     a.act_blocks = act_stride;
     a.out_sel_stride = out_stride;
-    a.n_rows = CUDA_MV_MAX_ROWS; /* the kernel for eight rows; each group has its own count */
+    a.n_rows = max_rows; /* the kernel for that many rows; each group has its own count */
     a.groups = (const int4 *)groups;
     a.order = order;
     /* the split of the streaming path this stands for (its rows' sums in the

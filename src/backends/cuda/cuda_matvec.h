@@ -87,7 +87,8 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
 
 /* The routed experts' products grouped by expert (prefill: the tokens of
  * one expert share its weight reads): groups[4 g .. 4 g + 2] = (expert,
- * first, rows) with rows <= CUDA_MV_MAX_ROWS, and for each of the n_mats
+ * first, rows) with rows <= max_rows (1, 2, 4 or 8: the kernel of that many
+ * rows runs; a group of more rows, or of none, is left out), and for each of the n_mats
  * matrices (gate and up share a launch; same type and shape) and r < rows:
  *   outs[z][order[first + r]][o] = ws[z][expert][o] . act[first + r]
  * (act rows act_stride blocks apart, in the sorted order; output rows
@@ -98,7 +99,7 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
  * cuda_mv_moe_down's experts), so each row's sum is the same either way. */
 bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,
                          const void *act, int64_t act_stride, const int32_t *groups, const int32_t *order,
-                         int64_t n_groups, int64_t out_stride, int64_t split_outputs);
+                         int64_t n_groups, int max_rows, int64_t out_stride, int64_t split_outputs);
 
 /* The same products on the int8 tensor cores (IQ2_XXS, Q2_K and Q4_K
  * weights, Q8_K activations in the split layout, act_blocks = n_in / 256
