@@ -17,7 +17,7 @@
 #                   on a GPU machine it means the device was not usable)
 #   STEP_TIMEOUT    seconds per test / sanitizer run (default 600)
 #   CPU_TESTS=0     skip `make test-c` in the build stage (CI runs the CPU tests; saves device time)
-#   CPU_BUILD=0     skip the CPU build too (only build/cuda; not with the parity stage)
+#   CPU_BUILD=0     skip the CPU build and (unless CPU_TESTS=1) its tests: only build/cuda
 #   UNIT_ONLY       "[VAR=V,...:]BIN[:FILTER] ..." runs only those CUDA tests in the unit stage
 #                   (e.g. "test_cuda_matmul:test_moe DS4_CUDA_GRAPH=0:test_cuda_session"), no second runs
 #   STAGES          comma-separated stages to run (default build,unit,parity,sanitize):
@@ -56,7 +56,8 @@
 #                               writes ncu's full report (--set full: occupancy, stall reasons, memory
 #                               charts) of the first launch of each kernel matching a REGEX in that
 #                               prefill to $OUT/ncu-detail-REGEX.txt; KERN_TOKEN_DETAIL="REGEX,..." the
-#                               same for kernels of the decoded token ($OUT/ncu-detail-token-REGEX.txt)
+#                               same for kernels of the decoded token ($OUT/ncu-detail-token-REGEX.txt;
+#                               matched against demangled names: 'mv_kernel<.unsigned int.16' is IQ2_XXS)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -300,13 +301,17 @@ ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
 # The full ncu report of one launch of each kernel named in the comma-separated
 # REGEXES (ncu-detail-NAME.txt; KERN_TOKEN_DETAIL's are named token-NAME).
 ncu_details() { # ncu_details LABEL REGEXES BENCH_ARGS...
-    local what=$1 kd=$2 out="${OUT:-$TMP}" k kn pre=
+    local what=$1 out="${OUT:-$TMP}" k kn pre= base=function pats=()
+    IFS=, read -ra pats <<<"$2"
     shift 2
-    [ "$what" = token ] && pre=token-
-    for k in ${kd//,/ }; do
+    # the token's kernels by their demangled names (templates: "mv_kernel<.unsigned int.16"),
+    # the prefill's by function name
+    [ "$what" = token ] && pre=token- && base=demangled
+    for k in "${pats[@]}"; do
+        [ -n "$k" ] || continue
         section "ncu: details of $k ($what)"
         kn=$pre${k//[^A-Za-z0-9_]/_}
-        if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --set full --kernel-name-base demangled \
+        if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --set full --kernel-name-base "$base" \
             -k "regex:$k" --launch-count 1 \
             -f -o "$TMP/detail-$kn" build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda \
             "$@" >"$TMP/ncu-detail-$kn.log" 2>&1 &&
@@ -422,10 +427,10 @@ main() {
         if ! run_step "make -j$JOBS cuda" make -j"$JOBS" cuda; then
             section "the CUDA build failed: no CUDA tests to run"
         fi
-        if [ "${CPU_TESTS:-1}" != 0 ]; then
+        if [ "${CPU_TESTS:-${CPU_BUILD:-1}}" != 0 ]; then
             run_step "make test-c (CPU unit tests)" make -j"$JOBS" test-c
         else
-            record "make test-c (CPU unit tests)" "SKIP (CPU_TESTS=0)"
+            record "make test-c (CPU unit tests)" "SKIP (CPU_TESTS=0 or CPU_BUILD=0)"
         fi
     fi
 
@@ -451,10 +456,10 @@ main() {
 
     local b log rc counts name envs variants=1
     has_stage unit || bins_to_test=()
-    if [ -n "${UNIT_ONLY:-}" ]; then # [VAR=V,...:]BIN[:FILTER] entries: those tests only, no second runs
+    if has_stage unit && [ -n "${UNIT_ONLY:-}" ]; then # [VAR=V,...:]BIN[:FILTER] entries: those tests only, no second runs
         bins_to_test=()
         variants=0
-        for b in $UNIT_ONLY; do bins_to_test+=("$b"); done
+        read -ra bins_to_test <<<"$UNIT_ONLY"
     fi
     # second runs: the session tests with every launch direct (no recorded
     # steps), the attention tests with every top-k through the device-wide sort
@@ -484,6 +489,8 @@ main() {
             record "$name" "FAIL (exit $rc; $p passed, $f failed, $s skipped)"
         elif [ "$s" != "0" ] && [ "$ALLOW_SKIP" != "1" ]; then
             record "$name" "FAIL ($s skipped on a GPU machine; $p passed)"
+        elif [ -n "$filter" ] && [ "$p" = 0 ]; then
+            record "$name" "FAIL (no test matched '$filter')"
         else
             record "$name" "PASS ($p passed, $f failed, $s skipped)"
         fi

@@ -626,6 +626,9 @@ static void grouped_case(op_pair *p, uint32_t type, int64_t n_groups, int64_t n_
     free(deq);
 }
 
+static bool env_on(const char *name);
+static bool launch_counts_apply(void);
+
 /* The attention output's shape (8 groups of 4096 inputs, outputs of 64..300
  * per group) for 1, 3 and 37 rows; small groups with extra weight rows and
  * strides wider than the data; one group (plain matmul); and, for the
@@ -650,6 +653,28 @@ static void check_matmul_grouped_type(uint32_t type) {
     /* groups of an odd 2051 rows with two rows per warp: warps that straddle two groups */
     grouped_case(&p, type, 8, 256, 2051, 0, 1, 8 * 256, 8 * 2051, false);
     if (!is_float_type(type)) grouped_case(&p, type, 8, bl, 16, 0, 37, 8 * bl, 8 * 16, true);
+    if (type == DS4_TYPE_Q8_0 && launch_counts_apply() && env_on("DS4_CUDA_GEMM")) {
+        /* 32 rows of the eight groups: one quantiser, one GEMM launch for all
+         * groups and at most one reduction (not a GEMM per group) */
+        float *deq = NULL;
+        uint8_t *bytes = weight_bytes(type, 4096, 8 * 128, false, &deq);
+        op_weight *w = op_weight_make(&p, "blk.0.attn_output_a.weight", type, 4096, 8 * 128, 1, bytes);
+        float *hx = op_rand(32 * 8 * 4096, 1.0);
+        op_buf x = op_buf_from(&p, hx, 32 * 8 * 4096), y = op_buf_poisoned(&p, 32 * 8 * 128);
+        const ds4_backend_counters c0 = op_gpu_counters(&p);
+        p.gpu->ops->matmul_grouped(p.gpu, &w->g, 8, 128, x.g, 8 * 4096, y.g, 8 * 128, 32, DS4_NUMERICS_DS4);
+        const ds4_backend_counters c1 = op_gpu_counters(&p);
+        op_expect_ok(&p);
+        CHECK_MSG(c1.launches - c0.launches >= 2 && c1.launches - c0.launches <= 3,
+                  "matmul_grouped Q8_0 of 32 rows: %llu launches (2 or 3 expected: one GEMM for all groups)",
+                  (unsigned long long)(c1.launches - c0.launches));
+        op_buf_free(&p, &x);
+        op_buf_free(&p, &y);
+        op_weight_free(&p, w);
+        free(hx);
+        free(bytes);
+        free(deq);
+    }
     op_pair_close(&p);
 }
 
@@ -798,7 +823,9 @@ static bool env_on(const char *name) { return env_on_default(name, true); }
 static void default_moe_grouped(op_pair *p) {
     ds4_cuda_backend_set_moe_grouped(p->gpu, env_on("DS4_CUDA_MOE_GROUPED"));
     const char *sg = getenv("DS4_CUDA_MOE_STEP_GROUP");
-    ds4_cuda_backend_set_moe_step_group(p->gpu, sg ? atoi(sg) : 0);
+    char *end = NULL;
+    const long rows = sg && *sg ? strtol(sg, &end, 10) : 0;
+    ds4_cuda_backend_set_moe_step_group(p->gpu, end && !*end ? (int)rows : 0);
     ds4_cuda_backend_set_moe_mma(p->gpu, env_on("DS4_CUDA_MOE_MMA"));
 }
 
@@ -1136,7 +1163,13 @@ static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int
         }
     }
     default_moe_grouped(p);
-    if (env_on("DS4_CUDA_GRAPH") && launch_counts_apply()) {
+    /* steps are recorded unless graphs or kernel timing say otherwise */
+    const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
+    if (recorded) {
+        CHECK_MSG(c[3].graphs > c[2].graphs && c[1].graphs > c[0].graphs && c[3].step_breaks == c[2].step_breaks,
+                  "%s: the steps did not run as whole graphs", what);
+    }
+    if (recorded && launch_counts_apply()) {
         CHECK_MSG(c[3].syncs - c[2].syncs == c[1].syncs - c[0].syncs, "%s: %llu waits grouped, %llu per slot", what,
                   (unsigned long long)(c[3].syncs - c[2].syncs), (unsigned long long)(c[1].syncs - c[0].syncs));
         CHECK_MSG(c[3].launches - c[2].launches > c[1].launches - c[0].launches,

@@ -93,7 +93,9 @@ static __device__ __forceinline__ void load_stage(const gemm_args &a, uint8_t *s
     }
 }
 
-__global__ void __launch_bounds__(G_THREADS) gemm_q8_0_kernel(gemm_args a) {
+/* three blocks per SM (the 73.7 KB of shared memory allow no more): up to
+ * 168 registers, so the split's and group's bases do not spill */
+__global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
     cuda_grid_wait();
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
