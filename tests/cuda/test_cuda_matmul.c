@@ -1081,6 +1081,39 @@ static void test_moe_launches(void) {
     op_pair_close(&p);
 }
 
+/* Expert weights, a random routing of n_rows tokens (n_used experts each)
+ * and their activations, in backend memory. */
+typedef struct moe_fix {
+    moe_weights m;
+    int32_t *sel;
+    float *wts, *hx;
+    op_buf x, dsel, dw;
+} moe_fix;
+
+static moe_fix moe_fix_make(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
+                            int n_used, int64_t n_rows) {
+    moe_fix f;
+    f.m = moe_make(p, tg, td, dim, n_ff, n_expert);
+    f.sel = malloc((size_t)(n_rows * n_used) * sizeof *f.sel);
+    f.wts = malloc((size_t)(n_rows * n_used) * sizeof *f.wts);
+    for (int64_t r = 0; r < n_rows; r++) moe_route(n_expert, n_used, f.sel + r * n_used, f.wts + r * n_used);
+    f.hx = op_rand(n_rows * dim, 1.0);
+    f.x = op_buf_from(p, f.hx, n_rows * dim);
+    f.dsel = op_ints_from(p, f.sel, n_rows * n_used);
+    f.dw = op_buf_from(p, f.wts, n_rows * n_used);
+    return f;
+}
+
+static void moe_fix_free(op_pair *p, moe_fix *f) {
+    op_buf_free(p, &f->x);
+    op_buf_free(p, &f->dsel);
+    op_buf_free(p, &f->dw);
+    free(f->hx);
+    free(f->sel);
+    free(f->wts);
+    moe_free(p, &f->m);
+}
+
 /* Several tokens' routed experts grouped by expert (ds4_cuda_backend_set_
  * moe_grouped): the same results bit for bit as one pass per (token,
  * expert) slot (which moe_case holds to the CPU), the ids read back once
@@ -1091,14 +1124,10 @@ static void test_moe_launches(void) {
 static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
                              int n_used, int64_t n_rows, bool grouped) {
     ds4_cuda_backend_set_moe_mma(p->gpu, 0); /* the multi-row matvec kernels (test_moe_mma: the tensor cores) */
-    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
-    int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
-    float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
-    for (int64_t r = 0; r < n_rows; r++) moe_route(n_expert, n_used, sel + r * n_used, wts + r * n_used);
-    float *hx = op_rand(n_rows * dim, 1.0);
-    op_buf x = op_buf_from(p, hx, n_rows * dim), y = op_buf_poisoned(p, n_rows * dim);
-    op_buf y2 = op_buf_poisoned(p, n_rows * dim);
-    op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
+    moe_fix f = moe_fix_make(p, tg, td, dim, n_ff, n_expert, n_used, n_rows);
+    moe_weights m = f.m;
+    op_buf x = f.x, dsel = f.dsel, dw = f.dw;
+    op_buf y = op_buf_poisoned(p, n_rows * dim), y2 = op_buf_poisoned(p, n_rows * dim);
     char what[128];
     snprintf(what, sizeof what, "moe %s/%s grouped, %lld tokens over %lld experts", ds4_type_name(tg),
              ds4_type_name(td), (long long)n_rows, (long long)n_expert);
@@ -1114,15 +1143,9 @@ static void moe_grouped_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, 
     CHECK_MSG(!env_on("DS4_CUDA_MATVEC") || (grouped ? c1.syncs > c0.syncs : c1.syncs == c0.syncs), "%s: %llu waits",
               what, (unsigned long long)(c1.syncs - c0.syncs));
     expect_same_rows(p, what, y2.g, y.g, n_rows, dim, dim);
-    op_buf_free(p, &x);
     op_buf_free(p, &y);
     op_buf_free(p, &y2);
-    op_buf_free(p, &dsel);
-    op_buf_free(p, &dw);
-    free(hx);
-    free(sel);
-    free(wts);
-    moe_free(p, &m);
+    moe_fix_free(p, &f);
 }
 
 /* Inside a recorded step (a batched decode), with the step grouping on, the
@@ -1135,15 +1158,11 @@ static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int
                           int n_used, int64_t n_rows, int step_rows) {
     ds4_cuda_backend_set_moe_mma(p->gpu, 0);
     ds4_cuda_backend_set_moe_step_group(p->gpu, step_rows);
-    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
-    int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
-    float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
-    for (int64_t r = 0; r < n_rows; r++) moe_route(n_expert, n_used, sel + r * n_used, wts + r * n_used);
-    float *hx = op_rand(n_rows * dim, 1.0);
-    op_buf x = op_buf_from(p, hx, n_rows * dim);
+    moe_fix f = moe_fix_make(p, tg, td, dim, n_ff, n_expert, n_used, n_rows);
+    moe_weights m = f.m;
+    op_buf x = f.x, dsel = f.dsel, dw = f.dw;
     op_buf y = op_buf_poisoned(p, n_rows * dim), y_off = op_buf_poisoned(p, n_rows * dim);
     op_buf y_on = op_buf_poisoned(p, n_rows * dim);
-    op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
     char what[128];
     snprintf(what, sizeof what, "moe %s/%s in a step, %lld tokens over %lld experts, groups of %d", ds4_type_name(tg),
              ds4_type_name(td), (long long)n_rows, (long long)n_expert, step_rows);
@@ -1178,16 +1197,10 @@ static void moe_step_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int
     }
     expect_same_rows(p, what, y_off.g, y.g, n_rows, dim, dim);
     expect_same_rows(p, what, y_on.g, y.g, n_rows, dim, dim);
-    op_buf_free(p, &x);
     op_buf_free(p, &y);
     op_buf_free(p, &y_off);
     op_buf_free(p, &y_on);
-    op_buf_free(p, &dsel);
-    op_buf_free(p, &dw);
-    free(hx);
-    free(sel);
-    free(wts);
-    moe_free(p, &m);
+    moe_fix_free(p, &f);
 }
 
 static void test_moe_grouped(void) {
