@@ -37,7 +37,10 @@
 #                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0;
 #                               "A=0,B=1" sets two at once);
 #                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2),
-#                               OPS_AB_ARGS options of the OPS_AB runs only (e.g. "--only experts")
+#                               OPS_AB_ARGS options of the OPS_AB runs only (e.g. "--only experts");
+#                               OPS_DETAIL="[VAR=V,...:]REGEX ..." ncu's full report of one launch of each
+#                               matching kernel (demangled name) in `bench --ops --only OPS_DETAIL_ONLY
+#                               (default experts) --rows OPS_DETAIL_ROWS (default 32)` with those settings
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
@@ -298,6 +301,8 @@ ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
     fi
 }
 
+find_ncu() { command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n1; }
+
 # The full ncu report of one launch of each kernel named in the comma-separated
 # REGEXES (ncu-detail-NAME.txt; KERN_TOKEN_DETAIL's are named token-NAME).
 ncu_details() { # ncu_details LABEL REGEXES BENCH_ARGS...
@@ -329,7 +334,7 @@ ncu_details() { # ncu_details LABEL REGEXES BENCH_ARGS...
 
 kernels_stage() {
     local out="${OUT:-$TMP}" ncu
-    ncu=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n1)
+    ncu=$(find_ncu)
     if [ -z "$ncu" ]; then
         record "ncu kernel table" "SKIP (ncu not installed)"
         return
@@ -378,6 +383,37 @@ ops_stage() {
             record "bench --ops ($v)" PASS
         else
             record "bench --ops ($v)" "FAIL (exit $?)"
+        fi
+    done
+    # OPS_DETAIL="[VAR=V,...:]REGEX ...": ncu's full report of one launch of the
+    # matching kernel (demangled names) in `bench --ops --only ${OPS_DETAIL_ONLY:-experts}
+    # --rows ${OPS_DETAIL_ROWS:-32}`, with those settings (ncu-detail-ops-N.txt)
+    local ncu e n=0 pat
+    ncu=$(find_ncu)
+    for e in ${OPS_DETAIL:-}; do
+        n=$((n + 1))
+        envs=()
+        pat=$e
+        if [[ $e == *=*:* ]]; then
+            envs_of "${e%%:*}"
+            pat=${e#*:}
+        fi
+        section "ncu: details of $pat in bench --ops (${envs[*]:-defaults})"
+        if [ -z "$ncu" ]; then
+            record "ncu details (ops $e)" "SKIP (ncu not installed)"
+        elif env "${envs[@]}" timeout "$STEP_TIMEOUT" "$ncu" --set full --kernel-name-base demangled \
+            -k "regex:$pat" --launch-skip 2 --launch-count 1 -f -o "$TMP/ops-detail-$n" build/cuda/ds4server bench \
+            --ops --backend cuda --only "${OPS_DETAIL_ONLY:-experts}" --rows "${OPS_DETAIL_ROWS:-32}" --repeat 1 \
+            --warmup 0 >"$TMP/ops-detail-$n.log" 2>&1 &&
+            "$ncu" -i "$TMP/ops-detail-$n.ncu-rep" --page details >"$out/ncu-detail-ops-$n.txt" 2>&1 &&
+            [ -s "$out/ncu-detail-ops-$n.txt" ]; then
+            echo "$e" >>"$out/ncu-detail-ops-$n.txt"
+            grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy" \
+                "$out/ncu-detail-ops-$n.txt" | head -n 12
+            record "ncu details (ops $e)" PASS
+        else
+            tail -n 20 "$TMP/ops-detail-$n.log" 2>/dev/null
+            record "ncu details (ops $e)" FAIL
         fi
     done
 }
