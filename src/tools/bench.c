@@ -30,9 +30,11 @@
  *   logits, on a fresh state.
  * - Decode: one state advanced through the --ctx frontiers in order. Before a
  *   frontier the tokens since the previous decode are prefilled in --chunk
- *   batches (timed as the interval's prefill rate); then --gen greedy steps
- *   (one-token evaluation + argmax of its logits) are timed one by one. Each
- *   row therefore measures only its new interval. A frontier beyond the
+ *   batches (timed as the interval's prefill rate); then --warmup x
+ *   min(--gen, 8) untimed greedy steps (graphs of the step shapes the
+ *   context cycles through are built there) and --gen timed ones (one-token
+ *   evaluation + argmax of its logits), one by one, from pos_start. Each row
+ *   therefore measures only its new interval. A frontier beyond the
  *   model's context, or one whose state or batch does not fit in memory, is
  *   skipped with the reason.
  * - Counters (ds4_backend_counters_get) around the decode steps give kernel
@@ -201,7 +203,8 @@ static void print_help(void) {
            "  bytes and syncs per token, peak device memory and the roofline ratio.\n"
            "  --synthetic NAME  no weight file: the backend makes seeded weights (--seed) of the layout\n"
            "                    NAME = deepseek4-tiny|small|full-f32|q8_0|q2|q4 (as `synth` writes it)\n"
-           "  --repeat N        timed samples per figure (default 5); --warmup N untimed runs (default 1)\n"
+           "  --repeat N        timed samples per figure (default 5); --warmup N untimed runs (default 1;\n"
+           "                    decode: N x min(--gen, 8) untimed steps at each frontier)\n"
            "  --batch LIST      batched decode: for each count N, N streams (each prefilled with its own\n"
            "                    --batch-ctx tokens, default 128) decode --gen tokens together, one\n"
            "                    step for all of them; aggregate and per-stream tokens/s, step latency\n"
@@ -732,6 +735,10 @@ static int run_prefill(bench *b) {
     return 0;
 }
 
+/* Untimed decode steps at each frontier before its samples: --warmup x
+ * min(--gen, 8) (8 covers the ratio-4 compressors' cycle of step shapes). */
+static int64_t frontier_warmup(const opts *o) { return o->warmup * (o->gen < 8 ? o->gen : 8); }
+
 /* n greedy steps from *next on st (*next is then the token after them):
  * per-token seconds into d (may be NULL), the total into *total; step
  * `profile` (1-based, 0: none) runs inside the backend's profiler range (its
@@ -759,14 +766,15 @@ static ds4_status decode_steps(bench *b, variant *v, ds4_state *st, int32_t *nex
 static int run_decode(bench *b) {
     variant *v = &b->var[0];
     const int64_t gen = b->o.gen;
+    const int64_t fwarm = frontier_warmup(&b->o);
     int last = -1; /* the last frontier that fits the model's context */
     for (int i = 0; i < b->o.n_ctx; i++) {
         decode_row *r = &b->decode[i];
         r->ctx = b->o.ctx[i];
-        if ((uint64_t)(r->ctx + gen) > b->cfg->context_length) {
+        if ((uint64_t)(r->ctx + fwarm + gen) > b->cfg->context_length) {
             r->skipped = true;
             snprintf(r->reason, REASON_MAX, "%lld + %lld decoded tokens exceed the model's context of %llu",
-                     (long long)r->ctx, (long long)gen, (unsigned long long)b->cfg->context_length);
+                     (long long)r->ctx, (long long)(fwarm + gen), (unsigned long long)b->cfg->context_length);
         } else {
             last = i;
         }
@@ -789,12 +797,13 @@ static int run_decode(bench *b) {
     /* one state for every frontier that fits; drop the largest while memory lacks */
     ds4_state *st = NULL;
     while (last >= 0) {
-        ds4_status s = ds4_state_create(v->m, b->decode[last].ctx + gen, &st, &err);
+        ds4_status s = ds4_state_create(v->m, b->decode[last].ctx + fwarm + gen, &st, &err);
         if (!s) break;
         if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode state: %s", err.message);
         decode_row *r = &b->decode[last];
         r->skipped = true;
-        snprintf(r->reason, REASON_MAX, "state for %lld positions: %s", (long long)(r->ctx + gen), err.message);
+        snprintf(r->reason, REASON_MAX, "state for %lld positions: %s", (long long)(r->ctx + fwarm + gen),
+                 err.message);
         fprintf(stderr, "ds4server bench: skipped frontier %lld: %s\n", (long long)r->ctx, err.message);
         last--;
     }
@@ -819,6 +828,10 @@ static int run_decode(bench *b) {
         }
         r->interval_s = tool_now() - t0;
         pos += r->interval_tokens;
+        /* untimed steps at the frontier first: the graphs of the step shapes
+         * this context cycles through are built there, not in the samples */
+        if (!s && fwarm) s = decode_steps(b, v, st, &next, fwarm, NULL, NULL, 0, &err);
+        if (!s) pos += fwarm;
         r->pos_start = pos;
         ds4_backend_counters c0, c1;
         ds4_backend_kernel_times_reset(v->be);
@@ -1618,10 +1631,10 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
         const decode_row *r = &b->decode[i];
         if (r->skipped) continue;
         stats s = bench_stats_of(&r->s);
-        fprintf(f, "%s\n    {\"ctx\": %lld, \"pos_start\": %lld, \"gen\": %lld, \"interval_tokens\": %lld, "
-                "\"interval_s\": ",
-                k++ ? "," : "", (long long)r->ctx, (long long)r->pos_start, (long long)o->gen,
-                (long long)r->interval_tokens);
+        fprintf(f, "%s\n    {\"ctx\": %lld, \"pos_start\": %lld, \"warmup_tokens\": %lld, \"gen\": %lld, "
+                "\"interval_tokens\": %lld, \"interval_s\": ",
+                k++ ? "," : "", (long long)r->ctx, (long long)r->pos_start, (long long)frontier_warmup(o),
+                (long long)o->gen, (long long)r->interval_tokens);
         bench_json_num(f, r->interval_s);
         fputs(", \"interval_tokens_per_s\": ", f);
         bench_json_num(f, r->interval_tokens ? (double)r->interval_tokens / r->interval_s : NAN);

@@ -155,9 +155,12 @@ def test_sweep_decode(sweep):
     assert [r["ctx"] for r in rows] == [16, 40]
     assert [r["ctx"] for r in d["decode_skipped"]] == [8192]
     assert "context" in d["decode_skipped"][0]["reason"]
-    # one state: each frontier prefills only the gap since the previous decode
-    assert rows[0]["interval_tokens"] == 16 and rows[0]["pos_start"] == 16
-    assert rows[1]["interval_tokens"] == 40 - (16 + 4) and rows[1]["pos_start"] == 40
+    # one state: each frontier prefills only the gap since the previous
+    # decode, then decodes --warmup x min(--gen, 8) untimed tokens (here 4)
+    # before the timed ones
+    assert all(r["warmup_tokens"] == 4 for r in rows)
+    assert rows[0]["interval_tokens"] == 16 and rows[0]["pos_start"] == 16 + 4
+    assert rows[1]["interval_tokens"] == 40 - (16 + 4 + 4) and rows[1]["pos_start"] == 40 + 4
     for r in rows:
         assert r["gen"] == 4 and len(r["samples_s"]) == 4
         check_stats(r)
