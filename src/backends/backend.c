@@ -132,12 +132,17 @@ bool ds4_pointer_pairs_valid(const char *op, const char *item, const void *const
     return true;
 }
 
-bool ds4_table_rows_valid(const int64_t *rows, int64_t n_rows, int64_t n_table, int64_t *bad) {
-    *bad = -1;
-    if (n_rows < 0 || (n_rows > 0 && !rows)) return false;
+bool ds4_table_rows_valid(const char *op, const char *table, const int64_t *rows, int64_t n_rows, int64_t n_table,
+                          ds4_error *err) {
+    if (n_rows < 0 || (n_rows > 0 && !rows)) {
+        ds4_error_set(err, DS4_ERR_INVALID, "%s: %lld rows of %s (%lld rows)%s", op, (long long)n_rows, table,
+                      (long long)n_table, n_rows < 0 ? "" : " without their table rows");
+        return false;
+    }
     for (int64_t r = 0; r < n_rows; r++) {
         if (rows[r] < 0 || rows[r] >= n_table) {
-            *bad = r;
+            ds4_error_set(err, DS4_ERR_INVALID, "%s: row %lld asks for row %lld of %s (%lld rows)", op, (long long)r,
+                          (long long)rows[r], table, (long long)n_table);
             return false;
         }
     }

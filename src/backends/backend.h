@@ -415,9 +415,11 @@ bool ds4_attention_rows_valid(int64_t n, const float *q, const float *out, const
 bool ds4_pointer_pairs_valid(const char *op, const char *item, const void *const *a, const char *a_name,
                              const void *const *b, const char *b_name, int64_t n, ds4_error *err);
 /* add_weight_rows_at's table rows as both backends check them: n_rows >= 0,
- * rows there when n_rows > 0, each in [0, n_table); *bad gets the first row
- * index outside (-1 when the count or the array is what is wrong). */
-bool ds4_table_rows_valid(const int64_t *rows, int64_t n_rows, int64_t n_table, int64_t *bad);
+ * rows there when n_rows > 0, each in [0, n_table) of the weight named
+ * `table`; false with the message in err ("OP: row r asks for row i of
+ * TABLE (R rows)"). */
+bool ds4_table_rows_valid(const char *op, const char *table, const int64_t *rows, int64_t n_rows, int64_t n_table,
+                          ds4_error *err);
 /* attention_states' arrays as both backends check them (counts >= 0, a
  * pointer wherever its count is not 0). */
 bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,

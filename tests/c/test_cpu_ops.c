@@ -579,10 +579,14 @@ static void test_add_weight_row(void) {
         at[9] = n; /* outside the table: refused before any row changes */
         memcpy(x0, x, (size_t)(mrows * dim) * sizeof *x);
         be->ops->add_weight_rows_at(be, x, &tw.w, at, mrows);
-        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+        char msg[DS4_ERROR_MSG_MAX], want[64];
+        CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+        snprintf(want, sizeof want, "row 9 asks for row %lld of", (long long)n);
+        CHECK_MSG(strstr(msg, want) != NULL, "add_weight_rows_at's message: %s", msg);
         CHECK(memcmp(x, x0, (size_t)(mrows * dim) * sizeof *x) == 0);
         be->ops->add_weight_rows_at(be, x, &tw.w, NULL, mrows);
-        CHECK(take_error(be, NULL, 0) == DS4_ERR_INVALID);
+        CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+        CHECK_MSG(strstr(msg, "without their table rows") != NULL, "add_weight_rows_at's message: %s", msg);
     }
     weight_free(&tw);
     free(src);

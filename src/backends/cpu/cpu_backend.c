@@ -271,11 +271,14 @@ static void cpu_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight *
                                    int64_t n_rows) {
     const ds4_type_traits *t = ds4_type_traits_get(w->type);
     const int64_t dim = w->ne[0], R = cpu_weight_rows(w);
-    int64_t bad = -1;
-    if (!t || !t->dequant_row || !ds4_table_rows_valid(rows, n_rows, R, &bad)) {
-        cpu_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s, %lld rows)%s%lld", (long long)n_rows,
-                 cpu_wname(w), ds4_type_name(w->type), (long long)R, bad >= 0 ? "; row index at " : "",
-                 (long long)(bad >= 0 ? bad : 0));
+    ds4_error err = { 0 };
+    if (!t || !t->dequant_row) {
+        cpu_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %s (%s) has no row decoder", cpu_wname(w),
+                 ds4_type_name(w->type));
+        return;
+    }
+    if (!ds4_table_rows_valid("add_weight_rows_at", cpu_wname(w), rows, n_rows, R, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
         return;
     }
     float *v = malloc((size_t)(dim > 0 ? dim : 1) * sizeof *v);

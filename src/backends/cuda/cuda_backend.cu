@@ -804,12 +804,15 @@ static void cuda_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight 
                                     int64_t n_rows) {
     if (cuda_failed(be)) return;
     const int64_t dim = w->ne[0], R = cuda_weight_rows(w);
-    int64_t bad = -1;
-    if (!w->device || !ds4_cuda_dequant_supported(w->type) || n_rows > INT32_MAX ||
-        !ds4_table_rows_valid(rows, n_rows, R, &bad)) {
-        cuda_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s, %lld rows)%s%lld", (long long)n_rows,
-                  cuda_wname(w), ds4_type_name(w->type), (long long)R, bad >= 0 ? "; row index at " : "",
-                  (long long)(bad >= 0 ? bad : 0));
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!w->device || !ds4_cuda_dequant_supported(w->type) || n_rows > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "add_weight_rows_at: %lld rows of %s (%s%s)", (long long)n_rows, cuda_wname(w),
+                  ds4_type_name(w->type), w->device ? "" : ", not bound");
+        return;
+    }
+    if (!ds4_table_rows_valid("add_weight_rows_at", cuda_wname(w), rows, n_rows, R, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
         return;
     }
     if (n_rows == 0 || dim == 0) return;

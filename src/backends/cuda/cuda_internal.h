@@ -335,15 +335,15 @@ static inline cuda_dev_error *cuda_dev_error_of(ds4_backend *be) { return ((cuda
 
 #define CUDA_SMEM_DEFAULT (48 * 1024)   /* dynamic shared memory usable without opting in */
 #define CUDA_SMEM_STATIC_RESERVE 2048    /* static shared memory of the kernels, at most (matvec: 2 KiB) */
-/* Allow `kernel` `bytes` of dynamic shared memory on this backend's device:
- * free below 48 KiB, else opt in up to the device's limit. false (error
- * recorded, naming op and width) when too large. */
 /* The table a[0..n), b[0..n) of backend pointers (host arrays) uploaded as
  * control data (a recorded step's arena, else the ring): NULL with the error
  * recorded when it could not be. For kernels that take one pointer pair per
  * block. */
 const uint64_t *cuda_upload_pointer_pairs(ds4_backend *be, cuda_scratch_slot slot, const void *const *a,
                                           const void *const *b, int64_t n, const char *op);
+/* Allow `kernel` `bytes` of dynamic shared memory on this backend's device:
+ * free below 48 KiB, else opt in up to the device's limit. false (error
+ * recorded, naming op and width) when too large. */
 bool cuda_allow_dynamic_smem(ds4_backend *be, const void *kernel, size_t bytes, const char *op, int64_t dim);
 
 /* A weight's name for messages (NULL-safe). */
