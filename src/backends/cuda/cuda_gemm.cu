@@ -263,7 +263,7 @@ bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, i
     a.x_group_bytes = (n_in / DS4_QK8_0) * 36;
     a.part = NULL;
     dim3 grid;
-    if (n_groups < 1 || n_groups > 2048 || !gemm_grid(be, n_out, n_tok, G_BM, G_BN, &grid)) {
+    if (n_groups < 1 || n_groups > CUDA_GEMM_MAX_GROUPS || !gemm_grid(be, n_out, n_tok, G_BM, G_BN, &grid)) {
         if (!cuda_failed(be)) cuda_fail(be, DS4_ERR_INVALID, "gemm: %lld groups", (long long)n_groups);
         return false;
     }

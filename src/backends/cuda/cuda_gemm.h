@@ -10,7 +10,8 @@
 
 #include "backends/backend.h"
 
-#define CUDA_GEMM_MIN_TOKENS 9 /* below this the matvec / tile kernels are used */
+#define CUDA_GEMM_MIN_TOKENS 9    /* below this the matvec / tile kernels are used */
+#define CUDA_GEMM_MAX_GROUPS 2048 /* groups of one cuda_gemm_q8_0_grouped launch */
 
 /* true when a Q8_0 weight of n_in-element rows (row_bytes apart) times n_tok
  * DS4 Q8_0 activation rows (x_row_bytes apart) can use the int8 GEMM. */

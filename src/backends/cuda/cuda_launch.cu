@@ -48,6 +48,7 @@
 #include <cuda_profiler_api.h>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_matvec.h"
 
 #define CUDA_ARENA_BYTES ((size_t)1 << 20) /* a 256-row batched step uploads about 250 KB */
 
@@ -675,8 +676,8 @@ extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl
 extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_impl(be)->segments = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
-/* A group size the grouped matvec kernels have (1, 2, 4, 8), else 0 (off). */
-static int step_group_rows(long r) { return r == 1 || r == 2 || r == 4 || r == 8 ? (int)r : 0; }
+/* A group size the grouped matvec kernels have, else 0 (off). */
+static int step_group_rows(long r) { return cuda_mv_rows_built(r) ? (int)r : 0; }
 extern "C" void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_rows) {
     cuda_impl(be)->moe_step_rows = step_group_rows(max_rows);
 }

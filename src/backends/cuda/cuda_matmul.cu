@@ -981,7 +981,7 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
         return;
     }
     const int64_t len = n_groups * n_in, xq_row_bytes = (len / DS4_QK8_0) * (int64_t)sizeof(act_q8_0);
-    if (mode == MM_Q8_0 && gemm_enabled() && n_in % DS4_QK8_0 == 0 && n_groups <= 2048 &&
+    if (mode == MM_Q8_0 && gemm_enabled() && n_groups <= CUDA_GEMM_MAX_GROUPS &&
         cuda_gemm_q8_0_fits(n_in, w->row_bytes, xq_row_bytes, n_rows)) {
         /* one launch for every group: each row quantised once, as above */
         const void *act = acts_for(be, CUDA_SCRATCH_MATMUL_ACT, mode, x, x_stride, len, n_rows, false);
@@ -1244,11 +1244,14 @@ static const int32_t *moe_sort_on_host(ds4_backend *be, const int32_t *d_sel, in
  * [slots]) of n_groups groups: see moe_grouped. */
 static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                             mm_mode mg, mm_mode md, const float *x, const float *d_w, int n_used, float limit,
-                            float *out, int64_t n_rows, bool mma, int max_rows, const int32_t *dev, int64_t n_groups,
-                            int64_t xrow, int64_t xpitch, int64_t mrow, int64_t mpitch) {
+                            float *out, int64_t n_rows, bool mma, int max_rows, const int32_t *dev, int64_t n_groups) {
     cuda_backend *cb = cuda_impl(be);
     const int64_t dim = gate->ne[0], n_ff = gate->ne[1], slots = (int64_t)n_used * n_rows;
     const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
+    /* rows of Q8_K blocks, sorted at a 16-byte pitch (the matvec kernels
+     * read them at their own size: whole 16-byte pieces only) */
+    const int64_t xrow = (int64_t)act_bytes(MM_Q8_K, dim, 1), mrow = (int64_t)act_bytes(MM_Q8_K, n_ff, 1);
+    const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
     const int32_t *d_groups = dev, *d_order = dev + 4 * slots, *d_tok = d_order + slots;
     /* x quantised, its rows gathered into expert order */
     void *xq = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, (size_t)(n_rows * xrow));
@@ -1288,14 +1291,15 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
 /* Several tokens' routed experts grouped by expert (the backend's
  * moe_grouped, Q8_K activations throughout). Outside recorded steps the
  * checked ids come back to the host, which sorts the slots; inside one
- * (with moe_step_group: a batched decode of MOE_DEV_MIN_ROWS tokens or more) moe_group_kernel
- * sorts them on the device and the launches cover `slots` groups, the
- * empty ones idle (the matvec kernels: groups of up to eight). x rows are
- * gathered into expert order, gate and up run per group (one pass over an
- * expert's rows for up to eight of its tokens), the mids are made per slot
- * as on the streaming path, gathered, and down runs per group into
- * per-slot partials summed over each token's experts in order. false (and
- * nothing enqueued) when the shapes do not suit it. */
+ * (with moe_step_rows set: a batched decode of MOE_DEV_MIN_ROWS tokens or
+ * more) moe_group_kernel sorts them on the device and the launches cover
+ * `slots` groups, the empty ones idle. x rows are gathered into expert
+ * order, gate and up run per group (one pass over an expert's rows for up to
+ * 32 of its tokens on the tensor cores, 8 on the matvec kernels, or
+ * moe_step_rows in a step), the mids are made per slot as on the streaming
+ * path, gathered, and down runs per group into per-slot partials summed
+ * over each token's experts in order. false (and nothing enqueued) when the
+ * shapes do not suit it. */
 static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down,
                         mm_mode mg, mm_mode mu, mm_mode md, const float *x, const int32_t *d_sel, const float *d_w,
                         int n_used, float limit, float *out, int64_t n_rows, bool mv_suits) {
@@ -1314,12 +1318,8 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     const bool mma = !on_device && cb->moe_mma && cuda_mv_moe_mma_fits(gate->type, gate->row_bytes, dim) &&
                      cuda_mv_moe_mma_fits(down->type, down->row_bytes, n_ff);
     if (!mma && !mv_suits) return false;
-    /* rows of Q8_K blocks, sorted at a 16-byte pitch (the matvec kernels
-     * read them at their own size: whole 16-byte pieces only) */
-    const int64_t nbx = dim / DS4_QK_K, nbm = n_ff / DS4_QK_K;
-    const int64_t xrow = nbx * (int64_t)sizeof(ds4_block_q8_K), mrow = nbm * (int64_t)sizeof(ds4_block_q8_K);
-    if (!mma && (xrow % 16 || mrow % 16)) return false;
-    const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
+    /* the matvec kernels read the sorted Q8_K rows in whole 16-byte pieces */
+    if (!mma && (act_bytes(MM_Q8_K, dim, 1) % 16 || act_bytes(MM_Q8_K, n_ff, 1) % 16)) return false;
     const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : on_device ? cb->moe_step_rows : CUDA_MV_MAX_ROWS;
     const int32_t *dev;
     int64_t n_groups;
@@ -1335,7 +1335,7 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         if (!dev) return true;
     }
     return moe_grouped_run(be, gate, up, down, mg, md, x, d_w, n_used, limit, out, n_rows, mma, (int)max_rows, dev,
-                           n_groups, xrow, xpitch, mrow, mpitch);
+                           n_groups);
 }
 
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,

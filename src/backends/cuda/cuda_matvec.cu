@@ -999,7 +999,7 @@ bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *co
                          int64_t n_groups, int max_rows, int64_t out_stride, int64_t split_outputs) {
     const ds4_weight *w = ws[0];
     bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 &&
-              (max_rows == 1 || max_rows == 2 || max_rows == 4 || max_rows == 8) &&
+              cuda_mv_rows_built(max_rows) &&
               cuda_mv_fits(w->type, kind, w->row_bytes, w->ne[0]);
     for (int z = 1; ok && z < n_mats; z++)
         ok = ws[z]->type == w->type && ws[z]->row_bytes == w->row_bytes && ws[z]->ne[1] == w->ne[1] &&

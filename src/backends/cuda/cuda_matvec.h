@@ -85,11 +85,16 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
                       const int32_t *sel, int n_used, int64_t n_tokens, float *out, int64_t out_stride);
 
+/* The row counts the matvec kernels are built for (1, 2, 4, 8): the group
+ * sizes cuda_mv_moe_grouped takes. */
+static inline bool cuda_mv_rows_built(int64_t rows) { return rows == 1 || rows == 2 || rows == 4 || rows == 8; }
+
 /* The routed experts' products grouped by expert (prefill: the tokens of
  * one expert share its weight reads): groups[4 g .. 4 g + 2] = (expert,
- * first, rows) with rows <= max_rows (1, 2, 4 or 8: the kernel of that many
- * rows runs; a group of more rows, or of none, is left out), and for each of the n_mats
- * matrices (gate and up share a launch; same type and shape) and r < rows:
+ * first, rows) with rows <= max_rows (cuda_mv_rows_built: the kernel of that
+ * many rows runs; a group of more rows, or of none, is left out), and for
+ * each of the n_mats matrices (gate and up share a launch; same type and
+ * shape) and r < rows:
  *   outs[z][order[first + r]][o] = ws[z][expert][o] . act[first + r]
  * (act rows act_stride blocks apart, in the sorted order; output rows
  * out_stride floats apart). groups and order are device memory; an expert
