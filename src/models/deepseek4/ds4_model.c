@@ -682,6 +682,11 @@ static bool rows_own_states(ds4_model *m, ds4_state *const *rs, int64_t n) {
     return true;
 }
 
+/* Layer l's attention or indexer compressor of state st. */
+static compressor_state *comp_of(ds4_state *st, int l, bool is_index) {
+    return is_index ? &st->layers[l].index : &st->layers[l].attn;
+}
+
 static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
                             const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
                             float *row, ds4_numerics num, int64_t *n_rows) {
@@ -689,8 +694,7 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
     bool one_run = n > 1 && !m->tap && !m->comp_per_token;
     for (int64_t t = 1; one_run && t < n; t++) one_run = rs[t] == rs[0] && pos[t] == pos[0] + t;
     if (one_run) {
-        layer_state *L = &rs[0]->layers[l];
-        compressor_chunk(m, is_index ? &L->index : &L->attn, ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
+        compressor_chunk(m, comp_of(rs[0], l, is_index), ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
         return;
     }
     if (rows_own_states(m, rs, n)) { /* the position biases, the rows into their states, then the window ends */
@@ -698,7 +702,7 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
         const float *src[2][OWN_STATES_MAX] = { { NULL } };
         int64_t at[OWN_STATES_MAX] = { 0 }, width = 0;
         for (int64_t t = 0; t < n; t++) {
-            compressor_state *cs = is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn;
+            compressor_state *cs = comp_of(rs[t], l, is_index);
             width = cs->coff * cs->dim;
             at[t] = pos[t] % cs->ratio;
             const int64_t r = comp_state_row(cs, pos[t]);
@@ -713,7 +717,7 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
          * state's compressed rows, ratio 4's current windows made the previous */
         int64_t e_t[OWN_STATES_MAX], ne = 0, dim = 0;
         for (int64_t t = 0; t < n; t++) {
-            compressor_state *cs = is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn;
+            compressor_state *cs = comp_of(rs[t], l, is_index);
             if ((pos[t] + 1) % cs->ratio == 0) e_t[ne++] = t;
             dim = cs->dim;
         }
@@ -726,7 +730,7 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
             int64_t n_kept = 0;
             int ratio = 0;
             for (int64_t e = 0; e < ne; e++) {
-                compressor_state *cs = is_index ? &rs[e_t[e]]->layers[l].index : &rs[e_t[e]]->layers[l].attn;
+                compressor_state *cs = comp_of(rs[e_t[e]], l, is_index);
                 ratio = cs->ratio;
                 pk[e] = cs->state_kv, ps[e] = cs->state_sc;
                 first[e] = (int32_t)(pos[e_t[e]] + 1 - ratio);
@@ -746,13 +750,12 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
             }
         }
         for (int64_t t = 0; t < n; t++)
-            n_rows[t] = (is_index ? &rs[t]->layers[l].index : &rs[t]->layers[l].attn)->n_rows;
+            n_rows[t] = comp_of(rs[t], l, is_index)->n_rows;
         return;
     }
     int64_t run = 0; /* first row of the run not yet stored */
     for (int64_t t = 0; t < n; t++) {
-        layer_state *L = &rs[t]->layers[l];
-        compressor_state *cs = is_index ? &L->index : &L->attn;
+        compressor_state *cs = comp_of(rs[t], l, is_index);
         const int ratio = cs->ratio;
         const int64_t width = cs->coff * cs->dim, p = pos[t];
         float *sc_t = sc + t * width;
@@ -1195,16 +1198,16 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
         if (logits && all_logits) out = logits + off * c->n_vocab;
         else if (logits && last) out = logits;
         for (int64_t t = 0; t < len; t++) pos[t] = (int32_t)(st->pos + t);
-        eval_chunk(m, rs, pos, tokens + off, len, num, out, last ? greedy : NULL, all_logits, n == 1, slot->s);
+        eval_chunk(m, rs, pos, tokens + off, len, num, out, last ? greedy : NULL, all_logits, own, slot->s);
         st->pos += len;
     }
     free(pos);
     free(rs);
-    /* An op that failed (bad shape, device fault) recorded why; the state is
-     * then unusable and the caller must discard it. */
     /* the last row's logits (at the start of the chunk's) stay with the state */
     if (greedy && !own && !m->layer_limit)
         m->be->ops->copy(m->be, st->scratch.s->logits, m->chunk_scratch.s->logits, m->cfg.n_vocab);
+    /* An op that failed (bad shape, device fault) recorded why; the state is
+     * then unusable and the caller must discard it. */
     status = m->be->ops->take_error(m->be, err);
     st->greedy_logits = !status && greedy && !m->layer_limit;
     if (status) return ds4_error_prefix(err, "evaluation failed at position %lld", (long long)st->pos);
