@@ -780,20 +780,6 @@ static int run_decode(bench *b) {
         }
     }
     ds4_error err = { 0 };
-    /* warm-up on a throwaway state */
-    if (last >= 0 && b->o.warmup > 0) {
-        ds4_state *w = NULL;
-        int64_t steps = b->o.warmup * (gen < 16 ? gen : 16);
-        ds4_status s = ds4_state_create(v->m, steps + 2, &w, &err);
-        int32_t wnext = 0;
-        if (!s) s = ds4_model_eval_greedy(v->m, w, b->tokens, 1, v->num, &wnext, &err);
-        if (!s) s = decode_steps(b, v, w, &wnext, steps, NULL, NULL, 0, &err);
-        ds4_state_free(w);
-        if (s) {
-            if (err.status != DS4_ERR_NOMEM) return tool_fail(CMD, "decode warm-up: %s", err.message);
-            /* fall through: the frontiers below will report it */
-        }
-    }
     /* one state for every frontier that fits; drop the largest while memory lacks */
     ds4_state *st = NULL;
     while (last >= 0) {
