@@ -90,12 +90,13 @@ FAILED=0
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-record() { # record NAME RESULT
+record() { # record NAME RESULT (also appended to $OUT/summary.txt at once, so a run cut short keeps its rows)
     ROWS+=("$(printf '%-52s %s' "$1" "$2")")
+    if [ -n "${OUT:-}" ]; then printf '%-52s %s (at %ds)\n' "$1" "$2" "$SECONDS" >>"$OUT/summary.txt"; fi
     case "$2" in PASS* | SKIP*) ;; *) FAILED=1 ;; esac
 }
 
-section() { printf '\n==== %s ====\n' "$*"; }
+section() { printf '\n==== %s ==== (%ds)\n' "$*" "$SECONDS"; }
 
 # envs_of "A=0,B=1": the array envs=(A=0 B=1) (for env "${envs[@]}").
 envs_of() { IFS=, read -r -a envs <<<"$1"; }
