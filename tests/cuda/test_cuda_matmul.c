@@ -355,6 +355,11 @@ static void check_matmul_type(uint32_t type) {
         matmul_case(&p, type, 4096, 300, false, 0, 300, MV_ROWS[ri], 4096, 300, false);
     matmul_case(&p, type, 4096, 300, false, 7, 200, 5, 4100, 256, false);
     matmul_case(&p, type, 2048, 5000, false, 0, 5000, 1, 2048, 5000, false);
+    if (type == DS4_TYPE_IQ2_XXS || type == DS4_TYPE_Q2_K || type == DS4_TYPE_Q4_K)
+        /* one row of 72 blocks in two parts: a part of several stages, the
+         * last one short (the unrolled one-row stage decoder; Q4_K's stages
+         * of 15 blocks end inside a warp step) */
+        matmul_case(&p, type, 18432, 2048, false, 0, 2048, 1, 18432, 2048, false);
     matmul_case(&p, type, 4096, 300, false, 3, 290, 130, 4096, 300, false);
     /* batched-decode shapes (9 to 64 rows): few output tiles, so the GEMMs
      * split K over several blocks and sum the parts in order */

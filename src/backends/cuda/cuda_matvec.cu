@@ -373,7 +373,7 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
     /* sub-block ib = sub: four grid entries (aux0's bytes), their 7-bit sign
      * patterns and the 4-bit scale (aux1). A group's eight sign bits (the
      * seven stored, then their parity) are spread to one 0/1 byte per weight
-     * by a multiply (the four shifted copies of a nibble never overlap);
+     * by a multiply (the four shifted copies of the seven bits never overlap);
      * a signed code byte is then (mag ^ 0xff * bit) + bit: the two's
      * complement negation where the bit is set, with no carry out of the
      * byte since no magnitude is 0. Only the magnitudes are looked up in
@@ -387,9 +387,12 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
         for (int l = 0; l < 4; l++) {
             const uint2 mag = *(const uint2 *)tab->mag[(aux0 >> (8 * l)) & 255u];
             const uint32_t s7 = (aux1 >> (7 * l)) & 127u;
-            const uint32_t bits = s7 | ((uint32_t)(__popc(s7) & 1) << 7);
-            const uint32_t b0 = ((bits & 15u) * 0x00204081u) & 0x01010101u;
-            const uint32_t b1 = ((bits >> 4) * 0x00204081u) & 0x01010101u;
+            /* four copies of the 7 bits, 7 apart (they never overlap): bit j
+             * lands at 8j and bit 4 + j at 8j + 4; byte 3 of the high half
+             * takes the parity */
+            const uint32_t t = s7 * 0x00204081u;
+            const uint32_t b0 = t & 0x01010101u;
+            const uint32_t b1 = ((t >> 4) | ((uint32_t)__popc(s7) << 24)) & 0x01010101u;
             w[2 * l] = (int)((mag.x ^ (b0 * 0xffu)) + b0);
             w[2 * l + 1] = (int)((mag.y ^ (b1 * 0xffu)) + b1);
         }
@@ -488,6 +491,86 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
     }
 }
 
+/* One activation row (the decode and per-slot expert products), for the
+ * types whose stage holds several warp steps (IQ2_XXS 8, Q2_K 6, Q4_K 4):
+ * the stage's steps are unrolled, so the activation and block addresses are
+ * immediates off one base, and the blocks' integer sums are reduced once per
+ * stage instead of once per step. Step i leaves each lane's partial sums in
+ * registers; a transposing butterfly over a block's eight lanes (7 shuffles
+ * for all eight steps, against 3 per step) then leaves the full sums of
+ * step `sub` in lane sub, which adds that block's term. The integers and
+ * the float term of every block are those of stage_q8k; only the order of
+ * the float sum over blocks differs. */
+template <uint32_t T> struct mv_one_row {
+    static constexpr int STEPS = (mvt<T>::STAGE_UNITS * mvt<T>::UNIT + 3) / 4; /* warp steps in a full stage */
+    static constexpr bool ON = T == DS4_TYPE_IQ2_XXS || T == DS4_TYPE_Q2_K || T == DS4_TYPE_Q4_K;
+    static_assert(!ON || (STEPS >= 2 && STEPS <= 8), "a stage's steps fit the eight lanes of a block");
+};
+
+/* the sum over a block's eight lanes of v[sub'] for sub' = this lane's sub:
+ * v[i] of lane l is step i's part from lane l */
+static __device__ __forceinline__ int lanes8_transpose_sum(const int (&v)[8], int sub) {
+    const bool h4 = sub & 4, h2 = sub & 2, h1 = sub & 1;
+    int a4[4], a2[2];
+#pragma unroll
+    for (int k = 0; k < 4; k++) a4[k] = (h4 ? v[k + 4] : v[k]) + __shfl_xor_sync(FULL_MASK, h4 ? v[k] : v[k + 4], 4);
+#pragma unroll
+    for (int k = 0; k < 2; k++) a2[k] = (h2 ? a4[k + 2] : a4[k]) + __shfl_xor_sync(FULL_MASK, h2 ? a4[k] : a4[k + 2], 2);
+    return (h1 ? a2[1] : a2[0]) + __shfl_xor_sync(FULL_MASK, h1 ? a2[0] : a2[1], 1);
+}
+
+template <uint32_t T, bool ALIGNED>
+static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
+                                                     int64_t x_blocks, const iq2_tables *tab, float &acc) {
+    typedef mvq<T> K;
+    constexpr int BB = mvt<T>::BLOCK_BYTES, NS = mv_one_row<T>::STEPS;
+    /* stages of IQ2_XXS and Q2_K are whole steps (units of 8 and 4 blocks);
+     * only Q4_K's (units of one block) can end inside a step */
+    constexpr bool WHOLE = mvt<T>::UNIT % 4 == 0;
+    const int lane = threadIdx.x & 31, sub = lane & 7, g = lane >> 3;
+    const uint8_t *q8 = x + (b0 + g) * DS4_QK_K + 32 * sub;                  /* step 0's codes for this lane */
+    const uint8_t *bs = x + x_blocks * (DS4_QK_K + 4) + ((b0 + g) * 16 + 2 * sub) * 2; /* its bsums */
+    int isum[8], summs[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        isum[i] = summs[i] = 0;
+        if (i < NS && 4 * i < n_blocks) { /* n_blocks is the warp's: no divergence */
+            const bool mine = WHOLE || 4 * i + g < n_blocks;
+            const int d = WHOLE ? 4 * i : mine ? 4 * i : 4 * i - g; /* blocks past the end decode step i's first */
+            const uint8_t *blk = sw + BB * (d + g);
+            int w[8], mul[2], mmul[2];
+            K::codes(blk, sub, tab, w, mul, mmul);
+            const uint8_t *qi = q8 + (int64_t)d * DS4_QK_K;
+            int xq[8];
+            if constexpr (ALIGNED) {
+                const int4 qa = ((const int4 *)qi)[0], qb = ((const int4 *)qi)[1];
+                xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
+                xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) xq[k] = ld_s32(qi + 4 * k);
+            }
+            int lo = 0, hi = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) lo = __dp4a(w[k], xq[k], lo);
+#pragma unroll
+            for (int k = 4; k < 8; k++) hi = __dp4a(w[k], xq[k], hi);
+            isum[i] = mine ? mul[0] * lo + mul[1] * hi : 0;
+            if (K::HAS_MIN) {
+                const uint32_t bsw = *(const uint32_t *)(bs + (int64_t)d * 32);
+                summs[i] = mine ? mmul[0] * (int)(int16_t)(bsw & 0xffffu) + mmul[1] * (int)(int16_t)(bsw >> 16) : 0;
+            }
+        }
+    }
+    const int is = lanes8_transpose_sum(isum, sub);
+    const int sm = K::HAS_MIN ? lanes8_transpose_sum(summs, sub) : 0;
+    const int b = 4 * sub + g; /* the block whose sums this lane now holds */
+    if (sub < NS && b < n_blocks) {
+        const float yd = ((const float *)(x + x_blocks * DS4_QK_K))[b0 + b];
+        acc = __fadd_rn(acc, K::term(sw + BB * b, yd, is, sm));
+    }
+}
+
 template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s) {
     if constexpr (T == DS4_TYPE_IQ2_XXS) return __fmul_rn(0.125f, s);
     else return s;
@@ -506,9 +589,12 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
  * cuda_grid_wait: weights are never written by kernels, so their first
  * bytes arrive while the kernel before drains (this kernel's blocks are
  * scheduled onto the SMs its last wave frees). Expert products wait first,
- * since their rows come from the router's ids. */
+ * since their rows come from the router's ids.
+ *
+ * The one-row kernels of the unrolled stage decoder (mv_one_row) are held
+ * to 64 registers: four blocks per SM, as their shared memory allows. */
 template <uint32_t T, int ROWS, bool XQ>
-__global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
+__global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) mv_kernel(mv_args a) {
     static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
     typedef mvt<T> G;
     extern __shared__ uint4 smem[];
@@ -670,7 +756,12 @@ __global__ void __launch_bounds__(256) mv_kernel(mv_args a) {
             stage_float<T, ROWS>(sw, n_blocks, gb0, (const float *)act_j, a.act_stride, n_rows, acc);
         else if constexpr (T == DS4_TYPE_Q8_0)
             stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, a.act_blocks, n_rows, acc);
-        else if (a.act_aligned) /* one kernel, the stage decoder specialised both ways */
+        else if constexpr (ROWS == 1 && mv_one_row<T>::ON) {
+            if (a.act_aligned)
+                stage_q8k_one<T, true>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+            else
+                stage_q8k_one<T, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+        } else if (a.act_aligned) /* one kernel, the stage decoder specialised both ways */
             stage_q8k<T, ROWS, true>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
                                      tab, acc);
         else
