@@ -428,9 +428,26 @@ template <> struct mvq<DS4_TYPE_Q8_K> {
     }
 };
 
+/* One activation row (the decode and per-slot expert products), for the
+ * types whose stage holds several warp steps (IQ2_XXS 8, Q2_K 6, Q4_K 4):
+ * stage_q8k_one unrolls the stage's steps, so the activation and block
+ * addresses are immediates off one base, and reduces the blocks' integer
+ * sums once per stage instead of once per step. Step i leaves each lane's
+ * partial sums in registers; a transposing butterfly over a block's eight
+ * lanes (7 shuffles for all eight steps, against 3 per step) then leaves
+ * the full sums of step i in lane sub = i, which adds that block's term.
+ * The integers and the float term of every block are those of stage_q8k,
+ * whose multi-row products add each term in that same lane, so a row's
+ * result does not depend on the kernel's row count. */
+template <uint32_t T> struct mv_one_row {
+    static constexpr int STEPS = (mvt<T>::STAGE_UNITS * mvt<T>::UNIT + 3) / 4; /* warp steps in a full stage */
+    static constexpr bool ON = T == DS4_TYPE_IQ2_XXS || T == DS4_TYPE_Q2_K || T == DS4_TYPE_Q4_K;
+    static_assert(!ON || (STEPS >= 2 && STEPS <= 8), "a stage's steps fit the eight lanes of a block");
+};
+
 /* Four 256-blocks per warp step, eight lanes each (lane = 8 block + sub).
  * A block's integer sums (sum_j sc_j isub_j, sum_j m_j bsum_j) are exact
- * whichever lanes add them; its first lane adds the CPU's block term.
+ * whichever lanes add them; one of its lanes adds the CPU's block term.
  * Activations in the split layout (cuda_matvec.h): row r at x + r
  * row_bytes holds x_blocks blocks' codes, then their d, then their bsums;
  * b0 is the stage's first block within the row. With ALIGNED (every row
@@ -446,6 +463,11 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
         const int b = s0 + (lane >> 3);
         const bool mine = b < n_blocks;
         const int bb = mine ? b : s0; /* lanes past the end decode a real block and add nothing */
+        /* the lane that adds the block's term: for the types of the one-row
+         * decoder, the lane holding step s0 / 4 of the stage there, so that
+         * every lane sums the same terms in the same order and the rows of
+         * a multi-row product equal the one-row products bit for bit */
+        const int term_lane = mv_one_row<T>::ON ? s0 / 4 : 0;
         const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * bb;
         int w[8], mul[2], mmul[2];
         K::codes(blk, sub, tab, w, mul, mmul);
@@ -482,7 +504,7 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
                     isum += __shfl_xor_sync(FULL_MASK, isum, off);
                     if (K::HAS_MIN) summs += __shfl_xor_sync(FULL_MASK, summs, off);
                 }
-                if (mine && sub == 0) {
+                if (mine && sub == term_lane) {
                     const float yd = ((const float *)(xr + x_blocks * DS4_QK_K))[xb];
                     acc[r] = __fadd_rn(acc[r], K::term(blk, yd, isum, summs));
                 }
@@ -490,22 +512,6 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
         }
     }
 }
-
-/* One activation row (the decode and per-slot expert products), for the
- * types whose stage holds several warp steps (IQ2_XXS 8, Q2_K 6, Q4_K 4):
- * the stage's steps are unrolled, so the activation and block addresses are
- * immediates off one base, and the blocks' integer sums are reduced once per
- * stage instead of once per step. Step i leaves each lane's partial sums in
- * registers; a transposing butterfly over a block's eight lanes (7 shuffles
- * for all eight steps, against 3 per step) then leaves the full sums of
- * step `sub` in lane sub, which adds that block's term. The integers and
- * the float term of every block are those of stage_q8k; only the order of
- * the float sum over blocks differs. */
-template <uint32_t T> struct mv_one_row {
-    static constexpr int STEPS = (mvt<T>::STAGE_UNITS * mvt<T>::UNIT + 3) / 4; /* warp steps in a full stage */
-    static constexpr bool ON = T == DS4_TYPE_IQ2_XXS || T == DS4_TYPE_Q2_K || T == DS4_TYPE_Q4_K;
-    static_assert(!ON || (STEPS >= 2 && STEPS <= 8), "a stage's steps fit the eight lanes of a block");
-};
 
 /* the sum over a block's eight lanes of v[sub'] for sub' = this lane's sub:
  * v[i] of lane l is step i's part from lane l */
