@@ -687,72 +687,74 @@ static compressor_state *comp_of(ds4_state *st, int l, bool is_index) {
     return is_index ? &st->layers[l].index : &st->layers[l].attn;
 }
 
-static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
-                            const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
-                            float *row, ds4_numerics num, int64_t *n_rows) {
+/* compressor_pass for a batch whose rows are states of their own
+ * (rows_own_states): the position biases, the rows into their states, then
+ * the window ends, each step one call for all the states. */
+static void compressor_states_batch(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
+                                    const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
+                                    float *row, ds4_numerics num, int64_t *n_rows) {
     ds4_backend *be = m->be;
-    bool one_run = n > 1 && !m->tap && !m->comp_per_token;
-    for (int64_t t = 1; one_run && t < n; t++) one_run = rs[t] == rs[0] && pos[t] == pos[0] + t;
-    if (one_run) {
-        compressor_chunk(m, comp_of(rs[0], l, is_index), ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
-        return;
+    float *dst[2][OWN_STATES_MAX] = { { NULL } };
+    const float *src[2][OWN_STATES_MAX] = { { NULL } };
+    int64_t at[OWN_STATES_MAX] = { 0 }, width = 0;
+    for (int64_t t = 0; t < n; t++) {
+        compressor_state *cs = comp_of(rs[t], l, is_index);
+        width = cs->coff * cs->dim;
+        at[t] = pos[t] % cs->ratio;
+        const int64_t r = comp_state_row(cs, pos[t]);
+        dst[0][t] = cs->state_kv + r * width, src[0][t] = kv + t * width;
+        dst[1][t] = cs->state_sc + r * width, src[1][t] = sc + t * width;
     }
-    if (rows_own_states(m, rs, n)) { /* the position biases, the rows into their states, then the window ends */
-        float *dst[2][OWN_STATES_MAX] = { { NULL } };
-        const float *src[2][OWN_STATES_MAX] = { { NULL } };
-        int64_t at[OWN_STATES_MAX] = { 0 }, width = 0;
-        for (int64_t t = 0; t < n; t++) {
-            compressor_state *cs = comp_of(rs[t], l, is_index);
-            width = cs->coff * cs->dim;
-            at[t] = pos[t] % cs->ratio;
-            const int64_t r = comp_state_row(cs, pos[t]);
-            dst[0][t] = cs->state_kv + r * width, src[0][t] = kv + t * width;
-            dst[1][t] = cs->state_sc + r * width, src[1][t] = sc + t * width;
-        }
-        be->ops->add_weight_rows_at(be, sc, ape, at, n);
-        be->ops->copy_rows(be, dst[0], src[0], width, n);
-        be->ops->copy_rows(be, dst[1], src[1], width, n);
-        /* the states whose windows end here: pooled, normalised, rotated and
-         * rounded as one block of rows (in `row`), each kept row copied to its
-         * state's compressed rows, ratio 4's current windows made the previous */
-        int64_t e_t[OWN_STATES_MAX], ne = 0, dim = 0;
-        for (int64_t t = 0; t < n; t++) {
-            compressor_state *cs = comp_of(rs[t], l, is_index);
-            if ((pos[t] + 1) % cs->ratio == 0) e_t[ne++] = t;
-            dim = cs->dim;
-        }
-        if (ne > 0) {
-            const float *pk[OWN_STATES_MAX] = { NULL }, *ps[OWN_STATES_MAX] = { NULL };
-            float *kd[OWN_STATES_MAX] = { NULL }, *sd[OWN_STATES_MAX] = { NULL };
-            const float *kept_src[OWN_STATES_MAX] = { NULL }, *k4[OWN_STATES_MAX] = { NULL }, *s4[OWN_STATES_MAX] = { NULL };
-            float *kept_dst[OWN_STATES_MAX] = { NULL };
-            int32_t first[OWN_STATES_MAX];
-            int64_t n_kept = 0;
-            int ratio = 0;
-            for (int64_t e = 0; e < ne; e++) {
-                compressor_state *cs = comp_of(rs[e_t[e]], l, is_index);
-                ratio = cs->ratio;
-                pk[e] = cs->state_kv, ps[e] = cs->state_sc;
-                first[e] = (int32_t)(pos[e_t[e]] + 1 - ratio);
-                if (cs->n_rows < cs->cap) { /* (else made and dropped, as compressor_emit does) */
-                    kept_dst[n_kept] = cs->rows + cs->n_rows * dim, kept_src[n_kept++] = row + e * dim;
-                    cs->n_rows++;
-                }
-                kd[e] = cs->state_kv, k4[e] = cs->state_kv + 4 * width;
-                sd[e] = cs->state_sc, s4[e] = cs->state_sc + 4 * width;
-            }
-            be->ops->compressor_pool_states(be, pk, ps, ratio, dim, ne, row);
-            compressor_rows(m, -1, -1, norm, is_index, row, ne, dim, first, num); /* (no taps on this path) */
-            be->ops->copy_rows(be, kept_dst, kept_src, dim, n_kept);
-            if (ratio == 4) { /* the current window becomes the previous one */
-                be->ops->copy_rows(be, kd, k4, 4 * width, ne);
-                be->ops->copy_rows(be, sd, s4, 4 * width, ne);
-            }
-        }
-        for (int64_t t = 0; t < n; t++)
-            n_rows[t] = comp_of(rs[t], l, is_index)->n_rows;
-        return;
+    be->ops->add_weight_rows_at(be, sc, ape, at, n);
+    be->ops->copy_rows(be, dst[0], src[0], width, n);
+    be->ops->copy_rows(be, dst[1], src[1], width, n);
+    /* the states whose windows end here: pooled, normalised, rotated and
+     * rounded as one block of rows (in `row`), each kept row copied to its
+     * state's compressed rows, ratio 4's current windows made the previous */
+    int64_t e_t[OWN_STATES_MAX], ne = 0, dim = 0;
+    for (int64_t t = 0; t < n; t++) {
+        compressor_state *cs = comp_of(rs[t], l, is_index);
+        if ((pos[t] + 1) % cs->ratio == 0) e_t[ne++] = t;
+        dim = cs->dim;
     }
+    if (ne > 0) {
+        const float *pk[OWN_STATES_MAX] = { NULL }, *ps[OWN_STATES_MAX] = { NULL };
+        float *kd[OWN_STATES_MAX] = { NULL }, *sd[OWN_STATES_MAX] = { NULL };
+        const float *kept_src[OWN_STATES_MAX] = { NULL }, *k4[OWN_STATES_MAX] = { NULL }, *s4[OWN_STATES_MAX] = { NULL };
+        float *kept_dst[OWN_STATES_MAX] = { NULL };
+        int32_t first[OWN_STATES_MAX];
+        int64_t n_kept = 0;
+        int ratio = 0;
+        for (int64_t e = 0; e < ne; e++) {
+            compressor_state *cs = comp_of(rs[e_t[e]], l, is_index);
+            ratio = cs->ratio;
+            pk[e] = cs->state_kv, ps[e] = cs->state_sc;
+            first[e] = (int32_t)(pos[e_t[e]] + 1 - ratio);
+            if (cs->n_rows < cs->cap) { /* (else made and dropped, as compressor_emit does) */
+                kept_dst[n_kept] = cs->rows + cs->n_rows * dim, kept_src[n_kept++] = row + e * dim;
+                cs->n_rows++;
+            }
+            kd[e] = cs->state_kv, k4[e] = cs->state_kv + 4 * width;
+            sd[e] = cs->state_sc, s4[e] = cs->state_sc + 4 * width;
+        }
+        be->ops->compressor_pool_states(be, pk, ps, ratio, dim, ne, row);
+        compressor_rows(m, -1, -1, norm, is_index, row, ne, dim, first, num); /* (no taps on this path) */
+        be->ops->copy_rows(be, kept_dst, kept_src, dim, n_kept);
+        if (ratio == 4) { /* the current window becomes the previous one */
+            be->ops->copy_rows(be, kd, k4, 4 * width, ne);
+            be->ops->copy_rows(be, sd, s4, 4 * width, ne);
+        }
+    }
+    for (int64_t t = 0; t < n; t++)
+        n_rows[t] = comp_of(rs[t], l, is_index)->n_rows;
+}
+
+/* compressor_pass token by token: each run of consecutive positions of one
+ * state within one window stored in one copy, each window end emitted. */
+static void compressor_each(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
+                            const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n, float *row,
+                            ds4_numerics num, int64_t *n_rows) {
+    ds4_backend *be = m->be;
     int64_t run = 0; /* first row of the run not yet stored */
     for (int64_t t = 0; t < n; t++) {
         compressor_state *cs = comp_of(rs[t], l, is_index);
@@ -774,6 +776,21 @@ static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_i
         }
         n_rows[t] = cs->n_rows;
     }
+}
+
+static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
+                            const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
+                            float *row, ds4_numerics num, int64_t *n_rows) {
+    bool one_run = n > 1 && !m->tap && !m->comp_per_token;
+    for (int64_t t = 1; one_run && t < n; t++) one_run = rs[t] == rs[0] && pos[t] == pos[0] + t;
+    if (one_run) {
+        compressor_chunk(m, comp_of(rs[0], l, is_index), ape, norm, is_index, kv, sc, pos[0], n, num, n_rows);
+        return;
+    }
+    if (rows_own_states(m, rs, n))
+        compressor_states_batch(m, rs, l, is_index, ape, norm, kv, sc, pos, n, row, num, n_rows);
+    else
+        compressor_each(m, rs, l, is_index, ape, norm, kv, sc, pos, n, row, num, n_rows);
 }
 
 /* The indexer queries of batch rows t .. n-1: up-projection of the low-rank
