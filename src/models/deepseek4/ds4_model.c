@@ -811,6 +811,100 @@ static void idx_queries(ds4_model *m, int l, scratch *s, int64_t t, int64_t n, c
     }
 }
 
+/* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the indexer score ops */
+static float idx_weight_scale(const ds4_config *c) {
+    return (float)(1.0 / sqrt((double)c->idx_head_dim * (double)c->idx_n_head));
+}
+
+/* Batch row t of layer l (state layer Lr) attends: with the indexer's
+ * top-k selection of the compressed rows when it sees more of them than
+ * that (its query made first for rows t .. n-1 if not yet: a later row of
+ * the same state has at least as many compressed rows; a row of another
+ * state may not need its query), else with every compressed row. */
+static void attend_row(ds4_model *m, int l, scratch *s, layer_state *Lr, int64_t t, int64_t n, const int32_t *pos,
+                       const ds4_rope *rope, ds4_numerics num, bool *iq_made) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const layer_weights *W = &m->layers[l];
+    const int ratio = c->compress_ratio[l];
+    const int64_t D = c->head_dim, nh = c->n_head, ih = c->idx_n_head, id = c->idx_head_dim;
+    const int32_t *sel = NULL; /* backend memory */
+    const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
+    int64_t n_b = n_rows_b;
+    if (ratio == 4 && n_b > c->idx_top_k) {
+        if (!*iq_made) {
+            idx_queries(m, l, s, t, n, pos, rope, num);
+            *iq_made = true;
+        }
+        be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, idx_weight_scale(c), ih, id, Lr->index.rows,
+                                s->n_index[t], s->iscores);
+        TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
+        /* both compressors emit a row every 4 tokens: the indexer's rows
+         * number the attention compressor's rows */
+        be->ops->top_k(be, s->iscores, s->n_index[t], c->idx_top_k, (int32_t *)s->topk);
+        tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
+        sel = (const int32_t *)s->topk;
+        n_b = c->idx_top_k;
+    }
+    be->ops->attention(be, s->q + t * nh * D, nh, D, Lr->window + s->win_off[t] * D, s->win_n[t],
+                       ratio ? Lr->attn.rows : NULL, n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
+    TAP("attention", l, t, s->attn + t * nh * D, nh * D);
+}
+
+/* Rows tb .. t1 - 1 of one state (layer Lr), which all select: their
+ * scores, selections and attention for batches of rows at once
+ * (m->idx_batch: 0 the scratch's batch, else at most that many rows; no
+ * inspection hook on this path). */
+static void attend_rows_selected(ds4_model *m, int l, scratch *s, layer_state *Lr, int64_t tb, int64_t t1, int64_t n,
+                                 const int32_t *pos, const ds4_rope *rope, ds4_numerics num, bool *iq_made) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const layer_weights *W = &m->layers[l];
+    const int64_t D = c->head_dim, nh = c->n_head, ih = c->idx_n_head, id = c->idx_head_dim, k = c->idx_top_k;
+    const int64_t per = m->idx_batch > 0 && m->idx_batch < s->sel_rows ? m->idx_batch : s->sel_rows;
+    if (!*iq_made) {
+        idx_queries(m, l, s, tb, n, pos, rope, num);
+        *iq_made = true;
+    }
+    const float wscale = idx_weight_scale(c);
+    for (int64_t u0 = tb; u0 < t1; u0 += per) {
+        const int64_t cnt = t1 - u0 < per ? t1 - u0 : per;
+        be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
+                                     s->n_index + u0, cnt, s->iscores, s->score_stride);
+        be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
+        be->ops->attention_rows_sel(be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0, s->win_n + u0,
+                                    Lr->attn.rows, s->n_comp + u0, (const int32_t *)s->topk, k, &W->sinks,
+                                    s->attn + u0 * nh * D);
+    }
+}
+
+/* A batch of states of their own (rows_own_states): the rows marked plain
+ * (no selection), each with its own window and compressed rows, attend in
+ * one call per block of such rows. */
+static void attend_plain_states(ds4_model *m, ds4_state *const *rs, int l, scratch *s, const bool *plain, int64_t n) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const int ratio = c->compress_ratio[l];
+    const int64_t D = c->head_dim, nh = c->n_head;
+    for (int64_t t0 = 0; t0 < n;) {
+        if (!plain[t0]) {
+            t0++;
+            continue;
+        }
+        int64_t t1 = t0 + 1;
+        while (t1 < n && plain[t1]) t1++;
+        const float *ra[OWN_STATES_MAX] = { NULL }, *rb[OWN_STATES_MAX] = { NULL };
+        for (int64_t t = t0; t < t1; t++) {
+            const layer_state *Lt = &rs[t]->layers[l];
+            ra[t] = Lt->window + s->win_off[t] * D;
+            rb[t] = ratio ? Lt->attn.rows : NULL;
+        }
+        be->ops->attention_states(be, s->q + t0 * nh * D, t1 - t0, nh, D, ra + t0, s->win_n + t0, rb + t0,
+                                  s->n_comp + t0, &m->layers[l].sinks, s->attn + t0 * nh * D);
+        t0 = t1;
+    }
+}
+
 /* Row t of the batch belongs to state rs[t] (at position pos[t]): a prefill
  * chunk has one state for every row, a batched decode one state per row. */
 static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratch *s, const int32_t *pos, int64_t n,
@@ -899,7 +993,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     /* the compressors over the whole batch, then token by token: window
      * push, indexer and attention; the indexer queries of the rows from the
      * first that needs them on are made in one batch */
-    const int64_t ih = c->idx_n_head, id = c->idx_head_dim;
     bool iq_made = false;
     if (ratio)
         compressor_pass(m, rs, l, false, &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow, num, s->n_comp);
@@ -959,72 +1052,13 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
          * as many compressed rows): without an inspection hook, their scores
          * and selections are made for batches of rows at once */
         if (ratio == 4 && t1 - tb > 1 && !m->tap && m->idx_batch >= 0) {
-            /* (m->idx_batch: 0 the scratch's batch, else at most that many rows) */
-            const int64_t per = m->idx_batch > 0 && m->idx_batch < s->sel_rows ? m->idx_batch : s->sel_rows;
-            if (!iq_made) {
-                idx_queries(m, l, s, tb, n, pos, rope, num);
-                iq_made = true;
-            }
-            const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
-            const int64_t k = c->idx_top_k;
-            for (int64_t u0 = tb; u0 < t1; u0 += per) {
-                const int64_t cnt = t1 - u0 < per ? t1 - u0 : per;
-                be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
-                                             s->n_index + u0, cnt, s->iscores, s->score_stride);
-                be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
-                be->ops->attention_rows_sel(be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0,
-                                            s->win_n + u0, Lr->attn.rows, s->n_comp + u0, (const int32_t *)s->topk, k,
-                                            &W->sinks, s->attn + u0 * nh * D);
-            }
+            attend_rows_selected(m, l, s, Lr, tb, t1, n, pos, rope, num, &iq_made);
             tb = t1;
         }
-        for (int64_t t = tb; t < t1; t++) { /* the run's state: Lr */
-            const int32_t *sel = NULL; /* backend memory */
-            const int64_t n_rows_b = ratio ? s->n_comp[t] : 0;
-            int64_t n_b = n_rows_b;
-            if (ratio == 4 && n_b > c->idx_top_k) {
-                if (!iq_made) { /* rows t .. n-1 (a later row of the same state has at least as many compressed
-                                 * rows; a row of another state may not need its query) */
-                    idx_queries(m, l, s, t, n, pos, rope, num);
-                    iq_made = true;
-                }
-                /* head weights times 1/sqrt(id * ih) (spec 3.6.3), applied by the op */
-                const float wscale = (float)(1.0 / sqrt((double)id * (double)ih));
-                be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, wscale, ih, id, Lr->index.rows,
-                                        s->n_index[t], s->iscores);
-                TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
-                /* both compressors emit a row every 4 tokens: the indexer's rows
-                 * number the attention compressor's rows */
-                be->ops->top_k(be, s->iscores, s->n_index[t], c->idx_top_k, (int32_t *)s->topk);
-                tap_ints(m, "idx_top_k", l, t, s->topk, c->idx_top_k);
-                sel = (const int32_t *)s->topk;
-                n_b = c->idx_top_k;
-            }
-            be->ops->attention(be, s->q + t * nh * D, nh, D, Lr->window + s->win_off[t] * D, s->win_n[t],
-                               ratio ? Lr->attn.rows : NULL, n_rows_b, sel, n_b, &W->sinks, s->attn + t * nh * D);
-            TAP("attention", l, t, s->attn + t * nh * D, nh * D);
-        }
+        for (int64_t t = tb; t < t1; t++) attend_row(m, l, s, Lr, t, n, pos, rope, num, &iq_made);
         t0 = t1;
     }
-    /* a batch of states: the rows without a selection, each with its own
-     * window and compressed rows, in one call per block of such rows */
-    for (int64_t t0 = 0; own && t0 < n;) {
-        if (!plain[t0]) {
-            t0++;
-            continue;
-        }
-        int64_t t1 = t0 + 1;
-        while (t1 < n && plain[t1]) t1++;
-        const float *ra[OWN_STATES_MAX] = { NULL }, *rb[OWN_STATES_MAX] = { NULL };
-        for (int64_t t = t0; t < t1; t++) {
-            const layer_state *Lt = &rs[t]->layers[l];
-            ra[t] = Lt->window + s->win_off[t] * D;
-            rb[t] = ratio ? Lt->attn.rows : NULL;
-        }
-        be->ops->attention_states(be, s->q + t0 * nh * D, t1 - t0, nh, D, ra + t0, s->win_n + t0, rb + t0,
-                                  s->n_comp + t0, &W->sinks, s->attn + t0 * nh * D);
-        t0 = t1;
-    }
+    if (own) attend_plain_states(m, rs, l, s, plain, n);
     be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
     TAP("attn_rope_inv", l, -1, s->attn, n * nh * D);
     /* grouped low-rank output: group g reads heads g*nh/G .. (g+1)*nh/G - 1
