@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_rows.cuh"
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -639,17 +640,13 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
             return;
 }
 
-#define NORM_THREADS 256
-
 /* One block per row: sum of squares in double (block reduction), then
  * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps).
  * Rows of at most NORM_CACHED floats that start 16-byte aligned (CACHED)
  * are read once, with every load in flight before the sum waits on one,
- * and kept in registers for the scaling; other rows are read twice. The
- * two paths add the squares in different orders (either differs from the
- * CPU's only in that). */
-#define NORM_VEC 4 /* float4 loads per thread of a cached row */
-#define NORM_CACHED (NORM_THREADS * 4 * NORM_VEC)
+ * and kept in registers for the scaling (rms_cached_row, cuda_rows.cuh);
+ * other rows are read twice. The two paths add the squares in different
+ * orders (either differs from the CPU's only in that). */
 
 template <bool CACHED>
 __global__ void __launch_bounds__(NORM_THREADS)
@@ -659,32 +656,9 @@ rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t di
     const int64_t r = blockIdx.x;
     const float *xr = x + r * dim;
     float *yr = out + r * dim;
-    double ss = 0.0;
     float4 v[NORM_VEC];
-    if (CACHED) {
-#pragma unroll
-        for (int k = 0; k < NORM_VEC; k++) {
-            const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
-            v[k] = i < dim ? *(const float4 *)(xr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int k = 0; k < NORM_VEC; k++)
-            ss += (double)v[k].x * (double)v[k].x + (double)v[k].y * (double)v[k].y +
-                  (double)v[k].z * (double)v[k].z + (double)v[k].w * (double)v[k].w;
-    } else {
-        for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) ss += (double)xr[i] * (double)xr[i];
-    }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        double t = threadIdx.x < NORM_THREADS / 32 ? part[threadIdx.x] : 0.0;
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_down_sync(0xffffffffu, t, o);
-        if (threadIdx.x == 0) part[0] = t;
-    }
-    __syncthreads();
-    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(part[0] / (double)dim), eps)));
     if (CACHED) { /* x is in registers: out may be x */
+        const float scale = rms_cached_row(xr, dim, eps, v, part);
 #pragma unroll
         for (int k = 0; k < NORM_VEC; k++) {
             const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
@@ -699,6 +673,9 @@ rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t di
         }
         return;
     }
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) ss += (double)xr[i] * (double)xr[i];
+    const float scale = rms_scale_of(ss, dim, eps, part);
     __syncthreads(); /* every thread has read part[0] before any row is written (out may be x) */
     for (int64_t i = threadIdx.x; i < dim; i += NORM_THREADS) {
         const float t = __fmul_rn(xr[i], scale);
@@ -841,44 +818,13 @@ static void cuda_add_weight_rows_at(ds4_backend *be, float *x, const ds4_weight 
 __global__ void round_f16_kernel(float *x, int64_t n) {
     cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float v = x[i];
-        if (v != v) continue; /* NaN stays NaN */
-        x[i] = __half2float(__float2half_rn(v));
+        x[i] = round_f16_value(x[i]);
     }
 }
 
 static void cuda_round_f16(ds4_backend *be, float *x, int64_t n) {
     if (n <= 0 || cuda_failed(be)) return;
     (void)cuda_launch(be, "round_f16_kernel", round_f16_kernel, grid_for(n, 256), 256, 0, x, n);
-}
-
-/* round_small_float of rounding.c: nearest value with `mant_bits` mantissa
- * bits, binades below 2^min_exp share the subnormal quantum, saturating. */
-static __device__ __forceinline__ float round_small(float v, int min_exp, int mant_bits, float max_mag) {
-    if (v != v) return v;
-    const float a = fabsf(v);
-    float r;
-    if (a >= max_mag) {
-        r = max_mag;
-    } else {
-        int e2;
-        (void)frexpf(a, &e2);
-        const int binade = e2 - 1 < min_exp ? min_exp : e2 - 1;
-        const float quantum = ldexpf(1.0f, binade - mant_bits);
-        r = __fmul_rn(rintf(__fdiv_rn(a, quantum)), quantum);
-        if (r > max_mag) r = max_mag;
-    }
-    return copysignf(r, v);
-}
-
-/* The block scale 2^ceil(log2f(max(amax, floor) / max_mag)). The CPU's
- * log2f is correctly rounded to float; the float rounding of a double log2
- * gives the same float (so the same ceiling) for every input that matters. */
-static __device__ __forceinline__ float block_scale_of(float amax, float amax_floor, float max_mag) {
-    if (amax < amax_floor) amax = amax_floor;
-    float e = ceilf(__double2float_rn(log2((double)__fdiv_rn(amax, max_mag))));
-    if (e > 127.0f) e = 127.0f;
-    return ldexpf(1.0f, (int)e);
 }
 
 /* One warp per block of up to 64 (FP8) or 32 (FP4) values. */
@@ -908,12 +854,7 @@ __global__ void round_blocks_kernel(float *x, int64_t n_rows, int64_t dim, int64
     const float scale = block_scale_of(amax, amax_floor, max_mag);
     for (int j = 0; j < PER; j++) {
         const int64_t i = lane + 32 * j;
-        if (i >= len) continue;
-        float q = __fdiv_rn(v[j], scale);
-        if (q > max_mag) q = max_mag;
-        if (q < -max_mag) q = -max_mag;
-        q = FP4 ? round_small(q, 0, 1, 6.0f) : round_small(q, -6, 3, 448.0f);
-        p[i] = __fmul_rn(q, scale);
+        if (i < len) p[i] = round_block_value<FP4>(v[j], scale, max_mag);
     }
 }
 
@@ -924,11 +865,11 @@ static void cuda_round_fp8_kv(ds4_backend *be, float *x, int64_t n_rows, int64_t
                   (long long)dim);
         return;
     }
-    const int64_t n_round = dim - n_rope, bpr = (n_round + 63) / 64;
+    const int64_t n_round = dim - n_rope, bpr = (n_round + KV_FP8_BLOCK - 1) / KV_FP8_BLOCK;
     if (n_rows <= 0 || bpr == 0) return;
     const int64_t threads = n_rows * bpr * 32;
-    (void)cuda_launch(be, "round_blocks_kernel<fp8>", round_blocks_kernel<64, 0>, grid_for(threads, 256), 256, 0, x,
-                      n_rows, dim, n_round, bpr, 1.0e-4f, 448.0f);
+    (void)cuda_launch(be, "round_blocks_kernel<fp8>", round_blocks_kernel<KV_FP8_BLOCK, 0>, grid_for(threads, 256), 256,
+                      0, x, n_rows, dim, n_round, bpr, KV_FP8_FLOOR, KV_FP8_MAX);
 }
 
 /* In-place Walsh-Hadamard of each row (one block per row, in shared memory),
