@@ -149,6 +149,35 @@ bool ds4_table_rows_valid(const char *op, const char *table, const int64_t *rows
     return true;
 }
 
+bool ds4_head_norm_rope_valid(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const ds4_weight *w,
+                              const int32_t *pos, const ds4_rope *rope, ds4_error *err) {
+    if (n_rows < 0) {
+        ds4_error_set(err, DS4_ERR_INVALID, "head_norm_rope: %lld rows", (long long)n_rows);
+        return false;
+    }
+    if (n_rows == 0) return true;
+    if (!x || !pos || n_heads < 1 || head_dim < 1) {
+        ds4_error_set(err, DS4_ERR_INVALID, "head_norm_rope: %lld rows of %lld heads of %lld%s", (long long)n_rows,
+                      (long long)n_heads, (long long)head_dim, !x ? " without a buffer" : !pos ? " without positions" : "");
+        return false;
+    }
+    if (!rope) {
+        ds4_error_set(err, DS4_ERR_INVALID, "head_norm_rope: no RoPE parameters");
+        return false;
+    }
+    if (rope->n_rot <= 0 || rope->n_rot % 2 != 0 || rope->n_rot > head_dim) {
+        ds4_error_set(err, DS4_ERR_INVALID, "head_norm_rope: %d rotated dims in heads of %lld", rope->n_rot,
+                      (long long)head_dim);
+        return false;
+    }
+    if (w && w->ne[0] != head_dim) {
+        ds4_error_set(err, DS4_ERR_INVALID, "head_norm_rope: norm weight %s is %lld wide, heads %lld",
+                      w->name ? w->name : "(unnamed)", (long long)w->ne[0], (long long)head_dim);
+        return false;
+    }
+    return true;
+}
+
 bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,
                                 const int64_t *a_n, const float *const *rows_b, const int64_t *b_n, ds4_error *err) {
     if (n < 0 || (n > 0 && (!rows_a || !a_n || !rows_b || !b_n || !q || !out))) {

@@ -188,6 +188,15 @@ typedef struct ds4_backend_ops {
      * head_dim, row r at position pos[r]; inverse uses -sin. */
     void (*rope_tail)(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
                       const int32_t *pos, const ds4_rope *rope, bool inverse);
+    /* The per-head finish of q and KV rows, in place: exactly rmsnorm(x, w,
+     * eps, x, n_rows * n_heads, head_dim) (w [head_dim] or NULL: plain), then
+     * rope_tail(x, n_rows, n_heads, head_dim, pos, rope, false), then with
+     * round_kv (the KV rows under DS4 numerics) round_fp8_kv(x, n_rows *
+     * n_heads, head_dim, rope->n_rot) and round_f16(x, n_rows * n_heads *
+     * head_dim): one pass over the rows where the backend fuses them. The
+     * arguments are checked first (ds4_head_norm_rope_valid). */
+    void (*head_norm_rope)(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
+                           const ds4_weight *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv);
 
     /* ---- hyper-connections ------------------------------------------ */
     /* For each of n_rows token states X [n_hc * dim]: mix = fn . plain_rmsnorm(X)
@@ -420,6 +429,12 @@ bool ds4_pointer_pairs_valid(const char *op, const char *item, const void *const
  * TABLE (R rows)"). */
 bool ds4_table_rows_valid(const char *op, const char *table, const int64_t *rows, int64_t n_rows, int64_t n_table,
                           ds4_error *err);
+/* head_norm_rope's arguments as both backends check them: n_rows >= 0;
+ * when n_rows > 0, x and pos there, n_heads >= 1, head_dim >= 1, RoPE
+ * parameters with an even n_rot in 1 .. head_dim, and w NULL or head_dim
+ * wide; false with the message in err. */
+bool ds4_head_norm_rope_valid(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const ds4_weight *w,
+                              const int32_t *pos, const ds4_rope *rope, ds4_error *err);
 /* attention_states' arrays as both backends check them (counts >= 0, a
  * pointer wherever its count is not 0). */
 bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, const float *const *rows_a,

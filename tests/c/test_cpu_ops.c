@@ -324,7 +324,7 @@ static void test_op_table(void) {
     const ds4_backend_ops *o = be->ops;
     CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->repeat_rows && o->bind_weight &&
           o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->add_weight_rows_mod && o->round_f16 &&
-          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->hc_pre &&
+          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->head_norm_rope && o->hc_pre &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
           o->indexer_scores_rows && o->top_k_rows && o->attention_rows_sel &&
           o->router && o->swiglu && o->moe && o->take_error && o->copy_rows && o->add_weight_rows_at &&
@@ -1084,6 +1084,72 @@ static void test_rope(void) {
     expect_no_error(be);
     free(x);
     free(y);
+    ds4_backend_destroy(be);
+}
+
+/* head_norm_rope: exactly rmsnorm, rope_tail and (round_kv) round_fp8_kv and
+ * round_f16 one after the other, bit for bit, for q-shaped rows (several
+ * heads, no weight) and KV-shaped ones (one head, a norm weight, a head
+ * that is not a multiple of 64 before its RoPE dims, YaRN); bad arguments
+ * are refused with the op's own message before anything is written. */
+static void test_head_norm_rope(void) {
+    ds4_backend *be = new_backend(2);
+    const int32_t pos[3] = { 0, 7, 70000 };
+    const ds4_rope ropes[2] = { { 16, 10000.0f, 1.0f, 0, 0 }, { 64, 160000.0f, 16.0f, 15.0f, 25.0f } };
+    struct { int64_t heads, hd; int rope; bool weighted, round_kv; } cases[] = {
+        { 4, 64, 0, false, false }, { 1, 352, 1, true, true }, { 3, 96, 1, true, true }, { 2, 128, 0, false, true },
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const int64_t rows = 3, heads = cases[ci].heads, hd = cases[ci].hd, n = rows * heads * hd;
+        const ds4_rope *rope = &ropes[cases[ci].rope];
+        float *x = fvec(n), *want = fvec(n), *wsrc = fvec(hd);
+        fill_normal(x, n, 2.0);
+        fill_normal(wsrc, hd, 1.0);
+        test_weight w;
+        weight_make(&w, "blk.0.attn_kv_a_norm.weight", DS4_TYPE_F32, hd, 1, wsrc);
+        const ds4_weight *wp = cases[ci].weighted ? &w.w : NULL;
+        memcpy(want, x, (size_t)n * sizeof *x);
+        be->ops->rmsnorm(be, want, wp, 1e-6f, want, rows * heads, hd);
+        be->ops->rope_tail(be, want, rows, heads, hd, pos, rope, false);
+        if (cases[ci].round_kv) {
+            be->ops->round_fp8_kv(be, want, rows * heads, hd, rope->n_rot);
+            be->ops->round_f16(be, want, n);
+        }
+        be->ops->head_norm_rope(be, x, rows, heads, hd, wp, 1e-6f, pos, rope, cases[ci].round_kv);
+        expect_no_error(be);
+        CHECK_MSG(memcmp(x, want, (size_t)n * sizeof *x) == 0, "head_norm_rope case %zu differs from its ops", ci);
+        weight_free(&w);
+        free(x);
+        free(want);
+        free(wsrc);
+    }
+    /* refused, x untouched */
+    float x[128], keep[128];
+    fill_normal(x, 128, 1.0);
+    memcpy(keep, x, sizeof x);
+    float wsrc[64];
+    fill_normal(wsrc, 64, 1.0);
+    test_weight w;
+    weight_make(&w, "blk.0.attn_kv_a_norm.weight", DS4_TYPE_F32, 64, 1, wsrc);
+    const ds4_rope odd = { 15, 10000.0f, 1.0f, 0, 0 }, wide = { 160, 10000.0f, 1.0f, 0, 0 };
+    char msg[DS4_ERROR_MSG_MAX];
+    be->ops->head_norm_rope(be, x, 1, 1, 128, NULL, 1e-6f, pos, NULL, false);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "no RoPE parameters"));
+    be->ops->head_norm_rope(be, x, 1, 1, 128, NULL, 1e-6f, pos, &odd, false);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "15 rotated dims in heads of 128"));
+    be->ops->head_norm_rope(be, x, 1, 1, 128, NULL, 1e-6f, pos, &wide, false);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "160 rotated dims in heads of 128"));
+    be->ops->head_norm_rope(be, x, 1, 1, 128, &w.w, 1e-6f, pos, &ropes[0], true);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "64 wide, heads 128") &&
+          strstr(msg, "blk.0.attn_kv_a_norm.weight"));
+    be->ops->head_norm_rope(be, x, 1, 1, 128, NULL, 1e-6f, NULL, &ropes[0], false);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "without positions"));
+    be->ops->head_norm_rope(be, x, -1, 1, 128, NULL, 1e-6f, pos, &ropes[0], false);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID && strstr(msg, "-1 rows"));
+    CHECK(memcmp(x, keep, sizeof x) == 0);
+    be->ops->head_norm_rope(be, NULL, 0, 1, 128, NULL, 1e-6f, NULL, NULL, false); /* no rows: nothing to check */
+    expect_no_error(be);
+    weight_free(&w);
     ds4_backend_destroy(be);
 }
 
@@ -2130,6 +2196,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_bind_synthetic),
     TEST_ENTRY(test_embed),
     TEST_ENTRY(test_rmsnorm),
+    TEST_ENTRY(test_head_norm_rope),
     TEST_ENTRY(test_add_weight_row),
     TEST_ENTRY(test_rounding_ops),
     TEST_ENTRY(test_matmul_types),

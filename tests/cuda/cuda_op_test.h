@@ -143,6 +143,12 @@ static inline void op_expect_error_with(op_pair *p, const char *what, ...) {
     CHECK(p->gpu->ops->take_error(p->gpu, &e) == DS4_OK);
 }
 
+/* An environment switch: "0" off, "1" on, else the default. */
+static inline bool env_on_default(const char *name, bool dflt) {
+    const char *v = getenv(name);
+    return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
+}
+
 /* The CUDA backend's counters now. */
 static inline ds4_backend_counters op_gpu_counters(op_pair *p) {
     ds4_backend_counters c;

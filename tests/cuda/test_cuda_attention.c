@@ -163,6 +163,104 @@ static void test_rope_tail(void) {
     op_pair_close(&p);
 }
 
+/* head_norm_rope: the fused kernel (ds4_cuda_backend_set_norm_rope) equals
+ * the rmsnorm, rope_tail and rounding kernels one after the other bit for
+ * bit, in one launch instead of two or four; both are near the CPU's op
+ * (the norm's sum order and a cos/sin ulp; with the FP8 rounding an input
+ * that far from the CPU's may land one FP8 step away). Shapes of q (64
+ * heads of 512, no weight), KV (one head, an F32 or F16 weight, DS4
+ * rounding), the indexer's q, a head that is not a multiple of 64 before
+ * its RoPE dims, and one the fused kernel does not take (the ops run). */
+static void test_head_norm_rope(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    static const struct {
+        int64_t n_rows, n_heads, head_dim;
+        int n_rot;
+        float factor;
+        uint32_t wtype; /* 0: no weight */
+        bool round_kv, fused;
+    } cases[] = {
+        { 5, 64, 512, 64, 1.0f, 0, false, true },
+        { 3, 1, 512, 64, 16.0f, DS4_TYPE_F32, true, true },
+        { 4, 1, 512, 64, 16.0f, DS4_TYPE_F16, true, true },
+        { 2, 64, 128, 64, 16.0f, 0, false, true },
+        { 3, 2, 352, 16, 1.0f, DS4_TYPE_F32, true, true },
+        { 2, 3, 4096, 64, 1.0f, 0, true, true },
+        { 3, 2, 98, 18, 1.0f, DS4_TYPE_F32, true, false },
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const int64_t rows = cases[ci].n_rows, heads = cases[ci].n_heads, hd = cases[ci].head_dim;
+        const int64_t n = rows * heads * hd;
+        const ds4_rope rope = { cases[ci].n_rot, 160000.0f, cases[ci].factor, 9.6f, 21.3f };
+        int32_t *pos = malloc((size_t)rows * sizeof *pos);
+        for (int64_t r = 0; r < rows; r++) pos[r] = (int32_t)rand_range(0, 1000000);
+        float *hw = op_rand(hd, 1.0), *hx = op_rand(n, 3.0);
+        op_weight *w = cases[ci].wtype ? op_weight_floats(&p, "blk.0.attn_kv_a_norm.weight", cases[ci].wtype, hd, 1, 1, hw)
+                                       : NULL;
+        op_buf x = op_buf_from(&p, hx, n), x2 = op_buf_from(&p, hx, n);
+        char what[128];
+        snprintf(what, sizeof what, "head_norm_rope case %zu (%lld x %lld heads of %lld)", ci, (long long)rows,
+                 (long long)heads, (long long)hd);
+        p.cpu->ops->head_norm_rope(p.cpu, x.c, rows, heads, hd, w ? &w->c : NULL, 1e-6f, pos, &rope,
+                                   cases[ci].round_kv);
+        ds4_cuda_backend_set_norm_rope(p.gpu, 0);
+        const ds4_backend_counters c0 = op_gpu_counters(&p);
+        p.gpu->ops->head_norm_rope(p.gpu, x2.g, rows, heads, hd, w ? &w->g : NULL, 1e-6f, pos, &rope,
+                                   cases[ci].round_kv);
+        const ds4_backend_counters c1 = op_gpu_counters(&p);
+        ds4_cuda_backend_set_norm_rope(p.gpu, 1);
+        p.gpu->ops->head_norm_rope(p.gpu, x.g, rows, heads, hd, w ? &w->g : NULL, 1e-6f, pos, &rope,
+                                   cases[ci].round_kv);
+        const ds4_backend_counters c2 = op_gpu_counters(&p);
+        ds4_cuda_backend_set_norm_rope(p.gpu, env_on_default("DS4_CUDA_NORM_ROPE", false));
+        op_expect_ok(&p);
+        /* (a weight other than F32 is dequantised by a kernel of its own each call) */
+        const uint64_t ops_n = c1.launches - c0.launches, fused_n = c2.launches - c1.launches;
+        const uint64_t dq = cases[ci].wtype && cases[ci].wtype != DS4_TYPE_F32 ? 1u : 0u;
+        CHECK_MSG(ops_n == (cases[ci].round_kv ? 4u : 2u) + dq && fused_n == (cases[ci].fused ? 1u + dq : ops_n),
+                  "%s: %llu launches as ops, %llu fused", what, (unsigned long long)ops_n,
+                  (unsigned long long)fused_n);
+        float *ha = malloc((size_t)n * sizeof *ha), *hb = malloc((size_t)n * sizeof *hb);
+        p.gpu->ops->download(p.gpu, ha, x.g, n);
+        p.gpu->ops->download(p.gpu, hb, x2.g, n);
+        CHECK_MSG(memcmp(ha, hb, (size_t)n * sizeof *ha) == 0, "%s: the fused kernel differs from the ops' kernels",
+                  what);
+        /* the norm: a few roundings of |y| <= sqrt(hd) max|w|; RoPE: 4u max|y|
+         * more; FP8: one step of E4M3 (2^-3 relative, or its subnormal quantum) */
+        const double ymax = sqrt((double)hd) * (w ? max_abs(hw, hd) : 1.0);
+        const double atol = cases[ci].round_kv ? ymax / 512.0 : 16.0 * U * ymax;
+        op_compare(what, &p, x, n, atol, cases[ci].round_kv ? 0.125 : 8.0 * U);
+        free(ha);
+        free(hb);
+        op_buf_free(&p, &x);
+        op_buf_free(&p, &x2);
+        op_weight_free(&p, w);
+        free(hx);
+        free(hw);
+        free(pos);
+    }
+    /* bad arguments: the op's message, nothing written */
+    {
+        float *hx = op_rand(128, 1.0);
+        op_buf x = op_buf_from(&p, hx, 128);
+        const ds4_rope odd = { 15, 10000.0f, 1.0f, 0.0f, 0.0f };
+        const int32_t pos0 = 5;
+        for (int fused = 0; fused <= 1; fused++) {
+            ds4_cuda_backend_set_norm_rope(p.gpu, fused);
+            p.gpu->ops->head_norm_rope(p.gpu, x.g, 1, 1, 128, NULL, 1e-6f, &pos0, NULL, false);
+            op_expect_error_with(&p, "head_norm_rope without RoPE", "head_norm_rope", "no RoPE parameters", NULL);
+            p.gpu->ops->head_norm_rope(p.gpu, x.g, 1, 1, 128, NULL, 1e-6f, &pos0, &odd, false);
+            op_expect_error_with(&p, "head_norm_rope odd n_rot", "15 rotated dims in heads of 128", NULL);
+        }
+        ds4_cuda_backend_set_norm_rope(p.gpu, env_on_default("DS4_CUDA_NORM_ROPE", false));
+        op_compare("head_norm_rope refused", &p, x, 128, 0, 0);
+        op_buf_free(&p, &x);
+        free(hx);
+    }
+    op_pair_close(&p);
+}
+
 /* ------------------------------------------------------------------------ */
 /* attention                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -1205,6 +1303,7 @@ static void test_attention_bad_index(void) {
 
 static const test_case TESTS[] = {
     TEST_ENTRY(test_rope_tail),
+    TEST_ENTRY(test_head_norm_rope),
     TEST_ENTRY(test_attention),
     TEST_ENTRY(test_attention_rows),
     TEST_ENTRY(test_compressor_pool),

@@ -168,12 +168,6 @@ static int64_t dot_blocks(dot_kind k, int64_t n) { return k == KIND_Q8_0 ? n / 3
  * tol[r * n_out + o] for out[r][o] = W[row0 + o] . x[r] (see the top of the
  * file). `bytes`/`deq` are the whole weight, x rows x_stride apart.
  */
-/* An environment switch: "0" off, "1" on, else the default. */
-static bool env_on_default(const char *name, bool dflt) {
-    const char *v = getenv(name);
-    return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
-}
-
 static bool float_gemm_on; /* the F16 GEMM's cases run (matmul_case also bounds the normwise error) */
 static double x_amp = 1.0; /* the activations' scale in matmul_case */
 

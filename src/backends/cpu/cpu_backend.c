@@ -314,6 +314,24 @@ static void cpu_indexer_qat(ds4_backend *be, float *x, int64_t n_rows, int64_t d
     for (int64_t r = 0; r < n_rows; r++) ds4_indexer_qat_row(x + r * dim, dim);
 }
 
+/* The ops it stands for, one after the other (the CPU has nothing to fuse). */
+static void cpu_head_norm_rope(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
+                               const ds4_weight *w, float eps, const int32_t *pos, const ds4_rope *rope,
+                               bool round_kv) {
+    ds4_error err = { 0 };
+    if (!ds4_head_norm_rope_valid(x, n_rows, n_heads, head_dim, w, pos, rope, &err)) {
+        cpu_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    if (n_rows == 0) return;
+    cpu_rmsnorm(be, x, w, eps, x, n_rows * n_heads, head_dim);
+    cpu_rope_tail(be, x, n_rows, n_heads, head_dim, pos, rope, false);
+    if (round_kv) {
+        cpu_round_fp8_kv(be, x, n_rows * n_heads, head_dim, rope->n_rot);
+        cpu_round_f16(be, x, n_rows * n_heads * head_dim);
+    }
+}
+
 /* ------------------------------------------------------------------------ */
 /* The table and the constructor                                             */
 /* ------------------------------------------------------------------------ */
@@ -344,6 +362,7 @@ static const ds4_backend_ops CPU_OPS = {
     .matmul_multi = cpu_matmul_multi,
     .matmul_grouped = cpu_matmul_grouped,
     .rope_tail = cpu_rope_tail,
+    .head_norm_rope = cpu_head_norm_rope,
     .hc_pre = cpu_hc_pre,
     .hc_post = cpu_hc_post,
     .hc_head = cpu_hc_head,

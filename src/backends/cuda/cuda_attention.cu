@@ -49,6 +49,7 @@
 #include <cub/cub.cuh>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_rows.cuh"
 
 /* ------------------------------------------------------------------------ */
 /* Shared pieces                                                             */
@@ -111,6 +112,36 @@ static __device__ double rope_angle(const rope_params &rp, int64_t p, int64_t k)
     return __dadd_rn(__dmul_rn(theta / rp.factor, 1.0 - ramp), __dmul_rn(theta, ramp));
 }
 
+/* The launch's copy of the RoPE parameters (n_rot checked by the caller). */
+static rope_params rope_params_of(const ds4_rope *rope, bool inverse) {
+    rope_params rp;
+    memset(&rp, 0, sizeof rp); /* padding too: recorded steps compare argument bytes */
+    const int64_t n_rot = rope->n_rot, half = n_rot / 2;
+    rp.n_rot = (int)n_rot;
+    rp.base = (double)rope->base;
+    rp.factor = (double)rope->factor;
+    rp.yarn_lo = (double)rope->yarn_lo;
+    rp.yarn_hi = (double)rope->yarn_hi;
+    rp.sin_sign = inverse ? -1.0 : 1.0;
+    rp.table = half <= ROPE_TABLE;
+    for (int64_t k = 0; rp.table && k < half; k++) rp.freq[k] = pow(rp.base, -2.0 * (double)k / (double)n_rot);
+    return rp;
+}
+
+/* The cos (then sin, times sin_sign) of each pair at position p into cs, by
+ * the block's threads (a barrier after). */
+static __device__ __forceinline__ void rope_table(const rope_params &rp, int64_t p, float *cs) {
+    const int half = rp.n_rot / 2;
+    for (int k = threadIdx.x; k < half; k += blockDim.x) {
+        const double theta = rope_angle(rp, p, k);
+        double sn, c;
+        sincos(theta, &sn, &c);
+        cs[k] = (float)c;
+        cs[half + k] = (float)(rp.sin_sign * sn);
+    }
+    __syncthreads();
+}
+
 /* Block (row r, heads [h0, h0 + heads_per_block)). cs: cos of each pair, then
  * sin (sign applied for the inverse), as floats. */
 static __global__ void __launch_bounds__(ROPE_THREADS)
@@ -120,15 +151,7 @@ static __global__ void __launch_bounds__(ROPE_THREADS)
     extern __shared__ float rope_cs[];
     const int64_t r = blockIdx.x;
     const int half = rp.n_rot / 2;
-    const int64_t p = pos[r];
-    for (int k = threadIdx.x; k < half; k += blockDim.x) {
-        const double theta = rope_angle(rp, p, k);
-        double sn, cs;
-        sincos(theta, &sn, &cs);
-        rope_cs[k] = (float)cs;
-        rope_cs[half + k] = (float)(rp.sin_sign * sn);
-    }
-    __syncthreads();
+    rope_table(rp, pos[r], rope_cs);
     const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
     const int64_t h1 = h0 + heads_per_block < n_heads ? h0 + heads_per_block : n_heads;
     const int64_t count = (h1 - h0) * half;
@@ -179,19 +202,105 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     if (per_block > n_heads) per_block = n_heads;
     const int64_t groups = (n_heads + per_block - 1) / per_block;
 
-    rope_params rp;
-    memset(&rp, 0, sizeof rp); /* padding too: recorded steps compare argument bytes */
-    rp.n_rot = (int)n_rot;
-    rp.base = (double)rope->base;
-    rp.factor = (double)rope->factor;
-    rp.yarn_lo = (double)rope->yarn_lo;
-    rp.yarn_hi = (double)rope->yarn_hi;
-    rp.sin_sign = inverse ? -1.0 : 1.0;
-    rp.table = half <= ROPE_TABLE;
-    for (int64_t k = 0; rp.table && k < half; k++) rp.freq[k] = pow(rp.base, -2.0 * (double)k / (double)n_rot);
+    const rope_params rp = rope_params_of(rope, inverse);
     const dim3 grid((unsigned)n_rows, (unsigned)groups);
     (void)cuda_launch(be, "rope_tail_kernel", rope_tail_kernel, grid, ROPE_THREADS, smem, x, n_heads, head_dim, d_pos,
                       rp, per_block);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Head norm + RoPE (+ KV rounding) in one pass                              */
+/* ------------------------------------------------------------------------ */
+
+/* Block (row r, head h) of NORM_THREADS threads: the head's values in
+ * registers as rmsnorm_kernel<true> holds a row (rms_cached_row: the same
+ * sum of squares), times the scale and the weight; the tail's pairs
+ * rotated as rope_tail_kernel rotates them (a pair never straddles a
+ * thread's four values: the tail starts at an even offset); with ROUND, the
+ * FP8 blocks of the non-RoPE dims (64 values: 16 threads' float4s, their
+ * amax by shuffles within the half-warp) rounded as round_blocks_kernel
+ * rounds them, then every value through half precision as round_f16_kernel.
+ * Each step's float operations are those of the kernel it stands for. */
+template <bool ROUND>
+static __global__ void __launch_bounds__(NORM_THREADS)
+    head_norm_rope_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const float *__restrict__ w,
+                          float eps, const int32_t *__restrict__ pos, rope_params rp) {
+    cuda_grid_wait();
+    __shared__ double part[NORM_THREADS / 32];
+    extern __shared__ float rope_cs[];
+    const int64_t head = blockIdx.x, r = head / n_heads;
+    float *xr = x + head * head_dim;
+    float4 v[NORM_VEC];
+    const float scale = rms_cached_row(xr, head_dim, eps, v, part);
+    rope_table(rp, pos[r], rope_cs);
+    const int half = rp.n_rot / 2;
+    const int64_t tail = head_dim - rp.n_rot; /* even */
+#pragma unroll
+    for (int k = 0; k < NORM_VEC; k++) {
+        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+        float y[4] = { __fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
+                       __fmul_rn(v[k].w, scale) };
+        if (w && i < head_dim)
+#pragma unroll
+            for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], w[i + c]);
+#pragma unroll
+        for (int c = 0; c < 4; c += 2) { /* the pair (i + c, i + c + 1) of the tail */
+            if (i + c >= tail && i + c < head_dim) {
+                const int pk = (int)((i + c - tail) / 2);
+                const float cs = rope_cs[pk], sn = rope_cs[half + pk];
+                const float x0 = y[c], x1 = y[c + 1];
+                y[c] = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+                y[c + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+            }
+        }
+        if (ROUND) {
+            /* the FP8 block of values i .. i + 3 (16 threads of a half-warp
+             * share it); values at or past `tail` are not part of any block */
+            float amax = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const float a = fabsf(y[c]);
+                if (i + c < tail && a > amax) amax = a; /* NaN never compares greater */
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) {
+                const float other = __shfl_xor_sync(0xffffffffu, amax, o);
+                if (other > amax) amax = other;
+            }
+            const float bs = block_scale_of(amax, KV_FP8_FLOOR, KV_FP8_MAX);
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                if (i + c < tail) y[c] = round_block_value<0>(y[c], bs, KV_FP8_MAX);
+                y[c] = round_f16_value(y[c]);
+            }
+        }
+        if (i < head_dim) *(float4 *)(xr + i) = make_float4(y[0], y[1], y[2], y[3]);
+    }
+}
+static_assert(KV_FP8_BLOCK == 16 * 4, "an FP8 block is the float4s of 16 threads");
+
+void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
+                               const float *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv) {
+    if (cuda_failed(be) || n_rows <= 0) return;
+    const int64_t blocks = n_rows * n_heads;
+    if (blocks > INT32_MAX || head_dim % 4 != 0 || head_dim > NORM_CACHED || (uintptr_t)x % 16 != 0) {
+        cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope: %lld heads of %lld do not suit the fused kernel",
+                  (long long)blocks, (long long)head_dim);
+        return;
+    }
+    const size_t smem = (size_t)rope->n_rot * sizeof(float);
+    const void *fn = round_kv ? (const void *)head_norm_rope_kernel<true> : (const void *)head_norm_rope_kernel<false>;
+    if (!cuda_allow_dynamic_smem(be, fn, smem, "head_norm_rope", rope->n_rot)) return;
+    const int32_t *d_pos =
+        (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
+    if (!d_pos) return;
+    const rope_params rp = rope_params_of(rope, false);
+    if (round_kv)
+        (void)cuda_launch(be, "head_norm_rope_kernel<round>", head_norm_rope_kernel<true>, (unsigned)blocks,
+                          NORM_THREADS, smem, x, n_heads, head_dim, w, eps, d_pos, rp);
+    else
+        (void)cuda_launch(be, "head_norm_rope_kernel", head_norm_rope_kernel<false>, (unsigned)blocks, NORM_THREADS,
+                          smem, x, n_heads, head_dim, w, eps, d_pos, rp);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -705,6 +705,45 @@ static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, f
                       NORM_THREADS, 0, x, wv, eps, out, dim);
 }
 
+static void cuda_round_f16(ds4_backend *be, float *x, int64_t n);
+static void cuda_round_fp8_kv(ds4_backend *be, float *x, int64_t n_rows, int64_t dim, int64_t n_rope);
+
+/* One fused kernel where the backend's setting asks for it and the heads
+ * suit it (cuda_head_norm_rope_fused), else the ops it stands for. */
+static void cuda_head_norm_rope(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
+                                const ds4_weight *w, float eps, const int32_t *pos, const ds4_rope *rope,
+                                bool round_kv) {
+    if (cuda_failed(be)) return;
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_head_norm_rope_valid(x, n_rows, n_heads, head_dim, w, pos, rope, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    if (n_rows == 0) return;
+    if (cuda_impl(be)->norm_rope && head_dim % 4 == 0 && head_dim <= NORM_CACHED && (uintptr_t)x % 16 == 0 &&
+        n_rows * n_heads <= INT32_MAX) {
+        const float *wv = NULL;
+        if (w) {
+            if (!w->device || !ds4_cuda_dequant_supported(w->type)) {
+                cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope: weight %s (%s) is not on the device in a float type",
+                          cuda_wname(w), ds4_type_name(w->type));
+                return;
+            }
+            if (w->type == DS4_TYPE_F32) wv = (const float *)w->device;
+            else if (!(wv = weight_row_floats(be, w, 0, 1, "head_norm_rope"))) return;
+        }
+        cuda_head_norm_rope_fused(be, x, n_rows, n_heads, head_dim, wv, eps, pos, rope, round_kv);
+        return;
+    }
+    cuda_rmsnorm(be, x, w, eps, x, n_rows * n_heads, head_dim);
+    cuda_rope_tail(be, x, n_rows, n_heads, head_dim, pos, rope, false);
+    if (round_kv) {
+        cuda_round_fp8_kv(be, x, n_rows * n_heads, head_dim, rope->n_rot);
+        cuda_round_f16(be, x, n_rows * n_heads * head_dim);
+    }
+}
+
 __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
     cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -942,6 +981,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .matmul_multi = cuda_matmul_multi,
     .matmul_grouped = cuda_matmul_grouped,
     .rope_tail = cuda_rope_tail,
+    .head_norm_rope = cuda_head_norm_rope,
     .hc_pre = cuda_hc_pre,
     .hc_post = cuda_hc_post,
     .hc_head = cuda_hc_head,

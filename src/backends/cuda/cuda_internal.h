@@ -161,6 +161,7 @@ typedef struct cuda_backend {
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
+    bool norm_rope; /* head_norm_rope as one fused kernel (DS4_CUDA_NORM_ROPE=1: on; off by default) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
@@ -563,6 +564,12 @@ bool cuda_matmul_supported(uint32_t type, ds4_numerics num);
 /* cuda_attention.cu */
 void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t *pos,
                     const ds4_rope *rope, bool inverse);
+/* head_norm_rope as one kernel (checked arguments: ds4_head_norm_rope_valid;
+ * head_dim % 4 == 0, head_dim <= NORM_CACHED, x 16-byte aligned, the norm
+ * weight as device floats or NULL), bit for bit the kernels of rmsnorm,
+ * rope_tail, round_fp8_kv and round_f16 one after the other. */
+void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
+                               const float *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv);
 void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                          const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                          const int64_t *b_n, const ds4_weight *sinks, float *out);

@@ -693,6 +693,8 @@ extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe
     cuda_impl(be)->moe_xq = moe_xq != 0;
 }
 
+extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
+
 extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
     const char *w = ((const cuda_backend *)be->impl)->last_break;
     return w ? w : "none";
@@ -704,6 +706,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
+    cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", false);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));

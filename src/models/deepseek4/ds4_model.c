@@ -964,21 +964,33 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a_norm", l, -1, s->qr, n * qr);
     be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
     TAP("q_b", l, -1, s->q, n * nh * D);
-    be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
-    TAP("q_head_norm", l, -1, s->q, n * nh * D);
-    be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
+    /* the per-head norm and RoPE of q, then of kv with its FP8 and F16
+     * rounding, each in one call (head_norm_rope) unless an inspection hook
+     * wants the steps in between */
+    const bool steps = m->tap || rope->n_rot != c->n_rot;
+    if (steps) {
+        be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
+        TAP("q_head_norm", l, -1, s->q, n * nh * D);
+        be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
+    } else {
+        be->ops->head_norm_rope(be, s->q, n, nh, D, NULL, c->rms_eps, pos, rope, false);
+    }
     TAP("q_rope", l, -1, s->q, n * nh * D);
     /* kv: projection (above), norm, RoPE, FP8 */
     TAP("kv", l, -1, kv, n * D);
-    be->ops->rmsnorm(be, kv, &W->kv_norm, c->rms_eps, kv, n, D);
-    TAP("kv_norm", l, -1, kv, n * D);
-    be->ops->rope_tail(be, kv, n, 1, D, pos, rope, false);
-    TAP("kv_rope", l, -1, kv, n * D);
-    if (num == DS4_NUMERICS_DS4) {
-        be->ops->round_fp8_kv(be, kv, n, D, c->n_rot);
-        TAP("kv_fp8", l, -1, kv, n * D);
-        be->ops->round_f16(be, kv, n * D); /* stored F16-rounded (CPU semantics) */
-        TAP("kv_f16", l, -1, kv, n * D);
+    if (steps) {
+        be->ops->rmsnorm(be, kv, &W->kv_norm, c->rms_eps, kv, n, D);
+        TAP("kv_norm", l, -1, kv, n * D);
+        be->ops->rope_tail(be, kv, n, 1, D, pos, rope, false);
+        TAP("kv_rope", l, -1, kv, n * D);
+        if (num == DS4_NUMERICS_DS4) {
+            be->ops->round_fp8_kv(be, kv, n, D, c->n_rot);
+            TAP("kv_fp8", l, -1, kv, n * D);
+            be->ops->round_f16(be, kv, n * D); /* stored F16-rounded (CPU semantics) */
+            TAP("kv_f16", l, -1, kv, n * D);
+        }
+    } else {
+        be->ops->head_norm_rope(be, kv, n, 1, D, &W->kv_norm, c->rms_eps, pos, rope, num == DS4_NUMERICS_DS4);
     }
     /* compressor and indexer projections (above), batched */
     if (ratio) {
