@@ -319,6 +319,12 @@ static void test_load_refuses_incomplete_backend(void) {
     CHECK(ds4_model_load((gguf_file *)ds4_engine_gguf(engine), &lacking, &m, &err) == DS4_ERR_UNSUPPORTED);
     CHECK(m == NULL);
     CHECK_MSG(strstr(err.message, "matmul_grouped") != NULL, "%s", err.message);
+    /* and the per-head norm + RoPE (the path without an inspection hook) */
+    partial = *cpu->ops;
+    partial.head_norm_rope = NULL;
+    CHECK(ds4_model_load((gguf_file *)ds4_engine_gguf(engine), &lacking, &m, &err) == DS4_ERR_UNSUPPORTED);
+    CHECK(m == NULL);
+    CHECK_MSG(strstr(err.message, "head_norm_rope") != NULL, "%s", err.message);
     ds4_backend_destroy(cpu);
 }
 

@@ -169,8 +169,10 @@ static void test_rope_tail(void) {
  * (the norm's sum order and a cos/sin ulp; with the FP8 rounding an input
  * that far from the CPU's may land one FP8 step away). Shapes of q (64
  * heads of 512, no weight), KV (one head, an F32 or F16 weight, DS4
- * rounding), the indexer's q, a head that is not a multiple of 64 before
- * its RoPE dims, and one the fused kernel does not take (the ops run). */
+ * rounding), the indexer's q, heads that are not a multiple of 64 before
+ * their RoPE dims (one sharing a thread's four values between FP8 values
+ * and a RoPE pair), wide RoPE without the host's frequency table, and a
+ * head the fused kernel does not take (the ops run). */
 static void test_head_norm_rope(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
@@ -186,7 +188,9 @@ static void test_head_norm_rope(void) {
         { 4, 1, 512, 64, 16.0f, DS4_TYPE_F16, true, true },
         { 2, 64, 128, 64, 16.0f, 0, false, true },
         { 3, 2, 352, 16, 1.0f, DS4_TYPE_F32, true, true },
+        { 3, 2, 352, 18, 1.0f, DS4_TYPE_F32, true, true }, /* a float4 of FP8 values and a RoPE pair */
         { 2, 3, 4096, 64, 1.0f, 0, true, true },
+        { 2, 1, 4096, 192, 16.0f, 0, false, true }, /* no host frequency table (n_rot > 128) */
         { 3, 2, 98, 18, 1.0f, DS4_TYPE_F32, true, false },
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
@@ -246,14 +250,11 @@ static void test_head_norm_rope(void) {
         op_buf x = op_buf_from(&p, hx, 128);
         const ds4_rope odd = { 15, 10000.0f, 1.0f, 0.0f, 0.0f };
         const int32_t pos0 = 5;
-        for (int fused = 0; fused <= 1; fused++) {
-            ds4_cuda_backend_set_norm_rope(p.gpu, fused);
-            p.gpu->ops->head_norm_rope(p.gpu, x.g, 1, 1, 128, NULL, 1e-6f, &pos0, NULL, false);
-            op_expect_error_with(&p, "head_norm_rope without RoPE", "head_norm_rope", "no RoPE parameters", NULL);
-            p.gpu->ops->head_norm_rope(p.gpu, x.g, 1, 1, 128, NULL, 1e-6f, &pos0, &odd, false);
-            op_expect_error_with(&p, "head_norm_rope odd n_rot", "15 rotated dims in heads of 128", NULL);
-        }
-        ds4_cuda_backend_set_norm_rope(p.gpu, env_on_default("DS4_CUDA_NORM_ROPE", false));
+        /* (checked before the fused kernel or the ops are chosen) */
+        p.gpu->ops->head_norm_rope(p.gpu, x.g, 1, 1, 128, NULL, 1e-6f, &pos0, NULL, false);
+        op_expect_error_with(&p, "head_norm_rope without RoPE", "head_norm_rope", "no RoPE parameters", NULL);
+        p.gpu->ops->head_norm_rope(p.gpu, x.g, 1, 1, 128, NULL, 1e-6f, &pos0, &odd, false);
+        op_expect_error_with(&p, "head_norm_rope odd n_rot", "15 rotated dims in heads of 128", NULL);
         op_compare("head_norm_rope refused", &p, x, 128, 0, 0);
         op_buf_free(&p, &x);
         free(hx);

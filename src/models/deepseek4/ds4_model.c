@@ -235,7 +235,7 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "round_f16", o->round_f16 }, { "round_fp8_kv", o->round_fp8_kv },
         { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "matmul_grouped", o->matmul_grouped },
         { "matmul_multi", o->matmul_multi },
-        { "rope_tail", o->rope_tail },
+        { "rope_tail", o->rope_tail }, { "head_norm_rope", o->head_norm_rope },
         { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
         { "compressor_pool", o->compressor_pool }, { "compressor_pool_states", o->compressor_pool_states }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
         { "indexer_scores_rows", o->indexer_scores_rows }, { "top_k_rows", o->top_k_rows },
