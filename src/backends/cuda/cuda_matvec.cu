@@ -445,6 +445,28 @@ template <uint32_t T> struct mv_one_row {
     static_assert(!ON || (STEPS >= 2 && STEPS <= 8), "a stage's steps fit the eight lanes of a block");
 };
 
+/* A lane's 32 activation codes at q8 (two 16-byte loads when ALIGNED, else
+ * eight 4-byte ones) against its eight code words w: the exact integer dots
+ * of the first and of the last 16 (the two halves' multipliers differ for
+ * Q2_K). */
+template <bool ALIGNED>
+static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, const int (&w)[8], int &lo, int &hi) {
+    int xq[8];
+    if constexpr (ALIGNED) {
+        const int4 qa = ((const int4 *)q8)[0], qb = ((const int4 *)q8)[1];
+        xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
+        xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) xq[k] = ld_s32(q8 + 4 * k);
+    }
+    lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) lo = __dp4a(w[k], xq[k], lo);
+#pragma unroll
+    for (int k = 4; k < 8; k++) hi = __dp4a(w[k], xq[k], hi);
+}
+
 /* Four 256-blocks per warp step, eight lanes each (lane = 8 block + sub).
  * A block's integer sums (sum_j sc_j isub_j, sum_j m_j bsum_j) are exact
  * whichever lanes add them; one of its lanes adds the CPU's block term.
@@ -476,21 +498,8 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
             if (ROWS == 1 || r < n_rows) {
                 const uint8_t *xr = x + r * row_bytes;
                 const int64_t xb = b0 + bb;
-                const uint8_t *q8 = xr + xb * DS4_QK_K + 32 * sub;
-                int xq[8];
-                if constexpr (ALIGNED) {
-                    const int4 qa = ((const int4 *)q8)[0], qb = ((const int4 *)q8)[1];
-                    xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
-                    xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
-                } else {
-#pragma unroll
-                    for (int k = 0; k < 8; k++) xq[k] = ld_s32(q8 + 4 * k);
-                }
-                int lo = 0, hi = 0;
-#pragma unroll
-                for (int k = 0; k < 4; k++) lo = __dp4a(w[k], xq[k], lo);
-#pragma unroll
-                for (int k = 4; k < 8; k++) hi = __dp4a(w[k], xq[k], hi);
+                int lo, hi;
+                dot_codes32<ALIGNED>(xr + xb * DS4_QK_K + 32 * sub, w, lo, hi);
                 int isum = mine ? mul[0] * lo + mul[1] * hi : 0;
                 int summs = 0;
                 if (K::HAS_MIN) {
@@ -546,21 +555,8 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
             const uint8_t *blk = sw + BB * (d + g);
             int w[8], mul[2], mmul[2];
             K::codes(blk, sub, tab, w, mul, mmul);
-            const uint8_t *qi = q8 + (int64_t)d * DS4_QK_K;
-            int xq[8];
-            if constexpr (ALIGNED) {
-                const int4 qa = ((const int4 *)qi)[0], qb = ((const int4 *)qi)[1];
-                xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
-                xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; k++) xq[k] = ld_s32(qi + 4 * k);
-            }
-            int lo = 0, hi = 0;
-#pragma unroll
-            for (int k = 0; k < 4; k++) lo = __dp4a(w[k], xq[k], lo);
-#pragma unroll
-            for (int k = 4; k < 8; k++) hi = __dp4a(w[k], xq[k], hi);
+            int lo, hi;
+            dot_codes32<ALIGNED>(q8 + (int64_t)d * DS4_QK_K, w, lo, hi);
             isum[i] = mine ? mul[0] * lo + mul[1] * hi : 0;
             if (K::HAS_MIN) {
                 const uint32_t bsw = *(const uint32_t *)(bs + (int64_t)d * 32);
