@@ -152,14 +152,15 @@ def md_one(data, label, out):
         rec = [r for r in data.get("decode", []) if (r.get("per_token", {}).get("graphs") or 0) > 0]
         if rec:
             out.append("Recorded steps, per decoded token: steps run as graphs, graph launches (a step in segments "
-                       "launches several), graphs built, node parameters set anew, steps cut short, host time inside "
+                       "launches several), graphs built (of them for an update CUDA refused), node parameters set anew, "
+                       "steps cut short, host time inside "
                        "the step, device time from the step's first graph to the end of its last.\n")
-            out.append("| context | graphs | launched | built | node updates | cut short | host ms | graph GPU ms |")
-            out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+            out.append("| context | graphs | launched | built | refused | node updates | cut short | host ms | graph GPU ms |")
+            out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for r in rec:
                 pt = r["per_token"]
                 out.append(f"| {r['ctx']} | {fmt(pt.get('graphs'), '.2f')} | {fmt(pt.get('graph_launches'), '.2f')} | "
-                           f"{fmt(pt.get('graph_builds'), '.3f')} | "
+                           f"{fmt(pt.get('graph_builds'), '.3f')} | {fmt(pt.get('graph_refusals'), '.3f')} | "
                            f"{fmt(pt.get('node_updates'), '.1f')} | {fmt(pt.get('step_breaks'), '.2f')} | "
                            f"{fmt(pt.get('step_host_ms'), '.3f')} | {fmt(pt.get('graph_gpu_ms'), '.3f')} |")
             out.append("")

@@ -371,7 +371,8 @@ typedef struct ds4_backend_counters {
     uint64_t wait_ns;   /* host time spent in those waits */
     uint64_t graphs;       /* recorded steps launched as graphs */
     uint64_t graph_launches; /* graphs launched (a step submitted in segments launches several) */
-    uint64_t graph_builds; /* graphs instantiated (a step shape not cached) */
+    uint64_t graph_builds; /* graphs instantiated (a step shape not cached, or an update refused) */
+    uint64_t graph_refusals; /* ... of them because CUDA refused to update a cached graph's nodes */
     uint64_t node_updates; /* graph nodes whose parameters were set anew */
     uint64_t step_breaks;  /* recorded steps cut short (the rest ran unrecorded) */
     uint64_t step_host_ns; /* host time inside recorded steps (step_begin to the end of step_end) */

@@ -426,7 +426,7 @@ typedef struct prefill_row {
 /* What a decoded token (or a batched step) cost, from the backend counters. */
 typedef struct step_cost {
     double launches, copies, h2d, d2h, syncs, wait_ms;
-    double graphs, graph_launches, graph_builds, node_updates, step_breaks, step_host_ms, graph_gpu_ms;
+    double graphs, graph_launches, graph_builds, graph_refusals, node_updates, step_breaks, step_host_ms, graph_gpu_ms;
 } step_cost;
 
 /* The counters from a to z divided over `steps`. */
@@ -441,6 +441,7 @@ static step_cost step_cost_of(const ds4_backend_counters *a, const ds4_backend_c
     c.graphs = (double)(z->graphs - a->graphs) / steps;
     c.graph_launches = (double)(z->graph_launches - a->graph_launches) / steps;
     c.graph_builds = (double)(z->graph_builds - a->graph_builds) / steps;
+    c.graph_refusals = (double)(z->graph_refusals - a->graph_refusals) / steps;
     c.node_updates = (double)(z->node_updates - a->node_updates) / steps;
     c.step_breaks = (double)(z->step_breaks - a->step_breaks) / steps;
     c.step_host_ms = (double)(z->step_host_ns - a->step_host_ns) / 1e6 / steps;
@@ -452,7 +453,7 @@ static void json_step_cost(FILE *f, const step_cost *c) {
     const struct { const char *key; double v; } k[] = {
         { "launches", c->launches }, { "copies", c->copies }, { "h2d_bytes", c->h2d }, { "d2h_bytes", c->d2h },
         { "syncs", c->syncs }, { "wait_ms", c->wait_ms }, { "graphs", c->graphs },
-        { "graph_launches", c->graph_launches }, { "graph_builds", c->graph_builds }, { "node_updates", c->node_updates }, { "step_breaks", c->step_breaks },
+        { "graph_launches", c->graph_launches }, { "graph_builds", c->graph_builds }, { "graph_refusals", c->graph_refusals }, { "node_updates", c->node_updates }, { "step_breaks", c->step_breaks },
         { "step_host_ms", c->step_host_ms }, { "graph_gpu_ms", c->graph_gpu_ms },
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
@@ -1855,16 +1856,17 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     for (int i = 0; i < o->n_ctx; i++) any |= !b->decode[i].skipped && b->decode[i].pt.graphs > 0;
     if (!any) return;
     fprintf(f, "\nRecorded steps (per decoded token): steps run as graphs, graph launches (a step in segments "
-            "launches several), graphs built, node parameters set, steps cut short, host time inside the step, "
-            "device time from the step's first graph to the end of its last.\n\n");
-    fprintf(f, "| context | graphs | launched | built | node updates | cut short | host ms | graph GPU ms |\n");
-    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+            "launches several), graphs built (of them for an update CUDA refused), node parameters set, steps cut "
+            "short, host time inside the step, device time from the step's first graph to the end of its last.\n\n");
+    fprintf(f, "| context | graphs | launched | built | refused | node updates | cut short | host ms | graph GPU ms |\n");
+    fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int i = 0; i < o->n_ctx; i++) {
         const decode_row *r = &b->decode[i];
         if (r->skipped) continue;
         const step_cost *c = &r->pt;
-        fprintf(f, "| %lld | %.2f | %.2f | %.3f | %.1f | %.2f | %.3f | %.3f |\n", (long long)r->ctx, c->graphs,
-                c->graph_launches, c->graph_builds, c->node_updates, c->step_breaks, c->step_host_ms, c->graph_gpu_ms);
+        fprintf(f, "| %lld | %.2f | %.2f | %.3f | %.3f | %.1f | %.2f | %.3f | %.3f |\n", (long long)r->ctx, c->graphs,
+                c->graph_launches, c->graph_builds, c->graph_refusals, c->node_updates, c->step_breaks, c->step_host_ms,
+                c->graph_gpu_ms);
     }
 }
 

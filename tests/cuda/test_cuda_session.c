@@ -353,10 +353,11 @@ static void test_graph_replay_matches_direct(void) {
             ds4_backend_counters_get(be, &c1);
             const uint64_t graphs = c1.graphs - c0.graphs, builds = c1.graph_builds - c0.graph_builds;
             const uint64_t glaunch = c1.graph_launches - c0.graph_launches;
-            fprintf(stderr, "  %s: %lld steps, %llu as graphs, %llu graph launches, %llu built, %llu node updates, "
-                    "%llu launches, %llu cut short (last: %s)\n",
+            fprintf(stderr, "  %s: %lld steps, %llu as graphs, %llu graph launches, %llu built (%llu for a refused "
+                    "update, last: %s), %llu node updates, %llu launches, %llu cut short (last: %s)\n",
                     pass == 0 ? "direct" : pass == 1 ? "graphs" : "segments", (long long)n_dec,
                     (unsigned long long)graphs, (unsigned long long)glaunch, (unsigned long long)builds,
+                    (unsigned long long)(c1.graph_refusals - c0.graph_refusals), ds4_cuda_backend_last_refusal(be),
                     (unsigned long long)(c1.node_updates - c0.node_updates),
                     (unsigned long long)(c1.launches - c0.launches),
                     (unsigned long long)(c1.step_breaks - c0.step_breaks), ds4_cuda_backend_last_break(be));

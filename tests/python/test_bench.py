@@ -170,7 +170,7 @@ def test_sweep_decode(sweep):
         pt = r["per_token"]
         for k in ("launches", "copies", "h2d_bytes", "d2h_bytes", "syncs", "wait_ms"):
             assert pt[k] >= 0  # zero on the CPU backend
-        for k in ("graphs", "graph_launches", "graph_builds", "node_updates", "step_breaks", "step_host_ms",
+        for k in ("graphs", "graph_launches", "graph_builds", "graph_refusals", "node_updates", "step_breaks", "step_host_ms",
                   "graph_gpu_ms"):
             assert pt[k] == 0  # the CPU backend records no steps
         rf = r["roofline"]
@@ -543,7 +543,8 @@ def test_report_recorded_steps_and_kernels(sweep, tmp_path):
     _, d, _, _ = sweep
     d = json.loads(json.dumps(d))
     pt = d["decode"][0]["per_token"]
-    pt.update(graphs=1.0, graph_launches=6.0, graph_builds=0.25, node_updates=191.5, step_breaks=0.0, step_host_ms=1.25,
+    pt.update(graphs=1.0, graph_launches=6.0, graph_builds=0.25, graph_refusals=0.125, node_updates=191.5, step_breaks=0.0,
+              step_host_ms=1.25,
               graph_gpu_ms=18.5)
     d["kernels"] = {"context": 16, "tokens": 4, "distinct": 3, "per_token": [
         {"name": "_Z9mv_kernel", "what": "matvec kernel", "launches": 345.0, "ms": 5.75},
@@ -560,7 +561,7 @@ def test_report_recorded_steps_and_kernels(sweep, tmp_path):
     r = subprocess.run([sys.executable, REPORT, js, "--md", md, "--svg", svg], capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()
     text = md.read_text()
-    assert "| 16 | 1.00 | 6.00 | 0.250 | 191.5 | 0.00 | 1.250 | 18.500 |" in text
+    assert "| 16 | 1.00 | 6.00 | 0.250 | 0.125 | 191.5 | 0.00 | 1.250 | 18.500 |" in text
     assert "by kernel at context 16 (4 tokens" in text and "2 of 3 kernels" in text
     # us/tok, us/launch and share of the listed total (6.0 ms)
     assert "| `_Z9mv_kernel` | matvec kernel | 345.0 | 5750.0 | 16.67 | 95.8% |" in text

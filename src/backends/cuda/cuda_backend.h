@@ -165,6 +165,10 @@ int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be);
  * there on ran unrecorded: a host wait, an allocation, a library call), or
  * "none" when no step was ever cut short. */
 const char *ds4_cuda_backend_last_break(const ds4_backend *be);
+/* The graph node whose parameter update CUDA refused last (the cached graph
+ * of that step shape was then built anew; counted in graph_refusals), or
+ * "none": a kernel's name, "copy", "memset" or the step arena's copy. */
+const char *ds4_cuda_backend_last_refusal(const ds4_backend *be);
 /* Kernel timing (DS4_CUDA_PROFILE=1 at creation): see ds4_backend_kernel_times. */
 int ds4_cuda_backend_kernel_times(ds4_backend *be, ds4_kernel_time *out, int cap);
 void ds4_cuda_backend_kernel_times_reset(ds4_backend *be);

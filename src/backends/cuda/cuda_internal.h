@@ -177,6 +177,7 @@ typedef struct cuda_backend {
     size_t seg_arena0; /* arena offset where the current segment's control data starts */
     bool seg_timed;    /* graph_t0 was recorded before this step's first segment */
     const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
+    const char *last_refusal; /* the node whose update CUDA refused last (a graph rebuilt for it) */
     cuda_node_log log;
     cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
     uint64_t graph_clock;

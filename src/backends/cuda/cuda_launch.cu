@@ -551,8 +551,10 @@ static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log
     if (arena_off != g->arena_off || arena_bytes != g->arena_bytes) {
         if (cudaGraphExecMemcpyNodeSetParams1D(g->exec, g->arena_node, cb->arena_dev + arena_off,
                                                cb->arena_host + arena_off, arena_bytes,
-                                               cudaMemcpyHostToDevice) != cudaSuccess)
+                                               cudaMemcpyHostToDevice) != cudaSuccess) {
+            cb->last_refusal = "the step arena's copy";
             return false;
+        }
         g->arena_off = arena_off;
         g->arena_bytes = arena_bytes;
         cb->counters.node_updates++;
@@ -584,7 +586,10 @@ static bool graph_update(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log
                 rc = cudaGraphExecMemsetNodeSetParams(g->exec, g->gnodes[i], &p);
             }
         }
-        if (rc != cudaSuccess) return false;
+        if (rc != cudaSuccess) {
+            cb->last_refusal = e->kind == CUDA_NODE_KERNEL ? e->what : e->kind == CUDA_NODE_COPY ? "copy" : "memset";
+            return false;
+        }
         if (changed) {
             const uint32_t data = have->data;
             *have = *e;
@@ -636,6 +641,7 @@ static void segment_submit(ds4_backend *be) {
         /* an update CUDA refused: this shape is built anew, once a launch of
          * the old graph that may still run has finished */
         (void)cudaGetLastError();
+        cb->counters.graph_refusals++;
         cb->counters.syncs++;
         ok = CUDA_OK(be, cudaStreamSynchronize(cb->stream)) && graph_build(be, g, &cb->log, arena_off, arena_bytes);
     } else if (!g) {
@@ -694,6 +700,11 @@ extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe
 }
 
 extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
+
+extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
+    const char *w = ((const cuda_backend *)be->impl)->last_refusal;
+    return w ? w : "none";
+}
 
 extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
     const char *w = ((const cuda_backend *)be->impl)->last_break;
