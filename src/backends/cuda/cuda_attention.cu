@@ -279,11 +279,15 @@ static __global__ void __launch_bounds__(NORM_THREADS)
 }
 static_assert(KV_FP8_BLOCK == 16 * 4, "an FP8 block is the float4s of 16 threads");
 
+bool cuda_head_norm_rope_fits(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim) {
+    return n_rows * n_heads <= INT32_MAX && head_dim % 4 == 0 && head_dim <= NORM_CACHED && (uintptr_t)x % 16 == 0;
+}
+
 void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
                                const float *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv) {
     if (cuda_failed(be) || n_rows <= 0) return;
     const int64_t blocks = n_rows * n_heads;
-    if (blocks > INT32_MAX || head_dim % 4 != 0 || head_dim > NORM_CACHED || (uintptr_t)x % 16 != 0) {
+    if (!cuda_head_norm_rope_fits(x, n_rows, n_heads, head_dim)) {
         cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope: %lld heads of %lld do not suit the fused kernel",
                   (long long)blocks, (long long)head_dim);
         return;

@@ -683,19 +683,27 @@ rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t di
     }
 }
 
+/* A norm weight of `dim` as device floats for op `op` (F32: the weight
+ * itself, else dequantised into the copy scratch); *wv NULL without a
+ * weight. false (error recorded) when it does not fit. */
+static bool norm_weight_floats(ds4_backend *be, const ds4_weight *w, int64_t dim, const char *op, const float **wv) {
+    *wv = NULL;
+    if (!w) return true;
+    if (!w->device || !ds4_cuda_dequant_supported(w->type) || w->ne[0] != dim) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: weight %s (%s, %lld wide) does not fit rows of %lld", op, cuda_wname(w),
+                  ds4_type_name(w->type), (long long)w->ne[0], (long long)dim);
+        return false;
+    }
+    if (w->type == DS4_TYPE_F32) *wv = (const float *)w->device;
+    else *wv = weight_row_floats(be, w, 0, 1, op);
+    return *wv != NULL;
+}
+
 static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, float eps, float *out, int64_t n_rows,
                          int64_t dim) {
     if (dim <= 0 || n_rows <= 0 || cuda_failed(be)) return;
-    const float *wv = NULL;
-    if (w) {
-        if (!w->device || !ds4_cuda_dequant_supported(w->type) || w->ne[0] != dim) {
-            cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: weight %s (%s, %lld wide) does not fit rows of %lld",
-                      cuda_wname(w), ds4_type_name(w->type), (long long)w->ne[0], (long long)dim);
-            return;
-        }
-        if (w->type == DS4_TYPE_F32) wv = (const float *)w->device;
-        else if (!(wv = weight_row_floats(be, w, 0, 1, "rmsnorm"))) return;
-    }
+    const float *wv;
+    if (!norm_weight_floats(be, w, dim, "rmsnorm", &wv)) return;
     if (n_rows > 0x7fffffffLL) {
         cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: %lld rows", (long long)n_rows);
         return;
@@ -721,18 +729,9 @@ static void cuda_head_norm_rope(ds4_backend *be, float *x, int64_t n_rows, int64
         return;
     }
     if (n_rows == 0) return;
-    if (cuda_impl(be)->norm_rope && head_dim % 4 == 0 && head_dim <= NORM_CACHED && (uintptr_t)x % 16 == 0 &&
-        n_rows * n_heads <= INT32_MAX) {
-        const float *wv = NULL;
-        if (w) {
-            if (!w->device || !ds4_cuda_dequant_supported(w->type)) {
-                cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope: weight %s (%s) is not on the device in a float type",
-                          cuda_wname(w), ds4_type_name(w->type));
-                return;
-            }
-            if (w->type == DS4_TYPE_F32) wv = (const float *)w->device;
-            else if (!(wv = weight_row_floats(be, w, 0, 1, "head_norm_rope"))) return;
-        }
+    if (cuda_impl(be)->norm_rope && cuda_head_norm_rope_fits(x, n_rows, n_heads, head_dim)) {
+        const float *wv;
+        if (!norm_weight_floats(be, w, head_dim, "head_norm_rope", &wv)) return;
         cuda_head_norm_rope_fused(be, x, n_rows, n_heads, head_dim, wv, eps, pos, rope, round_kv);
         return;
     }

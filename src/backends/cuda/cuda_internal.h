@@ -565,10 +565,13 @@ bool cuda_matmul_supported(uint32_t type, ds4_numerics num);
 /* cuda_attention.cu */
 void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t *pos,
                     const ds4_rope *rope, bool inverse);
-/* head_norm_rope as one kernel (checked arguments: ds4_head_norm_rope_valid;
- * head_dim % 4 == 0, head_dim <= NORM_CACHED, x 16-byte aligned, the norm
- * weight as device floats or NULL), bit for bit the kernels of rmsnorm,
- * rope_tail, round_fp8_kv and round_f16 one after the other. */
+/* Heads the fused head_norm_rope kernel takes: at most INT32_MAX of them,
+ * head_dim % 4 == 0 and <= NORM_CACHED, x 16-byte aligned. */
+bool cuda_head_norm_rope_fits(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim);
+/* head_norm_rope as one kernel (checked arguments: ds4_head_norm_rope_valid
+ * and cuda_head_norm_rope_fits; the norm weight as device floats or NULL),
+ * bit for bit the kernels of rmsnorm, rope_tail, round_fp8_kv and round_f16
+ * one after the other. */
 void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
                                const float *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv);
 void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,

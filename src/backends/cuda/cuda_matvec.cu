@@ -930,27 +930,15 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
  * back to back (DS4_CUDA_MV_RPW=0: one row per warp; DS4_CUDA_MV_MIN_WARPS
  * sets the bound, for tuning, and DS4_CUDA_MV_MIN_WARPS_MOE that of the
  * routed experts' products alone, by default the same). */
-static int rows_per_warp_min(bool whole_rows, int64_t n_warps, long min_warps) {
+static int rows_per_warp(bool whole_rows, int64_t n_warps, bool moe = false) {
     static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
+    static const long dense = cuda_env_long("DS4_CUDA_MV_MIN_WARPS", MV_MIN_WARPS, 1, 1L << 20);
+    static const long experts = cuda_env_long("DS4_CUDA_MV_MIN_WARPS_MOE", dense, 1, 1L << 20);
+    const long min_warps = moe ? experts : dense;
     int r = 1;
     if (!whole_rows || !multi) return 1;
     while (r < MV_MAX_RPW && n_warps / (2 * r) >= min_warps) r *= 2;
     return r;
-}
-
-static long mv_min_warps(void) {
-    static const long v = cuda_env_long("DS4_CUDA_MV_MIN_WARPS", MV_MIN_WARPS, 1, 1L << 20);
-    return v;
-}
-
-static int rows_per_warp(bool whole_rows, int64_t n_warps) {
-    return rows_per_warp_min(whole_rows, n_warps, mv_min_warps());
-}
-
-/* the same for the routed experts' products (gate/up, down, grouped) */
-static int rows_per_warp_moe(bool whole_rows, int64_t n_warps) {
-    static const long v = cuda_env_long("DS4_CUDA_MV_MIN_WARPS_MOE", mv_min_warps(), 1, 1L << 20);
-    return rows_per_warp_min(whole_rows, n_warps, v);
 }
 
 /* Parts per output for n_outputs warps' worth of rows of `units` units
@@ -963,11 +951,12 @@ static int split_for(int64_t n_outputs, int64_t units) {
 }
 
 /* The split, warp rows and rows per warp of a plain (or grouped, or
- * several-matrix) launch over n_out_total outputs of `units` units. */
-static void plain_geometry(mv_args *a, int64_t n_out_total) {
+ * several-matrix, or with moe the routed experts') launch over n_out_total
+ * outputs of `units` units. */
+static void plain_geometry(mv_args *a, int64_t n_out_total, bool moe = false) {
     a->parts = split_for(n_out_total, a->units);
     a->rpb = MV_WARPS / a->parts;
-    a->rpw = rows_per_warp(a->parts == 1, n_out_total);
+    a->rpw = rows_per_warp(a->parts == 1, n_out_total, moe);
 }
 
 bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
@@ -1096,8 +1085,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.act_token_stride = act_strides[m]; /* gate and up share it when they share a launch */
         a.act_blocks = act_strides[m];
         a.n_rows = 1;
-        plain_geometry(&a, n_ff * slots * (shared ? 2 : 1));
-        a.rpw = rows_per_warp_moe(a.parts == 1, n_ff * slots * (shared ? 2 : 1));
+        plain_geometry(&a, n_ff * slots * (shared ? 2 : 1), true);
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
@@ -1140,7 +1128,7 @@ bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *co
      * same order), or whole rows */
     a.parts = split_outputs > 0 ? split_for(split_outputs, a.units) : 1;
     a.rpb = MV_WARPS / a.parts;
-    a.rpw = rows_per_warp_moe(a.parts == 1, a.n_out * n_groups * n_mats);
+    a.rpw = rows_per_warp(a.parts == 1, a.n_out * n_groups * n_mats, true);
     return mv_launch(be, w->type, a, (int)n_groups, n_mats);
 }
 
@@ -1169,7 +1157,7 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
     a.n_rows = 1;
     a.parts = n_used;
     a.rpb = MV_WARPS / n_used > 0 ? MV_WARPS / n_used : 1;
-    a.rpw = rows_per_warp_moe(true, dim * n_used * n_tokens); /* the parts are experts: each warp holds whole rows */
+    a.rpw = rows_per_warp(true, dim * n_used * n_tokens, true); /* the parts are experts: each warp holds whole rows */
     a.experts_as_parts = 1;
     a.out_token_stride = out_stride;
     return mv_launch(be, down->type, a, (int)n_tokens, 1);
