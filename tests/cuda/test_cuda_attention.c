@@ -217,7 +217,7 @@ static void test_head_norm_rope(void) {
         p.gpu->ops->head_norm_rope(p.gpu, x.g, rows, heads, hd, w ? &w->g : NULL, 1e-6f, pos, &rope,
                                    cases[ci].round_kv);
         const ds4_backend_counters c2 = op_gpu_counters(&p);
-        ds4_cuda_backend_set_norm_rope(p.gpu, env_on_default("DS4_CUDA_NORM_ROPE", false));
+        ds4_cuda_backend_set_norm_rope(p.gpu, env_on_default("DS4_CUDA_NORM_ROPE", true));
         op_expect_ok(&p);
         /* (a weight other than F32 is dequantised by a kernel of its own each call) */
         const uint64_t ops_n = c1.launches - c0.launches, fused_n = c2.launches - c1.launches;

@@ -717,7 +717,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
-    cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", false);
+    cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));

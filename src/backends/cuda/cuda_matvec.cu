@@ -55,6 +55,7 @@
 #define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
 #define MV_MAX_RPW 8         /* rows per warp (short rows: a warp streams several) */
 #define MV_MIN_WARPS 8192    /* give warps more rows only while at least this many remain */
+#define MV_MIN_WARPS_MOE 1024 /* the same for the routed experts' products (measured: 52.2 -> 49.3 us at one row) */
 static_assert(MV_WARPS * MV_MAX_RPW * CUDA_MV_MAX_ROWS * sizeof(float) <= CUDA_SMEM_STATIC_RESERVE,
               "the per-row sums (static shared memory) fit the reserve cuda_allow_dynamic_smem assumes");
 #define FULL_MASK 0xffffffffu
@@ -929,11 +930,11 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
  * least MV_MIN_WARPS warps would remain of n_warps, so short rows stream
  * back to back (DS4_CUDA_MV_RPW=0: one row per warp; DS4_CUDA_MV_MIN_WARPS
  * sets the bound, for tuning, and DS4_CUDA_MV_MIN_WARPS_MOE that of the
- * routed experts' products alone, by default the same). */
+ * routed experts' products alone, MV_MIN_WARPS_MOE by default). */
 static int rows_per_warp(bool whole_rows, int64_t n_warps, bool moe = false) {
     static const bool multi = cuda_env_flag("DS4_CUDA_MV_RPW", true);
     static const long dense = cuda_env_long("DS4_CUDA_MV_MIN_WARPS", MV_MIN_WARPS, 1, 1L << 20);
-    static const long experts = cuda_env_long("DS4_CUDA_MV_MIN_WARPS_MOE", dense, 1, 1L << 20);
+    static const long experts = cuda_env_long("DS4_CUDA_MV_MIN_WARPS_MOE", MV_MIN_WARPS_MOE, 1, 1L << 20);
     const long min_warps = moe ? experts : dense;
     int r = 1;
     if (!whole_rows || !multi) return 1;
