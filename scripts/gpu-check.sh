@@ -40,7 +40,8 @@
 #                               OPS_AB_ARGS options of the OPS_AB runs only (e.g. "--only experts");
 #                               OPS_DETAIL="[VAR=V,...:]REGEX ..." ncu's full report of one launch of each
 #                               matching kernel (demangled name) in `bench --ops --only OPS_DETAIL_ONLY
-#                               (default experts) --rows OPS_DETAIL_ROWS (default 32)` with those settings
+#                               (default experts) --rows OPS_DETAIL_ROWS (default 32)` with those settings,
+#                               and its per-instruction (SASS) counters as CSV (ncu-source-ops-N.csv)
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
@@ -409,6 +410,9 @@ ops_stage() {
             "$ncu" -i "$TMP/ops-detail-$n.ncu-rep" --page details >"$out/ncu-detail-ops-$n.txt" 2>&1 &&
             [ -s "$out/ncu-detail-ops-$n.txt" ]; then
             echo "$e" >>"$out/ncu-detail-ops-$n.txt"
+            # per-instruction counters (SASS): wavefronts, sectors, stall samples
+            "$ncu" -i "$TMP/ops-detail-$n.ncu-rep" --page source --csv --print-source sass \
+                >"$out/ncu-source-ops-$n.csv" 2>&1 || true
             grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy" \
                 "$out/ncu-detail-ops-$n.txt" | head -n 12
             record "ncu details (ops $e)" PASS
@@ -502,9 +506,10 @@ main() {
     # steps), without the grouped MoE and with the fused head norm + RoPE
     # kernel, the attention tests with every top-k through the device-wide sort
     # and with the per-head kernel, the product tests with every activation
-    # quantised by its own kernel ("A=0,B=0:binary" sets both)
+    # quantised by its own kernel ("A=0,B=0:binary" sets both) and with the
+    # matvec lanes in the plain element order
     for b in "${bins_to_test[@]}" $(has_stage unit && [ $variants = 1 ] && [ -x build/cuda/tests/test_cuda_session ] &&
-        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_NORM_ROPE=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul"); do
+        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_NORM_ROPE=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_MV_SPLIT=0:build/cuda/tests/test_cuda_matmul"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then

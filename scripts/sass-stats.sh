@@ -38,8 +38,12 @@ if [ -z "$cuobjdump" ] || ! command -v nvdisasm >/dev/null; then
 fi
 
 cubin="$out/$(basename "$src" .cu).cubin"
-nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -Iinclude -Isrc -Xptxas -v -cubin -o "$cubin" "$src" \
-    2>"$out/ptxas.log"
+if ! nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -Iinclude -Isrc -Xptxas -v -cubin -o "$cubin" "$src" \
+    2>"$out/ptxas.log"; then
+    grep -v "^ptxas info" "$out/ptxas.log" | head -n 40 >&2
+    echo "sass-stats: $src does not compile" >&2
+    exit 1
+fi
 "$cuobjdump" -sass "$cubin" >"$out/all.sass"
 
 python3 - "$out/ptxas.log" "$out/all.sass" "$filter" "$out" "${SASS:-0}" <<'EOF'

@@ -35,11 +35,14 @@
  * outputs). Partial sums meet in shared memory in part order, so results
  * are deterministic.
  *
- * IQ2_XXS decodes through a table in shared memory, the 256 grid entries
- * expanded to eight magnitude bytes; the signs are spread to bytes by
- * arithmetic and applied as (mag ^ 0xff * bit) + bit per byte, four at a
- * time (no carry leaves a byte: the grid's 2-bit codes are 0..2,
- * magnitudes 8, 25, 43, never 0).
+ * IQ2_XXS decodes through a table in shared memory: per grid entry one
+ * word of eight 4-bit codes (0..2), which two byte permutes turn into the
+ * eight magnitude bytes (8, 25, 43) of a constant word. A 4-byte entry is
+ * one shared-memory wavefront for a warp's random lookups about three
+ * times (bank conflicts), against about six for the 8-byte magnitudes it
+ * replaced. The signs are spread to bytes by arithmetic and applied as
+ * (mag ^ 0xff * bit) + bit per byte, four at a time (no carry leaves a
+ * byte: magnitudes are never 0).
  */
 #include <stdint.h>
 #include <string.h>
@@ -126,20 +129,34 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
 /* ------------------------------------------------------------------------ */
 
 struct iq2_tables {
-    uint32_t mag[256][2]; /* grid entry -> 8 magnitude bytes (8, 25, 43) */
+    uint32_t nib[256]; /* grid entry -> its 8 codes (0..2), element i in bits 4i .. 4i + 3 */
 };
 
 static constexpr iq2_tables make_iq2_tables() {
     iq2_tables t{};
     for (int g = 0; g < 256; g++) {
         const uint32_t packed = ds4_iq2xxs_host::ds4_iq2xxs_grid_packed[g];
-        for (int i = 0; i < 8; i++) {
-            const uint32_t code = (packed >> (2 * i)) & 3u;
-            const uint32_t mag = code == 0 ? 8u : code == 1 ? 25u : code == 2 ? 43u : 0u;
-            t.mag[g][i / 4] |= mag << (8 * (i % 4));
-        }
+        for (int i = 0; i < 8; i++) t.nib[g] |= ((packed >> (2 * i)) & 3u) << (4 * i);
     }
     return t;
+}
+
+/* The magnitudes of codes 0, 1, 2 as bytes 0, 1, 2: a byte permute by four
+ * codes gives their four magnitude bytes. */
+#define IQ2_MAGS 0x002b1908u
+/* bytes of a selected by the four selector nibbles of sel's low half (PTX
+ * prmt; __byte_perm would mask each nibble to its 3 low bits first, where
+ * the codes never set the fourth) */
+static __device__ __forceinline__ uint32_t prmt_codes(uint32_t a, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+    return r;
+}
+/* the eight magnitude bytes of grid entry g (elements 0..3 in m0) */
+static __device__ __forceinline__ void iq2_mags(const iq2_tables *tab, uint32_t g, uint32_t &m0, uint32_t &m1) {
+    const uint32_t nib = tab->nib[g];
+    m0 = prmt_codes(IQ2_MAGS, nib);
+    m1 = prmt_codes(IQ2_MAGS, nib >> 16);
 }
 
 static __device__ const iq2_tables g_iq2_tables = make_iq2_tables();
@@ -178,6 +195,7 @@ struct mv_args {
     int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
     int act_aligned;      /* Q8_K: every activation row starts 16-byte aligned (codes in 16-byte loads) */
+    int split;            /* Q8_K, aligned rows: lanes take the split order (codes_split; ds4_cuda_backend_set_mv_split) */
     /* the kernels that quantise their own activations (Q8_0, XQ): the n_rows
      * float rows, xf_stride floats apart, of act_blocks blocks each (act is
      * then unused) */
@@ -306,11 +324,17 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
 
 /* Q8_K-activation types: lane `sub` (0..7) of a block's eight lanes holds
  * its elements 32 sub .. 32 sub + 31 as eight words of int8 codes, with the
- * multipliers (scale, min) of their two 16-element halves. */
+ * multipliers (scale, min) of their two 16-element halves (codes), or, in
+ * the split order (codes_split), the 16 elements from 16 sub and the 16
+ * from 128 + 16 sub, with theirs: a block's eight lanes then read each half
+ * of its activation codes as 128 contiguous bytes (whole 32-byte sectors),
+ * where 32 sub .. takes half of every sector in each of its two loads. A
+ * block's integer sums are the same either way (exact), so are its terms. */
 template <uint32_t T> struct mvq;
 
 template <> struct mvq<DS4_TYPE_Q2_K> {
-    static constexpr bool HAS_MIN = true;
+    /* ONE_MUL (ONE_MUL_SPLIT): codes (codes_split) give mul[0] == mul[1] */
+    static constexpr bool HAS_MIN = true, ONE_MUL = false, ONE_MUL_SPLIT = false;
     /* elements 32 i + l = 128 h + 32 s + l: bits 2s of qs[32 h + l]; sub-blocks 2i, 2i + 1 */
     static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
@@ -319,6 +343,18 @@ template <> struct mvq<DS4_TYPE_Q2_K> {
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = (ld_s32(qs + 4 * k) >> (2 * s)) & 0x03030303;
         const int sa = blk[2 * sub], sb = blk[2 * sub + 1];
+        mul[0] = sa & 15, mul[1] = sb & 15;
+        mmul[0] = sa >> 4, mmul[1] = sb >> 4;
+    }
+    /* elements 16 sub + t (h 0) and 128 + 16 sub + t (h 1), t < 16: s = sub / 2,
+     * l = 16 (sub % 2) + t; sub-blocks sub and 8 + sub */
+    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+                                                       int (&mul)[2], int (&mmul)[2]) {
+        const int s = sub >> 1;
+        const uint8_t *qs = blk + 16 + 16 * (sub & 1); /* 4-byte aligned */
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = (ld_s32(qs + 32 * (k >> 2) + 4 * (k & 3)) >> (2 * s)) & 0x03030303;
+        const int sa = blk[sub], sb = blk[8 + sub];
         mul[0] = sa & 15, mul[1] = sb & 15;
         mmul[0] = sa >> 4, mmul[1] = sb >> 4;
     }
@@ -339,7 +375,7 @@ template <> struct mvq<DS4_TYPE_Q2_K> {
 };
 
 template <> struct mvq<DS4_TYPE_Q4_K> {
-    static constexpr bool HAS_MIN = true;
+    static constexpr bool HAS_MIN = true, ONE_MUL = true, ONE_MUL_SPLIT = false;
     /* sub-block j = sub: nibble 4 (j % 2) of qs[32 (j / 2) + l] */
     static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
@@ -353,6 +389,20 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
         unpack_scale_min_k4(blk + 4, sub, &sc, &m);
         mul[0] = mul[1] = sc;
         mmul[0] = mmul[1] = m;
+    }
+    /* elements 16 sub + t of sub-block j = sub / 2 and 128 + 16 sub + t of
+     * j + 4: nibble 4 (j % 2) of qs[32 (j / 2) + 16 (sub % 2) + t], 64 bytes on */
+    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+                                                       int (&mul)[2], int (&mmul)[2]) {
+        const int j = sub >> 1;
+        const uint4 *qs = (const uint4 *)(blk + 16 + 32 * (j >> 1) + 16 * (sub & 1)); /* 16-byte aligned */
+        const uint4 a = qs[0], b = qs[4];
+        const uint32_t v[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = (int)((v[k] >> shift) & 0x0f0f0f0fu);
+        unpack_scale_min_k4(blk + 4, j, &mul[0], &mmul[0]);
+        unpack_scale_min_k4(blk + 4, j + 4, &mul[1], &mmul[1]);
     }
     static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
         d = cuda_f16_to_f32_arith(*(const uint16_t *)blk);
@@ -370,34 +420,53 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
 };
 
 template <> struct mvq<DS4_TYPE_IQ2_XXS> {
-    static constexpr bool HAS_MIN = false;
+    static constexpr bool HAS_MIN = false, ONE_MUL = true, ONE_MUL_SPLIT = false;
     /* sub-block ib = sub: four grid entries (aux0's bytes), their 7-bit sign
      * patterns and the 4-bit scale (aux1). A group's eight sign bits (the
      * seven stored, then their parity) are spread to one 0/1 byte per weight
      * by a multiply (the four shifted copies of the seven bits never overlap);
      * a signed code byte is then (mag ^ 0xff * bit) + bit: the two's
      * complement negation where the bit is set, with no carry out of the
-     * byte since no magnitude is 0. Only the magnitudes are looked up in
-     * shared memory (random lookups there conflict on banks). */
+     * byte since no magnitude is 0. Only the codes are looked up in shared
+     * memory (iq2_mags: random lookups there conflict on banks). */
+    /* grid entry g with the signs s7 (entry l of a sub-block: aux1 >> 7 l) */
+    static __device__ __forceinline__ void entry(const iq2_tables *tab, uint32_t g, uint32_t s7, int &w0, int &w1) {
+        uint32_t m0, m1;
+        iq2_mags(tab, g, m0, m1);
+        s7 &= 127u;
+        /* four copies of the 7 bits, 7 apart (they never overlap): bit j
+         * lands at 8j and bit 4 + j at 8j + 4; byte 3 of the high half
+         * takes the parity */
+        const uint32_t t = s7 * 0x00204081u;
+        const uint32_t b0 = t & 0x01010101u;
+        const uint32_t b1 = ((t >> 4) | ((uint32_t)__popc(s7) << 24)) & 0x01010101u;
+        w0 = (int)((m0 ^ (b0 * 0xffu)) + b0);
+        w1 = (int)((m1 ^ (b1 * 0xffu)) + b1);
+    }
     static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * sub; /* 2-byte aligned */
         const uint32_t aux0 = (uint32_t)qs[0] | ((uint32_t)qs[1] << 16);
         const uint32_t aux1 = (uint32_t)qs[2] | ((uint32_t)qs[3] << 16);
 #pragma unroll
-        for (int l = 0; l < 4; l++) {
-            const uint2 mag = *(const uint2 *)tab->mag[(aux0 >> (8 * l)) & 255u];
-            const uint32_t s7 = (aux1 >> (7 * l)) & 127u;
-            /* four copies of the 7 bits, 7 apart (they never overlap): bit j
-             * lands at 8j and bit 4 + j at 8j + 4; byte 3 of the high half
-             * takes the parity */
-            const uint32_t t = s7 * 0x00204081u;
-            const uint32_t b0 = t & 0x01010101u;
-            const uint32_t b1 = ((t >> 4) | ((uint32_t)__popc(s7) << 24)) & 0x01010101u;
-            w[2 * l] = (int)((mag.x ^ (b0 * 0xffu)) + b0);
-            w[2 * l + 1] = (int)((mag.y ^ (b1 * 0xffu)) + b1);
-        }
+        for (int l = 0; l < 4; l++) entry(tab, (aux0 >> (8 * l)) & 255u, aux1 >> (7 * l), w[2 * l], w[2 * l + 1]);
         mul[0] = mul[1] = 2 * (int)(aux1 >> 28) + 1;
+        mmul[0] = mmul[1] = 0;
+    }
+    /* elements 16 sub .. of sub-block ib = sub / 2 (its entries 2 (sub % 2)
+     * and the next) and 128 + 16 sub .. of ib + 4 */
+    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
+                                                       int (&mul)[2], int (&mmul)[2]) {
+        const int e = 2 * (sub & 1); /* the first entry */
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * ((sub >> 1) + 4 * c); /* 2-byte aligned */
+            const uint32_t idx = qs[sub & 1];
+            const uint32_t aux1 = (uint32_t)qs[2] | ((uint32_t)qs[3] << 16);
+            entry(tab, idx & 255u, aux1 >> (7 * e), w[4 * c], w[4 * c + 1]);
+            entry(tab, idx >> 8, aux1 >> (7 * e + 7), w[4 * c + 2], w[4 * c + 3]);
+            mul[c] = 2 * (int)(aux1 >> 28) + 1;
+        }
         mmul[0] = mmul[1] = 0;
     }
     static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
@@ -415,12 +484,20 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
 };
 
 template <> struct mvq<DS4_TYPE_Q8_K> {
-    static constexpr bool HAS_MIN = false;
+    static constexpr bool HAS_MIN = false, ONE_MUL = true, ONE_MUL_SPLIT = true;
     static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint8_t *qs = blk + 4 + 32 * sub; /* 4-byte aligned */
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = ld_s32(qs + 4 * k);
+        mul[0] = mul[1] = 1;
+        mmul[0] = mmul[1] = 0;
+    }
+    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+                                                       int (&mul)[2], int (&mmul)[2]) {
+        const uint8_t *qs = blk + 4 + 16 * sub; /* 4-byte aligned */
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = ld_s32(qs + 128 * (k >> 2) + 4 * (k & 3));
         mul[0] = mul[1] = 1;
         mmul[0] = mmul[1] = 0;
     }
@@ -446,26 +523,64 @@ template <uint32_t T> struct mv_one_row {
     static_assert(!ON || (STEPS >= 2 && STEPS <= 8), "a stage's steps fit the eight lanes of a block");
 };
 
-/* A lane's 32 activation codes at q8 (two 16-byte loads when ALIGNED, else
- * eight 4-byte ones) against its eight code words w: the exact integer dots
- * of the first and of the last 16 (the two halves' multipliers differ for
- * Q2_K). */
-template <bool ALIGNED>
-static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, const int (&w)[8], int &lo, int &hi) {
+/* A lane's 32 activation codes of the block whose codes start at q8 (its
+ * elements 32 sub .. in the plain order, 16 sub .. and 128 + 16 sub .. in
+ * the SPLIT order; two 16-byte loads when ALIGNED, else eight 4-byte ones)
+ * against its eight code words w: the exact integer dots of the first and
+ * of the last 16 (their multipliers may differ), or with ONE (one
+ * multiplier for both) the dot of all 32 in lo. */
+template <bool ALIGNED, bool ONE, bool SPLIT>
+static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, int sub, const int (&w)[8], int &lo, int &hi) {
+    const uint8_t *a = q8 + (SPLIT ? 16 : 32) * sub, *b = a + (SPLIT ? 128 : 16);
     int xq[8];
     if constexpr (ALIGNED) {
-        const int4 qa = ((const int4 *)q8)[0], qb = ((const int4 *)q8)[1];
+        const int4 qa = *(const int4 *)a, qb = *(const int4 *)b;
         xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
         xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
     } else {
 #pragma unroll
-        for (int k = 0; k < 8; k++) xq[k] = ld_s32(q8 + 4 * k);
+        for (int k = 0; k < 4; k++) xq[k] = ld_s32(a + 4 * k), xq[k + 4] = ld_s32(b + 4 * k);
     }
     lo = 0, hi = 0;
 #pragma unroll
     for (int k = 0; k < 4; k++) lo = __dp4a(w[k], xq[k], lo);
 #pragma unroll
-    for (int k = 4; k < 8; k++) hi = __dp4a(w[k], xq[k], hi);
+    for (int k = 4; k < 8; k++) {
+        if constexpr (ONE) lo = __dp4a(w[k], xq[k], lo);
+        else hi = __dp4a(w[k], xq[k], hi);
+    }
+}
+
+/* one multiplier for a lane's two halves in that order */
+template <typename K, bool SPLIT> static constexpr __host__ __device__ bool one_mul() { return SPLIT ? K::ONE_MUL_SPLIT : K::ONE_MUL; }
+
+/* a lane's integer sum of its 32 elements from dot_codes32<., one_mul<K, SPLIT>(), SPLIT> */
+template <typename K, bool SPLIT>
+static __device__ __forceinline__ int lane_isum(const int (&mul)[2], int lo, int hi) {
+    if constexpr (one_mul<K, SPLIT>()) return mul[0] * lo;
+    else return mul[0] * lo + mul[1] * hi;
+}
+
+/* the lane's two halves' mins against the activation's bsums of the block
+ * at bs (16 int16, one per 16 elements: 2 sub and 2 sub + 1, one aligned
+ * word, in the plain order; sub and 8 + sub in the SPLIT order) */
+template <bool SPLIT>
+static __device__ __forceinline__ int lane_summs(const uint8_t *bs, int sub, const int (&mmul)[2]) {
+    if constexpr (SPLIT) {
+        const int16_t *b = (const int16_t *)bs + sub;
+        return mmul[0] * (int)b[0] + mmul[1] * (int)b[8];
+    } else {
+        const uint32_t v = *(const uint32_t *)(bs + 4 * sub);
+        return mmul[0] * (int)(int16_t)(v & 0xffffu) + mmul[1] * (int)(int16_t)(v >> 16);
+    }
+}
+
+/* the lane's code words and multipliers in that order */
+template <typename K, bool SPLIT>
+static __device__ __forceinline__ void lane_codes(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
+                                                  int (&mul)[2], int (&mmul)[2]) {
+    if constexpr (SPLIT) K::codes_split(blk, sub, tab, w, mul, mmul);
+    else K::codes(blk, sub, tab, w, mul, mmul);
 }
 
 /* Four 256-blocks per warp step, eight lanes each (lane = 8 block + sub).
@@ -476,7 +591,7 @@ static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, const int 
  * b0 is the stage's first block within the row. With ALIGNED (every row
  * 16-byte aligned) a lane's 32 codes are two 16-byte loads, a warp's four
  * blocks one contiguous kilobyte. */
-template <uint32_t T, int ROWS, bool ALIGNED>
+template <uint32_t T, int ROWS, bool ALIGNED, bool SPLIT>
 static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
                                                  int64_t row_bytes, int64_t x_blocks, int n_rows,
                                                  const iq2_tables *tab, float (&acc)[ROWS]) {
@@ -493,21 +608,19 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
         const int term_lane = mv_one_row<T>::ON ? s0 / 4 : 0;
         const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * bb;
         int w[8], mul[2], mmul[2];
-        K::codes(blk, sub, tab, w, mul, mmul);
+        lane_codes<K, SPLIT>(blk, sub, tab, w, mul, mmul);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (ROWS == 1 || r < n_rows) {
                 const uint8_t *xr = x + r * row_bytes;
                 const int64_t xb = b0 + bb;
                 int lo, hi;
-                dot_codes32<ALIGNED>(xr + xb * DS4_QK_K + 32 * sub, w, lo, hi);
-                int isum = mine ? mul[0] * lo + mul[1] * hi : 0;
+                dot_codes32<ALIGNED, one_mul<K, SPLIT>(), SPLIT>(xr + xb * DS4_QK_K, sub, w, lo, hi);
+                int isum = mine ? lane_isum<K, SPLIT>(mul, lo, hi) : 0;
                 int summs = 0;
                 if (K::HAS_MIN) {
-                    /* bsums 2 sub, 2 sub + 1 of block xb: one aligned word */
-                    const uint32_t bs =
-                        *(const uint32_t *)(xr + x_blocks * (DS4_QK_K + 4) + (xb * 16 + 2 * sub) * 2);
-                    summs = mine ? mmul[0] * (int)(int16_t)(bs & 0xffffu) + mmul[1] * (int)(int16_t)(bs >> 16) : 0;
+                    const int s = lane_summs<SPLIT>(xr + x_blocks * (DS4_QK_K + 4) + xb * 32, sub, mmul);
+                    summs = mine ? s : 0;
                 }
 #pragma unroll
                 for (int off = 4; off > 0; off >>= 1) {
@@ -535,7 +648,7 @@ static __device__ __forceinline__ int lanes8_transpose_sum(const int (&v)[8], in
     return (h1 ? a2[1] : a2[0]) + __shfl_xor_sync(FULL_MASK, h1 ? a2[0] : a2[1], 1);
 }
 
-template <uint32_t T, bool ALIGNED>
+template <uint32_t T, bool ALIGNED, bool SPLIT>
 static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
                                                      int64_t x_blocks, const iq2_tables *tab, float &acc) {
     typedef mvq<T> K;
@@ -544,8 +657,8 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
      * only Q4_K's (units of one block) can end inside a step */
     constexpr bool WHOLE = mvt<T>::UNIT % 4 == 0;
     const int lane = threadIdx.x & 31, sub = lane & 7, g = lane >> 3;
-    const uint8_t *q8 = x + (b0 + g) * DS4_QK_K + 32 * sub;                  /* step 0's codes for this lane */
-    const uint8_t *bs = x + x_blocks * (DS4_QK_K + 4) + ((b0 + g) * 16 + 2 * sub) * 2; /* its bsums */
+    const uint8_t *q8 = x + (b0 + g) * DS4_QK_K;                        /* step 0's block codes for this lane */
+    const uint8_t *bs = x + x_blocks * (DS4_QK_K + 4) + (b0 + g) * 32; /* its bsums */
     int isum[8], summs[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -555,13 +668,13 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
             const int d = WHOLE ? 4 * i : mine ? 4 * i : 4 * i - g; /* blocks past the end decode step i's first */
             const uint8_t *blk = sw + BB * (d + g);
             int w[8], mul[2], mmul[2];
-            K::codes(blk, sub, tab, w, mul, mmul);
+            lane_codes<K, SPLIT>(blk, sub, tab, w, mul, mmul);
             int lo, hi;
-            dot_codes32<ALIGNED>(q8 + (int64_t)d * DS4_QK_K, w, lo, hi);
-            isum[i] = mine ? mul[0] * lo + mul[1] * hi : 0;
+            dot_codes32<ALIGNED, one_mul<K, SPLIT>(), SPLIT>(q8 + (int64_t)d * DS4_QK_K, sub, w, lo, hi);
+            isum[i] = mine ? lane_isum<K, SPLIT>(mul, lo, hi) : 0;
             if (K::HAS_MIN) {
-                const uint32_t bsw = *(const uint32_t *)(bs + (int64_t)d * 32);
-                summs[i] = mine ? mmul[0] * (int)(int16_t)(bsw & 0xffffu) + mmul[1] * (int)(int16_t)(bsw >> 16) : 0;
+                const int sm = lane_summs<SPLIT>(bs + (int64_t)d * 32, sub, mmul);
+                summs[i] = mine ? sm : 0;
             }
         }
     }
@@ -760,16 +873,21 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         else if constexpr (T == DS4_TYPE_Q8_0)
             stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, a.act_blocks, n_rows, acc);
         else if constexpr (ROWS == 1 && mv_one_row<T>::ON) {
-            if (a.act_aligned)
-                stage_q8k_one<T, true>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+            if (a.act_aligned && a.split)
+                stage_q8k_one<T, true, true>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+            else if (a.act_aligned)
+                stage_q8k_one<T, true, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
             else
-                stage_q8k_one<T, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
-        } else if (a.act_aligned) /* one kernel, the stage decoder specialised both ways */
-            stage_q8k<T, ROWS, true>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
-                                     tab, acc);
+                stage_q8k_one<T, false, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+        } else if (a.act_aligned && a.split) /* one kernel, the stage decoder specialised three ways */
+            stage_q8k<T, ROWS, true, true>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks,
+                                           n_rows, tab, acc);
+        else if (a.act_aligned)
+            stage_q8k<T, ROWS, true, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks,
+                                            n_rows, tab, acc);
         else
-            stage_q8k<T, ROWS, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
-                                      tab, acc);
+            stage_q8k<T, ROWS, false, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks,
+                                             n_rows, tab, acc);
         if (++k == spr) { /* row j done: its lane sum, then the next row */
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
@@ -910,6 +1028,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         for (int z = 0; z < n_mats; z++) bases = bases && (uintptr_t)a.act[z] % 16 == 0;
         a.act_aligned = bases &&
                         (a.act_stride * bb) % 16 == 0 && (a.act_token_stride * bb) % 16 == 0;
+        a.split = cuda_impl(be)->mv_split ? 1 : 0;
     }
     if (!fn) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
