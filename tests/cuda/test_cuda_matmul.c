@@ -1721,60 +1721,6 @@ static void test_matvec_quantises_x(void) {
     op_pair_close(&p);
 }
 
-/* The decode products of Q8_K activations with a lane's elements in the
- * split order (16 sub .. and 128 + 16 sub ..) and in the plain one (32 sub
- * ..): the same outputs bit for bit (the same integer sums and block terms
- * in the same lanes), for the one-row stage decoder and the multi-row
- * kernels, rows whole or split over warps, several stages a row. */
-static void test_matvec_split_order(void) {
-    OPEN_PAIR(p);
-    static const uint32_t types[] = { DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, DS4_TYPE_Q4_K, DS4_TYPE_Q8_K };
-    static const struct { int64_t n, rows, n_rows; } shapes[] = {
-        { 4096, 300, 1 }, { 4096, 300, 2 }, { 4096, 300, 8 }, { 18432, 64, 1 }, { 18432, 64, 5 }, { 256, 5000, 1 },
-    };
-    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++)
-        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
-            const int64_t n = shapes[si].n, rows = shapes[si].rows, nr = shapes[si].n_rows;
-            float *deq = NULL;
-            uint8_t *bytes = weight_bytes(types[ti], n, rows, false, &deq);
-            op_weight *w = op_weight_make(&p, "blk.0.test_matmul.weight", types[ti], n, rows, 1, bytes);
-            float *hx = op_rand(nr * n, 1.0);
-            op_buf x = op_buf_from(&p, hx, nr * n);
-            op_buf ys = op_buf_poisoned(&p, nr * rows), yp = op_buf_poisoned(&p, nr * rows);
-            ds4_cuda_backend_set_mv_split(p.gpu, 1);
-            p.gpu->ops->matmul(p.gpu, &w->g, 0, rows, x.g, n, ys.g, rows, nr, DS4_NUMERICS_DS4);
-            ds4_cuda_backend_set_mv_split(p.gpu, 0);
-            p.gpu->ops->matmul(p.gpu, &w->g, 0, rows, x.g, n, yp.g, rows, nr, DS4_NUMERICS_DS4);
-            ds4_cuda_backend_set_mv_split(p.gpu, env_on_default("DS4_CUDA_MV_SPLIT", true));
-            op_expect_ok(&p);
-            float *hs = malloc((size_t)(nr * rows) * sizeof *hs), *hp = malloc((size_t)(nr * rows) * sizeof *hp);
-            p.gpu->ops->download(p.gpu, hs, ys.g, nr * rows);
-            p.gpu->ops->download(p.gpu, hp, yp.g, nr * rows);
-            int64_t diff = 0;
-            for (int64_t i = 0; i < nr * rows; i++) diff += memcmp(&hs[i], &hp[i], sizeof *hs) != 0;
-            CHECK_MSG(diff == 0, "matvec %s [%lld -> %lld] x %lld rows: %lld outputs differ between the split and the plain order",
-                      ds4_type_name(types[ti]), (long long)n, (long long)rows, (long long)nr, (long long)diff);
-            /* and both near the CPU's (a poisoned output would not be) */
-            double *tol = matmul_tolerances(types[ti], DS4_NUMERICS_DS4, bytes, deq, n, 0, rows, hx, n, nr);
-            char what[128];
-            snprintf(what, sizeof what, "matvec %s split order [%lld -> %lld] x %lld rows", ds4_type_name(types[ti]),
-                     (long long)n, (long long)rows, (long long)nr);
-            p.cpu->ops->matmul(p.cpu, &w->c, 0, rows, x.c, n, ys.c, rows, nr, DS4_NUMERICS_DS4);
-            compare_out(what, &p, ys, nr, rows, rows, tol, 0.0, false);
-            free(tol);
-            free(hs);
-            free(hp);
-            op_buf_free(&p, &ys);
-            op_buf_free(&p, &yp);
-            op_buf_free(&p, &x);
-            op_weight_free(&p, w);
-            free(hx);
-            free(bytes);
-            free(deq);
-        }
-    op_pair_close(&p);
-}
-
 static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_f32),
     TEST_ENTRY(test_matmul_f16),
@@ -1800,7 +1746,6 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_multi),
     TEST_ENTRY(test_matmul_multi_errors),
     TEST_ENTRY(test_matvec_quantises_x),
-    TEST_ENTRY(test_matvec_split_order),
     TEST_ENTRY(test_moe_iq2_xxs),
     TEST_ENTRY(test_moe_q2_K),
     TEST_ENTRY(test_moe_q4_K),

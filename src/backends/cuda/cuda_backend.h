@@ -124,11 +124,6 @@ void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
  * kernels one after the other. The results are the same either way, bit
  * for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on);
-/* The decode products of Q8_K activations (IQ2_XXS, Q2_K, Q4_K, Q8_K
- * weights) with a lane's elements in the split order (the default;
- * DS4_CUDA_MV_SPLIT=0 makes off the default: the plain order). The results
- * are the same either way, bit for bit. Takes effect at the next op. */
-void ds4_cuda_backend_set_mv_split(ds4_backend *be, int on);
 /* The routed experts of several tokens grouped by expert, outside recorded
  * steps (on by default; DS4_CUDA_MOE_GROUPED=0 makes off the default): the
  * op reads the checked expert ids back (one wait), sorts the (token,

@@ -700,7 +700,6 @@ extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe
 }
 
 extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
-extern "C" void ds4_cuda_backend_set_mv_split(ds4_backend *be, int on) { cuda_impl(be)->mv_split = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
     const char *w = ((const cuda_backend *)be->impl)->last_refusal;
@@ -717,7 +716,6 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->pdl = cuda_env_flag("DS4_CUDA_PDL", true);
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
-    cb->mv_split = cuda_env_flag("DS4_CUDA_MV_SPLIT", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);

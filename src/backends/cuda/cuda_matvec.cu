@@ -35,14 +35,15 @@
  * outputs). Partial sums meet in shared memory in part order, so results
  * are deterministic.
  *
- * IQ2_XXS decodes through a table in shared memory: per grid entry one
- * word of eight 4-bit codes (0..2), which two byte permutes turn into the
- * eight magnitude bytes (8, 25, 43) of a constant word. A 4-byte entry is
- * one shared-memory wavefront for a warp's random lookups about three
- * times (bank conflicts), against about six for the 8-byte magnitudes it
- * replaced. The signs are spread to bytes by arithmetic and applied as
- * (mag ^ 0xff * bit) + bit per byte, four at a time (no carry leaves a
- * byte: magnitudes are never 0).
+ * IQ2_XXS decodes through two tables in shared memory: per grid entry a
+ * word of eight 4-bit codes (0..2), per 7-bit sign pattern a word with
+ * bit 2 of nibble j set where weight j is negative (the eighth sign is the
+ * parity). Their OR selects, per weight, one of the bytes 8, 25, 43, -8,
+ * -25, -43 of two constant words: two byte permutes give the eight signed
+ * codes. (A 4-byte entry costs a warp's random lookups about three
+ * wavefronts, bank conflicts included, against about six for the 8-byte
+ * magnitudes this replaced; the sign word replaces about a dozen
+ * instructions of arithmetic per entry.)
  */
 #include <stdint.h>
 #include <string.h>
@@ -128,35 +129,54 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
 /* IQ2_XXS tables                                                            */
 /* ------------------------------------------------------------------------ */
 
+/* The signed codes by selector nibble: 0, 1, 2 the magnitudes 8, 25, 43
+ * (bytes 0..2 of the first word), 4, 5, 6 their negations (of the second). */
+#define IQ2_POS 0x002b1908u
+#define IQ2_NEG 0x00d5e7f8u
+
 struct iq2_tables {
-    uint32_t nib[256]; /* grid entry -> its 8 codes (0..2), element i in bits 4i .. 4i + 3 */
+    uint32_t nib[256]; /* grid entry -> its 8 codes (0..2), weight j in bits 4j .. 4j + 3 */
+    uint32_t sgn[128]; /* sign pattern -> bit 4j + 2 set where weight j is negative */
+    uint32_t pos[4];   /* IQ2_POS, then padding (see iq2_ref) */
 };
 
 static constexpr iq2_tables make_iq2_tables() {
     iq2_tables t{};
     for (int g = 0; g < 256; g++) {
         const uint32_t packed = ds4_iq2xxs_host::ds4_iq2xxs_grid_packed[g];
-        for (int i = 0; i < 8; i++) t.nib[g] |= ((packed >> (2 * i)) & 3u) << (4 * i);
+        for (int j = 0; j < 8; j++) t.nib[g] |= ((packed >> (2 * j)) & 3u) << (4 * j);
     }
+    for (int s7 = 0; s7 < 128; s7++) {
+        int parity = 0;
+        for (int j = 0; j < 7; j++) parity ^= (s7 >> j) & 1;
+        const uint32_t signs = (uint32_t)s7 | (uint32_t)parity << 7;
+        for (int j = 0; j < 8; j++) t.sgn[s7] |= ((signs >> j) & 1u) << (4 * j + 2);
+    }
+    t.pos[0] = IQ2_POS;
     return t;
 }
 
-/* The magnitudes of codes 0, 1, 2 as bytes 0, 1, 2: a byte permute by four
- * codes gives their four magnitude bytes. */
-#define IQ2_MAGS 0x002b1908u
-/* bytes of a selected by the four selector nibbles of sel's low half (PTX
- * prmt; __byte_perm would mask each nibble to its 3 low bits first, where
- * the codes never set the fourth) */
-static __device__ __forceinline__ uint32_t prmt_codes(uint32_t a, uint32_t sel) {
+/* the bytes of (lo, hi) that the four selector nibbles of sel's low half
+ * pick (PTX prmt; __byte_perm would first mask each nibble to its 3 low
+ * bits, which the selectors never exceed) */
+static __device__ __forceinline__ uint32_t prmt_bytes(uint32_t lo, uint32_t hi, uint32_t sel) {
     uint32_t r;
-    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
     return r;
 }
-/* the eight magnitude bytes of grid entry g (elements 0..3 in m0) */
-static __device__ __forceinline__ void iq2_mags(const iq2_tables *tab, uint32_t g, uint32_t &m0, uint32_t &m1) {
-    const uint32_t nib = tab->nib[g];
-    m0 = prmt_codes(IQ2_MAGS, nib);
-    m1 = prmt_codes(IQ2_MAGS, nib >> 16);
+/* The tables in shared memory, with IQ2_POS as read from them: a value
+ * the compiler keeps in a register (a constant, one of a byte permute's
+ * two data words, would be moved into a register before every use). */
+struct iq2_ref {
+    const iq2_tables *t;
+    uint32_t pos;
+};
+/* the eight signed codes of grid entry g under the sign pattern s7 (its 7
+ * low bits), weights 0..3 in w0 */
+static __device__ __forceinline__ void iq2_entry(const iq2_ref &tab, uint32_t g, uint32_t s7, int &w0, int &w1) {
+    const uint32_t sel = tab.t->nib[g] | tab.t->sgn[s7 & 127u];
+    w0 = (int)prmt_bytes(tab.pos, IQ2_NEG, sel);
+    w1 = (int)prmt_bytes(tab.pos, IQ2_NEG, sel >> 16);
 }
 
 static __device__ const iq2_tables g_iq2_tables = make_iq2_tables();
@@ -195,7 +215,6 @@ struct mv_args {
     int rpw;             /* consecutive outputs per warp (1 when a row is split over parts) */
     int experts_as_parts; /* down: part p = expert sel[p], activation row p, summed */
     int act_aligned;      /* Q8_K: every activation row starts 16-byte aligned (codes in 16-byte loads) */
-    int split;            /* Q8_K, aligned rows: lanes take the split order (codes_split; ds4_cuda_backend_set_mv_split) */
     /* the kernels that quantise their own activations (Q8_0, XQ): the n_rows
      * float rows, xf_stride floats apart, of act_blocks blocks each (act is
      * then unused) */
@@ -324,37 +343,22 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
 
 /* Q8_K-activation types: lane `sub` (0..7) of a block's eight lanes holds
  * its elements 32 sub .. 32 sub + 31 as eight words of int8 codes, with the
- * multipliers (scale, min) of their two 16-element halves (codes), or, in
- * the split order (codes_split), the 16 elements from 16 sub and the 16
- * from 128 + 16 sub, with theirs: a block's eight lanes then read each half
- * of its activation codes as 128 contiguous bytes (whole 32-byte sectors),
- * where 32 sub .. takes half of every sector in each of its two loads. A
- * block's integer sums are the same either way (exact), so are its terms. */
+ * multipliers (scale, min) of their two 16-element halves. (Lanes taking
+ * 16 sub .. and 128 + 16 sub .. instead, so that a block's activation
+ * codes are read in whole 32-byte sectors, measured no faster: the
+ * kernels are bound by their instructions, not by the L1.) */
 template <uint32_t T> struct mvq;
 
 template <> struct mvq<DS4_TYPE_Q2_K> {
-    /* ONE_MUL (ONE_MUL_SPLIT): codes (codes_split) give mul[0] == mul[1] */
-    static constexpr bool HAS_MIN = true, ONE_MUL = false, ONE_MUL_SPLIT = false;
+    static constexpr bool HAS_MIN = true, ONE_MUL = false; /* ONE_MUL: codes give mul[0] == mul[1] */
     /* elements 32 i + l = 128 h + 32 s + l: bits 2s of qs[32 h + l]; sub-blocks 2i, 2i + 1 */
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_ref &, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const int h = sub >> 2, s = sub & 3;
         const uint8_t *qs = blk + 16 + 32 * h; /* 4-byte aligned */
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = (ld_s32(qs + 4 * k) >> (2 * s)) & 0x03030303;
         const int sa = blk[2 * sub], sb = blk[2 * sub + 1];
-        mul[0] = sa & 15, mul[1] = sb & 15;
-        mmul[0] = sa >> 4, mmul[1] = sb >> 4;
-    }
-    /* elements 16 sub + t (h 0) and 128 + 16 sub + t (h 1), t < 16: s = sub / 2,
-     * l = 16 (sub % 2) + t; sub-blocks sub and 8 + sub */
-    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
-                                                       int (&mul)[2], int (&mmul)[2]) {
-        const int s = sub >> 1;
-        const uint8_t *qs = blk + 16 + 16 * (sub & 1); /* 4-byte aligned */
-#pragma unroll
-        for (int k = 0; k < 8; k++) w[k] = (ld_s32(qs + 32 * (k >> 2) + 4 * (k & 3)) >> (2 * s)) & 0x03030303;
-        const int sa = blk[sub], sb = blk[8 + sub];
         mul[0] = sa & 15, mul[1] = sb & 15;
         mmul[0] = sa >> 4, mmul[1] = sb >> 4;
     }
@@ -375,9 +379,9 @@ template <> struct mvq<DS4_TYPE_Q2_K> {
 };
 
 template <> struct mvq<DS4_TYPE_Q4_K> {
-    static constexpr bool HAS_MIN = true, ONE_MUL = true, ONE_MUL_SPLIT = false;
+    static constexpr bool HAS_MIN = true, ONE_MUL = true;
     /* sub-block j = sub: nibble 4 (j % 2) of qs[32 (j / 2) + l] */
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_ref &, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint4 *qs = (const uint4 *)(blk + 16 + 32 * (sub >> 1)); /* 16-byte aligned (144-byte blocks) */
         const uint4 a = qs[0], b = qs[1];
@@ -389,20 +393,6 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
         unpack_scale_min_k4(blk + 4, sub, &sc, &m);
         mul[0] = mul[1] = sc;
         mmul[0] = mmul[1] = m;
-    }
-    /* elements 16 sub + t of sub-block j = sub / 2 and 128 + 16 sub + t of
-     * j + 4: nibble 4 (j % 2) of qs[32 (j / 2) + 16 (sub % 2) + t], 64 bytes on */
-    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
-                                                       int (&mul)[2], int (&mmul)[2]) {
-        const int j = sub >> 1;
-        const uint4 *qs = (const uint4 *)(blk + 16 + 32 * (j >> 1) + 16 * (sub & 1)); /* 16-byte aligned */
-        const uint4 a = qs[0], b = qs[4];
-        const uint32_t v[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
-        const int shift = 4 * (j & 1);
-#pragma unroll
-        for (int k = 0; k < 8; k++) w[k] = (int)((v[k] >> shift) & 0x0f0f0f0fu);
-        unpack_scale_min_k4(blk + 4, j, &mul[0], &mmul[0]);
-        unpack_scale_min_k4(blk + 4, j + 4, &mul[1], &mmul[1]);
     }
     static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
         d = cuda_f16_to_f32_arith(*(const uint16_t *)blk);
@@ -420,53 +410,18 @@ template <> struct mvq<DS4_TYPE_Q4_K> {
 };
 
 template <> struct mvq<DS4_TYPE_IQ2_XXS> {
-    static constexpr bool HAS_MIN = false, ONE_MUL = true, ONE_MUL_SPLIT = false;
+    static constexpr bool HAS_MIN = false, ONE_MUL = true;
     /* sub-block ib = sub: four grid entries (aux0's bytes), their 7-bit sign
-     * patterns and the 4-bit scale (aux1). A group's eight sign bits (the
-     * seven stored, then their parity) are spread to one 0/1 byte per weight
-     * by a multiply (the four shifted copies of the seven bits never overlap);
-     * a signed code byte is then (mag ^ 0xff * bit) + bit: the two's
-     * complement negation where the bit is set, with no carry out of the
-     * byte since no magnitude is 0. Only the codes are looked up in shared
-     * memory (iq2_mags: random lookups there conflict on banks). */
-    /* grid entry g with the signs s7 (entry l of a sub-block: aux1 >> 7 l) */
-    static __device__ __forceinline__ void entry(const iq2_tables *tab, uint32_t g, uint32_t s7, int &w0, int &w1) {
-        uint32_t m0, m1;
-        iq2_mags(tab, g, m0, m1);
-        s7 &= 127u;
-        /* four copies of the 7 bits, 7 apart (they never overlap): bit j
-         * lands at 8j and bit 4 + j at 8j + 4; byte 3 of the high half
-         * takes the parity */
-        const uint32_t t = s7 * 0x00204081u;
-        const uint32_t b0 = t & 0x01010101u;
-        const uint32_t b1 = ((t >> 4) | ((uint32_t)__popc(s7) << 24)) & 0x01010101u;
-        w0 = (int)((m0 ^ (b0 * 0xffu)) + b0);
-        w1 = (int)((m1 ^ (b1 * 0xffu)) + b1);
-    }
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
+     * patterns and the 4-bit scale (aux1); each entry's eight signed codes
+     * from the two tables (iq2_entry) */
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_ref &tab, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * sub; /* 2-byte aligned */
         const uint32_t aux0 = (uint32_t)qs[0] | ((uint32_t)qs[1] << 16);
         const uint32_t aux1 = (uint32_t)qs[2] | ((uint32_t)qs[3] << 16);
 #pragma unroll
-        for (int l = 0; l < 4; l++) entry(tab, (aux0 >> (8 * l)) & 255u, aux1 >> (7 * l), w[2 * l], w[2 * l + 1]);
+        for (int l = 0; l < 4; l++) iq2_entry(tab, (aux0 >> (8 * l)) & 255u, aux1 >> (7 * l), w[2 * l], w[2 * l + 1]);
         mul[0] = mul[1] = 2 * (int)(aux1 >> 28) + 1;
-        mmul[0] = mmul[1] = 0;
-    }
-    /* elements 16 sub .. of sub-block ib = sub / 2 (its entries 2 (sub % 2)
-     * and the next) and 128 + 16 sub .. of ib + 4 */
-    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
-                                                       int (&mul)[2], int (&mmul)[2]) {
-        const int e = 2 * (sub & 1); /* the first entry */
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * ((sub >> 1) + 4 * c); /* 2-byte aligned */
-            const uint32_t idx = qs[sub & 1];
-            const uint32_t aux1 = (uint32_t)qs[2] | ((uint32_t)qs[3] << 16);
-            entry(tab, idx & 255u, aux1 >> (7 * e), w[4 * c], w[4 * c + 1]);
-            entry(tab, idx >> 8, aux1 >> (7 * e + 7), w[4 * c + 2], w[4 * c + 3]);
-            mul[c] = 2 * (int)(aux1 >> 28) + 1;
-        }
         mmul[0] = mmul[1] = 0;
     }
     static __device__ __forceinline__ void scales(const uint8_t *blk, float &d, float &dmin) {
@@ -484,20 +439,12 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
 };
 
 template <> struct mvq<DS4_TYPE_Q8_K> {
-    static constexpr bool HAS_MIN = false, ONE_MUL = true, ONE_MUL_SPLIT = true;
-    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
+    static constexpr bool HAS_MIN = false, ONE_MUL = true;
+    static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_ref &, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint8_t *qs = blk + 4 + 32 * sub; /* 4-byte aligned */
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = ld_s32(qs + 4 * k);
-        mul[0] = mul[1] = 1;
-        mmul[0] = mmul[1] = 0;
-    }
-    static __device__ __forceinline__ void codes_split(const uint8_t *blk, int sub, const iq2_tables *, int (&w)[8],
-                                                       int (&mul)[2], int (&mmul)[2]) {
-        const uint8_t *qs = blk + 4 + 16 * sub; /* 4-byte aligned */
-#pragma unroll
-        for (int k = 0; k < 8; k++) w[k] = ld_s32(qs + 128 * (k >> 2) + 4 * (k & 3));
         mul[0] = mul[1] = 1;
         mmul[0] = mmul[1] = 0;
     }
@@ -523,23 +470,20 @@ template <uint32_t T> struct mv_one_row {
     static_assert(!ON || (STEPS >= 2 && STEPS <= 8), "a stage's steps fit the eight lanes of a block");
 };
 
-/* A lane's 32 activation codes of the block whose codes start at q8 (its
- * elements 32 sub .. in the plain order, 16 sub .. and 128 + 16 sub .. in
- * the SPLIT order; two 16-byte loads when ALIGNED, else eight 4-byte ones)
- * against its eight code words w: the exact integer dots of the first and
- * of the last 16 (their multipliers may differ), or with ONE (one
- * multiplier for both) the dot of all 32 in lo. */
-template <bool ALIGNED, bool ONE, bool SPLIT>
-static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, int sub, const int (&w)[8], int &lo, int &hi) {
-    const uint8_t *a = q8 + (SPLIT ? 16 : 32) * sub, *b = a + (SPLIT ? 128 : 16);
+/* A lane's 32 activation codes at q8 (two 16-byte loads when ALIGNED, else
+ * eight 4-byte ones) against its eight code words w: the exact integer dots
+ * of the first and of the last 16 (the two halves' multipliers differ for
+ * Q2_K), or with ONE (one multiplier for both) the dot of all 32 in lo. */
+template <bool ALIGNED, bool ONE>
+static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, const int (&w)[8], int &lo, int &hi) {
     int xq[8];
     if constexpr (ALIGNED) {
-        const int4 qa = *(const int4 *)a, qb = *(const int4 *)b;
+        const int4 qa = ((const int4 *)q8)[0], qb = ((const int4 *)q8)[1];
         xq[0] = qa.x, xq[1] = qa.y, xq[2] = qa.z, xq[3] = qa.w;
         xq[4] = qb.x, xq[5] = qb.y, xq[6] = qb.z, xq[7] = qb.w;
     } else {
 #pragma unroll
-        for (int k = 0; k < 4; k++) xq[k] = ld_s32(a + 4 * k), xq[k + 4] = ld_s32(b + 4 * k);
+        for (int k = 0; k < 8; k++) xq[k] = ld_s32(q8 + 4 * k);
     }
     lo = 0, hi = 0;
 #pragma unroll
@@ -551,36 +495,17 @@ static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, int sub, c
     }
 }
 
-/* one multiplier for a lane's two halves in that order */
-template <typename K, bool SPLIT> static constexpr __host__ __device__ bool one_mul() { return SPLIT ? K::ONE_MUL_SPLIT : K::ONE_MUL; }
-
-/* a lane's integer sum of its 32 elements from dot_codes32<., one_mul<K, SPLIT>(), SPLIT> */
-template <typename K, bool SPLIT>
-static __device__ __forceinline__ int lane_isum(const int (&mul)[2], int lo, int hi) {
-    if constexpr (one_mul<K, SPLIT>()) return mul[0] * lo;
+/* a lane's integer sum of its 32 elements from dot_codes32<., K::ONE_MUL> */
+template <typename K> static __device__ __forceinline__ int lane_isum(const int (&mul)[2], int lo, int hi) {
+    if constexpr (K::ONE_MUL) return mul[0] * lo;
     else return mul[0] * lo + mul[1] * hi;
 }
 
-/* the lane's two halves' mins against the activation's bsums of the block
- * at bs (16 int16, one per 16 elements: 2 sub and 2 sub + 1, one aligned
- * word, in the plain order; sub and 8 + sub in the SPLIT order) */
-template <bool SPLIT>
+/* the lane's two halves' mins against bsums 2 sub and 2 sub + 1 (one
+ * aligned word) of the activation block whose bsums are at bs */
 static __device__ __forceinline__ int lane_summs(const uint8_t *bs, int sub, const int (&mmul)[2]) {
-    if constexpr (SPLIT) {
-        const int16_t *b = (const int16_t *)bs + sub;
-        return mmul[0] * (int)b[0] + mmul[1] * (int)b[8];
-    } else {
-        const uint32_t v = *(const uint32_t *)(bs + 4 * sub);
-        return mmul[0] * (int)(int16_t)(v & 0xffffu) + mmul[1] * (int)(int16_t)(v >> 16);
-    }
-}
-
-/* the lane's code words and multipliers in that order */
-template <typename K, bool SPLIT>
-static __device__ __forceinline__ void lane_codes(const uint8_t *blk, int sub, const iq2_tables *tab, int (&w)[8],
-                                                  int (&mul)[2], int (&mmul)[2]) {
-    if constexpr (SPLIT) K::codes_split(blk, sub, tab, w, mul, mmul);
-    else K::codes(blk, sub, tab, w, mul, mmul);
+    const uint32_t v = *(const uint32_t *)(bs + 4 * sub);
+    return mmul[0] * (int)(int16_t)(v & 0xffffu) + mmul[1] * (int)(int16_t)(v >> 16);
 }
 
 /* Four 256-blocks per warp step, eight lanes each (lane = 8 block + sub).
@@ -591,10 +516,10 @@ static __device__ __forceinline__ void lane_codes(const uint8_t *blk, int sub, c
  * b0 is the stage's first block within the row. With ALIGNED (every row
  * 16-byte aligned) a lane's 32 codes are two 16-byte loads, a warp's four
  * blocks one contiguous kilobyte. */
-template <uint32_t T, int ROWS, bool ALIGNED, bool SPLIT>
+template <uint32_t T, int ROWS, bool ALIGNED>
 static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
                                                  int64_t row_bytes, int64_t x_blocks, int n_rows,
-                                                 const iq2_tables *tab, float (&acc)[ROWS]) {
+                                                 const iq2_ref &tab, float (&acc)[ROWS]) {
     typedef mvq<T> K;
     const int lane = threadIdx.x & 31, sub = lane & 7;
     for (int s0 = 0; s0 < n_blocks; s0 += 4) {
@@ -608,18 +533,18 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
         const int term_lane = mv_one_row<T>::ON ? s0 / 4 : 0;
         const uint8_t *blk = sw + mvt<T>::BLOCK_BYTES * bb;
         int w[8], mul[2], mmul[2];
-        lane_codes<K, SPLIT>(blk, sub, tab, w, mul, mmul);
+        K::codes(blk, sub, tab, w, mul, mmul);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (ROWS == 1 || r < n_rows) {
                 const uint8_t *xr = x + r * row_bytes;
                 const int64_t xb = b0 + bb;
                 int lo, hi;
-                dot_codes32<ALIGNED, one_mul<K, SPLIT>(), SPLIT>(xr + xb * DS4_QK_K, sub, w, lo, hi);
-                int isum = mine ? lane_isum<K, SPLIT>(mul, lo, hi) : 0;
+                dot_codes32<ALIGNED, K::ONE_MUL>(xr + xb * DS4_QK_K + 32 * sub, w, lo, hi);
+                int isum = mine ? lane_isum<K>(mul, lo, hi) : 0;
                 int summs = 0;
                 if (K::HAS_MIN) {
-                    const int s = lane_summs<SPLIT>(xr + x_blocks * (DS4_QK_K + 4) + xb * 32, sub, mmul);
+                    const int s = lane_summs(xr + x_blocks * (DS4_QK_K + 4) + xb * 32, sub, mmul);
                     summs = mine ? s : 0;
                 }
 #pragma unroll
@@ -648,16 +573,16 @@ static __device__ __forceinline__ int lanes8_transpose_sum(const int (&v)[8], in
     return (h1 ? a2[1] : a2[0]) + __shfl_xor_sync(FULL_MASK, h1 ? a2[0] : a2[1], 1);
 }
 
-template <uint32_t T, bool ALIGNED, bool SPLIT>
+template <uint32_t T, bool ALIGNED>
 static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_blocks, int64_t b0, const uint8_t *x,
-                                                     int64_t x_blocks, const iq2_tables *tab, float &acc) {
+                                                     int64_t x_blocks, const iq2_ref &tab, float &acc) {
     typedef mvq<T> K;
     constexpr int BB = mvt<T>::BLOCK_BYTES, NS = mv_one_row<T>::STEPS;
     /* stages of IQ2_XXS and Q2_K are whole steps (units of 8 and 4 blocks);
      * only Q4_K's (units of one block) can end inside a step */
     constexpr bool WHOLE = mvt<T>::UNIT % 4 == 0;
     const int lane = threadIdx.x & 31, sub = lane & 7, g = lane >> 3;
-    const uint8_t *q8 = x + (b0 + g) * DS4_QK_K;                        /* step 0's block codes for this lane */
+    const uint8_t *q8 = x + (b0 + g) * DS4_QK_K + 32 * sub;            /* step 0's codes for this lane */
     const uint8_t *bs = x + x_blocks * (DS4_QK_K + 4) + (b0 + g) * 32; /* its bsums */
     int isum[8], summs[8];
 #pragma unroll
@@ -668,12 +593,12 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
             const int d = WHOLE ? 4 * i : mine ? 4 * i : 4 * i - g; /* blocks past the end decode step i's first */
             const uint8_t *blk = sw + BB * (d + g);
             int w[8], mul[2], mmul[2];
-            lane_codes<K, SPLIT>(blk, sub, tab, w, mul, mmul);
+            K::codes(blk, sub, tab, w, mul, mmul);
             int lo, hi;
-            dot_codes32<ALIGNED, one_mul<K, SPLIT>(), SPLIT>(q8 + (int64_t)d * DS4_QK_K, sub, w, lo, hi);
-            isum[i] = mine ? lane_isum<K, SPLIT>(mul, lo, hi) : 0;
+            dot_codes32<ALIGNED, K::ONE_MUL>(q8 + (int64_t)d * DS4_QK_K, w, lo, hi);
+            isum[i] = mine ? lane_isum<K>(mul, lo, hi) : 0;
             if (K::HAS_MIN) {
-                const int sm = lane_summs<SPLIT>(bs + (int64_t)d * 32, sub, mmul);
+                const int sm = lane_summs(bs + (int64_t)d * 32, sub, mmul);
                 summs[i] = mine ? sm : 0;
             }
         }
@@ -720,13 +645,13 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
     /* IQ2_XXS: the table's copy (constant data) is the first cp.async group,
      * issued before any wait; the block waits for it (and a barrier) only
      * once its first weight stages are in flight too */
-    const iq2_tables *tab = NULL;
+    iq2_ref tab{ NULL, 0u };
     if constexpr (T == DS4_TYPE_IQ2_XXS) {
         uint4 *dst = smem + n_warps * MV_NST * (MV_STAGE / 16);
         const uint4 *src = (const uint4 *)&g_iq2_tables;
         for (int i = threadIdx.x; i < (int)(sizeof(iq2_tables) / 16); i += blockDim.x) cp_async16(dst + i, src + i, true);
         cp_async_commit();
-        tab = (const iq2_tables *)dst;
+        tab.t = (const iq2_tables *)dst;
     }
     const bool early = a.sel == NULL && a.groups == NULL && a.prefetch; /* the same for the whole grid */
     if (!early) cuda_grid_wait();
@@ -817,6 +742,7 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
     if constexpr (T == DS4_TYPE_IQ2_XXS) {
         cp_async_wait<MV_NST - 1>(); /* the table's group: older than the MV_NST - 1 stages just issued */
         __syncthreads();
+        tab.pos = tab.t->pos[0];
     }
     if (early) cuda_grid_wait();
     if constexpr (XQ) {
@@ -873,21 +799,16 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         else if constexpr (T == DS4_TYPE_Q8_0)
             stage_q8_0<ROWS>(sw, n_blocks, blk_j + gb0, act, a.act_stride, a.act_blocks, n_rows, acc);
         else if constexpr (ROWS == 1 && mv_one_row<T>::ON) {
-            if (a.act_aligned && a.split)
-                stage_q8k_one<T, true, true>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
-            else if (a.act_aligned)
-                stage_q8k_one<T, true, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+            if (a.act_aligned)
+                stage_q8k_one<T, true>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
             else
-                stage_q8k_one<T, false, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
-        } else if (a.act_aligned && a.split) /* one kernel, the stage decoder specialised three ways */
-            stage_q8k<T, ROWS, true, true>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks,
-                                           n_rows, tab, acc);
-        else if (a.act_aligned)
-            stage_q8k<T, ROWS, true, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks,
-                                            n_rows, tab, acc);
+                stage_q8k_one<T, false>(sw, n_blocks, blk_j + gb0, act, a.act_blocks, tab, acc[0]);
+        } else if (a.act_aligned) /* one kernel, the stage decoder specialised both ways */
+            stage_q8k<T, ROWS, true>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
+                                     tab, acc);
         else
-            stage_q8k<T, ROWS, false, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks,
-                                             n_rows, tab, acc);
+            stage_q8k<T, ROWS, false>(sw, n_blocks, blk_j + gb0, act, a.act_stride * act_unit, a.act_blocks, n_rows,
+                                      tab, acc);
         if (++k == spr) { /* row j done: its lane sum, then the next row */
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
@@ -1028,7 +949,6 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         for (int z = 0; z < n_mats; z++) bases = bases && (uintptr_t)a.act[z] % 16 == 0;
         a.act_aligned = bases &&
                         (a.act_stride * bb) % 16 == 0 && (a.act_token_stride * bb) % 16 == 0;
-        a.split = cuda_impl(be)->mv_split ? 1 : 0;
     }
     if (!fn) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
@@ -1421,6 +1341,7 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
     float *s_d = (float *)(moe_sm + L::D), *s_dm = s_d + MOE_MMA_BM;
     float(*s_xd)[CUDA_MOE_MMA_ROWS] = (float(*)[CUDA_MOE_MMA_ROWS])(moe_sm + L::XD);
     iq2_tables *s_tab = (iq2_tables *)(moe_sm + L::TAB); /* IQ2_XXS only */
+    const iq2_ref tab{ s_tab, IQ2_POS };
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     if constexpr (T == DS4_TYPE_IQ2_XXS) /* constant data: before the wait */
         for (int i = tid; i < (int)(sizeof(iq2_tables) / 16); i += MOE_MMA_THREADS)
@@ -1467,7 +1388,7 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
             float d = 0.0f, dm = 0.0f;
             if (n0 + r < a.rows_per_expert) {
                 const uint8_t *blk = s_raw[st & 1] + r * R::PITCH + moe_raw_shift<T>(wexp, a.row_bytes, n0 + r, st);
-                K::codes(blk, sub, s_tab, w, mul, mmul);
+                K::codes(blk, sub, tab, w, mul, mmul);
                 if (sub == 0) K::scales(blk, d, dm);
             }
             if constexpr (FOLD) {
