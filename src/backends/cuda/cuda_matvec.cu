@@ -35,15 +35,15 @@
  * outputs). Partial sums meet in shared memory in part order, so results
  * are deterministic.
  *
- * IQ2_XXS decodes through two tables in shared memory: per grid entry a
- * word of eight 4-bit codes (0..2), per 7-bit sign pattern a word with
- * bit 2 of nibble j set where weight j is negative (the eighth sign is the
- * parity). Their OR selects, per weight, one of the bytes 8, 25, 43, -8,
- * -25, -43 of two constant words: two byte permutes give the eight signed
- * codes. (A 4-byte entry costs a warp's random lookups about three
- * wavefronts, bank conflicts included, against about six for the 8-byte
- * magnitudes this replaced; the sign word replaces about a dozen
- * instructions of arithmetic per entry.)
+ * IQ2_XXS decodes through a table in shared memory: per grid entry a word
+ * of eight 4-bit codes (0..2). Bit 2 of nibble j set where weight j is
+ * negative (two multiplies spread the 7 sign bits and their parity there)
+ * then selects, per weight, one of the bytes 8, 25, 43, -8, -25, -43 of two
+ * constant words: two byte permutes give the eight signed codes. (A 4-byte
+ * entry costs a warp's random lookups about three wavefronts, bank
+ * conflicts included, against about six for 8-byte magnitudes; a second
+ * table for the sign nibbles saved instructions but measured no faster,
+ * the L1 then bound the kernel.)
  */
 #include <stdint.h>
 #include <string.h>
@@ -136,7 +136,6 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
 
 struct iq2_tables {
     uint32_t nib[256]; /* grid entry -> its 8 codes (0..2), weight j in bits 4j .. 4j + 3 */
-    uint32_t sgn[128]; /* sign pattern -> bit 4j + 2 set where weight j is negative */
     uint32_t pos[4];   /* IQ2_POS, then padding (see iq2_ref) */
 };
 
@@ -145,12 +144,6 @@ static constexpr iq2_tables make_iq2_tables() {
     for (int g = 0; g < 256; g++) {
         const uint32_t packed = ds4_iq2xxs_host::ds4_iq2xxs_grid_packed[g];
         for (int j = 0; j < 8; j++) t.nib[g] |= ((packed >> (2 * j)) & 3u) << (4 * j);
-    }
-    for (int s7 = 0; s7 < 128; s7++) {
-        int parity = 0;
-        for (int j = 0; j < 7; j++) parity ^= (s7 >> j) & 1;
-        const uint32_t signs = (uint32_t)s7 | (uint32_t)parity << 7;
-        for (int j = 0; j < 8; j++) t.sgn[s7] |= ((signs >> j) & 1u) << (4 * j + 2);
     }
     t.pos[0] = IQ2_POS;
     return t;
@@ -171,10 +164,33 @@ struct iq2_ref {
     const iq2_tables *t;
     uint32_t pos;
 };
+/* bit 4j + 2 set where weight j is negative: bit j of the 7 low bits of
+ * s7 for j < 7, their parity (bit 0 of popc, the count of the 7) for
+ * j = 7. The even bits, and the odd ones, go to their places in one
+ * multiply each: copies 6 apart, where two copies' bits meet only on even
+ * places that are not targets and the carry rises into an odd place that
+ * no copy uses (iq2_sign_nibbles_hold checks all 128 patterns). */
+static constexpr __host__ __device__ uint32_t iq2_sign_nibbles(uint32_t s7, uint32_t popc) {
+    const uint32_t e = (s7 & 0x55u) * 0x00104104u; /* bit 2k -> 8k + 2 */
+    const uint32_t o = (s7 & 0x2au) * 0x00820820u; /* bit 2k + 1 -> 8k + 6 */
+    return (e & 0x04040404u) | ((o | popc << 30) & 0x40404040u);
+}
+static constexpr bool iq2_sign_nibbles_hold() {
+    for (uint32_t s7 = 0; s7 < 128; s7++) {
+        uint32_t count = 0, want = 0;
+        for (int j = 0; j < 7; j++) count += (s7 >> j) & 1u;
+        const uint32_t signs = s7 | (count & 1u) << 7;
+        for (int j = 0; j < 8; j++) want |= ((signs >> j) & 1u) << (4 * j + 2);
+        /* (the garbage above bit 6 that a shifted aux1 brings must not matter) */
+        if (iq2_sign_nibbles(s7 | 0xffffff80u, count) != want) return false;
+    }
+    return true;
+}
+static_assert(iq2_sign_nibbles_hold(), "the sign nibbles of every 7-bit pattern");
 /* the eight signed codes of grid entry g under the sign pattern s7 (its 7
  * low bits), weights 0..3 in w0 */
 static __device__ __forceinline__ void iq2_entry(const iq2_ref &tab, uint32_t g, uint32_t s7, int &w0, int &w1) {
-    const uint32_t sel = tab.t->nib[g] | tab.t->sgn[s7 & 127u];
+    const uint32_t sel = tab.t->nib[g] | iq2_sign_nibbles(s7, (uint32_t)__popc(s7 & 0x7fu));
     w0 = (int)prmt_bytes(tab.pos, IQ2_NEG, sel);
     w1 = (int)prmt_bytes(tab.pos, IQ2_NEG, sel >> 16);
 }
