@@ -41,7 +41,8 @@
 #                               OPS_DETAIL="[VAR=V,...:]REGEX ..." ncu's full report of one launch of each
 #                               matching kernel (demangled name) in `bench --ops --only OPS_DETAIL_ONLY
 #                               (default experts) --rows OPS_DETAIL_ROWS (default 32)` with those settings,
-#                               and its per-instruction (SASS) counters as CSV (ncu-source-ops-N.csv)
+#                               and its per-instruction (SASS) counters as CSV (ncu-source-ops-N.csv),
+#                               summed by opcode with the stall reasons (scripts/ncu_source.py, .md)
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
@@ -412,7 +413,8 @@ ops_stage() {
             echo "$e" >>"$out/ncu-detail-ops-$n.txt"
             # per-instruction counters (SASS): wavefronts, sectors, stall samples
             "$ncu" -i "$TMP/ops-detail-$n.ncu-rep" --page source --csv --print-source sass \
-                >"$out/ncu-source-ops-$n.csv" 2>&1 || true
+                >"$out/ncu-source-ops-$n.csv" 2>&1 &&
+                python3 scripts/ncu_source.py "$out/ncu-source-ops-$n.csv" >"$out/ncu-source-ops-$n.md" || true
             grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy" \
                 "$out/ncu-detail-ops-$n.txt" | head -n 12
             record "ncu details (ops $e)" PASS

@@ -706,6 +706,46 @@ def test_synthetic_model(tmp_path):
     assert b"one of them" in r.stderr
 
 
+def test_ncu_source(tmp_path):
+    """scripts/ncu_source.py sums ncu's per-instruction counters by opcode (loads
+    keep their width, other opcodes lose their modifiers, predicates are not
+    opcodes) and the stall reasons, and refuses a file without the columns."""
+    script = ROOT / "scripts" / "ncu_source.py"
+    src = tmp_path / "source.csv"
+    cols = ['"Address"', '"Source"', '"Warp Stall Sampling (All Samples)"', '"Instructions Executed"',
+            '"L1 Wavefronts Shared"', '"L1 Tag Requests Global"', '"stall_wait"', '"stall_wait (Not Issued)"',
+            '"stall_short_sb"']
+    src.write_text('"Kernel Name","void mv_kernel<16>(mv_args)",\n' + ",".join(cols) + "\n"
+                   '"0x0","      IMAD.SHL.U32 R1, R2, 0x4, RZ","3","300","0","0","2","9","1"\n'
+                   '"0x10","  @P0 IMAD R1, R2, R3, RZ","1","100","0","0","1","9","0"\n'
+                   '"0x20","      LDS.U16 R4, [R1+0x2]","4","50","120","0","0","9","4"\n'
+                   '"0x30","      LDS R4, [R1]","2","50","80","0","0","9","2"\n'
+                   '"0x40","      LDG.E.128 R8, desc[UR4][R2.64]","0","25","0","200","0","9","0"\n'
+                   '"0x50"\n')
+    r = subprocess.run([sys.executable, str(script), str(src)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert "kernel: `void mv_kernel<16>(mv_args)`" in out, out
+    assert "525 warp instructions executed, 10 stall samples, 200 shared-memory wavefronts, " \
+           "200 L1 global requests (1 rows without an instruction left out)" in out, out
+    rows = [l for l in out.splitlines() if l.startswith("| `")]
+    assert rows[0] == "| `IMAD` | 400 | 76.2% | 40.0% | 0 | 0 |", rows
+    assert rows[1] == "| `LDS.U16` | 50 | 9.5% | 40.0% | 120 | 0 |", rows
+    assert rows[2] == "| `LDS` | 50 | 9.5% | 20.0% | 80 | 0 |", rows
+    assert rows[3] == "| `LDG.E.128` | 25 | 4.8% | 0.0% | 0 | 200 |", rows
+    # stall reasons from the all-samples columns only, largest first
+    assert "| short_sb | 70.0% |\n| wait | 30.0% |" in out, out
+    assert "Not Issued" not in out
+    r = subprocess.run([sys.executable, str(script), str(src), "--top", "1"], capture_output=True)
+    assert r.returncode == 0 and len([l for l in r.stdout.decode().splitlines() if l.startswith("| `")]) == 1
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"Kernel Name","k"\n"Address","Source"\n"0x0","NOP"\n')
+    r = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True)
+    assert r.returncode != 0 and b"no 'Source'" in r.stderr
+    r = subprocess.run([sys.executable, str(script), str(src), "--top"], capture_output=True)
+    assert r.returncode != 0 and b"--top" in r.stderr
+
+
 def test_ncu_table(tmp_path):
     """scripts/ncu_table.py sums an ncu raw CSV by kernel, in the units row's unit,
     after any log lines, and refuses a file without the duration column."""
