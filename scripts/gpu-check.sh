@@ -505,8 +505,8 @@ main() {
         read -ra bins_to_test <<<"$UNIT_ONLY"
     fi
     # second runs: the session tests with every launch direct (no recorded
-    # steps), without the grouped MoE and with the fused head norm + RoPE
-    # kernel, the attention tests with every top-k through the device-wide sort
+    # steps), without the grouped MoE and with head_norm_rope as the separate
+    # ops' kernels, the attention tests with every top-k through the device-wide sort
     # and with the per-head kernel, the product tests with every activation
     # quantised by its own kernel ("A=0,B=0:binary" sets both)
     for b in "${bins_to_test[@]}" $(has_stage unit && [ $variants = 1 ] && [ -x build/cuda/tests/test_cuda_session ] &&

@@ -429,7 +429,7 @@ template <> struct mvq<DS4_TYPE_IQ2_XXS> {
     static constexpr bool HAS_MIN = false, ONE_MUL = true;
     /* sub-block ib = sub: four grid entries (aux0's bytes), their 7-bit sign
      * patterns and the 4-bit scale (aux1); each entry's eight signed codes
-     * from the two tables (iq2_entry) */
+     * from the code table, the sign nibbles and two byte permutes (iq2_entry) */
     static __device__ __forceinline__ void codes(const uint8_t *blk, int sub, const iq2_ref &tab, int (&w)[8],
                                                  int (&mul)[2], int (&mmul)[2]) {
         const uint16_t *qs = (const uint16_t *)(blk + 2) + 4 * sub; /* 2-byte aligned */
