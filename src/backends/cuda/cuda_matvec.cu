@@ -511,8 +511,12 @@ static __device__ __forceinline__ void dot_codes32(const uint8_t *q8, const int 
     }
 }
 
-/* a lane's integer sum of its 32 elements from dot_codes32<., K::ONE_MUL> */
-template <typename K> static __device__ __forceinline__ int lane_isum(const int (&mul)[2], int lo, int hi) {
+/* a lane's integer sum of its 32 elements: its codes w against the
+ * activation codes at q8, each half times its multiplier */
+template <typename K, bool ALIGNED>
+static __device__ __forceinline__ int lane_isum(const uint8_t *q8, const int (&w)[8], const int (&mul)[2]) {
+    int lo, hi;
+    dot_codes32<ALIGNED, K::ONE_MUL>(q8, w, lo, hi);
     if constexpr (K::ONE_MUL) return mul[0] * lo;
     else return mul[0] * lo + mul[1] * hi;
 }
@@ -555,9 +559,8 @@ static __device__ __forceinline__ void stage_q8k(const uint8_t *sw, int n_blocks
             if (ROWS == 1 || r < n_rows) {
                 const uint8_t *xr = x + r * row_bytes;
                 const int64_t xb = b0 + bb;
-                int lo, hi;
-                dot_codes32<ALIGNED, K::ONE_MUL>(xr + xb * DS4_QK_K + 32 * sub, w, lo, hi);
-                int isum = mine ? lane_isum<K>(mul, lo, hi) : 0;
+                const int li = lane_isum<K, ALIGNED>(xr + xb * DS4_QK_K + 32 * sub, w, mul);
+                int isum = mine ? li : 0;
                 int summs = 0;
                 if (K::HAS_MIN) {
                     const int s = lane_summs(xr + x_blocks * (DS4_QK_K + 4) + xb * 32, sub, mmul);
@@ -610,9 +613,8 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
             const uint8_t *blk = sw + BB * (d + g);
             int w[8], mul[2], mmul[2];
             K::codes(blk, sub, tab, w, mul, mmul);
-            int lo, hi;
-            dot_codes32<ALIGNED, K::ONE_MUL>(q8 + (int64_t)d * DS4_QK_K, w, lo, hi);
-            isum[i] = mine ? lane_isum<K>(mul, lo, hi) : 0;
+            const int li = lane_isum<K, ALIGNED>(q8 + (int64_t)d * DS4_QK_K, w, mul);
+            isum[i] = mine ? li : 0;
             if (K::HAS_MIN) {
                 const int sm = lane_summs(bs + (int64_t)d * 32, sub, mmul);
                 summs[i] = mine ? sm : 0;
