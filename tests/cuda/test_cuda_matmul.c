@@ -1721,6 +1721,92 @@ static void test_matvec_quantises_x(void) {
     op_pair_close(&p);
 }
 
+/* Short rows packed into the streaming kernels' stages
+ * (ds4_cuda_backend_set_mv_pack): rows of 4 or 8 Q2_K blocks and of 8 or
+ * 16 IQ2_XXS blocks (the full-size model's experts: IQ2_XXS gate/up rows of
+ * 16 blocks, Q2_K down rows of 8), two to six rows a stage, warps of 2, 4
+ * or 8 rows whose last stage holds fewer. Against the CPU (matmul_case's
+ * bounds, moe_case's) with packing on, then bit for bit the same results
+ * as with it off; the launch counter shows which way each ran. */
+static void pack_runs(op_pair *p, const char *what, int64_t c0, bool on) {
+    const int64_t ran = ds4_cuda_backend_mv_packed_launches(p->gpu) - c0;
+    CHECK_MSG(!env_on("DS4_CUDA_MATVEC") || (on ? ran >= 1 : ran == 0), "%s: %lld packed launches with packing %s",
+              what, (long long)ran, on ? "on" : "off");
+}
+
+static void pack_plain_case(op_pair *p, uint32_t type, int64_t n, int64_t rows) {
+    char what[128];
+    snprintf(what, sizeof what, "matmul %s [%lld -> %lld rows] packed", ds4_type_name(type), (long long)n,
+             (long long)rows);
+    ds4_cuda_backend_set_mv_pack(p->gpu, 1);
+    const int64_t c0 = ds4_cuda_backend_mv_packed_launches(p->gpu);
+    matmul_case(p, type, n, rows, false, 0, rows, 1, n, rows, false);
+    pack_runs(p, what, c0, true);
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(type, n, rows, false, &deq);
+    op_weight *w = op_weight_make(p, "blk.0.test_pack.weight", type, n, rows, 1, bytes);
+    float *hx = op_rand(n, 1.0);
+    op_buf x = op_buf_from(p, hx, n), y[2];
+    for (int on = 1; on >= 0; on--) {
+        ds4_cuda_backend_set_mv_pack(p->gpu, on);
+        const int64_t c = ds4_cuda_backend_mv_packed_launches(p->gpu);
+        y[on] = op_buf_poisoned(p, rows);
+        p->gpu->ops->matmul(p->gpu, &w->g, 0, rows, x.g, n, y[on].g, rows, 1, DS4_NUMERICS_DS4);
+        op_expect_ok(p);
+        pack_runs(p, what, c, on);
+    }
+    expect_same_rows(p, what, y[1].g, y[0].g, 1, rows, rows);
+    ds4_cuda_backend_set_mv_pack(p->gpu, env_on("DS4_CUDA_MV_PACK"));
+    for (int i = 0; i < 2; i++) op_buf_free(p, &y[i]);
+    op_buf_free(p, &x);
+    op_weight_free(p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+}
+
+static void pack_moe_case(op_pair *p, int64_t dim, int64_t n_ff, int64_t n_rows) {
+    const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K;
+    char what[128];
+    snprintf(what, sizeof what, "moe IQ2_XXS/Q2_K dim %lld n_ff %lld, %lld rows, packed", (long long)dim,
+             (long long)n_ff, (long long)n_rows);
+    ds4_cuda_backend_set_mv_pack(p->gpu, 1);
+    const int64_t c0 = ds4_cuda_backend_mv_packed_launches(p->gpu);
+    moe_case(p, IQ2, Q2, dim, n_ff, 6, 6, 0.7f, n_rows); /* per slot (not grouped): the one-row kernels */
+    pack_runs(p, what, c0, true);
+    moe_fix f = moe_fix_make(p, IQ2, Q2, dim, n_ff, 6, 6, n_rows);
+    op_buf y[2];
+    ds4_cuda_backend_set_moe_grouped(p->gpu, 0);
+    for (int on = 1; on >= 0; on--) {
+        ds4_cuda_backend_set_mv_pack(p->gpu, on);
+        const int64_t c = ds4_cuda_backend_mv_packed_launches(p->gpu);
+        y[on] = op_buf_poisoned(p, n_rows * dim);
+        moe_gpu(p, &f.m, f.x, f.dsel, f.dw, 6, 0.7f, y[on], n_rows);
+        op_expect_ok(p);
+        pack_runs(p, what, c, on);
+    }
+    default_moe_grouped(p);
+    ds4_cuda_backend_set_mv_pack(p->gpu, env_on("DS4_CUDA_MV_PACK"));
+    expect_same_rows(p, what, y[1].g, y[0].g, n_rows, dim, dim);
+    for (int i = 0; i < 2; i++) op_buf_free(p, &y[i]);
+    moe_fix_free(p, &f);
+}
+
+static void test_matvec_pack(void) {
+    OPEN_PAIR(p);
+    pack_plain_case(&p, DS4_TYPE_Q2_K, 1024, 70001);    /* 6 rows a stage, warps of 8: stages of 6 and 2 */
+    pack_plain_case(&p, DS4_TYPE_Q2_K, 2048, 40001);    /* 3 a stage, warps of 4: 3 and 1 */
+    pack_plain_case(&p, DS4_TYPE_IQ2_XXS, 2048, 40001); /* 4 a stage, warps of 4 */
+    pack_plain_case(&p, DS4_TYPE_IQ2_XXS, 4096, 20001); /* 2 a stage, warps of 2 */
+    /* the experts: gate/up rows of 16 IQ2_XXS blocks with down rows of 4 Q2_K
+     * blocks, and of 8 with 8 (warps of 8 rows: stages of 3, 3 and 2 for the down) */
+    for (int64_t nr = 1; nr <= 3; nr += 2) {
+        pack_moe_case(&p, 4096, 1024, nr);
+        pack_moe_case(&p, 2048, 2048, nr);
+    }
+    op_pair_close(&p);
+}
+
 static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_f32),
     TEST_ENTRY(test_matmul_f16),
@@ -1757,6 +1843,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_mma),
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
+    TEST_ENTRY(test_matvec_pack),
     { 0 },
 };
 

@@ -699,6 +699,11 @@ extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe
     cuda_impl(be)->moe_xq = moe_xq != 0;
 }
 
+extern "C" void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on) { cuda_impl(be)->mv_pack = on != 0; }
+extern "C" int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->mv_packed_launches;
+}
+
 extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
@@ -716,6 +721,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->pdl = cuda_env_flag("DS4_CUDA_PDL", true);
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
+    cb->mv_pack = cuda_env_flag("DS4_CUDA_MV_PACK", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);

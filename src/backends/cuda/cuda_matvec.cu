@@ -630,6 +630,66 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
     }
 }
 
+/* Rows packed into one stage. A one-row product over short rows (the routed
+ * experts of the full-size q2 model: IQ2_XXS gate/up rows of 16 blocks,
+ * Q2_K down rows of 8) would give each row a stage of its own, one or two
+ * thirds full, and pay the stage's fixed work (the transposing sums, the
+ * row's butterfly, the ring step) per row. A warp's rows are consecutive
+ * rows of one matrix and contiguous in memory, so a stage of PR =
+ * stage blocks / BPR rows of BPR blocks (BPR a multiple of 4, BPR / 4 a
+ * power of two) is one copy, decoded as stage_q8k_one decodes a stage: step
+ * i's four blocks are row i / (BPR / 4)'s and meet activation blocks
+ * 4 (i mod BPR / 4) + g. After the transposing sums lane (sub, g) holds
+ * stage block 4 sub + g, of row sub / (BPR / 4), as the unpacked kernel
+ * holds that row's block in lane (sub mod BPR / 4, g): the same integers
+ * and float term. The unpacked row butterfly (offsets 16 .. 1) adds zeros
+ * (exactly) at the offsets 4, 2, 1 that are not below BPR / 4 and at the
+ * others meets the same partner terms that it meets here, lanes of one row:
+ * each row's sum is the unpacked kernel's bit for bit, and in lane
+ * sub = (BPR / 4) r of the first group. */
+template <uint32_t T, int BPR> struct mv_pack {
+    static constexpr int Q = BPR / 4; /* steps per row */
+    static constexpr int PR = mvt<T>::STAGE_UNITS * mvt<T>::UNIT / BPR;
+    static_assert(mv_one_row<T>::ON && BPR % mvt<T>::UNIT == 0 && BPR % 4 == 0 && (Q & (Q - 1)) == 0 && Q <= 4 &&
+                      PR >= 2,
+                  "whole rows of whole units, at least two per stage");
+};
+
+template <uint32_t T, int BPR, bool ALIGNED>
+static __device__ __forceinline__ void stage_q8k_packed(const uint8_t *sw, int rows, const uint8_t *x,
+                                                        int64_t x_blocks, const iq2_ref &tab, float *row_sums) {
+    typedef mvq<T> K;
+    constexpr int BB = mvt<T>::BLOCK_BYTES, NS = mv_one_row<T>::STEPS, Q = mv_pack<T, BPR>::Q;
+    const int n_blocks = rows * BPR;
+    const int lane = threadIdx.x & 31, sub = lane & 7, g = lane >> 3;
+    const uint8_t *q8 = x + g * DS4_QK_K + 32 * sub;            /* activation block g's codes for this lane */
+    const uint8_t *bs = x + x_blocks * (DS4_QK_K + 4) + g * 32; /* its bsums */
+    int isum[8], summs[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        isum[i] = summs[i] = 0;
+        if (i < NS && 4 * i < n_blocks) { /* whole steps: rows are whole units of 4 or 8 blocks */
+            const int ab = 4 * (i % Q);     /* the step's first activation block */
+            int w[8], mul[2], mmul[2];
+            K::codes(sw + BB * (4 * i + g), sub, tab, w, mul, mmul);
+            isum[i] = lane_isum<K, ALIGNED>(q8 + ab * DS4_QK_K, w, mul);
+            if (K::HAS_MIN) summs[i] = lane_summs(bs + ab * 32, sub, mmul);
+        }
+    }
+    const int is = lanes8_transpose_sum(isum, sub);
+    const int sm = K::HAS_MIN ? lanes8_transpose_sum(summs, sub) : 0;
+    const int b = 4 * sub + g; /* the stage block whose sums this lane now holds */
+    float v = 0.0f;
+    if (sub < NS && b < n_blocks) {
+        const float yd = ((const float *)(x + x_blocks * DS4_QK_K))[4 * (sub % Q) + g];
+        v = __fadd_rn(0.0f, K::term(sw + BB * b, yd, is, sm)); /* the unpacked kernel's 0 + term */
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        if (off >= 8 || off < Q) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, off));
+    if (g == 0 && sub % Q == 0 && sub / Q < rows) row_sums[sub / Q] = v;
+}
+
 template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s) {
     if constexpr (T == DS4_TYPE_IQ2_XXS) return __fmul_rn(0.125f, s);
     else return s;
@@ -652,10 +712,14 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
  *
  * The one-row kernels of the unrolled stage decoder (mv_one_row) are held
  * to 64 registers: four blocks per SM, as their shared memory allows. */
-template <uint32_t T, int ROWS, bool XQ>
+template <uint32_t T, int ROWS, bool XQ, int PACK = 0>
 __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) mv_kernel(mv_args a) {
     static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
+    static_assert(!PACK || ROWS == 1, "packed stages: one activation row");
+    /* PACK: rows of PACK blocks, PR of them per stage (mv_pack; the host
+     * launches these only for whole rows of that length, no groups) */
     typedef mvt<T> G;
+    constexpr int PR = PACK ? G::STAGE_UNITS * G::UNIT / (PACK ? PACK : 1) : 1; /* mv_pack<T, PACK>::PR */
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -725,7 +789,7 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
      * part has at most a few thousand units, a warp at most MV_MAX_RPW rows */
     const int n_units = (int)(u1 - u0);
     const int spr = (n_units + G::STAGE_UNITS - 1) / G::STAGE_UNITS; /* stages per row */
-    const int total = n_valid * spr;
+    const int total = PACK ? (n_valid + PR - 1) / PR : n_valid * spr;
     const uint8_t *wbase = a.w[z] + wrow0 * a.row_bytes + u0 * G::UNIT_BYTES;
     /* the next stage to issue: its index, the units left in its row, this
      * lane's source in the row and its shared-memory address in the stage's
@@ -737,18 +801,28 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
     const uint8_t *is_row = wbase + 16 * lane, *is_src = is_row;
     auto issue = [&]() {
         if (is_s < total) {
-            const int cnt = is_left < G::STAGE_UNITS ? is_left : G::STAGE_UNITS;
+            int cnt;
+            if constexpr (PACK) { /* the next PR rows, or those left */
+                const int rows = n_valid - PR * is_s;
+                cnt = (rows < PR ? rows : PR) * (PACK / G::UNIT);
+            } else {
+                cnt = is_left < G::STAGE_UNITS ? is_left : G::STAGE_UNITS;
+            }
             const int n16 = cnt * (G::UNIT_BYTES / 16) - lane; /* this lane copies 16-byte pieces c < n16 / 32 */
 #pragma unroll
             for (int c = 0; c < MV_COPIES; c++)
                 if (32 * c < n16) cp_async16_to(is_dst + 512u * (unsigned)c, is_src + 512 * c);
-            is_left -= cnt;
-            if (is_left == 0) { /* the next row */
-                is_left = n_units;
-                is_row += a.row_bytes;
-                is_src = is_row;
+            if constexpr (PACK) {
+                is_src += PR * a.row_bytes;
             } else {
-                is_src += G::STAGE_UNITS * G::UNIT_BYTES;
+                is_left -= cnt;
+                if (is_left == 0) { /* the next row */
+                    is_left = n_units;
+                    is_row += a.row_bytes;
+                    is_src = is_row;
+                } else {
+                    is_src += G::STAGE_UNITS * G::UNIT_BYTES;
+                }
             }
             is_dst = is_dst == ring_lane + (MV_NST - 1) * MV_STAGE ? ring_lane : is_dst + MV_STAGE;
         }
@@ -810,6 +884,15 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
         const uint8_t *sw = ring + slot * MV_STAGE;
         if (++slot == MV_NST) slot = 0;
+        if constexpr (PACK) { /* rows j .. j + here - 1, their sums straight to red */
+            const int here = n_valid - j < PR ? n_valid - j : PR;
+            if (a.act_aligned)
+                stage_q8k_packed<T, PACK, true>(sw, here, act, a.act_blocks, tab, &red[warp * rpw + j][0]);
+            else
+                stage_q8k_packed<T, PACK, false>(sw, here, act, a.act_blocks, tab, &red[warp * rpw + j][0]);
+            j += here;
+            continue;
+        }
         const int n_blocks = cnt * G::UNIT;
         const int64_t gb0 = (u0 + first) * G::UNIT; /* first block of the stage within the row */
         if constexpr (mv_float(T))
@@ -904,6 +987,15 @@ static mv_fn mv_kernel_for(uint32_t type, int rows, bool xq) {
     return mv_kernel_rows<8>(type, xq);
 }
 
+/* The packed one-row kernels (mv_pack): rows of `bpr` blocks; NULL: none. */
+static mv_fn mv_packed_kernel(uint32_t type, int bpr) {
+    if (type == DS4_TYPE_Q2_K && bpr == 4) return mv_kernel<DS4_TYPE_Q2_K, 1, false, 4>;
+    if (type == DS4_TYPE_Q2_K && bpr == 8) return mv_kernel<DS4_TYPE_Q2_K, 1, false, 8>;
+    if (type == DS4_TYPE_IQ2_XXS && bpr == 8) return mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 8>;
+    if (type == DS4_TYPE_IQ2_XXS && bpr == 16) return mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 16>;
+    return NULL;
+}
+
 static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_BF16, DS4_TYPE_Q8_0,
                                      DS4_TYPE_Q2_K, DS4_TYPE_Q4_K,    DS4_TYPE_IQ2_XXS, DS4_TYPE_Q8_K };
 /* Bytes of activations an XQ kernel quantises into shared memory: one row
@@ -929,6 +1021,13 @@ static bool mv_allow_smem(ds4_backend *be) {
                 if (!cuda_allow_dynamic_smem(be, (const void *)mv_kernel_for(mv_types[t], rows[r], xq != 0),
                                              MV_SMEM_MAX, "matvec", 0))
                     return false;
+    static const uint32_t packed[][2] = {
+        { DS4_TYPE_Q2_K, 4 }, { DS4_TYPE_Q2_K, 8 }, { DS4_TYPE_IQ2_XXS, 8 }, { DS4_TYPE_IQ2_XXS, 16 }
+    };
+    for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++)
+        if (!cuda_allow_dynamic_smem(be, (const void *)mv_packed_kernel(packed[i][0], (int)packed[i][1]), MV_SMEM_MAX,
+                                     "matvec", 0))
+            return false;
     cb->mv_smem = true;
     return true;
 }
@@ -936,6 +1035,15 @@ static bool mv_allow_smem(ds4_backend *be) {
 /* Launch with blocks of parts * rpb warps over n_out outputs (gridDim.y
  * expert slots, gridDim.z matrices). */
 static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, int n_mats) {
+    /* rows packed into stages (mv_pack): one-row products of whole short
+     * rows, warps of several rows, no groups. (Rows per warp cut to a
+     * multiple of the rows per stage, Q2_K down warps of 6 rows instead of
+     * 8 in stages of 3, 3 and 2, measured slower: experts q2 42.6 / 206.7 /
+     * 742.7 us at 1 / 8 / 32 rows against 41.1 / 203.6 / 723.8.) */
+    const int bpr = a.units == 1 || a.units == 2 || a.units == 4 ? (int)a.units * (type == DS4_TYPE_Q2_K ? 4 : 8) : 0;
+    const bool packed = cuda_impl(be)->mv_pack && (type == DS4_TYPE_Q2_K || type == DS4_TYPE_IQ2_XXS) &&
+                        mv_packed_kernel(type, bpr) && (a.experts_as_parts || (a.n_rows == 1 && a.parts == 1)) &&
+                        !a.groups && !a.group_rows && !a.xf && a.rpw >= 2;
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
     const bool xq = a.xf != NULL;
@@ -957,7 +1065,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                   (long long)a.act_blocks);
         return false;
     }
-    const mv_fn fn = mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
+    const mv_fn fn = packed ? mv_packed_kernel(type, bpr) : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
     if (act_kind_for(type) == CUDA_MV_Q8_K) {
         /* a row's codes start at its base (groups are whole 256-byte blocks
          * in): the bases, rows or expert slots (act_stride) and tokens
@@ -980,7 +1088,9 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     static const bool prefetch = cuda_env_flag("DS4_CUDA_MV_PREFETCH", true);
     a.prefetch = prefetch ? 1 : 0;
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
-    return cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a);
+    if (!cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a)) return false;
+    if (packed) cuda_impl(be)->mv_packed_launches++;
+    return true;
 }
 
 /* Rows per warp when a warp holds whole rows (no K split): double while at
