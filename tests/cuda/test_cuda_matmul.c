@@ -1722,9 +1722,10 @@ static void test_matvec_quantises_x(void) {
 }
 
 /* Short rows packed into the streaming kernels' stages
- * (ds4_cuda_backend_set_mv_pack): rows of 4 or 8 Q2_K blocks and of 8 or
- * 16 IQ2_XXS blocks (the full-size model's experts: IQ2_XXS gate/up rows of
- * 16 blocks, Q2_K down rows of 8), two to six rows a stage, warps of 2, 4
+ * (ds4_cuda_backend_set_mv_pack): rows of 4 or 8 Q2_K blocks, of 8 or 16
+ * IQ2_XXS blocks and of 32 Q8_0 blocks (the full-size model's experts:
+ * IQ2_XXS gate/up rows of 16 blocks, Q2_K down rows of 8; q_b), two to six
+ * rows a stage, warps of 2, 4
  * or 8 rows whose last stage holds fewer. Against the CPU (matmul_case's
  * bounds, moe_case's) with packing on, then bit for bit the same results
  * as with it off; the launch counter shows which way each ran. */
@@ -1798,6 +1799,11 @@ static void test_matvec_pack(void) {
     pack_plain_case(&p, DS4_TYPE_Q2_K, 2048, 40001);    /* 3 a stage, warps of 4: 3 and 1 */
     pack_plain_case(&p, DS4_TYPE_IQ2_XXS, 2048, 40001); /* 4 a stage, warps of 4 */
     pack_plain_case(&p, DS4_TYPE_IQ2_XXS, 4096, 20001); /* 2 a stage, warps of 2 */
+    /* Q8_0 rows of 32 blocks (q_b's), 2 a stage: warps of 4 rows, with the
+     * activations quantised by the kernel itself (at most 1,056 blocks of
+     * 32 rows) and by the quantiser kernel */
+    pack_plain_case(&p, DS4_TYPE_Q8_0, 1024, 32773);
+    pack_plain_case(&p, DS4_TYPE_Q8_0, 1024, 40001);
     /* the experts: gate/up rows of 16 IQ2_XXS blocks with down rows of 4 Q2_K
      * blocks, and of 8 with 8 (warps of 8 rows: stages of 3, 3 and 2 for the down) */
     for (int64_t nr = 1; nr <= 3; nr += 2) {

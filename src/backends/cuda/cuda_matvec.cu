@@ -357,6 +357,30 @@ static __device__ __forceinline__ void stage_q8_0(const uint8_t *sw, int n_block
     }
 }
 
+/* Two Q8_0 rows of 32 blocks in one stage (q_b's rows of 1,024; mv_pack):
+ * lane l decodes block l of both against activation block l, as the
+ * unpacked kernel decodes each row's block l in lane l, so each lane's two
+ * sums are the unpacked kernel's. The rows' butterflies share their first
+ * step (lanes below 16 keep row 0's pairwise sum, the others row 1's: the
+ * same two values the unpacked butterfly adds, in either order) and run
+ * the rest in each half, where every partner holds what it holds in the
+ * unpacked butterfly: row 0's sum lands in lane 0, row 1's in lane 16, bit
+ * for bit the unpacked kernel's. */
+static __device__ __forceinline__ void stage_q8_0_packed(const uint8_t *sw, int rows, const uint8_t *x,
+                                                         int64_t x_blocks, float *row_sums) {
+    const int lane = threadIdx.x & 31, odd = lane & 1;
+    const int8_t *xq = (const int8_t *)x + lane * 32;
+    const float *xd = (const float *)(x + x_blocks * 32) + lane;
+    float v0[1] = { 0.0f }, v1[1] = { 0.0f };
+    q8_0_block<1>(sw + 34 * lane, odd, xq, xd, 0, 1, v0);
+    if (rows > 1) q8_0_block<1>(sw + 34 * (lane + 32), odd, xq, xd, 0, 1, v1);
+    const bool h = lane & 16;
+    float v = __fadd_rn(h ? v1[0] : v0[0], __shfl_xor_sync(FULL_MASK, h ? v0[0] : v1[0], 16));
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(FULL_MASK, v, off));
+    if ((lane & 15) == 0 && (lane >> 4) < rows) row_sums[lane >> 4] = v;
+}
+
 /* Q8_K-activation types: lane `sub` (0..7) of a block's eight lanes holds
  * its elements 32 sub .. 32 sub + 31 as eight words of int8 codes, with the
  * multipliers (scale, min) of their two 16-element halves. (Lanes taking
@@ -632,9 +656,10 @@ static __device__ __forceinline__ void stage_q8k_one(const uint8_t *sw, int n_bl
 
 /* Rows packed into one stage. A one-row product over short rows (the routed
  * experts of the full-size q2 model: IQ2_XXS gate/up rows of 16 blocks,
- * Q2_K down rows of 8) would give each row a stage of its own, one or two
- * thirds full, and pay the stage's fixed work (the transposing sums, the
- * row's butterfly, the ring step) per row. A warp's rows are consecutive
+ * Q2_K down rows of 8; q_b's Q8_0 rows of 32, stage_q8_0_packed) would
+ * give each row a stage of its own, a third to a half full, and pay the
+ * stage's fixed work (the transposing sums, the row's butterfly, the ring
+ * step) per row. A warp's rows are consecutive
  * rows of one matrix and contiguous in memory, so a stage of PR =
  * stage blocks / BPR rows of BPR blocks (BPR a multiple of 4, BPR / 4 a
  * power of two) is one copy, decoded as stage_q8k_one decodes a stage: step
@@ -716,8 +741,9 @@ template <uint32_t T, int ROWS, bool XQ, int PACK = 0>
 __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) mv_kernel(mv_args a) {
     static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
     static_assert(!PACK || ROWS == 1, "packed stages: one activation row");
-    /* PACK: rows of PACK blocks, PR of them per stage (mv_pack; the host
-     * launches these only for whole rows of that length, no groups) */
+    /* PACK: rows of PACK blocks, PR of them per stage (mv_pack, or Q8_0's
+     * two rows of 32; the host launches these only for whole rows of that
+     * length, no groups) */
     typedef mvt<T> G;
     constexpr int PR = PACK ? G::STAGE_UNITS * G::UNIT / (PACK ? PACK : 1) : 1; /* mv_pack<T, PACK>::PR */
     extern __shared__ uint4 smem[];
@@ -884,7 +910,12 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
         const uint8_t *sw = ring + slot * MV_STAGE;
         if (++slot == MV_NST) slot = 0;
-        if constexpr (PACK) { /* rows j .. j + here - 1, their sums straight to red */
+        if constexpr (PACK && T == DS4_TYPE_Q8_0) {
+            const int here = n_valid - j < PR ? n_valid - j : PR;
+            stage_q8_0_packed(sw, here, act, a.act_blocks, &red[warp * rpw + j][0]);
+            j += here;
+            continue;
+        } else if constexpr (PACK) { /* rows j .. j + here - 1, their sums straight to red */
             const int here = n_valid - j < PR ? n_valid - j : PR;
             if (a.act_aligned)
                 stage_q8k_packed<T, PACK, true>(sw, here, act, a.act_blocks, tab, &red[warp * rpw + j][0]);
@@ -988,7 +1019,10 @@ static mv_fn mv_kernel_for(uint32_t type, int rows, bool xq) {
 }
 
 /* The packed one-row kernels (mv_pack): rows of `bpr` blocks; NULL: none. */
-static mv_fn mv_packed_kernel(uint32_t type, int bpr) {
+static mv_fn mv_packed_kernel(uint32_t type, int bpr, bool xq) {
+    if (type == DS4_TYPE_Q8_0 && bpr == 32)
+        return xq ? mv_kernel<DS4_TYPE_Q8_0, 1, true, 32> : mv_kernel<DS4_TYPE_Q8_0, 1, false, 32>;
+    if (xq) return NULL;
     if (type == DS4_TYPE_Q2_K && bpr == 4) return mv_kernel<DS4_TYPE_Q2_K, 1, false, 4>;
     if (type == DS4_TYPE_Q2_K && bpr == 8) return mv_kernel<DS4_TYPE_Q2_K, 1, false, 8>;
     if (type == DS4_TYPE_IQ2_XXS && bpr == 8) return mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 8>;
@@ -1021,12 +1055,12 @@ static bool mv_allow_smem(ds4_backend *be) {
                 if (!cuda_allow_dynamic_smem(be, (const void *)mv_kernel_for(mv_types[t], rows[r], xq != 0),
                                              MV_SMEM_MAX, "matvec", 0))
                     return false;
-    static const uint32_t packed[][2] = {
-        { DS4_TYPE_Q2_K, 4 }, { DS4_TYPE_Q2_K, 8 }, { DS4_TYPE_IQ2_XXS, 8 }, { DS4_TYPE_IQ2_XXS, 16 }
-    };
+    static const uint32_t packed[][3] = { { DS4_TYPE_Q2_K, 4, 0 },     { DS4_TYPE_Q2_K, 8, 0 },
+                                          { DS4_TYPE_IQ2_XXS, 8, 0 },  { DS4_TYPE_IQ2_XXS, 16, 0 },
+                                          { DS4_TYPE_Q8_0, 32, 0 },    { DS4_TYPE_Q8_0, 32, 1 } };
     for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++)
-        if (!cuda_allow_dynamic_smem(be, (const void *)mv_packed_kernel(packed[i][0], (int)packed[i][1]), MV_SMEM_MAX,
-                                     "matvec", 0))
+        if (!cuda_allow_dynamic_smem(be, (const void *)mv_packed_kernel(packed[i][0], (int)packed[i][1], packed[i][2]),
+                                     MV_SMEM_MAX, "matvec", 0))
             return false;
     cb->mv_smem = true;
     return true;
@@ -1035,15 +1069,17 @@ static bool mv_allow_smem(ds4_backend *be) {
 /* Launch with blocks of parts * rpb warps over n_out outputs (gridDim.y
  * expert slots, gridDim.z matrices). */
 static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, int n_mats) {
-    /* rows packed into stages (mv_pack): one-row products of whole short
-     * rows, warps of several rows, no groups. (Rows per warp cut to a
+    /* rows packed into stages (mv_pack, stage_q8_0_packed): one-row
+     * products of whole short rows, warps of several rows, no groups. (Rows per warp cut to a
      * multiple of the rows per stage, Q2_K down warps of 6 rows instead of
      * 8 in stages of 3, 3 and 2, measured slower: experts q2 42.6 / 206.7 /
      * 742.7 us at 1 / 8 / 32 rows against 41.1 / 203.6 / 723.8.) */
     const int bpr = a.units == 1 || a.units == 2 || a.units == 4 ? (int)a.units * (type == DS4_TYPE_Q2_K ? 4 : 8) : 0;
-    const bool packed = cuda_impl(be)->mv_pack && (type == DS4_TYPE_Q2_K || type == DS4_TYPE_IQ2_XXS) &&
-                        mv_packed_kernel(type, bpr) && (a.experts_as_parts || (a.n_rows == 1 && a.parts == 1)) &&
-                        !a.groups && !a.group_rows && !a.xf && a.rpw >= 2;
+    const bool packed = cuda_impl(be)->mv_pack &&
+                        (type == DS4_TYPE_Q2_K || type == DS4_TYPE_IQ2_XXS || type == DS4_TYPE_Q8_0) &&
+                        mv_packed_kernel(type, bpr, a.xf != NULL) &&
+                        (a.experts_as_parts || (a.n_rows == 1 && a.parts == 1)) && !a.groups && !a.group_rows &&
+                        a.rpw >= 2;
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
     const bool xq = a.xf != NULL;
@@ -1065,7 +1101,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                   (long long)a.act_blocks);
         return false;
     }
-    const mv_fn fn = packed ? mv_packed_kernel(type, bpr) : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
+    const mv_fn fn = packed ? mv_packed_kernel(type, bpr, xq) : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
     if (act_kind_for(type) == CUDA_MV_Q8_K) {
         /* a row's codes start at its base (groups are whole 256-byte blocks
          * in): the bases, rows or expert slots (act_stride) and tokens
