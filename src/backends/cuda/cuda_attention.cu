@@ -61,7 +61,7 @@
 #define ATT_MIN_ROWS 64         /* fewest rows worth a split of their own */
 #define ATT_TARGET_BLOCKS 512   /* heads x splits aimed for (a few waves of the SMs) */
 #define ROPE_THREADS 256
-#define ROPE_PAIRS_PER_BLOCK 2048
+#define ROPE_PAIRS_PER_BLOCK 512 /* two per thread: a decoded row's 64 heads in four blocks */
 #define POOL_THREADS 256
 #define IDX_THREADS 256         /* indexer blocks: 8 warps, one key each at a time */
 #define IDX_WARPS (IDX_THREADS / 32)
@@ -154,10 +154,10 @@ static __global__ void __launch_bounds__(ROPE_THREADS)
     rope_table(rp, pos[r], rope_cs);
     const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
     const int64_t h1 = h0 + heads_per_block < n_heads ? h0 + heads_per_block : n_heads;
-    const int64_t count = (h1 - h0) * half;
-    for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
+    const int count = (int)((h1 - h0) * half); /* at most ROPE_PAIRS_PER_BLOCK + half (32-bit index math) */
+    for (int e = threadIdx.x; e < count; e += blockDim.x) {
         const int64_t h = h0 + e / half;
-        const int k = (int)(e % half);
+        const int k = e % half;
         float *tail = x + (r * n_heads + h) * head_dim + (head_dim - rp.n_rot);
         const float c = rope_cs[k], s = rope_cs[half + k];
         const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
@@ -200,6 +200,10 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     const int64_t min_per_block = (n_heads + 65534) / 65535; /* grid y limit */
     if (per_block < min_per_block) per_block = min_per_block;
     if (per_block > n_heads) per_block = n_heads;
+    if (per_block * half > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "rope_tail: %lld heads a row", (long long)n_heads);
+        return;
+    }
     const int64_t groups = (n_heads + per_block - 1) / per_block;
 
     const rope_params rp = rope_params_of(rope, inverse);
@@ -231,8 +235,11 @@ static __global__ void __launch_bounds__(NORM_THREADS)
     const int64_t head = blockIdx.x, r = head / n_heads;
     float *xr = x + head * head_dim;
     float4 v[NORM_VEC];
-    const float scale = rms_cached_row(xr, head_dim, eps, v, part);
-    rope_table(rp, pos[r], rope_cs);
+    float wv[NORM_VEC][4];
+    rms_load_row(xr, head_dim, v);
+    rms_load_weight(w, head_dim, wv);
+    rope_table(rp, pos[r], rope_cs); /* while the row is in flight */
+    const float scale = rms_loaded_scale(v, head_dim, eps, part);
     const int half = rp.n_rot / 2;
     const int64_t tail = head_dim - rp.n_rot; /* even */
 #pragma unroll
@@ -242,7 +249,7 @@ static __global__ void __launch_bounds__(NORM_THREADS)
                        __fmul_rn(v[k].w, scale) };
         if (w && i < head_dim)
 #pragma unroll
-            for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], w[i + c]);
+            for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], wv[k][c]);
 #pragma unroll
         for (int c = 0; c < 4; c += 2) { /* the pair (i + c, i + c + 1) of the tail */
             if (i + c >= tail && i + c < head_dim) {

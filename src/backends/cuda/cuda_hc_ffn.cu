@@ -119,7 +119,7 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
             C[r * n + c] = cuda_expf(__fsub_rn(C[r * n + c], m));
             sum = __fadd_rn(sum, C[r * n + c]);
         }
-        const float inv = __fdiv_rn(1.0f, sum);
+        const float inv = __frcp_rn(sum);
         for (int c = 0; c < n; c++) C[r * n + c] = __fadd_rn(__fmul_rn(C[r * n + c], inv), eps);
     }
     for (int iter = 0; iter < a.iters; iter++) {
@@ -127,14 +127,14 @@ static __device__ void hc_split_one(const hc_args &a, const float *mix, float *p
             for (int r = 0; r < n; r++) {
                 float sum = 0.0f;
                 for (int c = 0; c < n; c++) sum = __fadd_rn(sum, C[r * n + c]);
-                const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+                const float inv = __frcp_rn(__fadd_rn(sum, eps));
                 for (int c = 0; c < n; c++) C[r * n + c] = __fmul_rn(C[r * n + c], inv);
             }
         }
         for (int c = 0; c < n; c++) {
             float sum = 0.0f;
             for (int r = 0; r < n; r++) sum = __fadd_rn(sum, C[r * n + c]);
-            const float inv = __fdiv_rn(1.0f, __fadd_rn(sum, eps));
+            const float inv = __frcp_rn(__fadd_rn(sum, eps));
             for (int r = 0; r < n; r++) C[r * n + c] = __fmul_rn(C[r * n + c], inv);
         }
     }
@@ -196,18 +196,18 @@ static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
-    v = __fadd_rn(__fmul_rn(v, __fdiv_rn(1.0f, sum)), eps);
+    v = __fadd_rn(__fmul_rn(v, __frcp_rn(sum)), eps);
     for (int iter = 0; iter < a.iters; iter++) {
         if (iter > 0) {
             sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
-            v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
+            v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
         }
         sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * n + c));
-        v = __fmul_rn(v, __fdiv_rn(1.0f, __fadd_rn(sum, eps)));
+        v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
     }
     if (mine) C[lane] = v;
 }
@@ -389,7 +389,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
         }
     }
     const double ss = block_sum_double(ss_part, red_d); /* every thread has it; its barriers publish mix */
-    const float rms_scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
+    const float rms_scale = __frcp_rn(__fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
     for (int k = threadIdx.x; k < n_mix; k += HC_THREADS) mix[k] = __fmul_rn(mix[k], rms_scale);
     __syncthreads();
     if (split_warp) {

@@ -41,20 +41,42 @@ static __device__ __forceinline__ float rms_scale_of(double ss, int64_t dim, flo
 /* A row of dim <= NORM_CACHED floats (dim % 4 == 0, 16-byte aligned) read
  * by a block of NORM_THREADS threads into v (thread t holds elements 4 (t +
  * k NORM_THREADS) .. + 3 in v[k], zeros past the end), every load in flight
- * before the sum waits on one; returns its rms_scale_of. */
-static __device__ __forceinline__ float rms_cached_row(const float *xr, int64_t dim, float eps,
-                                                       float4 (&v)[NORM_VEC], double *part) {
-    double ss = 0.0;
+ * before the sum waits on one. */
+static __device__ __forceinline__ void rms_load_row(const float *xr, int64_t dim, float4 (&v)[NORM_VEC]) {
 #pragma unroll
     for (int k = 0; k < NORM_VEC; k++) {
         const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
         v[k] = i < dim ? *(const float4 *)(xr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+}
+/* rms_scale_of the row rms_load_row read into v (split from the loads so a
+ * kernel can do other work while they are in flight) */
+static __device__ __forceinline__ float rms_loaded_scale(const float4 (&v)[NORM_VEC], int64_t dim, float eps,
+                                                         double *part) {
+    double ss = 0.0;
 #pragma unroll
     for (int k = 0; k < NORM_VEC; k++)
         ss += (double)v[k].x * (double)v[k].x + (double)v[k].y * (double)v[k].y + (double)v[k].z * (double)v[k].z +
               (double)v[k].w * (double)v[k].w;
     return rms_scale_of(ss, dim, eps, part);
+}
+/* both: the row into v, and its rms_scale_of */
+static __device__ __forceinline__ float rms_cached_row(const float *xr, int64_t dim, float eps,
+                                                       float4 (&v)[NORM_VEC], double *part) {
+    rms_load_row(xr, dim, v);
+    return rms_loaded_scale(v, dim, eps, part);
+}
+
+/* The norm weight's values at the places rms_load_row reads (w may be
+ * NULL: ones), loaded with the row so that their latency is not added
+ * after the sum's. */
+static __device__ __forceinline__ void rms_load_weight(const float *w, int64_t dim, float (&wv)[NORM_VEC][4]) {
+#pragma unroll
+    for (int k = 0; k < NORM_VEC; k++) {
+        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+#pragma unroll
+        for (int c = 0; c < 4; c++) wv[k][c] = w && i < dim ? w[i + c] : 1.0f;
+    }
 }
 
 /* round_small_float of rounding.c: nearest value with `mant_bits` mantissa
