@@ -1716,8 +1716,12 @@ static void test_matvec_quantises_x(void) {
     quantises_x_case(&p, 4096, 512, 2, false, false);   /* 9216 bytes */
     quantises_x_case(&p, 512, 77, 8, true, true);       /* 8 x 576 bytes */
     quantises_x_case(&p, 768, 64, 1, true, true);       /* 24 blocks a row */
-    quantises_x_case(&p, 1024, 40000, 1, false, false); /* 1,250 blocks (the head's shape) */
-    quantises_x_case(&p, 1024, 8192, 1, true, false);   /* 1,024 blocks; multi 2 x 1,024 */
+    /* grids of warps of 8 rows (MV_MIN_WARPS): 70,000 outputs in 1,094
+     * blocks (the head's kind of shape); 40,000 in 625, but 2 x 625 for the
+     * multi; 8,192 in 256 (warps of 4 rows) */
+    quantises_x_case(&p, 1024, 70000, 1, false, false);
+    quantises_x_case(&p, 1024, 40000, 1, true, false);
+    quantises_x_case(&p, 1024, 8192, 1, true, true);
     op_pair_close(&p);
 }
 
