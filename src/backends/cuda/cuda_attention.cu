@@ -154,7 +154,7 @@ static __global__ void __launch_bounds__(ROPE_THREADS)
     rope_table(rp, pos[r], rope_cs);
     const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
     const int64_t h1 = h0 + heads_per_block < n_heads ? h0 + heads_per_block : n_heads;
-    const int count = (int)((h1 - h0) * half); /* at most ROPE_PAIRS_PER_BLOCK + half (32-bit index math) */
+    const int count = (int)((h1 - h0) * half); /* the host keeps it below INT32_MAX - ROPE_THREADS */
     for (int e = threadIdx.x; e < count; e += blockDim.x) {
         const int64_t h = h0 + e / half;
         const int k = e % half;
@@ -200,7 +200,7 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
     const int64_t min_per_block = (n_heads + 65534) / 65535; /* grid y limit */
     if (per_block < min_per_block) per_block = min_per_block;
     if (per_block > n_heads) per_block = n_heads;
-    if (per_block * half > INT32_MAX) {
+    if (per_block * half > INT32_MAX - ROPE_THREADS) { /* the kernel's 32-bit pair index */
         cuda_fail(be, DS4_ERR_INVALID, "rope_tail: %lld heads a row", (long long)n_heads);
         return;
     }
@@ -217,7 +217,7 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
 /* ------------------------------------------------------------------------ */
 
 /* Block (row r, head h) of NORM_THREADS threads: the head's values in
- * registers as rmsnorm_kernel<true> holds a row (rms_cached_row: the same
+ * registers as rmsnorm_kernel<true> holds a row (rms_load_row: the same
  * sum of squares), times the scale and the weight; the tail's pairs
  * rotated as rope_tail_kernel rotates them (a pair never straddles a
  * thread's four values: the tail starts at an even offset); with ROUND, the

@@ -644,7 +644,8 @@ static void cuda_embed(ds4_backend *be, const ds4_weight *table, const int32_t *
  * y = x * scale * w in float, scale = 1 / sqrtf(float(ss / dim) + eps).
  * Rows of at most NORM_CACHED floats that start 16-byte aligned (CACHED)
  * are read once, with every load in flight before the sum waits on one,
- * and kept in registers for the scaling (rms_cached_row, cuda_rows.cuh);
+ * and kept in registers for the scaling (rms_load_row, cuda_rows.cuh; the
+ * norm weight's values are loaded with them, rms_load_weight);
  * other rows are read twice. The two paths add the squares in different
  * orders (either differs from the CPU's only in that). */
 

@@ -121,9 +121,9 @@ void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
 void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
 /* Short rows packed into the matvec kernels' stages (on by default;
  * DS4_CUDA_MV_PACK=0 makes off the default): one-activation-row products
- * whose rows are 4 or 8 Q2_K blocks or 8 or 16 IQ2_XXS blocks (the routed
- * experts of the full-size q2 model) copy and decode two to six rows per
- * stage instead of one. The results are the same either way, bit for bit.
+ * whose rows are 4 or 8 Q2_K blocks, 8 or 16 IQ2_XXS blocks (the routed
+ * experts of the full-size q2 model) or 32 Q8_0 blocks (q_b) copy and
+ * decode two to six rows per stage instead of one. The results are the same either way, bit for bit.
  * Takes effect at the next op. */
 void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on);
 /* Matvec launches that packed rows so, since the backend was created. */

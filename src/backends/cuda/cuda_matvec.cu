@@ -113,6 +113,16 @@ static int unit_bytes_of(uint32_t type) {
     }
 }
 
+/* blocks per unit of the packable types (mv_pack), else 0 */
+static int unit_blocks_of(uint32_t type) {
+    switch (type) {
+    case DS4_TYPE_Q8_0: return mvt<DS4_TYPE_Q8_0>::UNIT;
+    case DS4_TYPE_Q2_K: return mvt<DS4_TYPE_Q2_K>::UNIT;
+    case DS4_TYPE_IQ2_XXS: return mvt<DS4_TYPE_IQ2_XXS>::UNIT;
+    default: return 0;
+    }
+}
+
 static constexpr __host__ __device__ bool mv_float(uint32_t t) {
     return t == DS4_TYPE_F32 || t == DS4_TYPE_F16 || t == DS4_TYPE_BF16;
 }
@@ -683,6 +693,13 @@ template <uint32_t T, int BPR> struct mv_pack {
                   "whole rows of whole units, at least two per stage");
 };
 
+/* the rows per stage a packed kernel assumes are its decoder's */
+template <uint32_t T, int PACK, int PR> static constexpr __host__ __device__ bool mv_pack_fits() {
+    if constexpr (PACK == 0) return true;
+    else if constexpr (T == DS4_TYPE_Q8_0) return PACK == 32 && PR == 2;
+    else return PR == mv_pack<T, PACK>::PR;
+}
+
 template <uint32_t T, int BPR, bool ALIGNED>
 static __device__ __forceinline__ void stage_q8k_packed(const uint8_t *sw, int rows, const uint8_t *x,
                                                         int64_t x_blocks, const iq2_ref &tab, float *row_sums) {
@@ -749,6 +766,7 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
      * length, no groups) */
     typedef mvt<T> G;
     constexpr int PR = PACK ? G::STAGE_UNITS * G::UNIT / (PACK ? PACK : 1) : 1; /* mv_pack<T, PACK>::PR */
+    static_assert(mv_pack_fits<T, PACK, PR>(), "stage_q8_0_packed takes two rows of 32 blocks; the others mv_pack's");
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1077,7 +1095,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
      * multiple of the rows per stage, Q2_K down warps of 6 rows instead of
      * 8 in stages of 3, 3 and 2, measured slower: experts q2 42.6 / 206.7 /
      * 742.7 us at 1 / 8 / 32 rows against 41.1 / 203.6 / 723.8.) */
-    const int bpr = a.units == 1 || a.units == 2 || a.units == 4 ? (int)a.units * (type == DS4_TYPE_Q2_K ? 4 : 8) : 0;
+    const int bpr = a.units == 1 || a.units == 2 || a.units == 4 ? (int)a.units * unit_blocks_of(type) : 0;
     const bool packed = cuda_impl(be)->mv_pack &&
                         (type == DS4_TYPE_Q2_K || type == DS4_TYPE_IQ2_XXS || type == DS4_TYPE_Q8_0) &&
                         mv_packed_kernel(type, bpr, a.xf != NULL) &&

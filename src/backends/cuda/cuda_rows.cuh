@@ -60,12 +60,6 @@ static __device__ __forceinline__ float rms_loaded_scale(const float4 (&v)[NORM_
               (double)v[k].w * (double)v[k].w;
     return rms_scale_of(ss, dim, eps, part);
 }
-/* both: the row into v, and its rms_scale_of */
-static __device__ __forceinline__ float rms_cached_row(const float *xr, int64_t dim, float eps,
-                                                       float4 (&v)[NORM_VEC], double *part) {
-    rms_load_row(xr, dim, v);
-    return rms_loaded_scale(v, dim, eps, part);
-}
 
 /* The norm weight's values at the places rms_load_row reads (w may be
  * NULL: ones), loaded with the row so that their latency is not added
