@@ -1262,18 +1262,22 @@ static void hc_pre_case(const ds4_hc *hcp) {
          * which is 1 - eps / (sum + eps): near 1, but by more than eps when a
          * column's sum before the last step was small. So each column sum is
          * checked against the reference's (same formula in double), and
-         * loosely against 1; rows converge after 20 rounds to within ~1e-3
-         * for logits of this size. */
+         * loosely against 1. Rows are not normalised last: after 20 rounds
+         * they are near 1 only as far as the iteration has converged, which
+         * depends on the logits (some random ones leave 3.5e-3), so each row
+         * sum is held to the reference's and only loosely to 1. */
         for (int i = 0; i < n; i++) {
-            double rs = 0, cs = 0, cs_ref = 0;
+            double rs = 0, cs = 0, cs_ref = 0, rs_ref = 0;
             for (int j = 0; j < n; j++) {
                 rs += comb[r * n * n + i * n + j];
                 cs += comb[r * n * n + j * n + i];
                 cs_ref += C[j][i];
+                rs_ref += C[i][j];
             }
             CHECK_NEAR(cs, cs_ref, 1e-5);
             CHECK_NEAR(cs, 1.0, 1e-3);
-            if (hc.iters == 20) CHECK_NEAR(rs, 1.0, 1e-3);
+            CHECK_NEAR(rs, rs_ref, 1e-5);
+            if (hc.iters == 20) CHECK_NEAR(rs, 1.0, 2e-2);
         }
         for (int64_t i = 0; i < hc.dim; i++) {
             double want = 0, mag = 0;
