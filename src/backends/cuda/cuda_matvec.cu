@@ -927,24 +927,19 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         cp_async_wait<MV_NST - 2>();
         __syncwarp();
         issue();
-        const int first = k * G::STAGE_UNITS;
-        const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
         const uint8_t *sw = ring + slot * MV_STAGE;
         if (++slot == MV_NST) slot = 0;
-        if constexpr (PACK && T == DS4_TYPE_Q8_0) {
+        if constexpr (PACK) { /* rows j .. j + here - 1, their sums straight to red */
             const int here = n_valid - j < PR ? n_valid - j : PR;
-            stage_q8_0_packed(sw, here, act, a.act_blocks, &red[warp * rpw + j][0]);
-            j += here;
-            continue;
-        } else if constexpr (PACK) { /* rows j .. j + here - 1, their sums straight to red */
-            const int here = n_valid - j < PR ? n_valid - j : PR;
-            if (a.act_aligned)
-                stage_q8k_packed<T, PACK, true>(sw, here, act, a.act_blocks, tab, &red[warp * rpw + j][0]);
-            else
-                stage_q8k_packed<T, PACK, false>(sw, here, act, a.act_blocks, tab, &red[warp * rpw + j][0]);
+            float *sums = &red[warp * rpw + j][0];
+            if constexpr (T == DS4_TYPE_Q8_0) stage_q8_0_packed(sw, here, act, a.act_blocks, sums);
+            else if (a.act_aligned) stage_q8k_packed<T, PACK, true>(sw, here, act, a.act_blocks, tab, sums);
+            else stage_q8k_packed<T, PACK, false>(sw, here, act, a.act_blocks, tab, sums);
             j += here;
             continue;
         }
+        const int first = k * G::STAGE_UNITS;
+        const int cnt = n_units - first < G::STAGE_UNITS ? n_units - first : G::STAGE_UNITS;
         const int n_blocks = cnt * G::UNIT;
         const int64_t gb0 = (u0 + first) * G::UNIT; /* first block of the stage within the row */
         if constexpr (mv_float(T))
@@ -1039,15 +1034,27 @@ static mv_fn mv_kernel_for(uint32_t type, int rows, bool xq) {
     return mv_kernel_rows<8>(type, xq);
 }
 
-/* The packed one-row kernels (mv_pack): rows of `bpr` blocks; NULL: none. */
+/* The packed one-row kernels (mv_pack, stage_q8_0_packed): rows of bpr
+ * blocks, xq the kernels quantising their own x. */
+struct mv_packed {
+    uint32_t type;
+    int bpr;
+    bool xq;
+    mv_fn fn;
+};
+static const mv_packed mv_packed_kernels[] = {
+    { DS4_TYPE_Q2_K, 4, false, mv_kernel<DS4_TYPE_Q2_K, 1, false, 4> },
+    { DS4_TYPE_Q2_K, 8, false, mv_kernel<DS4_TYPE_Q2_K, 1, false, 8> },
+    { DS4_TYPE_IQ2_XXS, 8, false, mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 8> },
+    { DS4_TYPE_IQ2_XXS, 16, false, mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 16> },
+    { DS4_TYPE_Q8_0, 32, false, mv_kernel<DS4_TYPE_Q8_0, 1, false, 32> },
+    { DS4_TYPE_Q8_0, 32, true, mv_kernel<DS4_TYPE_Q8_0, 1, true, 32> },
+};
+/* the packed kernel for rows of bpr blocks; NULL: none */
 static mv_fn mv_packed_kernel(uint32_t type, int bpr, bool xq) {
-    if (type == DS4_TYPE_Q8_0 && bpr == 32)
-        return xq ? mv_kernel<DS4_TYPE_Q8_0, 1, true, 32> : mv_kernel<DS4_TYPE_Q8_0, 1, false, 32>;
-    if (xq) return NULL;
-    if (type == DS4_TYPE_Q2_K && bpr == 4) return mv_kernel<DS4_TYPE_Q2_K, 1, false, 4>;
-    if (type == DS4_TYPE_Q2_K && bpr == 8) return mv_kernel<DS4_TYPE_Q2_K, 1, false, 8>;
-    if (type == DS4_TYPE_IQ2_XXS && bpr == 8) return mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 8>;
-    if (type == DS4_TYPE_IQ2_XXS && bpr == 16) return mv_kernel<DS4_TYPE_IQ2_XXS, 1, false, 16>;
+    for (size_t i = 0; i < sizeof mv_packed_kernels / sizeof mv_packed_kernels[0]; i++)
+        if (mv_packed_kernels[i].type == type && mv_packed_kernels[i].bpr == bpr && mv_packed_kernels[i].xq == xq)
+            return mv_packed_kernels[i].fn;
     return NULL;
 }
 
@@ -1076,12 +1083,8 @@ static bool mv_allow_smem(ds4_backend *be) {
                 if (!cuda_allow_dynamic_smem(be, (const void *)mv_kernel_for(mv_types[t], rows[r], xq != 0),
                                              MV_SMEM_MAX, "matvec", 0))
                     return false;
-    static const uint32_t packed[][3] = { { DS4_TYPE_Q2_K, 4, 0 },     { DS4_TYPE_Q2_K, 8, 0 },
-                                          { DS4_TYPE_IQ2_XXS, 8, 0 },  { DS4_TYPE_IQ2_XXS, 16, 0 },
-                                          { DS4_TYPE_Q8_0, 32, 0 },    { DS4_TYPE_Q8_0, 32, 1 } };
-    for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++)
-        if (!cuda_allow_dynamic_smem(be, (const void *)mv_packed_kernel(packed[i][0], (int)packed[i][1], packed[i][2]),
-                                     MV_SMEM_MAX, "matvec", 0))
+    for (size_t i = 0; i < sizeof mv_packed_kernels / sizeof mv_packed_kernels[0]; i++)
+        if (!cuda_allow_dynamic_smem(be, (const void *)mv_packed_kernels[i].fn, MV_SMEM_MAX, "matvec", 0))
             return false;
     cb->mv_smem = true;
     return true;
@@ -1091,16 +1094,16 @@ static bool mv_allow_smem(ds4_backend *be) {
  * expert slots, gridDim.z matrices). */
 static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, int n_mats) {
     /* rows packed into stages (mv_pack, stage_q8_0_packed): one-row
-     * products of whole short rows, warps of several rows, no groups. (Rows per warp cut to a
-     * multiple of the rows per stage, Q2_K down warps of 6 rows instead of
-     * 8 in stages of 3, 3 and 2, measured slower: experts q2 42.6 / 206.7 /
-     * 742.7 us at 1 / 8 / 32 rows against 41.1 / 203.6 / 723.8.) */
+     * products of whole short rows, warps of several rows, no groups.
+     * (Rows per warp cut to a multiple of the rows per stage, Q2_K down
+     * warps of 6 rows instead of 8 in stages of 3, 3 and 2, measured
+     * slower: experts q2 42.6 / 206.7 / 742.7 us at 1 / 8 / 32 rows against
+     * 41.1 / 203.6 / 723.8.) */
     const int bpr = a.units == 1 || a.units == 2 || a.units == 4 ? (int)a.units * unit_blocks_of(type) : 0;
-    const bool packed = cuda_impl(be)->mv_pack &&
-                        (type == DS4_TYPE_Q2_K || type == DS4_TYPE_IQ2_XXS || type == DS4_TYPE_Q8_0) &&
-                        mv_packed_kernel(type, bpr, a.xf != NULL) &&
-                        (a.experts_as_parts || (a.n_rows == 1 && a.parts == 1)) && !a.groups && !a.group_rows &&
-                        a.rpw >= 2;
+    const mv_fn packed_fn = cuda_impl(be)->mv_pack && (a.experts_as_parts || (a.n_rows == 1 && a.parts == 1)) &&
+                                    !a.groups && !a.group_rows && a.rpw >= 2
+                                ? mv_packed_kernel(type, bpr, a.xf != NULL)
+                                : NULL;
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
     const bool xq = a.xf != NULL;
@@ -1122,7 +1125,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                   (long long)a.act_blocks);
         return false;
     }
-    const mv_fn fn = packed ? mv_packed_kernel(type, bpr, xq) : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
+    const mv_fn fn = packed_fn ? packed_fn : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
     if (act_kind_for(type) == CUDA_MV_Q8_K) {
         /* a row's codes start at its base (groups are whole 256-byte blocks
          * in): the bases, rows or expert slots (act_stride) and tokens
@@ -1146,7 +1149,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     a.prefetch = prefetch ? 1 : 0;
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
     if (!cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a)) return false;
-    if (packed) cuda_impl(be)->mv_packed_launches++;
+    if (packed_fn) cuda_impl(be)->mv_packed_launches++;
     return true;
 }
 
