@@ -186,111 +186,6 @@ static void test_hc_pre_batch(void) {
     op_pair_close(&p);
 }
 
-/* Two device buffers of n floats are equal bit for bit. */
-static void expect_same_floats(op_pair *p, const char *what, const float *a, const float *b, int64_t n) {
-    float *ha = malloc((size_t)n * sizeof *ha), *hb = malloc((size_t)n * sizeof *hb);
-    p->gpu->ops->download(p->gpu, ha, a, n);
-    p->gpu->ops->download(p->gpu, hb, b, n);
-    int64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) bad += memcmp(&ha[i], &hb[i], sizeof *ha) != 0;
-    CHECK_MSG(bad == 0, "%s: %lld of %lld floats differ from the direct launches", what, (long long)bad, (long long)n);
-    free(ha);
-    free(hb);
-}
-
-/*
- * hc_pre inside recorded steps: its split (post, comb) is a side launch
- * beside the chain. What reads post / comb later must see them complete: a
- * copy of post (a copy node or kernel naming it), hc_post, a second hc_pre
- * into the same post / comb (it rewrites the partial sums the first split
- * reads), and an add reading the second comb. Every output equals the
- * direct launches' bit for bit, with the side launches on and off, over
- * three replays of the step (a graph built, then updated); the counters
- * show the side entries recorded and the joins the copy and the add made.
- */
-static void hc_pre_step_case(op_pair *p, int64_t dim, int64_t n_rows, bool side) {
-    const int n = 4;
-    const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
-    const int64_t hc_dim = n * dim, n_mix = (2 + n) * n, nn = n_rows * n * n, np = n_rows * n;
-    const ds4_backend_ops *o = p->gpu->ops;
-    float *hfn = op_rand(hc_dim * n_mix, 1.0 / sqrt((double)hc_dim));
-    float *hscale = rand_uniform(3, 0.5, 1.5);
-    float *hbase = op_rand(n_mix, 0.5);
-    float *hX = hc_states(n_rows, hc_dim), *hy = op_rand(n_rows * dim, 1.0);
-    op_weight *fn = op_weight_floats(p, "hc_fn", DS4_TYPE_F16, hc_dim, n_mix, 1, hfn);
-    op_weight *scale = op_weight_floats(p, "hc_scale", DS4_TYPE_F32, 3, 1, 1, hscale);
-    op_weight *base = op_weight_floats(p, "hc_base", DS4_TYPE_F32, n_mix, 1, 1, hbase);
-    op_buf X = op_buf_from(p, hX, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim);
-    float *z = o->alloc(p->gpu, nn);
-    o->fill(p->gpu, z, 0.0f, nn);
-    /* direct: x1, post1, comb1; X2 = hc_post; x2, post2, comb2 */
-    float *dx1 = o->alloc(p->gpu, n_rows * dim), *dp1 = o->alloc(p->gpu, np), *dc1 = o->alloc(p->gpu, nn);
-    float *dX2 = o->alloc(p->gpu, n_rows * hc_dim), *dx2 = o->alloc(p->gpu, n_rows * dim);
-    float *dp2 = o->alloc(p->gpu, np), *dc2 = o->alloc(p->gpu, nn);
-    o->hc_pre(p->gpu, &hc, X.g, &fn->g, &scale->g, &base->g, dx1, dp1, dc1, n_rows);
-    o->hc_post(p->gpu, &hc, y.g, X.g, dp1, dc1, dX2, n_rows);
-    o->hc_pre(p->gpu, &hc, dX2, &fn->g, &scale->g, &base->g, dx2, dp2, dc2, n_rows);
-    op_expect_ok(p);
-    /* the same in a step, post / comb reused by the second hc_pre */
-    float *sx1 = o->alloc(p->gpu, n_rows * dim), *sp = o->alloc(p->gpu, np), *sc = o->alloc(p->gpu, nn);
-    float *sX2 = o->alloc(p->gpu, n_rows * hc_dim), *sx2 = o->alloc(p->gpu, n_rows * dim);
-    float *pcopy = o->alloc(p->gpu, np), *csum = o->alloc(p->gpu, nn);
-    ds4_cuda_backend_set_side(p->gpu, side);
-    const bool recorded = env_on_default("DS4_CUDA_GRAPH", true) && !env_on_default("DS4_CUDA_PROFILE", false);
-    char what[128];
-    for (int round = 0; round < 3; round++) {
-        uint64_t l0, t0, l1, t1;
-        ds4_cuda_backend_side_stats(p->gpu, &l0, &t0);
-        o->fill(p->gpu, sp, NAN, np);
-        o->fill(p->gpu, sc, NAN, nn);
-        o->step_begin(p->gpu);
-        o->hc_pre(p->gpu, &hc, X.g, &fn->g, &scale->g, &base->g, sx1, sp, sc, n_rows);
-        o->copy(p->gpu, pcopy, sp, np);
-        o->hc_post(p->gpu, &hc, y.g, X.g, sp, sc, sX2, n_rows);
-        o->hc_pre(p->gpu, &hc, sX2, &fn->g, &scale->g, &base->g, sx2, sp, sc, n_rows);
-        o->add(p->gpu, sc, z, csum, nn);
-        o->step_end(p->gpu);
-        op_expect_ok(p);
-        ds4_cuda_backend_side_stats(p->gpu, &l1, &t1);
-        snprintf(what, sizeof what, "hc_pre in a step (dim %lld, %lld rows, side %s, round %d)", (long long)dim,
-                 (long long)n_rows, side ? "on" : "off", round);
-        expect_same_floats(p, what, sx1, dx1, n_rows * dim);
-        expect_same_floats(p, what, pcopy, dp1, np);
-        expect_same_floats(p, what, sX2, dX2, n_rows * hc_dim);
-        expect_same_floats(p, what, sx2, dx2, n_rows * dim);
-        expect_same_floats(p, what, sp, dp2, np);
-        expect_same_floats(p, what, sc, dc2, nn);
-        expect_same_floats(p, what, csum, dc2, nn);
-        const uint64_t want = recorded && side ? 2 : 0;
-        CHECK_MSG(l1 - l0 == want && t1 - t0 == want, "%s: %llu side entries, %llu joins by touch (%llu, %llu expected)",
-                  what, (unsigned long long)(l1 - l0), (unsigned long long)(t1 - t0), (unsigned long long)want,
-                  (unsigned long long)want);
-    }
-    ds4_cuda_backend_set_side(p->gpu, env_on_default("DS4_CUDA_SIDE", true));
-    float *bufs[] = { z, dx1, dp1, dc1, dX2, dx2, dp2, dc2, sx1, sp, sc, sX2, sx2, pcopy, csum };
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->free(p->gpu, bufs[i]);
-    op_buf_free(p, &X);
-    op_buf_free(p, &y);
-    op_weight_free(p, fn);
-    op_weight_free(p, scale);
-    op_weight_free(p, base);
-    free(hfn);
-    free(hscale);
-    free(hbase);
-    free(hX);
-    free(hy);
-}
-
-static void test_hc_pre_step(void) {
-    op_pair p;
-    OPEN_OR_SKIP(&p);
-    hc_pre_step_case(&p, 4096, 1, true);
-    hc_pre_step_case(&p, 4096, 3, true);
-    hc_pre_step_case(&p, 4096, 1, false);
-    hc_pre_step_case(&p, 64, 2, true);
-    op_pair_close(&p);
-}
-
 /* ------------------------------------------------------------------------ */
 /* hc_head                                                                   */
 /* ------------------------------------------------------------------------ */
@@ -775,7 +670,6 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_hc_pre_small),
     TEST_ENTRY(test_hc_pre_real),
     TEST_ENTRY(test_hc_pre_batch),
-    TEST_ENTRY(test_hc_pre_step),
     TEST_ENTRY(test_hc_head),
     TEST_ENTRY(test_hc_post),
     TEST_ENTRY(test_router_topk),

@@ -128,16 +128,6 @@ void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
 void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on);
 /* Matvec launches that packed rows so, since the backend was created. */
 int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be);
-/* Side launches (on by default; DS4_CUDA_SIDE=0 makes off the default):
- * inside a recorded step, hc_pre's Sinkhorn split (post and comb) runs
- * beside the chain of kernels instead of on it; the first later launch that
- * reads or writes post or comb (hc_post), the next HC op and the end of the
- * step wait for it. Off: it runs on the chain. The results are the same
- * either way, bit for bit. Takes effect at the next op. */
-void ds4_cuda_backend_set_side(ds4_backend *be, int on);
-/* Side entries recorded, and joins made because a later launch touched a
- * side entry's output, since the backend was created. */
-void ds4_cuda_backend_side_stats(const ds4_backend *be, uint64_t *launched, uint64_t *joined_by_touch);
 /* head_norm_rope as one fused kernel (the default; DS4_CUDA_NORM_ROPE=0
  * makes off the default), or as the rmsnorm, rope_tail and rounding
  * kernels one after the other. The results are the same either way, bit

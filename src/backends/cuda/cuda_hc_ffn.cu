@@ -316,21 +316,55 @@ static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_a
 }
 
 /*
- * The row's mix from its chunks' partial sums, spread over the block (a
- * fixed shape of HC_THREADS threads, so the order is the same every run and
- * in every kernel that calls it), all loads in flight together:
+ * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
+ * (cheap, identical) split below and writes its slice of out[r], so the
+ * weighted sum is spread over the row's blocks instead of looping in one:
  *   ss = sum over chunks (double, in a fixed order over the block's threads)
  *   f-scale = 1 / sqrt(ss / n + norm_eps)          (formed as the CPU does)
  *   mix[k] = (sum over chunks of the raw dots, one warp each) * f-scale
- * for k < n_mix; each mix[k] is reduced on its own, so its value does not
- * depend on n_mix. Ends with a barrier: mix is visible to the block.
+ *   HEAD:  w[s] = sigmoid(mix[s] * scale0 + base[s]) + eps
+ *   PRE:   pre/post/comb = hc_split(mix); w = pre
+ *   out[r][i] = sum_s X[r][s][i] * w[s]          (s in order, as the CPU)
  * The CPU scales each element before its dot product; scaling the finished
  * dots instead differs by float rounding only (well inside the tolerance of
  * a 16384-term float sum in another order).
  */
-static __device__ __forceinline__ void hc_reduce_mix(const hc_args &a, const hc_part *pr, int64_t n_chunks, int n_mix,
-                                                     float *mix, double *red_d) {
-    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float w[HC_MAX_STREAMS];
+    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
+    __shared__ float post_s[HC_MAX_STREAMS];
+    __shared__ double red_d[HC_THREADS / 32];
+    const int n = a.n_hc;
+    const bool split_warp = !HEAD && n * n <= 32;
+    /* the split's constants (weights) before the wait for the kernel before */
+    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (split_warp && threadIdx.x < 32) consts = hc_split_load(a, n);
+    cuda_grid_wait();
+    const int64_t hc_dim = (int64_t)n * a.dim;
+    const int64_t row = blockIdx.x;
+    const float *X = a.X + row * hc_dim;
+    const hc_part *pr = part + row * n_chunks;
+    /* this block's slice of the output; when it is one element per thread
+     * and there are at most HC_PREFETCH streams, that element's n state
+     * values are loaded now, in flight while the split is made */
+    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    constexpr int HC_PREFETCH = 4;
+    const bool prefetch = per <= HC_THREADS && n <= HC_PREFETCH;
+    float xv[HC_PREFETCH];
+    if (prefetch) {
+        const int64_t i = i0 + threadIdx.x;
+#pragma unroll
+        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
+    }
+    /* the chunks' partial sums, spread over the block (a fixed shape, so the
+     * order is the same every run), all loads in flight together: squares
+     * in double over all threads; each mix entry over one warp's lanes,
+     * HC_FINISH_BATCH entries at once, kept unscaled until the squares are
+     * summed */
     double ss_part = 0.0;
     for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
     {
@@ -358,50 +392,26 @@ static __device__ __forceinline__ void hc_reduce_mix(const hc_args &a, const hc_
     const float rms_scale = __frcp_rn(__fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
     for (int k = threadIdx.x; k < n_mix; k += HC_THREADS) mix[k] = __fmul_rn(mix[k], rms_scale);
     __syncthreads();
-}
-
-/*
- * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
- * (cheap, identical) reduction of the first n mix entries and writes its
- * slice of out[r], so the weighted sum is spread over the row's blocks:
- *   w[s] = sigmoid(mix[s] * scale[0] + base[s]) + eps  (one lane each)
- *   out[r][i] = sum_s X[r][s][i] * w[s]          (s in order, as the CPU)
- * w is hc_head's weight and hc_pre's `pre` alike (the CPU's hc_split forms
- * pre exactly so); hc_pre's post and comb come from hc_split_kernel.
- */
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_finish_kernel(hc_args a, int64_t n_chunks, const hc_part *part) {
-    __shared__ float mix[HC_MAX_STREAMS];
-    __shared__ float w[HC_MAX_STREAMS];
-    __shared__ double red_d[HC_THREADS / 32];
-    const int n = a.n_hc;
-    /* the weights before the wait for the kernel before */
-    float sc0 = 0.0f, b0 = 0.0f;
-    if (threadIdx.x < n) {
-        sc0 = cuda_load_float(a.scale, a.scale_type, 0);
-        b0 = cuda_load_float(a.base, a.base_type, threadIdx.x);
+    if (split_warp) {
+        if (threadIdx.x < 32) {
+            if (n == 4) hc_split_warp<4>(a, consts, mix, w, post_s, C);
+            else hc_split_warp<0>(a, consts, mix, w, post_s, C);
+        }
+    } else if (threadIdx.x == 0) {
+        if (HEAD) {
+            const float sc0 = cuda_load_float(a.scale, a.scale_type, 0);
+            for (int s = 0; s < n; s++)
+                w[s] = __fadd_rn(
+                    cuda_sigmoid(__fadd_rn(__fmul_rn(mix[s], sc0), cuda_load_float(a.base, a.base_type, s))), a.eps);
+        } else {
+            hc_split_one(a, mix, w, post_s, C);
+        }
     }
-    cuda_grid_wait();
-    const int64_t hc_dim = (int64_t)n * a.dim;
-    const int64_t row = blockIdx.x;
-    const float *X = a.X + row * hc_dim;
-    /* this block's slice of the output; when it is one element per thread
-     * and there are at most HC_PREFETCH streams, that element's n state
-     * values are loaded now, in flight while the mix is reduced */
-    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
-    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
-    constexpr int HC_PREFETCH = 4;
-    const bool prefetch = per <= HC_THREADS && n <= HC_PREFETCH;
-    float xv[HC_PREFETCH];
-    if (prefetch) {
-        const int64_t i = i0 + threadIdx.x;
-#pragma unroll
-        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
-    }
-    hc_reduce_mix(a, part + row * n_chunks, n_chunks, n, mix, red_d);
-    if (threadIdx.x < n)
-        w[threadIdx.x] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[threadIdx.x], sc0), b0)), a.eps);
     __syncthreads();
+    if (!HEAD && blockIdx.y == 0) {
+        if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
+        for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
+    }
     float *out = a.out + row * a.dim;
     if (prefetch) {
         const int64_t i = i0 + threadIdx.x;
@@ -421,42 +431,6 @@ static __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
-/*
- * hc_split_kernel, one block per row: the row's whole mix (the same
- * reduction as hc_finish_kernel's, so the same values), then the CPU's
- * hc_split (one warp for up to 5 streams, else one thread) for post and the
- * Sinkhorn-normalised comb. Its 20 rounds are a chain of dependent
- * operations; in a recorded step this kernel runs beside the chain (a side
- * launch), so nothing but hc_post waits for it.
- */
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_split_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
-    __shared__ float mix[HC_MAX_MIX];
-    __shared__ float pre_s[HC_MAX_STREAMS];
-    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
-    __shared__ float post_s[HC_MAX_STREAMS];
-    __shared__ double red_d[HC_THREADS / 32];
-    const int n = a.n_hc;
-    const bool split_warp = n * n <= 32;
-    /* the split's constants (weights) before the wait for the kernel before */
-    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-    if (split_warp && threadIdx.x < 32) consts = hc_split_load(a, n);
-    cuda_grid_wait();
-    const int64_t row = blockIdx.x;
-    hc_reduce_mix(a, part + row * n_chunks, n_chunks, n_mix, mix, red_d);
-    if (split_warp) {
-        if (threadIdx.x < 32) {
-            if (n == 4) hc_split_warp<4>(a, consts, mix, pre_s, post_s, C);
-            else hc_split_warp<0>(a, consts, mix, pre_s, post_s, C);
-        }
-    } else if (threadIdx.x == 0) {
-        hc_split_one(a, mix, pre_s, post_s, C);
-    }
-    __syncthreads();
-    if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
-    for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
-}
-
 typedef void (*hc_partial_fn)(hc_args, int, hc_part *);
 
 template <bool VEC> static hc_partial_fn hc_partial_for(uint32_t type) {
@@ -467,13 +441,10 @@ template <bool VEC> static hc_partial_fn hc_partial_for(uint32_t type) {
     }
 }
 
-/* Launch the kernels for n_rows rows: the partial sums, then for hc_pre
- * (SPLIT) the split as a side launch (its outputs post and comb), then the
- * finishing kernel. The partial kernel takes 16-byte loads when every row
- * of X and fn starts 16-byte aligned and a thread's eight values never
- * straddle the end. The chain's kernels get no post / comb pointers: a
- * launch that names them waits for the split (cuda_launch_side). */
-template <bool SPLIT>
+/* Launch the partial and finishing kernels for n_rows rows. The partial
+ * kernel takes 16-byte loads when every row of X and fn starts 16-byte
+ * aligned and a thread's eight values never straddle the end. */
+template <bool HEAD>
 static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what) {
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
     const int64_t n_chunks = (hc_dim + HC_CHUNK - 1) / HC_CHUNK;
@@ -481,33 +452,20 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: a state of %lld values is too wide", what, (long long)hc_dim);
         return;
     }
-    /* the split still pending reads the partial sums rewritten here */
-    cuda_side_join(be);
     hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
     if (!part) return;
-    hc_args chain = a;
-    chain.post = NULL;
-    chain.comb = NULL;
     const bool vec = hc_dim % HC_PER_THREAD == 0 && a.fn_row_bytes % 16 == 0 && (uintptr_t)a.fn % 16 == 0 &&
                      (uintptr_t)a.X % 16 == 0;
     const hc_partial_fn partial = vec ? hc_partial_for<true>(a.fn_type) : hc_partial_for<false>(a.fn_type);
     const unsigned groups = (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
-    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0,
-                     chain, n_mix, part))
+    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
+                     n_mix, part))
         return;
-    if (SPLIT) {
-        const int n = a.n_hc;
-        const cuda_range out[2] = { { a.post, (size_t)(n_rows * n) * sizeof(float) },
-                                    { a.comb, (size_t)(n_rows * n * n) * sizeof(float) } };
-        if (!cuda_launch_side(be, "hc_pre split kernel", out, 2, hc_split_kernel, dim3((unsigned)n_rows), HC_THREADS,
-                              0, a, n_mix, n_chunks, (const hc_part *)part))
-            return;
-    }
     /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
-    (void)cuda_launch(be, what, hc_finish_kernel, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, chain,
-                      n_chunks, (const hc_part *)part);
+    (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, a,
+                      n_mix, n_chunks, part);
 }
 
 /* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */
@@ -578,7 +536,7 @@ void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_we
         return;
     }
     const hc_args a = hc_args_make(hc, X, fn, scale, base, x_out, post, comb);
-    hc_launch<true>(be, a, (int)n_mix, n_rows, "hc_pre kernels");
+    hc_launch<false>(be, a, (int)n_mix, n_rows, "hc_pre kernels");
 }
 
 void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
@@ -592,7 +550,7 @@ void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_w
         return;
     }
     const hc_args a = hc_args_make(hc, X, fn, scale, base, out, NULL, NULL);
-    hc_launch<false>(be, a, (int)n, n_rows, "hc_head kernels");
+    hc_launch<true>(be, a, (int)n, n_rows, "hc_head kernels");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -631,7 +589,6 @@ void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float
         cuda_fail(be, DS4_ERR_INVALID, "hc_post: NULL buffer, or X_out overlaps X (it must not alias it)");
         return;
     }
-    cuda_side_join(be); /* post and comb from hc_pre's split */
     (void)cuda_launch(be, "hc_post kernel", hc_post_kernel, ew_blocks(total), EW_THREADS, 0, y, X, post, comb, X_out,
                       n, hc->dim, total);
 }

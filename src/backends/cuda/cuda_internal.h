@@ -98,7 +98,6 @@ typedef enum cuda_check_code {
  * argument bytes (in the step's byte pool), or a device copy or memset. */
 typedef enum cuda_node_kind { CUDA_NODE_KERNEL = 1, CUDA_NODE_COPY, CUDA_NODE_MEMSET } cuda_node_kind;
 #define CUDA_NODE_MAX_ARGS 24
-#define CUDA_SIDE_RANGES 4 /* output ranges of a side launch */
 typedef struct cuda_node {
     int kind;                                 /* cuda_node_kind */
     const void *func;                         /* kernel */
@@ -114,11 +113,6 @@ typedef struct cuda_node {
     size_t bytes;
     int value;                                /* memset byte */
     cudaMemcpyKind dir;
-    /* off the chain (cuda_launch_side): `side` set, `dep` the entry it
-     * follows (-1: the segment's arena copy). Any entry: `join` an earlier
-     * side entry it also waits for (-1: none). */
-    bool side;
-    int dep, join;
 } cuda_node;
 
 /* A step's launches in order, with their argument bytes. */
@@ -175,7 +169,6 @@ typedef struct cuda_backend {
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
                         * (1, 2, 4 or 8; 0: off, the default; DS4_CUDA_MOE_STEP_GROUP=N) */
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */
-    bool side_on;     /* side launches off the chain in recorded steps (DS4_CUDA_SIDE=0: on it) */
     bool fgemm;       /* F16-weight products of many tokens on the tensor cores (DS4_CUDA_FGEMM=0: off) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     bool in_step;   /* between step_begin and step_end */
@@ -188,15 +181,6 @@ typedef struct cuda_backend {
     const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
     const char *last_refusal; /* the node whose update CUDA refused last (a graph rebuilt for it) */
     cuda_node_log log;
-    /* the side entry of the log not yet joined (cuda_launch_side): its
-     * index (-1: none), the device ranges it writes, and whether the next
-     * entry joins it whatever it touches (cuda_side_join) */
-    int side_pending;
-    const uint8_t *side_lo[CUDA_SIDE_RANGES], *side_hi[CUDA_SIDE_RANGES];
-    int side_n_ranges;
-    bool side_join_next;
-    int last_main; /* the log's last entry on the chain (-1: none yet) */
-    uint64_t side_launches, side_joins_touch; /* recorded side entries; joins because an entry touched their output */
     cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
     uint64_t graph_clock;
     uint8_t *arena_host, *arena_dev;
@@ -326,38 +310,6 @@ static inline bool cuda_launch(ds4_backend *be, const char *what, void (*k)(P...
     (cuda_args_put<P>(a, static_cast<P>(args)), ...);
     return cuda_launch_args(be, what, (const void *)k, grid, block, smem, &a);
 }
-/*
- * Side launches. cuda_launch_side launches like cuda_launch (after
- * everything launched before it has finished), but inside a recorded step
- * it is off the chain: what is recorded after it does not wait for it,
- * until the first entry that touches one of its `n_out` output ranges (a
- * kernel argument word pointing into one, a copy or memset overlapping
- * one), or the entry after cuda_side_join, or the end of the segment (a
- * graph finishes with all its nodes). Its inputs must not be rewritten
- * before then: the caller joins before it writes them again. At most one
- * side entry is pending: a second one joins the first. Outside a recorded
- * step (or when the step is broken off) it runs in stream order.
- */
-typedef struct cuda_range {
-    const void *p;
-    size_t bytes;
-} cuda_range;
-bool cuda_launch_side_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
-                           const cuda_args *a, const cuda_range *out, int n_out);
-template <typename... P, typename... A>
-static inline bool cuda_launch_side(ds4_backend *be, const char *what, const cuda_range *out, int n_out,
-                                    void (*k)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    static_assert(sizeof...(P) == sizeof...(A), "kernel argument count");
-    cuda_args a;
-    a.n = 0;
-    a.used = 0;
-    a.overflow = false;
-    (cuda_args_put<P>(a, static_cast<P>(args)), ...);
-    return cuda_launch_side_args(be, what, (const void *)k, grid, block, smem, &a, out, n_out);
-}
-/* The next entry recorded waits for the pending side entry (if any). */
-void cuda_side_join(ds4_backend *be);
-
 /* Device-to-device copy of `bytes` (no overlap) and byte fill, on the stream
  * or into the recorded step. */
 bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes);

@@ -75,56 +75,6 @@ static void log_clear(cuda_node_log *l, int seg = 0) {
     if (seg > 0) key_mix(l, 0x5e6d000000000000ULL + (uint64_t)seg);
 }
 
-/* The backend's log emptied: nothing on its chain, no side entry pending
- * (one recorded before ran or will run with its segment). */
-static void step_log_clear(cuda_backend *cb, int seg = 0) {
-    log_clear(&cb->log, seg);
-    cb->side_pending = -1;
-    cb->side_join_next = false;
-    cb->side_n_ranges = 0;
-    cb->last_main = -1;
-}
-
-/* The pending side entry writes into [p, p + bytes). */
-static bool side_overlaps(const cuda_backend *cb, const void *p, size_t bytes) {
-    const uint8_t *lo = (const uint8_t *)p, *hi = lo + bytes;
-    for (int i = 0; i < cb->side_n_ranges; i++)
-        if (lo < cb->side_hi[i] && cb->side_lo[i] < hi) return true;
-    return false;
-}
-
-/* An argument word of a kernel points into the pending side entry's
- * output (arguments, and pointer members of structures passed by value,
- * sit at 8-byte aligned offsets of the argument bytes). */
-static bool side_in_args(const cuda_backend *cb, const uint8_t *data, size_t len) {
-    for (size_t off = 0; off + sizeof(uint64_t) <= len; off += sizeof(uint64_t)) {
-        uint64_t v;
-        memcpy(&v, data + off, sizeof v);
-        const uint8_t *q = (const uint8_t *)(uintptr_t)v;
-        for (int i = 0; i < cb->side_n_ranges; i++)
-            if (q >= cb->side_lo[i] && q < cb->side_hi[i]) return true;
-    }
-    return false;
-}
-
-/* Entry `e` (the log's last) goes on the chain: it follows the chain's
- * last entry, and also waits for the pending side entry when it touches
- * that entry's output or a join was asked for. */
-static void chain_append(cuda_backend *cb, cuda_node *e, bool touches) {
-    e->side = false;
-    e->dep = -1;
-    e->join = -1;
-    if (cb->side_pending >= 0 && (cb->side_join_next || touches)) {
-        e->join = cb->side_pending;
-        if (!cb->side_join_next) cb->side_joins_touch++;
-        cb->side_pending = -1;
-        cb->side_join_next = false;
-        cb->side_n_ranges = 0;
-    }
-    key_mix(&cb->log, 0x701e000000000000ULL + (uint64_t)(e->join + 1));
-    cb->last_main = cb->log.n - 1;
-}
-
 /* A new entry (zeroed), or NULL when memory ran out (error recorded). */
 static cuda_node *log_push(ds4_backend *be, cuda_node_log *l, int kind, const void *func, size_t data_len) {
     if (l->n == l->cap) {
@@ -348,13 +298,11 @@ static void submit_direct(ds4_backend *be) {
             (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
     }
     for (int i = 0; i < cb->log.n && !cuda_failed(be); i++) (void)direct_entry(be, &cb->log, &cb->log.nodes[i]);
-    step_log_clear(cb);
+    log_clear(&cb->log);
 }
 
-/* A kernel launch or its log entry; out != NULL (n_out ranges): a side
- * launch (cuda_launch_side). */
-static bool launch_kernel(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
-                          const cuda_args *a, const cuda_range *out, int n_out) {
+bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
+                      const cuda_args *a) {
     cuda_backend *cb = cuda_impl(be);
     cb->counters.launches++;
     if (a->overflow) {
@@ -366,13 +314,7 @@ static bool launch_kernel(ds4_backend *be, const char *what, const void *func, d
         cuda_fail(be, DS4_ERR_INVALID, "cuda: %s launched with an empty grid", what);
         return false;
     }
-    if (out && (n_out < 1 || n_out > CUDA_SIDE_RANGES)) {
-        cuda_fail(be, DS4_ERR_INVALID, "cuda: %s: %d output ranges for a side launch (1..%d)", what, n_out,
-                  CUDA_SIDE_RANGES);
-        return false;
-    }
     if (cb->recording) {
-        const bool touches = cb->side_pending >= 0 && side_in_args(cb, a->data, a->used);
         cuda_node *e = log_push(be, &cb->log, CUDA_NODE_KERNEL, func, a->used);
         if (!e) return false;
         e->what = what;
@@ -382,24 +324,6 @@ static bool launch_kernel(ds4_backend *be, const char *what, const void *func, d
         e->n_args = a->n;
         memcpy(e->arg_off, a->off, (size_t)a->n * sizeof a->off[0]);
         memcpy(cb->log.pool + e->data, a->data, a->used);
-        if (out && cb->side_on) {
-            /* off the chain: after the chain's last entry (and after the
-             * side entry still pending, if any); its outputs are watched */
-            e->side = true;
-            e->dep = cb->last_main;
-            e->join = cb->side_pending;
-            key_mix(&cb->log, 0x51de000000000000ULL + (uint64_t)(e->dep + 1) * 65536u + (uint64_t)(e->join + 1));
-            cb->side_pending = cb->log.n - 1;
-            cb->side_join_next = false;
-            cb->side_n_ranges = n_out;
-            for (int i = 0; i < n_out; i++) {
-                cb->side_lo[i] = (const uint8_t *)out[i].p;
-                cb->side_hi[i] = (const uint8_t *)out[i].p + out[i].bytes;
-            }
-            cb->side_launches++;
-        } else {
-            chain_append(cb, e, touches);
-        }
         return true;
     }
     void *params[CUDA_NODE_MAX_ARGS];
@@ -407,38 +331,17 @@ static bool launch_kernel(ds4_backend *be, const char *what, const void *func, d
     return direct_kernel(be, what, func, grid, block, smem, params);
 }
 
-bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
-                      const cuda_args *a) {
-    return launch_kernel(be, what, func, grid, block, smem, a, NULL, 0);
-}
-
-bool cuda_launch_side_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
-                           const cuda_args *a, const cuda_range *out, int n_out) {
-    if (!out) {
-        cuda_fail(be, DS4_ERR_INVALID, "cuda: %s: a side launch without its output ranges", what);
-        return false;
-    }
-    return launch_kernel(be, what, func, grid, block, smem, a, out, n_out);
-}
-
-void cuda_side_join(ds4_backend *be) {
-    cuda_backend *cb = cuda_impl(be);
-    if (cb->recording && cb->side_pending >= 0) cb->side_join_next = true;
-}
-
 bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes) {
     cuda_backend *cb = cuda_impl(be);
     if (bytes == 0) return true;
     cb->counters.launches++;
     if (cb->recording) {
-        const bool touches = side_overlaps(cb, dst, bytes) || side_overlaps(cb, src, bytes);
         cuda_node *e = log_push(be, &cb->log, CUDA_NODE_COPY, NULL, 0);
         if (!e) return false;
         e->dst = dst;
         e->src = src;
         e->bytes = bytes;
         e->dir = cudaMemcpyDeviceToDevice;
-        chain_append(cb, e, touches);
         return true;
     }
     const int timed = profile_begin(be, NULL, "copy");
@@ -452,13 +355,11 @@ bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes) {
     if (bytes == 0) return true;
     cb->counters.launches++;
     if (cb->recording) {
-        const bool touches = side_overlaps(cb, dst, bytes);
         cuda_node *e = log_push(be, &cb->log, CUDA_NODE_MEMSET, NULL, 0);
         if (!e) return false;
         e->dst = dst;
         e->value = value & 0xff;
         e->bytes = bytes;
-        chain_append(cb, e, touches);
         return true;
     }
     const int timed = profile_begin(be, NULL, "memset");
@@ -513,7 +414,7 @@ void cuda_step_begin(ds4_backend *be) {
     cb->seg_arena0 = 0;
     cb->seg_timed = false;
     cb->step_t0 = cuda_now_ns();
-    step_log_clear(cb);
+    log_clear(&cb->log);
 }
 
 void cuda_graph_timing_collect(cuda_backend *cb) {
@@ -600,38 +501,19 @@ static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log 
         }
     }
     if (ok && l->n > 0) {
-        /* an entry on the chain follows the chain's entry before it, a side
-         * entry the one it was recorded after; a join adds an edge from the
-         * side entry it waits for */
-        cudaGraphNode_t *from = (cudaGraphNode_t *)malloc((size_t)(2 * l->n) * sizeof *from);
-        cudaGraphNode_t *to = (cudaGraphNode_t *)malloc((size_t)(2 * l->n) * sizeof *to);
-        cudaGraphEdgeData *edges = (cudaGraphEdgeData *)calloc((size_t)(2 * l->n), sizeof *edges);
-        ok = from && to && edges;
+        cudaGraphNode_t *from = (cudaGraphNode_t *)malloc((size_t)l->n * sizeof *from);
+        cudaGraphEdgeData *edges = (cudaGraphEdgeData *)calloc((size_t)l->n, sizeof *edges);
+        ok = from && edges;
         if (!ok) cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of host memory for a step graph of %d launches", l->n);
-        size_t n_edges = 0;
-        int prev = -1; /* the chain's last entry so far */
         for (int i = 0; ok && i < l->n; i++) {
-            const cuda_node *e = &g->log.nodes[i];
-            const int pred = e->side ? e->dep : prev;
-            const bool prog = cb->pdl && !e->side && pred >= 0 && g->log.nodes[pred].kind == CUDA_NODE_KERNEL &&
-                              e->kind == CUDA_NODE_KERNEL;
-            from[n_edges] = pred >= 0 ? g->gnodes[pred] : g->arena_node;
-            to[n_edges] = g->gnodes[i];
-            edges[n_edges].type = prog ? cudaGraphDependencyTypeProgrammatic : cudaGraphDependencyTypeDefault;
-            edges[n_edges].from_port = prog ? cudaGraphKernelNodePortProgrammatic : cudaGraphKernelNodePortDefault;
-            n_edges++;
-            if (e->join >= 0 && e->join < i && e->join != pred) {
-                from[n_edges] = g->gnodes[e->join];
-                to[n_edges] = g->gnodes[i];
-                edges[n_edges].type = cudaGraphDependencyTypeDefault;
-                edges[n_edges].from_port = cudaGraphKernelNodePortDefault;
-                n_edges++;
-            }
-            if (!e->side) prev = i;
+            from[i] = i ? g->gnodes[i - 1] : g->arena_node;
+            const bool prog = cb->pdl && i > 0 && g->log.nodes[i - 1].kind == CUDA_NODE_KERNEL &&
+                              g->log.nodes[i].kind == CUDA_NODE_KERNEL;
+            edges[i].type = prog ? cudaGraphDependencyTypeProgrammatic : cudaGraphDependencyTypeDefault;
+            edges[i].from_port = prog ? cudaGraphKernelNodePortProgrammatic : cudaGraphKernelNodePortDefault;
         }
-        if (ok) ok = CUDA_OK(be, cudaGraphAddDependencies(g->graph, from, to, edges, n_edges));
+        if (ok) ok = CUDA_OK(be, cudaGraphAddDependencies(g->graph, from, g->gnodes, edges, (size_t)l->n));
         free(from);
-        free(to);
         free(edges);
     }
     if (ok) ok = CUDA_OK(be, cudaGraphInstantiate(&g->exec, g->graph, 0));
@@ -651,8 +533,7 @@ static cuda_graph_rec *graph_find(cuda_backend *cb, const cuda_node_log *l) {
         bool same = true;
         for (int k = 0; same && k < l->n; k++) {
             const cuda_node *a = &g->log.nodes[k], *b = &l->nodes[k];
-            same = a->kind == b->kind && a->func == b->func && a->data_len == b->data_len && a->side == b->side &&
-                   a->dep == b->dep && a->join == b->join;
+            same = a->kind == b->kind && a->func == b->func && a->data_len == b->data_len;
         }
         if (same) return g;
     }
@@ -747,7 +628,7 @@ void cuda_step_mark(ds4_backend *be) {
 static void segment_submit(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (cuda_failed(be)) { /* the evaluation failed: its error is reported, nothing runs */
-        step_log_clear(cb, cb->seg);
+        log_clear(&cb->log, cb->seg);
         return;
     }
     /* this segment's piece of the arena, at least 16 bytes (within the arena) */
@@ -794,7 +675,7 @@ static void segment_submit(ds4_backend *be) {
         }
     }
     cb->seg_arena0 = cb->arena_used;
-    step_log_clear(cb, cb->seg);
+    log_clear(&cb->log, cb->seg);
 }
 
 extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
@@ -819,12 +700,6 @@ extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe
 }
 
 extern "C" void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on) { cuda_impl(be)->mv_pack = on != 0; }
-extern "C" void ds4_cuda_backend_set_side(ds4_backend *be, int on) { cuda_impl(be)->side_on = on != 0; }
-extern "C" void ds4_cuda_backend_side_stats(const ds4_backend *be, uint64_t *launched, uint64_t *joined_by_touch) {
-    const cuda_backend *cb = (const cuda_backend *)be->impl;
-    if (launched) *launched = cb->side_launches;
-    if (joined_by_touch) *joined_by_touch = cb->side_joins_touch;
-}
 extern "C" int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->mv_packed_launches;
 }
@@ -853,8 +728,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
-    cb->side_on = cuda_env_flag("DS4_CUDA_SIDE", true);
-    step_log_clear(cb);
+    log_clear(&cb->log);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t1), err);
