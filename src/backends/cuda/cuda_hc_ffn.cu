@@ -90,7 +90,6 @@ struct hc_args {
     float *out;  /* x_out [n_rows, dim] */
     float *post; /* hc_pre only: [n_rows, n_hc] */
     float *comb; /* hc_pre only: [n_rows, n_hc * n_hc] */
-    int split_regs; /* the 4-stream Sinkhorn rounds in registers (DS4_CUDA_HC_REGS=0: over shuffles) */
 };
 
 /* The CPU's hc_split for one row, on thread 0: pre[s], post[s] and the
@@ -166,38 +165,12 @@ static __device__ __forceinline__ hc_split_consts hc_split_load(const hc_args &a
     return k;
 }
 
-/* __frcp_rn of NT values, their chains side by side: for a biased
- * exponent in 1..252 (every sum here) __frcp_rn is MUFU.RCP and one
- * Newton step (the same four instructions this writes out, so the same
- * bits); outside that range each value takes __frcp_rn itself, whose slow
- * path is a call and a branch that would keep the NT chains apart. */
-template <int NT> static __device__ __forceinline__ void rcp_rn_many(const float (&x)[NT], float (&r)[NT]) {
-    bool fast = true;
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        const unsigned e = ((__float_as_uint(x[i]) + 0x1800000u) & 0x7f800000u);
-        fast = fast && e > 0x1ffffffu;
-    }
-    if (fast) {
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            float r0;
-            asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(x[i]));
-            const float d = -__fmaf_rn(x[i], r0, -1.0f);
-            r[i] = __fmaf_rn(r0, d, r0);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < NT; i++) r[i] = __frcp_rn(x[i]);
-    }
-}
-
 /* hc_split_one spread over one warp (n * n <= 32): lane L holds C[L] (row
  * L / n, column L % n); every row or column sum gathers its n values by
  * shuffles and adds them in the CPU's order, so each lane computes exactly
  * the CPU's sums and quotients (bit-identical to hc_split_one), while the
  * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
-template <int NT, bool REGS = false>
+template <int NT>
 static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_split_consts k, const float *mix,
                                                      float *pre, float *post, float *C) {
     /* NT > 0: the stream count known when compiling (the model's 4), so
@@ -224,61 +197,19 @@ static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_
 #pragma unroll
     for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
     v = __fadd_rn(__fmul_rn(v, __frcp_rn(sum)), eps);
-    if constexpr (REGS && NT > 0) {
-        /* every lane gathers the whole matrix once and runs the rounds in
-         * its registers: the same sums in the same order, without a shuffle
-         * in the chain, the n rows' (then the n columns') sums and
-         * reciprocals side by side */
-        float cm[NT * NT];
-#pragma unroll
-        for (int k = 0; k < NT * NT; k++) cm[k] = __shfl_sync(0xffffffffu, v, k);
-        for (int iter = 0; iter < a.iters; iter++) {
-            float sums[NT], inv[NT];
-            if (iter > 0) {
-#pragma unroll
-                for (int rr = 0; rr < NT; rr++) {
-                    float rs = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < NT; j++) rs = __fadd_rn(rs, cm[rr * NT + j]);
-                    sums[rr] = __fadd_rn(rs, eps);
-                }
-                rcp_rn_many<NT>(sums, inv);
-#pragma unroll
-                for (int rr = 0; rr < NT; rr++)
-#pragma unroll
-                    for (int j = 0; j < NT; j++) cm[rr * NT + j] = __fmul_rn(cm[rr * NT + j], inv[rr]);
-            }
-#pragma unroll
-            for (int cc = 0; cc < NT; cc++) {
-                float cs = 0.0f;
-#pragma unroll
-                for (int j = 0; j < NT; j++) cs = __fadd_rn(cs, cm[j * NT + cc]);
-                sums[cc] = __fadd_rn(cs, eps);
-            }
-            rcp_rn_many<NT>(sums, inv);
-#pragma unroll
-            for (int cc = 0; cc < NT; cc++)
-#pragma unroll
-                for (int j = 0; j < NT; j++) cm[j * NT + cc] = __fmul_rn(cm[j * NT + cc], inv[cc]);
-        }
-#pragma unroll
-        for (int k = 0; k < NT * NT; k++)
-            if (lane == k) C[k] = cm[k];
-    } else {
-        for (int iter = 0; iter < a.iters; iter++) {
-            if (iter > 0) {
-                sum = 0.0f;
-#pragma unroll
-                for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
-                v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
-            }
+    for (int iter = 0; iter < a.iters; iter++) {
+        if (iter > 0) {
             sum = 0.0f;
 #pragma unroll
-            for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * n + c));
+            for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
             v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
         }
-        if (mine) C[lane] = v;
+        sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * n + c));
+        v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
     }
+    if (mine) C[lane] = v;
 }
 
 /* Two kernels per call, so that one token's 16384-wide state is spread over
@@ -463,8 +394,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
     __syncthreads();
     if (split_warp) {
         if (threadIdx.x < 32) {
-            if (n == 4 && a.split_regs) hc_split_warp<4, true>(a, consts, mix, w, post_s, C);
-            else if (n == 4) hc_split_warp<4>(a, consts, mix, w, post_s, C);
+            if (n == 4) hc_split_warp<4>(a, consts, mix, w, post_s, C);
             else hc_split_warp<0>(a, consts, mix, w, post_s, C);
         }
     } else if (threadIdx.x == 0) {
@@ -588,8 +518,6 @@ static hc_args hc_args_make(const ds4_hc *hc, const float *X, const ds4_weight *
     a.out = out;
     a.post = post;
     a.comb = comb;
-    static const int regs = cuda_env_flag("DS4_CUDA_HC_REGS", true) ? 1 : 0;
-    a.split_regs = regs;
     return a;
 }
 
