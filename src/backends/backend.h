@@ -206,9 +206,25 @@ typedef struct ds4_backend_ops {
     void (*hc_pre)(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
                    const ds4_weight *scale, const ds4_weight *base, float *x_out, float *post, float *comb,
                    int64_t n_rows);
+    /* A sublayer's input: exactly hc_pre(hc, X, fn, scale, base, x_out,
+     * post, comb, n_rows), then rmsnorm(x_out, norm, eps, a_out, n_rows,
+     * hc->dim) (norm NULL: plain; a_out may equal x_out, which then holds
+     * the norm): one pass over the rows where the backend fuses them. */
+    void (*hc_pre_norm)(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                        const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                        float *x_out, float *post, float *comb, float *a_out, int64_t n_rows);
     /* X_out[d] = post[d] * y + sum_s comb[s][d] * X[s] (X_out must not alias X). */
     void (*hc_post)(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
                     const float *comb, float *X_out, int64_t n_rows);
+    /* The boundary of two sublayers: exactly add(y, y2) (y2 non-NULL; into
+     * a buffer of the backend's own, y is not written), then hc_post(hc,
+     * y', X, post, comb, X_out, n_rows), then hc_pre_norm(hc, X_out, fn,
+     * scale, base, norm, eps, x_out, post_out, comb_out, a_out, n_rows).
+     * post_out and comb_out may be post and comb. */
+    void (*hc_post_pre_norm)(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
+                             const float *post, const float *comb, float *X_out, const ds4_weight *fn,
+                             const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                             float *x_out, float *post_out, float *comb_out, float *a_out, int64_t n_rows);
     /* Final merge: w_s = sigmoid(fn_s . plain_rmsnorm(X) * scale + base_s) + eps;
      * out = sum_s w_s X[s]. fn [n_hc*dim, n_hc]. */
     void (*hc_head)(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,

@@ -324,7 +324,7 @@ static void test_op_table(void) {
     const ds4_backend_ops *o = be->ops;
     CHECK(o->alloc && o->free && o->upload && o->download && o->copy && o->fill && o->repeat_rows && o->bind_weight &&
           o->release_weight && o->embed && o->rmsnorm && o->add && o->add_weight_row && o->add_weight_rows_mod && o->round_f16 &&
-          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->head_norm_rope && o->hc_pre &&
+          o->round_fp8_kv && o->indexer_qat && o->matmul && o->matmul_grouped && o->matmul_multi && o->rope_tail && o->head_norm_rope && o->hc_pre && o->hc_pre_norm && o->hc_post_pre_norm &&
           o->hc_post && o->hc_head && o->attention && o->compressor_pool && o->indexer_scores && o->top_k &&
           o->indexer_scores_rows && o->top_k_rows && o->attention_rows_sel &&
           o->router && o->swiglu && o->moe && o->take_error && o->copy_rows && o->add_weight_rows_at &&
@@ -1293,6 +1293,120 @@ static void hc_pre_case(const ds4_hc *hcp) {
     ds4_backend_destroy(be);
 }
 
+/* hc_pre_norm: exactly hc_pre and then rmsnorm of its x_out, bit for bit
+ * (with a norm weight and plain; a_out apart from x_out and equal to it);
+ * a NULL norm output or a norm weight of another width is refused. */
+static void test_hc_pre_norm(void) {
+    ds4_backend *be = new_backend(2);
+    const ds4_hc hc = { 4, 64, 20, 1e-6f, 1e-6f };
+    const int n = hc.n_hc;
+    const int64_t rows = 3, n_mix = (2 + n) * n, hc_dim = n * hc.dim;
+    hc_weights w;
+    hc_weights_make(&w, n, hc.dim, n_mix, 3);
+    float *X = fvec(rows * hc_dim), *nsrc = fvec(hc.dim);
+    fill_normal(X, rows * hc_dim, 2.0);
+    fill_normal(nsrc, hc.dim, 1.0);
+    test_weight nw, wide;
+    weight_make(&nw, "blk.0.attn_norm.weight", DS4_TYPE_F32, hc.dim, 1, nsrc);
+    float *x_want = fvec(rows * hc.dim), *a_want = fvec(rows * hc.dim), *post_want = fvec(rows * n);
+    float *comb_want = fvec(rows * n * n);
+    float *x_out = fvec(rows * hc.dim), *a_out = fvec(rows * hc.dim), *post = fvec(rows * n), *comb = fvec(rows * n * n);
+    for (int weighted = 0; weighted < 2; weighted++) {
+        const ds4_weight *norm = weighted ? &nw.w : NULL;
+        be->ops->hc_pre(be, &hc, X, &w.fn.w, &w.scale.w, &w.base.w, x_want, post_want, comb_want, rows);
+        be->ops->rmsnorm(be, x_want, norm, 1e-6f, a_want, rows, hc.dim);
+        expect_no_error(be);
+        for (int same = 0; same < 2; same++) {
+            float *ao = same ? x_out : a_out;
+            be->ops->hc_pre_norm(be, &hc, X, &w.fn.w, &w.scale.w, &w.base.w, norm, 1e-6f, x_out, post, comb, ao,
+                                 rows);
+            expect_no_error(be);
+            if (!same) CHECK_MSG(memcmp(x_out, x_want, (size_t)(rows * hc.dim) * sizeof *x_out) == 0, "hc_pre_norm x");
+            CHECK_MSG(memcmp(ao, a_want, (size_t)(rows * hc.dim) * sizeof *ao) == 0, "hc_pre_norm norm (weighted %d, in place %d)",
+                      weighted, same);
+            CHECK_MSG(memcmp(post, post_want, (size_t)(rows * n) * sizeof *post) == 0, "hc_pre_norm post");
+            CHECK_MSG(memcmp(comb, comb_want, (size_t)(rows * n * n) * sizeof *comb) == 0, "hc_pre_norm comb");
+        }
+    }
+    char msg[DS4_ERROR_MSG_MAX];
+    be->ops->hc_pre_norm(be, &hc, X, &w.fn.w, &w.scale.w, &w.base.w, &nw.w, 1e-6f, x_out, post, comb, NULL, rows);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "hc_pre_norm") != NULL, "message: %s", msg);
+    float *wsrc = fvec(2 * hc.dim);
+    weight_make(&wide, "blk.0.ffn_norm.weight", DS4_TYPE_F32, 2 * hc.dim, 1, wsrc);
+    be->ops->hc_pre_norm(be, &hc, X, &w.fn.w, &w.scale.w, &w.base.w, &wide.w, 1e-6f, x_out, post, comb, a_out, rows);
+    CHECK(take_error(be, msg, sizeof msg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(msg, "ffn_norm") != NULL, "message: %s", msg);
+    weight_free(&wide);
+    weight_free(&nw);
+    hc_weights_free(&w);
+    free(wsrc);
+    free(X);
+    free(nsrc);
+    free(x_want);
+    free(a_want);
+    free(post_want);
+    free(comb_want);
+    free(x_out);
+    free(a_out);
+    free(post);
+    free(comb);
+    ds4_backend_destroy(be);
+}
+
+/* hc_post_pre_norm: exactly add (y2), hc_post and hc_pre_norm one after
+ * the other, bit for bit, with and without y2, the mix written over the
+ * one it read; y is left as it was. */
+static void test_hc_post_pre_norm(void) {
+    ds4_backend *be = new_backend(2);
+    const ds4_hc hc = { 4, 64, 20, 1e-6f, 1e-6f };
+    const int n = hc.n_hc;
+    const int64_t rows = 3, dim = hc.dim, n_mix = (2 + n) * n, hc_dim = n * dim;
+    hc_weights w;
+    hc_weights_make(&w, n, dim, n_mix, 3);
+    float *nsrc = fvec(dim);
+    fill_normal(nsrc, dim, 1.0);
+    test_weight nw;
+    weight_make(&nw, "blk.0.ffn_norm.weight", DS4_TYPE_F32, dim, 1, nsrc);
+    float *y = fvec(rows * dim), *y2 = fvec(rows * dim), *y_keep = fvec(rows * dim), *X = fvec(rows * hc_dim);
+    float *post0 = fvec(rows * n), *comb0 = fvec(rows * n * n);
+    fill_normal(y, rows * dim, 1.0);
+    fill_normal(y2, rows * dim, 1.0);
+    fill_normal(X, rows * hc_dim, 1.0);
+    fill_normal(post0, rows * n, 1.0);
+    fill_normal(comb0, rows * n * n, 0.5);
+    memcpy(y_keep, y, (size_t)(rows * dim) * sizeof *y);
+    float *sum = fvec(rows * dim), *Xw = fvec(rows * hc_dim), *xw = fvec(rows * dim), *aw = fvec(rows * dim);
+    float *pw = fvec(rows * n), *cw = fvec(rows * n * n);
+    float *Xo = fvec(rows * hc_dim), *xo = fvec(rows * dim), *ao = fvec(rows * dim), *po = fvec(rows * n),
+          *co = fvec(rows * n * n);
+    for (int with_y2 = 0; with_y2 < 2; with_y2++) {
+        const float *ys = y;
+        if (with_y2) {
+            be->ops->add(be, y, y2, sum, rows * dim);
+            ys = sum;
+        }
+        be->ops->hc_post(be, &hc, ys, X, post0, comb0, Xw, rows);
+        be->ops->hc_pre_norm(be, &hc, Xw, &w.fn.w, &w.scale.w, &w.base.w, &nw.w, 1e-6f, xw, pw, cw, aw, rows);
+        memcpy(po, post0, (size_t)(rows * n) * sizeof *po); /* the op writes its mix over the one it reads */
+        memcpy(co, comb0, (size_t)(rows * n * n) * sizeof *co);
+        be->ops->hc_post_pre_norm(be, &hc, y, with_y2 ? y2 : NULL, X, po, co, Xo, &w.fn.w, &w.scale.w, &w.base.w,
+                                  &nw.w, 1e-6f, xo, po, co, ao, rows);
+        expect_no_error(be);
+        CHECK_MSG(memcmp(Xo, Xw, (size_t)(rows * hc_dim) * sizeof *Xo) == 0, "hc_post_pre_norm state (y2 %d)", with_y2);
+        CHECK_MSG(memcmp(xo, xw, (size_t)(rows * dim) * sizeof *xo) == 0, "hc_post_pre_norm x (y2 %d)", with_y2);
+        CHECK_MSG(memcmp(ao, aw, (size_t)(rows * dim) * sizeof *ao) == 0, "hc_post_pre_norm norm (y2 %d)", with_y2);
+        CHECK_MSG(memcmp(po, pw, (size_t)(rows * n) * sizeof *po) == 0, "hc_post_pre_norm post (y2 %d)", with_y2);
+        CHECK_MSG(memcmp(co, cw, (size_t)(rows * n * n) * sizeof *co) == 0, "hc_post_pre_norm comb (y2 %d)", with_y2);
+        CHECK_MSG(memcmp(y, y_keep, (size_t)(rows * dim) * sizeof *y) == 0, "hc_post_pre_norm wrote y");
+    }
+    weight_free(&nw);
+    hc_weights_free(&w);
+    float *bufs[] = { nsrc, y, y2, y_keep, X, post0, comb0, sum, Xw, xw, aw, pw, cw, Xo, xo, ao, po, co };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    ds4_backend_destroy(be);
+}
+
 static void test_hc_post(void) {
     ds4_backend *be = new_backend(1);
     const ds4_hc hc = { 4, 100, 20, 1e-6f, 1e-6f };
@@ -2211,6 +2325,8 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_grouped_errors),
     TEST_ENTRY(test_rope),
     TEST_ENTRY(test_hc_pre),
+    TEST_ENTRY(test_hc_pre_norm),
+    TEST_ENTRY(test_hc_post_pre_norm),
     TEST_ENTRY(test_hc_post),
     TEST_ENTRY(test_hc_head),
     TEST_ENTRY(test_attention),

@@ -98,8 +98,13 @@ static void compare_hc_rows(const char *what, op_pair *p, op_buf b, int64_t n_ro
 /* hc_pre                                                                    */
 /* ------------------------------------------------------------------------ */
 
+static void check_hc_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
+                              op_buf X, int64_t n_rows, bool weighted, bool in_place, const char *what);
+static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
+                                   int64_t n_rows, bool with_y2, const char *what);
+
 /* n streams: up to 5 (the model's 4 among them) the split runs on one
- * warp, past that on one thread. */
+ * warp, past that on one thread; every case runs hc_pre_norm too. */
 static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint32_t fn_type) {
     const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
     const int64_t hc_dim = n * dim, n_mix = (2 + n) * n;
@@ -133,6 +138,11 @@ static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint3
              ds4_type_name(fn_type));
     op_compare(what, p, comb, n_rows * n * n, tol, tol);
     check_guard(what, p, comb, n_rows * n * n, n * n);
+    snprintf(what, sizeof what, "%d streams, dim %lld, %lld rows, %s", n, (long long)dim, (long long)n_rows,
+             ds4_type_name(fn_type));
+    check_hc_pre_norm(p, &hc, fn, scale, base, X, n_rows, n == 4 || n_rows % 2 == 0, n_rows == 3, what);
+    check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, true, what);
+    if (n_rows == 1) check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, false, what);
 
     op_buf_free(p, &X);
     op_buf_free(p, &x_out);
@@ -145,6 +155,182 @@ static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint3
     free(hscale);
     free(hbase);
     free(hX);
+}
+
+/* The GPU sides of a and b hold the same n floats, bit for bit. */
+static void check_gpu_same(const char *what, op_pair *p, op_buf a, op_buf b, int64_t n) {
+    float *ha = malloc((size_t)n * sizeof *ha), *hb = malloc((size_t)n * sizeof *hb);
+    p->gpu->ops->download(p->gpu, ha, a.g, n);
+    p->gpu->ops->download(p->gpu, hb, b.g, n);
+    int64_t diff = 0;
+    for (int64_t i = 0; i < n; i++) diff += memcmp(&ha[i], &hb[i], sizeof *ha) != 0;
+    CHECK_MSG(diff == 0, "%s: %lld of %lld floats differ between the fused kernel and the ops' kernels", what,
+              (long long)diff, (long long)n);
+    free(ha);
+    free(hb);
+}
+
+/* The GPU's norm rows a (n_rows of dim) against the CPU's, each element
+ * within the bound that an error of tol * (row scale) in the normed x
+ * (CPU side x.c) implies: a_i = x_i w_i s with s = 1 / rms(x), so about
+ * 2 tol (row scale) s (|w_i| + |a_i|). w: the norm weight's floats (NULL:
+ * plain). */
+static void check_norm_rows(const char *name, op_pair *p, op_buf a, op_buf x, const float *w, int64_t n_rows,
+                            int64_t dim, double tol) {
+    float *ac = malloc((size_t)(n_rows * dim) * sizeof *ac), *ag = malloc((size_t)(n_rows * dim) * sizeof *ag);
+    float *xc = malloc((size_t)(n_rows * dim) * sizeof *xc);
+    p->cpu->ops->download(p->cpu, ac, a.c, n_rows * dim);
+    p->gpu->ops->download(p->gpu, ag, a.g, n_rows * dim);
+    p->cpu->ops->download(p->cpu, xc, x.c, n_rows * dim);
+    int64_t bad = 0;
+    double worst = 0.0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < dim; i++) ss += (double)xc[r * dim + i] * xc[r * dim + i];
+        const double s = 1.0 / sqrt(ss / (double)dim + 1e-6);
+        for (int64_t i = 0; i < dim; i++) {
+            const double c = ac[r * dim + i], g = ag[r * dim + i], wi = w ? fabs((double)w[i]) : 1.0;
+            const double bound = 2.0 * tol * hc_row_scale[r % 5] * s * (wi + fabs(c)) + 1e-30;
+            const double e = fabs(g - c);
+            if (!(e <= bound)) bad++;
+            if (e / bound > worst) worst = e / bound;
+        }
+    }
+    CHECK_MSG(bad == 0, "%s norm: %lld elements outside the bound (worst %.3g of it)", name, (long long)bad, worst);
+    free(ac);
+    free(ag);
+    free(xc);
+}
+
+/*
+ * hc_pre_norm on one set of inputs (the caller's hc_pre case): the fused
+ * kernel (ds4_cuda_backend_set_hc_norm 1) against the hc_pre and rmsnorm
+ * kernels (0), bit for bit in every output, and against the CPU: x_out
+ * as hc_pre's, the norm row by row with the bound x_out's error implies
+ * (a_i = x_i w_i s, s = 1 / rms(x): an error e per element of x moves a_i
+ * by about s (|w_i| + |a_i|) e). A norm weight (F32) or plain; a_out
+ * apart from x_out or equal to it (then it holds the norm).
+ */
+static void check_hc_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
+                              op_buf X, int64_t n_rows, bool weighted, bool in_place, const char *what) {
+    const int n = hc->n_hc;
+    const int64_t dim = hc->dim;
+    float *hw = op_rand(dim, 1.0);
+    op_weight *nw = op_weight_floats(p, "blk.0.attn_norm.weight", DS4_TYPE_F32, dim, 1, 1, hw);
+    const ds4_weight *nc = weighted ? &nw->c : NULL, *ng = weighted ? &nw->g : NULL;
+    op_buf x[2], a[2], post[2], comb[2];
+    for (int v = 0; v < 2; v++) {
+        x[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
+        a[v] = in_place ? x[v] : op_buf_poisoned(p, (n_rows + 1) * dim);
+        post[v] = op_buf_poisoned(p, (n_rows + 1) * n);
+        comb[v] = op_buf_poisoned(p, (n_rows + 1) * n * n);
+    }
+    p->cpu->ops->hc_pre_norm(p->cpu, hc, X.c, &fn->c, &scale->c, &base->c, nc, 1e-6f, x[0].c, post[0].c,
+                             comb[0].c, a[0].c, n_rows);
+    for (int v = 0; v < 2; v++) { /* v 0: fused, 1: the ops' kernels */
+        ds4_cuda_backend_set_hc_norm(p->gpu, v == 0);
+        p->gpu->ops->hc_pre_norm(p->gpu, hc, X.g, &fn->g, &scale->g, &base->g, ng, 1e-6f, x[v].g, post[v].g,
+                                 comb[v].g, a[v].g, n_rows);
+    }
+    ds4_cuda_backend_set_hc_norm(p->gpu, env_on_default("DS4_CUDA_HC_NORM", true));
+    op_expect_ok(p);
+    char name[160];
+    snprintf(name, sizeof name, "hc_pre_norm (%s, %s%s)", what, weighted ? "weighted" : "plain",
+             in_place ? ", in place" : "");
+    check_gpu_same(name, p, a[0], a[1], (n_rows + 1) * dim);
+    check_gpu_same(name, p, post[0], post[1], (n_rows + 1) * n);
+    check_gpu_same(name, p, comb[0], comb[1], (n_rows + 1) * n * n);
+    const double tol = hc_tol(n * dim);
+    if (!in_place) {
+        check_gpu_same(name, p, x[0], x[1], (n_rows + 1) * dim);
+        compare_hc_rows(name, p, x[0], n_rows, dim, tol);
+    }
+    check_guard(name, p, a[0], n_rows * dim, dim);
+    op_compare(name, p, post[0], n_rows * n, tol, tol);
+    op_compare(name, p, comb[0], n_rows * n * n, tol, tol);
+    /* the norm against the CPU's, with the bound from x's error (x: hc_pre's
+     * on the CPU; in place a[0] holds the norm) */
+    p->cpu->ops->hc_pre(p->cpu, hc, X.c, &fn->c, &scale->c, &base->c, x[1].c, post[1].c, comb[1].c, n_rows);
+    op_expect_ok(p);
+    check_norm_rows(name, p, a[0], x[1], weighted ? hw : NULL, n_rows, dim, tol);
+    for (int v = 0; v < 2; v++) {
+        op_buf_free(p, &x[v]);
+        if (!in_place) op_buf_free(p, &a[v]);
+        op_buf_free(p, &post[v]);
+        op_buf_free(p, &comb[v]);
+    }
+    op_weight_free(p, nw);
+    free(hw);
+}
+
+/*
+ * hc_post_pre_norm (with the routed sum y2 or without): the fused kernels
+ * (ds4_cuda_backend_set_hc_post_pre 1) against hc_post's kernel and then
+ * hc_pre_norm's (0), bit for bit in every output; the new state against
+ * the CPU's bit for bit (add and hc_post are exact), x_out, post, comb and
+ * the norm as hc_pre_norm's. The mix is written over the one read, as the
+ * model calls it.
+ */
+static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
+                                   int64_t n_rows, bool with_y2, const char *what) {
+    const int n = hc->n_hc;
+    const int64_t dim = hc->dim, hc_dim = n * dim;
+    float *hw = op_rand(dim, 1.0), *hXp = hc_states(n_rows, hc_dim), *hy = hc_states(n_rows, dim);
+    float *hy2 = hc_states(n_rows, dim), *hpost = rand_uniform(n_rows * n, 0.0, 2.0);
+    float *hcomb = rand_uniform(n_rows * n * n, 0.0, 0.5);
+    op_weight *nw = op_weight_floats(p, "blk.0.ffn_norm.weight", DS4_TYPE_F32, dim, 1, 1, hw);
+    op_buf Xp = op_buf_from(p, hXp, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim);
+    op_buf y2 = op_buf_from(p, hy2, n_rows * dim);
+    op_buf Xo[2], x[2], a[2], post[2], comb[2];
+    for (int v = 0; v < 2; v++) {
+        Xo[v] = op_buf_poisoned(p, (n_rows + 1) * hc_dim);
+        x[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
+        a[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
+        post[v] = op_buf_from(p, hpost, n_rows * n);
+        comb[v] = op_buf_from(p, hcomb, n_rows * n * n);
+    }
+    p->cpu->ops->hc_post_pre_norm(p->cpu, hc, y.c, with_y2 ? y2.c : NULL, Xp.c, post[0].c, comb[0].c, Xo[0].c,
+                                  &fn->c, &scale->c, &base->c, &nw->c, 1e-6f, x[0].c, post[0].c, comb[0].c, a[0].c,
+                                  n_rows);
+    for (int v = 0; v < 2; v++) { /* v 0: fused, 1: hc_post's kernel, then hc_pre_norm's */
+        ds4_cuda_backend_set_hc_post_pre(p->gpu, v == 0);
+        p->gpu->ops->hc_post_pre_norm(p->gpu, hc, y.g, with_y2 ? y2.g : NULL, Xp.g, post[v].g, comb[v].g, Xo[v].g,
+                                      &fn->g, &scale->g, &base->g, &nw->g, 1e-6f, x[v].g, post[v].g, comb[v].g,
+                                      a[v].g, n_rows);
+    }
+    ds4_cuda_backend_set_hc_post_pre(p->gpu, env_on_default("DS4_CUDA_HC_POST_PRE", true));
+    op_expect_ok(p);
+    char name[160];
+    snprintf(name, sizeof name, "hc_post_pre_norm (%s%s)", what, with_y2 ? ", y2" : "");
+    check_gpu_same(name, p, Xo[0], Xo[1], (n_rows + 1) * hc_dim);
+    check_gpu_same(name, p, x[0], x[1], (n_rows + 1) * dim);
+    check_gpu_same(name, p, a[0], a[1], (n_rows + 1) * dim);
+    check_gpu_same(name, p, post[0], post[1], n_rows * n);
+    check_gpu_same(name, p, comb[0], comb[1], n_rows * n * n);
+    op_compare(name, p, Xo[0], n_rows * hc_dim, 0.0, 0.0);
+    check_guard(name, p, Xo[0], n_rows * hc_dim, hc_dim);
+    const double tol = hc_tol(hc_dim);
+    compare_hc_rows(name, p, x[0], n_rows, dim, tol);
+    op_compare(name, p, post[0], n_rows * n, tol, tol);
+    op_compare(name, p, comb[0], n_rows * n * n, tol, tol);
+    check_norm_rows(name, p, a[0], x[0], hw, n_rows, dim, tol);
+    for (int v = 0; v < 2; v++) {
+        op_buf_free(p, &Xo[v]);
+        op_buf_free(p, &x[v]);
+        op_buf_free(p, &a[v]);
+        op_buf_free(p, &post[v]);
+        op_buf_free(p, &comb[v]);
+    }
+    op_buf_free(p, &Xp);
+    op_buf_free(p, &y);
+    op_buf_free(p, &y2);
+    op_weight_free(p, nw);
+    free(hw);
+    free(hXp);
+    free(hy);
+    free(hy2);
+    free(hpost);
+    free(hcomb);
 }
 
 static void check_hc_pre(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_type) {

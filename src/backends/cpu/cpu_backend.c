@@ -36,6 +36,15 @@ void cpu_fail(ds4_backend *be, ds4_status status, const char *fmt, ...) {
     pthread_mutex_unlock(&cpu->error_mu);
 }
 
+/* An error is recorded (not yet taken). */
+static bool cpu_failed(ds4_backend *be) {
+    cpu_backend *cpu = cpu_impl(be);
+    pthread_mutex_lock(&cpu->error_mu);
+    const bool failed = cpu->error.status != DS4_OK;
+    pthread_mutex_unlock(&cpu->error_mu);
+    return failed;
+}
+
 static ds4_status cpu_take_error(ds4_backend *be, ds4_error *err) {
     cpu_backend *cpu = cpu_impl(be);
     pthread_mutex_lock(&cpu->error_mu);
@@ -332,6 +341,46 @@ static void cpu_head_norm_rope(ds4_backend *be, float *x, int64_t n_rows, int64_
     }
 }
 
+static void cpu_hc_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                            const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                            float *x_out, float *post, float *comb, float *a_out, int64_t n_rows) {
+    if (!hc) {
+        cpu_fail(be, DS4_ERR_INVALID, "hc_pre_norm: no hyper-connection shape");
+        return;
+    }
+    cpu_hc_pre(be, hc, X, fn, scale, base, x_out, post, comb, n_rows);
+    if (n_rows <= 0 || cpu_failed(be)) return;
+    if (!a_out) {
+        cpu_fail(be, DS4_ERR_INVALID, "hc_pre_norm: NULL norm output");
+        return;
+    }
+    cpu_rmsnorm(be, x_out, norm, eps, a_out, n_rows, hc->dim);
+}
+
+/* add (into a buffer of its own), hc_post, hc_pre_norm: one after the other. */
+static void cpu_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
+                                 const float *post, const float *comb, float *X_out, const ds4_weight *fn,
+                                 const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                                 float *x_out, float *post_out, float *comb_out, float *a_out, int64_t n_rows) {
+    if (!hc || hc->n_hc < 1 || hc->dim < 1) {
+        cpu_fail(be, DS4_ERR_INVALID, "hc_post_pre_norm: no hyper-connection shape");
+        return;
+    }
+    if (n_rows <= 0) return;
+    float *sum = NULL;
+    if (y2) {
+        sum = malloc((size_t)(n_rows * hc->dim) * sizeof *sum);
+        if (!sum) {
+            cpu_fail(be, DS4_ERR_NOMEM, "hc_post_pre_norm: out of memory");
+            return;
+        }
+        cpu_add(be, y, y2, sum, n_rows * hc->dim);
+    }
+    cpu_hc_post(be, hc, sum ? sum : y, X, post, comb, X_out, n_rows);
+    free(sum);
+    cpu_hc_pre_norm(be, hc, X_out, fn, scale, base, norm, eps, x_out, post_out, comb_out, a_out, n_rows);
+}
+
 /* ------------------------------------------------------------------------ */
 /* The table and the constructor                                             */
 /* ------------------------------------------------------------------------ */
@@ -364,7 +413,9 @@ static const ds4_backend_ops CPU_OPS = {
     .rope_tail = cpu_rope_tail,
     .head_norm_rope = cpu_head_norm_rope,
     .hc_pre = cpu_hc_pre,
+    .hc_pre_norm = cpu_hc_pre_norm,
     .hc_post = cpu_hc_post,
+    .hc_post_pre_norm = cpu_hc_post_pre_norm,
     .hc_head = cpu_hc_head,
     .attention = cpu_attention,
     .attention_rows = cpu_attention_rows,

@@ -687,10 +687,7 @@ rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t di
     }
 }
 
-/* A norm weight of `dim` as device floats for op `op` (F32: the weight
- * itself, else dequantised into the copy scratch); *wv NULL without a
- * weight. false (error recorded) when it does not fit. */
-static bool norm_weight_floats(ds4_backend *be, const ds4_weight *w, int64_t dim, const char *op, const float **wv) {
+bool cuda_norm_weight_floats(ds4_backend *be, const ds4_weight *w, int64_t dim, const char *op, const float **wv) {
     *wv = NULL;
     if (!w) return true;
     if (!w->device || !ds4_cuda_dequant_supported(w->type) || w->ne[0] != dim) {
@@ -707,7 +704,7 @@ static void cuda_rmsnorm(ds4_backend *be, const float *x, const ds4_weight *w, f
                          int64_t dim) {
     if (dim <= 0 || n_rows <= 0 || cuda_failed(be)) return;
     const float *wv;
-    if (!norm_weight_floats(be, w, dim, "rmsnorm", &wv)) return;
+    if (!cuda_norm_weight_floats(be, w, dim, "rmsnorm", &wv)) return;
     if (n_rows > 0x7fffffffLL) {
         cuda_fail(be, DS4_ERR_INVALID, "rmsnorm: %lld rows", (long long)n_rows);
         return;
@@ -735,7 +732,7 @@ static void cuda_head_norm_rope(ds4_backend *be, float *x, int64_t n_rows, int64
     if (n_rows == 0) return;
     if (cuda_impl(be)->norm_rope && cuda_head_norm_rope_fits(x, n_rows, n_heads, head_dim)) {
         const float *wv;
-        if (!norm_weight_floats(be, w, head_dim, "head_norm_rope", &wv)) return;
+        if (!cuda_norm_weight_floats(be, w, head_dim, "head_norm_rope", &wv)) return;
         cuda_head_norm_rope_fused(be, x, n_rows, n_heads, head_dim, wv, eps, pos, rope, round_kv);
         return;
     }
@@ -986,7 +983,9 @@ static const ds4_backend_ops CUDA_OPS = {
     .rope_tail = cuda_rope_tail,
     .head_norm_rope = cuda_head_norm_rope,
     .hc_pre = cuda_hc_pre,
+    .hc_pre_norm = cuda_hc_pre_norm,
     .hc_post = cuda_hc_post,
+    .hc_post_pre_norm = cuda_hc_post_pre_norm,
     .hc_head = cuda_hc_head,
     .attention = cuda_attention,
     .attention_rows = cuda_attention_rows,

@@ -133,6 +133,17 @@ int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be);
  * kernels one after the other. The results are the same either way, bit
  * for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on);
+/* hc_pre_norm's RMS norm inside hc_pre's finishing kernel (the default;
+ * DS4_CUDA_HC_NORM=0 makes off the default), or hc_pre's kernels and then
+ * the rmsnorm kernel. The results are the same either way, bit for bit.
+ * Takes effect at the next op. */
+void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on);
+/* hc_post_pre_norm's residual step made inside hc_pre's partial kernel
+ * (the default, where the fused norm is on too; DS4_CUDA_HC_POST_PRE=0
+ * makes off the default), or hc_post's kernel and then hc_pre_norm's. The
+ * results are the same either way, bit for bit. Takes effect at the next
+ * op. */
+void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on);
 /* The routed experts of several tokens grouped by expert, outside recorded
  * steps (on by default; DS4_CUDA_MOE_GROUPED=0 makes off the default): the
  * op reads the checked expert ids back (one wait), sorts the (token,

@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_rows.cuh"
 
 /* ------------------------------------------------------------------------ */
 /* Shared pieces                                                             */
@@ -237,6 +238,29 @@ template <uint32_t T> static __device__ __forceinline__ void hc_load8(const void
     }
 }
 
+/* hc_post's element (d, i) of one row: X_out = y'[i] * post[d] + sum_s
+ * comb[s * n + d] * X[s][i] with y' = y + y2 (y2 NULL: y), in the CPU's
+ * order and roundings (add, then hc_post: bit-identical to the CPU). y, y2,
+ * X, post and comb point at the row. */
+static __device__ __forceinline__ float hc_post_value(const float *y, const float *y2, const float *X,
+                                                      const float *post, const float *comb, int n, int64_t dim,
+                                                      int d, int64_t i) {
+    const float yv = y2 ? __fadd_rn(y[i], y2[i]) : y[i];
+    float acc = __fmul_rn(yv, post[d]);
+    for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(comb[s * n + d], X[s * dim + i]));
+    return acc;
+}
+
+/* hc_post_pre_norm: the residual step that hc_partial_kernel<.., POST>
+ * makes on the fly (its state X_out is then the kernel's a.X, which mix
+ * group 0 writes). */
+struct hc_post_args {
+    const float *y, *y2; /* [n_rows, dim]; y2 NULL: none */
+    const float *X;      /* the state before, [n_rows, n_hc * dim] */
+    const float *post;   /* [n_rows, n_hc] */
+    const float *comb;   /* [n_rows, n_hc * n_hc] */
+};
+
 /*
  * hc_partial_kernel, block (row r, chunk c, mix group g): HC_PART_THREADS
  * threads of HC_PER_THREAD consecutive values each (a block covers HC_CHUNK
@@ -245,10 +269,13 @@ template <uint32_t T> static __device__ __forceinline__ void hc_load8(const void
  *   part[r][c].ss     = the chunk's sum of squares (double; group 0 only)
  * A thread's few loads are all in flight at once (16-byte loads when the
  * rows allow, VEC) and there are many short warps: the pass costs about one
- * memory latency.
+ * memory latency. POST: X[r] is not read but made from pa, the residual
+ * step before it (hc_post_value; the blocks of group 0 write it to a.X),
+ * so hc_post and the partial pass are one kernel.
  */
-template <uint32_t T, bool VEC>
-static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_args a, int n_mix, hc_part *part) {
+template <uint32_t T, bool VEC, bool POST>
+static __global__ void __launch_bounds__(HC_PART_THREADS)
+    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
     __shared__ double red_d[HC_PART_THREADS / 32];
     __shared__ float red_f[HC_PART_THREADS / 32][HC_PART_K];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
@@ -275,13 +302,60 @@ static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_a
                               : 0.0f;
     }
     cuda_grid_wait();
-    if (VEC) {
+    if (POST) {
+        const int n = a.n_hc;
+        const int64_t dim = a.dim;
+        const float *y = pa.y + row * dim, *y2 = pa.y2 ? pa.y2 + row * dim : NULL;
+        const float *Xp = pa.X + row * hc_dim, *post = pa.post + row * n, *comb = pa.comb + row * n * n;
+        int d = (int)(i0 / dim);
+        int64_t i = i0 - (int64_t)d * dim;
+        if (VEC) { /* the eight values lie in stream d: 16-byte loads, the same operations */
+            float yv[HC_PER_THREAD], t[HC_PER_THREAD];
+            if (in) {
+                hc_load8<DS4_TYPE_F32>(y, i, yv);
+                if (y2) {
+                    hc_load8<DS4_TYPE_F32>(y2, i, t);
+#pragma unroll
+                    for (int j = 0; j < HC_PER_THREAD; j++) yv[j] = __fadd_rn(yv[j], t[j]);
+                }
+                const float pd = post[d];
+#pragma unroll
+                for (int j = 0; j < HC_PER_THREAD; j++) x[j] = __fmul_rn(yv[j], pd);
+                for (int st = 0; st < n; st++) {
+                    hc_load8<DS4_TYPE_F32>(Xp + st * dim, i, t);
+                    const float c = comb[st * n + d];
+#pragma unroll
+                    for (int j = 0; j < HC_PER_THREAD; j++) x[j] = __fadd_rn(x[j], __fmul_rn(c, t[j]));
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < HC_PER_THREAD; j++) {
+                x[j] = i0 + j < hc_dim ? hc_post_value(y, y2, Xp, post, comb, n, dim, d, i) : 0.0f;
+                if (++i == dim) i = 0, d++;
+            }
+        }
+        if (blockIdx.z == 0) {
+            float *Xo = (float *)X;
+            if (VEC && in) {
+                *(float4 *)(Xo + i0) = make_float4(x[0], x[1], x[2], x[3]);
+                *(float4 *)(Xo + i0 + 4) = make_float4(x[4], x[5], x[6], x[7]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < HC_PER_THREAD; j++)
+                    if (i0 + j < hc_dim) Xo[i0 + j] = x[j];
+            }
+        }
+    } else if (VEC) {
         if (in) hc_load8<DS4_TYPE_F32>(X, i0, x);
     } else {
 #pragma unroll
         for (int j = 0; j < HC_PER_THREAD; j++) x[j] = i0 + j < hc_dim ? X[i0 + j] : 0.0f;
     }
-    if (VEC && !in) {
+    if (!POST && VEC && !in) {
 #pragma unroll
         for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
     }
@@ -316,50 +390,27 @@ static __global__ void __launch_bounds__(HC_PART_THREADS) hc_partial_kernel(hc_a
 }
 
 /*
- * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
- * (cheap, identical) split below and writes its slice of out[r], so the
- * weighted sum is spread over the row's blocks instead of looping in one:
+ * The finishing kernels' common part, for row `row` of the block (all
+ * threads call it): the chunks' partial sums into the mix, then the split.
  *   ss = sum over chunks (double, in a fixed order over the block's threads)
  *   f-scale = 1 / sqrt(ss / n + norm_eps)          (formed as the CPU does)
  *   mix[k] = (sum over chunks of the raw dots, one warp each) * f-scale
  *   HEAD:  w[s] = sigmoid(mix[s] * scale0 + base[s]) + eps
  *   PRE:   pre/post/comb = hc_split(mix); w = pre
- *   out[r][i] = sum_s X[r][s][i] * w[s]          (s in order, as the CPU)
  * The CPU scales each element before its dot product; scaling the finished
  * dots instead differs by float rounding only (well inside the tolerance of
- * a 16384-term float sum in another order).
+ * a 16384-term float sum in another order). On return (after a barrier) w,
+ * post_s and C are in shared memory; block y 0 of a PRE row has written
+ * the row's post and comb.
  */
 template <bool HEAD>
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
-    __shared__ float mix[HC_MAX_MIX];
-    __shared__ float w[HC_MAX_STREAMS];
-    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
-    __shared__ float post_s[HC_MAX_STREAMS];
-    __shared__ double red_d[HC_THREADS / 32];
+static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_mix, int64_t n_chunks, int64_t row,
+                                                       const hc_part *part, const hc_split_consts &consts,
+                                                       float *mix, float *w, float *post_s, float *C,
+                                                       double *red_d) {
     const int n = a.n_hc;
-    const bool split_warp = !HEAD && n * n <= 32;
-    /* the split's constants (weights) before the wait for the kernel before */
-    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-    if (split_warp && threadIdx.x < 32) consts = hc_split_load(a, n);
-    cuda_grid_wait();
     const int64_t hc_dim = (int64_t)n * a.dim;
-    const int64_t row = blockIdx.x;
-    const float *X = a.X + row * hc_dim;
     const hc_part *pr = part + row * n_chunks;
-    /* this block's slice of the output; when it is one element per thread
-     * and there are at most HC_PREFETCH streams, that element's n state
-     * values are loaded now, in flight while the split is made */
-    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
-    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
-    constexpr int HC_PREFETCH = 4;
-    const bool prefetch = per <= HC_THREADS && n <= HC_PREFETCH;
-    float xv[HC_PREFETCH];
-    if (prefetch) {
-        const int64_t i = i0 + threadIdx.x;
-#pragma unroll
-        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
-    }
     /* the chunks' partial sums, spread over the block (a fixed shape, so the
      * order is the same every run), all loads in flight together: squares
      * in double over all threads; each mix entry over one warp's lanes,
@@ -392,7 +443,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
     const float rms_scale = __frcp_rn(__fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
     for (int k = threadIdx.x; k < n_mix; k += HC_THREADS) mix[k] = __fmul_rn(mix[k], rms_scale);
     __syncthreads();
-    if (split_warp) {
+    if (!HEAD && n * n <= 32) {
         if (threadIdx.x < 32) {
             if (n == 4) hc_split_warp<4>(a, consts, mix, w, post_s, C);
             else hc_split_warp<0>(a, consts, mix, w, post_s, C);
@@ -412,16 +463,56 @@ static __global__ void __launch_bounds__(HC_THREADS)
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
         for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
+}
+
+/* The weighted sum's element: sum_s X[s][i] * w[s], s in order (as the CPU). */
+#define HC_PREFETCH 4 /* streams whose state values a thread loads before the split */
+static __device__ __forceinline__ float hc_weighted(const float (&xv)[HC_PREFETCH], const float *w, int n) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int s = 0; s < HC_PREFETCH; s++)
+        if (s < n) acc = __fadd_rn(acc, __fmul_rn(xv[s], w[s]));
+    return acc;
+}
+
+/*
+ * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
+ * (cheap, identical) split (hc_finish_split) and writes its slice of the
+ * weighted sum out[r][i] = sum_s X[r][s][i] * w[s], so the sum is spread
+ * over the row's blocks instead of looping in one.
+ */
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float w[HC_MAX_STREAMS];
+    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
+    __shared__ float post_s[HC_MAX_STREAMS];
+    __shared__ double red_d[HC_THREADS / 32];
+    const int n = a.n_hc;
+    /* the split's constants (weights) before the wait for the kernel before */
+    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (!HEAD && n * n <= 32 && threadIdx.x < 32) consts = hc_split_load(a, n);
+    cuda_grid_wait();
+    const int64_t row = blockIdx.x;
+    const float *X = a.X + row * (int64_t)n * a.dim;
+    /* this block's slice of the output; when it is one element per thread
+     * and there are at most HC_PREFETCH streams, that element's n state
+     * values are loaded now, in flight while the split is made */
+    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    const bool prefetch = per <= HC_THREADS && n <= HC_PREFETCH;
+    float xv[HC_PREFETCH];
+    if (prefetch) {
+        const int64_t i = i0 + threadIdx.x;
+#pragma unroll
+        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
+    }
+    hc_finish_split<HEAD>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
     float *out = a.out + row * a.dim;
     if (prefetch) {
         const int64_t i = i0 + threadIdx.x;
-        if (i < i1) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int s = 0; s < HC_PREFETCH; s++)
-                if (s < n) acc = __fadd_rn(acc, __fmul_rn(xv[s], w[s]));
-            out[i] = acc;
-        }
+        if (i < i1) out[i] = hc_weighted(xv, w, n);
         return;
     }
     for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
@@ -431,21 +522,99 @@ static __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
-typedef void (*hc_partial_fn)(hc_args, int, hc_part *);
-
-template <bool VEC> static hc_partial_fn hc_partial_for(uint32_t type) {
-    switch (type) {
-    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC>;
-    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC>;
-    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC>;
+/*
+ * hc_finish_norm_kernel, one block per row (hc_pre_norm): the split as
+ * hc_finish_kernel, the whole weighted sum x[r] held in registers where
+ * rmsnorm_kernel<true> holds a row (rms_load_row's places: the row's state
+ * values are loaded there before the split), x[r] written to out, then its
+ * RMS norm with the norm weight nw (NULL: plain) into a_out, summed and
+ * rounded as rmsnorm_kernel<true> does: the pair of ops' results bit for
+ * bit. Rows of dim % 4 == 0, dim <= NORM_CACHED, 16-byte aligned, at most
+ * HC_PREFETCH streams (hc_norm_fits). a_out may be out.
+ */
+static_assert(HC_THREADS == NORM_THREADS, "the norm's layout is rmsnorm_kernel's");
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_norm_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part, const float *nw,
+                          float norm_eps, float *a_out) {
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float w[HC_MAX_STREAMS];
+    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
+    __shared__ float post_s[HC_MAX_STREAMS];
+    __shared__ double red_d[HC_THREADS / 32];
+    const int n = a.n_hc;
+    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (n * n <= 32 && threadIdx.x < 32) consts = hc_split_load(a, n);
+    float wv[NORM_VEC][4];
+    rms_load_weight(nw, a.dim, wv); /* a weight: before the wait */
+    cuda_grid_wait();
+    const int64_t row = blockIdx.x, dim = a.dim;
+    const float *X = a.X + row * (int64_t)n * dim;
+    float4 xs[HC_PREFETCH][NORM_VEC];
+#pragma unroll
+    for (int s = 0; s < HC_PREFETCH; s++) {
+        if (s < n) rms_load_row(X + s * dim, dim, xs[s]);
+        else
+#pragma unroll
+            for (int k = 0; k < NORM_VEC; k++) xs[s][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
+    float4 v[NORM_VEC];
+    float *out = a.out + row * dim;
+#pragma unroll
+    for (int k = 0; k < NORM_VEC; k++) {
+        float e[4][HC_PREFETCH];
+#pragma unroll
+        for (int s = 0; s < HC_PREFETCH; s++)
+            e[0][s] = xs[s][k].x, e[1][s] = xs[s][k].y, e[2][s] = xs[s][k].z, e[3][s] = xs[s][k].w;
+        v[k] = make_float4(hc_weighted(e[0], w, n), hc_weighted(e[1], w, n), hc_weighted(e[2], w, n),
+                           hc_weighted(e[3], w, n));
+        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+        if (i < dim) *(float4 *)(out + i) = v[k];
+    }
+    const float scale = rms_loaded_scale(v, dim, norm_eps, red_d);
+    float *ar = a_out + row * dim;
+#pragma unroll
+    for (int k = 0; k < NORM_VEC; k++) {
+        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+        if (i >= dim) continue;
+        float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
+                               __fmul_rn(v[k].w, scale));
+        if (nw) {
+            y.x = __fmul_rn(y.x, wv[k][0]), y.y = __fmul_rn(y.y, wv[k][1]);
+            y.z = __fmul_rn(y.z, wv[k][2]), y.w = __fmul_rn(y.w, wv[k][3]);
+        }
+        *(float4 *)(ar + i) = y;
     }
 }
 
-/* Launch the partial and finishing kernels for n_rows rows. The partial
- * kernel takes 16-byte loads when every row of X and fn starts 16-byte
- * aligned and a thread's eight values never straddle the end. */
+typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args);
+
+template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type) {
+    switch (type) {
+    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC, POST>;
+    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC, POST>;
+    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC, POST>;
+    }
+}
+
+/* The norm that hc_finish_norm_kernel appends (hc_pre_norm): its weight
+ * as device floats (NULL: plain), eps and output. */
+struct hc_norm {
+    const float *w;
+    float eps;
+    float *out;
+};
+
+/* Launch the partial and finishing kernels for n_rows rows (with `norm`:
+ * the finishing kernel that norms the weighted sum, hc_norm_fits; with
+ * `post`: the partial kernel that makes the state a.X from the residual
+ * step before it). The partial kernel takes 16-byte loads when every row of
+ * X and fn starts 16-byte aligned and a thread's eight values never
+ * straddle the end (with `post`: lie in one stream, and y, y2 and the
+ * state before are aligned too). */
 template <bool HEAD>
-static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what) {
+static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what,
+                      const hc_norm *norm = NULL, const hc_post_args *post = NULL) {
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
     const int64_t n_chunks = (hc_dim + HC_CHUNK - 1) / HC_CHUNK;
     if (n_chunks > 65535) {
@@ -455,12 +624,25 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     hc_part *part = (hc_part *)cuda_scratch(be, CUDA_SCRATCH_HC, (size_t)(n_rows * n_chunks) * sizeof(hc_part));
     if (!part) return;
     const bool vec = hc_dim % HC_PER_THREAD == 0 && a.fn_row_bytes % 16 == 0 && (uintptr_t)a.fn % 16 == 0 &&
-                     (uintptr_t)a.X % 16 == 0;
-    const hc_partial_fn partial = vec ? hc_partial_for<true>(a.fn_type) : hc_partial_for<false>(a.fn_type);
+                     (uintptr_t)a.X % 16 == 0 &&
+                     (!post || (a.dim % HC_PER_THREAD == 0 && (uintptr_t)post->y % 16 == 0 &&
+                                (uintptr_t)post->y2 % 16 == 0 && (uintptr_t)post->X % 16 == 0));
+    hc_post_args pa;
+    memset(&pa, 0, sizeof pa); /* (recorded steps compare argument bytes) */
+    if (post) pa = *post;
+    const hc_partial_fn partial = post ? (vec ? hc_partial_for<true, true>(a.fn_type)
+                                              : hc_partial_for<false, true>(a.fn_type))
+                                       : (vec ? hc_partial_for<true, false>(a.fn_type)
+                                              : hc_partial_for<false, false>(a.fn_type));
     const unsigned groups = (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
     if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
-                     n_mix, part))
+                     n_mix, part, pa))
         return;
+    if (norm) {
+        (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part,
+                          norm->w, norm->eps, norm->out);
+        return;
+    }
     /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
@@ -521,22 +703,59 @@ static hc_args hc_args_make(const ds4_hc *hc, const float *X, const ds4_weight *
     return a;
 }
 
+/* hc_pre's checks (the CPU's); false with the error recorded. n_rows <= 0
+ * passes (nothing to do, as on the CPU). */
+static bool hc_pre_check(ds4_backend *be, const char *op, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                         const ds4_weight *scale, const ds4_weight *base, const float *x_out, const float *post,
+                         const float *comb, int64_t n_rows) {
+    const int64_t n_mix = hc ? (int64_t)(2 + hc->n_hc) * hc->n_hc : 0;
+    if (!hc_check(be, op, hc, fn, scale, base, n_mix, 3)) return false;
+    if (hc->iters < 1) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: %d Sinkhorn iterations", op, hc->iters);
+        return false;
+    }
+    if (n_rows > 0 && (n_rows > INT32_MAX || !X || !x_out || !post || !comb)) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: %lld rows (a NULL buffer or too many rows)", op, (long long)n_rows);
+        return false;
+    }
+    return true;
+}
+
 void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
                  const ds4_weight *base, float *x_out, float *post, float *comb, int64_t n_rows) {
     if (cuda_failed(be)) return;
-    const int64_t n_mix = hc ? (int64_t)(2 + hc->n_hc) * hc->n_hc : 0;
-    if (!hc_check(be, "hc_pre", hc, fn, scale, base, n_mix, 3)) return;
-    if (hc->iters < 1) {
-        cuda_fail(be, DS4_ERR_INVALID, "hc_pre: %d Sinkhorn iterations", hc->iters);
+    if (!hc_pre_check(be, "hc_pre", hc, X, fn, scale, base, x_out, post, comb, n_rows) || n_rows <= 0) return;
+    const hc_args a = hc_args_make(hc, X, fn, scale, base, x_out, post, comb);
+    hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_pre kernels");
+}
+
+/* States hc_finish_norm_kernel takes: at most HC_PREFETCH streams, rows of
+ * dim % 4 == 0 up to NORM_CACHED, X, x_out and a_out 16-byte aligned. */
+static bool hc_norm_fits(const ds4_hc *hc, const float *X, const float *x_out, const float *a_out) {
+    return hc->n_hc <= HC_PREFETCH && hc->dim % 4 == 0 && hc->dim <= NORM_CACHED && (uintptr_t)X % 16 == 0 &&
+           (uintptr_t)x_out % 16 == 0 && (uintptr_t)a_out % 16 == 0;
+}
+
+void cuda_hc_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                      const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                      float *x_out, float *post, float *comb, float *a_out, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    if (!hc_pre_check(be, "hc_pre_norm", hc, X, fn, scale, base, x_out, post, comb, n_rows)) return;
+    const float *wv;
+    if (!cuda_norm_weight_floats(be, norm, hc->dim, "hc_pre_norm", &wv)) return;
+    if (n_rows <= 0) return;
+    if (!a_out) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_pre_norm: NULL norm output");
         return;
     }
-    if (n_rows <= 0) return;
-    if (n_rows > INT32_MAX || !X || !x_out || !post || !comb) {
-        cuda_fail(be, DS4_ERR_INVALID, "hc_pre: %lld rows (a NULL buffer or too many rows)", (long long)n_rows);
+    if (!cuda_impl(be)->hc_norm || !hc_norm_fits(hc, X, x_out, a_out)) {
+        cuda_hc_pre(be, hc, X, fn, scale, base, x_out, post, comb, n_rows);
+        be->ops->rmsnorm(be, x_out, norm, eps, a_out, n_rows, hc->dim);
         return;
     }
     const hc_args a = hc_args_make(hc, X, fn, scale, base, x_out, post, comb);
-    hc_launch<false>(be, a, (int)n_mix, n_rows, "hc_pre kernels");
+    const hc_norm nm = { wv, eps, a_out };
+    hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_pre_norm kernels", &nm);
 }
 
 void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
@@ -557,40 +776,82 @@ void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_w
 /* HC post (spec 3.3)                                                        */
 /* ------------------------------------------------------------------------ */
 
-/* Element (r, d, i): X_out = y[r][i] * post[r][d] + sum_s comb[r][s*n + d] * X[r][s][i],
- * the CPU's order and roundings (so bit-identical). */
-static __global__ void hc_post_kernel(const float *y, const float *X, const float *post, const float *comb, float *X_out,
-                               int n, int64_t dim, int64_t total) {
+/* Element (r, d, i): hc_post_value (y2 NULL: y alone). */
+static __global__ void hc_post_kernel(const float *y, const float *y2, const float *X, const float *post,
+                                      const float *comb, float *X_out, int n, int64_t dim, int64_t total) {
     cuda_grid_wait();
     for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t i = e % dim, rd = e / dim;
         const int d = (int)(rd % n);
         const int64_t r = rd / n;
-        const float *Xr = X + r * n * dim, *cr = comb + r * n * n;
-        float acc = __fmul_rn(y[r * dim + i], post[r * n + d]);
-        for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(cr[s * n + d], Xr[s * dim + i]));
-        X_out[e] = acc;
+        X_out[e] = hc_post_value(y + r * dim, y2 ? y2 + r * dim : NULL, X + r * n * dim, post + r * n,
+                                 comb + r * n * n, n, dim, d, i);
     }
+}
+
+/* hc_post's checks (the CPU's), for op `op`: false with the error
+ * recorded; *total = the state values to write (0: nothing to do). */
+static bool hc_post_check(ds4_backend *be, const char *op, const ds4_hc *hc, const float *y, const float *X,
+                          const float *post, const float *comb, const float *X_out, int64_t n_rows, int64_t *total) {
+    *total = 0;
+    if (!hc || hc->n_hc < 1 || hc->n_hc > HC_MAX_STREAMS || hc->dim <= 0 || n_rows < 0 ||
+        n_rows > INT64_MAX / ((int64_t)hc->n_hc * hc->dim)) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: n_hc %d, dim %lld, %lld rows", op, hc ? hc->n_hc : 0,
+                  hc ? (long long)hc->dim : 0LL, (long long)n_rows);
+        return false;
+    }
+    const int64_t t = n_rows * hc->n_hc * hc->dim;
+    if (t == 0) return true;
+    if (!y || !X || !post || !comb || !X_out || ranges_overlap(X_out, t, X, t)) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: NULL buffer, or X_out overlaps X (it must not alias it)", op);
+        return false;
+    }
+    *total = t;
+    return true;
+}
+
+static void hc_post_launch(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
+                           const float *post, const float *comb, float *X_out, int64_t total) {
+    (void)cuda_launch(be, "hc_post kernel", hc_post_kernel, ew_blocks(total), EW_THREADS, 0, y, y2, X, post, comb,
+                      X_out, hc->n_hc, hc->dim, total);
 }
 
 void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
                   const float *comb, float *X_out, int64_t n_rows) {
     if (cuda_failed(be)) return;
-    if (!hc || hc->n_hc < 1 || hc->n_hc > HC_MAX_STREAMS || hc->dim <= 0 || n_rows < 0 ||
-        n_rows > INT64_MAX / ((int64_t)hc->n_hc * hc->dim)) {
-        cuda_fail(be, DS4_ERR_INVALID, "hc_post: n_hc %d, dim %lld, %lld rows", hc ? hc->n_hc : 0,
-                  hc ? (long long)hc->dim : 0LL, (long long)n_rows);
-        return;
-    }
-    const int n = hc->n_hc;
-    const int64_t total = n_rows * n * hc->dim;
+    int64_t total;
+    if (!hc_post_check(be, "hc_post", hc, y, X, post, comb, X_out, n_rows, &total) || total == 0) return;
+    hc_post_launch(be, hc, y, NULL, X, post, comb, X_out, total);
+}
+
+/* hc_post (y + y2) and hc_pre_norm of its state: where the backend's
+ * setting and the shapes allow, the residual step is made inside hc_pre's
+ * partial kernel (two kernels in all instead of three). */
+void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
+                           const float *post, const float *comb, float *X_out, const ds4_weight *fn,
+                           const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                           float *x_out, float *post_out, float *comb_out, float *a_out, int64_t n_rows) {
+    if (cuda_failed(be)) return;
+    int64_t total;
+    if (!hc_post_check(be, "hc_post_pre_norm", hc, y, X, post, comb, X_out, n_rows, &total)) return;
+    if (!hc_pre_check(be, "hc_post_pre_norm", hc, X_out, fn, scale, base, x_out, post_out, comb_out, n_rows)) return;
+    const float *wv;
+    if (!cuda_norm_weight_floats(be, norm, hc->dim, "hc_post_pre_norm", &wv)) return;
     if (total == 0) return;
-    if (!y || !X || !post || !comb || !X_out || ranges_overlap(X_out, total, X, total)) {
-        cuda_fail(be, DS4_ERR_INVALID, "hc_post: NULL buffer, or X_out overlaps X (it must not alias it)");
+    if (!a_out) {
+        cuda_fail(be, DS4_ERR_INVALID, "hc_post_pre_norm: NULL norm output");
         return;
     }
-    (void)cuda_launch(be, "hc_post kernel", hc_post_kernel, ew_blocks(total), EW_THREADS, 0, y, X, post, comb, X_out,
-                      n, hc->dim, total);
+    const cuda_backend *cb = cuda_impl(be);
+    if (!cb->hc_post_pre || !cb->hc_norm || !hc_norm_fits(hc, X_out, x_out, a_out)) {
+        hc_post_launch(be, hc, y, y2, X, post, comb, X_out, total);
+        cuda_hc_pre_norm(be, hc, X_out, fn, scale, base, norm, eps, x_out, post_out, comb_out, a_out, n_rows);
+        return;
+    }
+    const hc_args a = hc_args_make(hc, X_out, fn, scale, base, x_out, post_out, comb_out);
+    const hc_norm nm = { wv, eps, a_out };
+    const hc_post_args pa = { y, y2, X, post, comb };
+    hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", &nm, &pa);
 }
 
 /* ------------------------------------------------------------------------ */

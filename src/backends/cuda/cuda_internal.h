@@ -164,6 +164,8 @@ typedef struct cuda_backend {
     int64_t mv_packed_launches; /* matvec launches that packed them (ds4_cuda_backend_mv_packed_launches) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool norm_rope; /* head_norm_rope as one fused kernel (on by default; DS4_CUDA_NORM_ROPE=0: the separate ops' kernels) */
+    bool hc_norm;   /* hc_pre_norm's norm in hc_pre's finishing kernel (on by default; DS4_CUDA_HC_NORM=0: the two ops' kernels) */
+    bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
@@ -602,9 +604,21 @@ void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weig
 void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows, int64_t k,
                      int32_t *idx);
 
+/* A norm weight of `dim` as device floats for op `op` (F32: the weight
+ * itself, else dequantised into the copy scratch); *wv NULL without a
+ * weight. false (error recorded) when it does not fit. (cuda_backend.cu) */
+bool cuda_norm_weight_floats(ds4_backend *be, const ds4_weight *w, int64_t dim, const char *op, const float **wv);
+
 /* cuda_hc_ffn.cu */
 void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
                  const ds4_weight *base, float *x_out, float *post, float *comb, int64_t n_rows);
+void cuda_hc_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
+                      const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                      float *x_out, float *post, float *comb, float *a_out, int64_t n_rows);
+void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
+                           const float *post, const float *comb, float *X_out, const ds4_weight *fn,
+                           const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
+                           float *x_out, float *post_out, float *comb_out, float *a_out, int64_t n_rows);
 void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
                   const float *comb, float *X_out, int64_t n_rows);
 void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,

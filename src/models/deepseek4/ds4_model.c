@@ -236,7 +236,8 @@ static ds4_status check_ops(const ds4_backend *be, ds4_error *err) {
         { "indexer_qat", o->indexer_qat }, { "matmul", o->matmul }, { "matmul_grouped", o->matmul_grouped },
         { "matmul_multi", o->matmul_multi },
         { "rope_tail", o->rope_tail }, { "head_norm_rope", o->head_norm_rope },
-        { "hc_pre", o->hc_pre }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
+        { "hc_pre", o->hc_pre }, { "hc_pre_norm", o->hc_pre_norm },
+        { "hc_post_pre_norm", o->hc_post_pre_norm }, { "hc_post", o->hc_post }, { "hc_head", o->hc_head }, { "attention", o->attention },
         { "compressor_pool", o->compressor_pool }, { "compressor_pool_states", o->compressor_pool_states }, { "indexer_scores", o->indexer_scores }, { "top_k", o->top_k },
         { "indexer_scores_rows", o->indexer_scores_rows }, { "top_k_rows", o->top_k_rows },
         { "attention_rows", o->attention_rows }, { "attention_rows_sel", o->attention_rows_sel },
@@ -459,6 +460,10 @@ typedef struct eval_scratch {
     int64_t *n_index;   /* host: indexer rows each row's indexer sees [n] */
     int64_t *win_off, *win_n; /* host: each row's view of its window (first row, rows) [n] */
     int64_t score_stride;     /* n_ctx/4 + 2: the most indexer rows a state holds, and room */
+    /* the residual step a sublayer left to the next one's input (y, and
+     * y2 summed to it when non-NULL; sublayer_output) */
+    bool post_pending;
+    const float *post_y2;
     int64_t sel_rows;         /* rows whose scores and selections are made in one call (iscores, topk) */
 } scratch;
 
@@ -905,6 +910,65 @@ static void attend_plain_states(ds4_model *m, ds4_state *const *rs, int l, scrat
     }
 }
 
+/* ------------------------------------------------------------ sublayer boundaries */
+
+/* HC state X -> X2, then X2 is the state (the buffers swap). */
+static void state_advance(scratch *s) {
+    float *tmp = s->X;
+    s->X = s->X2;
+    s->X2 = tmp;
+}
+
+/* The residual step left pending (sublayer_output), as its ops: y (+ y2),
+ * hc_post, the state advances. */
+static void sublayer_flush(ds4_model *m, scratch *s, int64_t n) {
+    if (!s->post_pending) return;
+    ds4_backend *be = m->be;
+    const int64_t H = m->cfg.n_embd;
+    if (s->post_y2) be->ops->add(be, s->y, s->post_y2, s->y, n * H);
+    be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
+    state_advance(s);
+    s->post_pending = false;
+    s->post_y2 = NULL;
+}
+
+/* A sublayer's input from the state: x, its norm a, and the HC mix
+ * (post, comb), after the residual step the sublayer before left pending,
+ * in one op with it. */
+static void sublayer_input(ds4_model *m, scratch *s, const ds4_weight *fn, const ds4_weight *scale,
+                           const ds4_weight *base, const ds4_weight *norm, int64_t n) {
+    ds4_backend *be = m->be;
+    const float eps = m->cfg.rms_eps;
+    if (s->post_pending) {
+        be->ops->hc_post_pre_norm(be, &m->hc, s->y, s->post_y2, s->X, s->post, s->comb, s->X2, fn, scale, base,
+                                  norm, eps, s->x, s->post, s->comb, s->a, n);
+        state_advance(s);
+        s->post_pending = false;
+        s->post_y2 = NULL;
+        return;
+    }
+    be->ops->hc_pre_norm(be, &m->hc, s->X, fn, scale, base, norm, eps, s->x, s->post, s->comb, s->a, n);
+}
+
+/* A sublayer's output y (the FFN's: y + y2, y2 its routed experts' sum) into
+ * the state. Without an inspection hook the residual step is left pending,
+ * for the next sublayer's input (or sublayer_flush) to make with it; with
+ * one it is made now, so the hook sees each step ("ffn_sum", "attn_X" /
+ * "ffn_X"). */
+static void sublayer_output(ds4_model *m, int l, scratch *s, const float *y2, int64_t n) {
+    const int64_t H = m->cfg.n_embd;
+    s->post_pending = true;
+    s->post_y2 = y2;
+    if (!m->tap) return;
+    if (y2) {
+        m->be->ops->add(m->be, s->y, y2, s->y, n * H);
+        for (int64_t t = 0; t < n; t++) TAP("ffn_sum", l, t, s->y + t * H, H);
+        s->post_y2 = NULL;
+    }
+    sublayer_flush(m, s, n);
+    TAP(y2 ? "ffn_X" : "attn_X", l, -1, s->X, n * m->cfg.n_hc * H);
+}
+
 /* Row t of the batch belongs to state rs[t] (at position pos[t]): a prefill
  * chunk has one state for every row, a batched decode one state per row. */
 static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratch *s, const int32_t *pos, int64_t n,
@@ -916,11 +980,10 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     const int ratio = c->compress_ratio[l];
     const ds4_rope *rope = ratio ? &m->rope_comp : &m->rope_dense;
 
-    be->ops->hc_pre(be, &m->hc, s->X, &W->hc_attn_fn, &W->hc_attn_scale, &W->hc_attn_base, s->x, s->post, s->comb, n);
+    sublayer_input(m, s, &W->hc_attn_fn, &W->hc_attn_scale, &W->hc_attn_base, &W->attn_norm, n);
     TAP("attn_hc_x", l, -1, s->x, n * H);
     TAP("attn_hc_post", l, -1, s->post, n * c->n_hc);
     TAP("attn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
-    be->ops->rmsnorm(be, s->x, &W->attn_norm, c->rms_eps, s->a, n, H);
     TAP("attn_norm", l, -1, s->a, n * H);
     /* One decoded token of one state writes its KV row and compressor
      * projections straight into the state (window slot, compressor state
@@ -1080,11 +1143,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("attn_out_a", l, -1, s->low, n * G * ro);
     be->ops->matmul(be, &W->out_b, 0, H, s->low, G * ro, s->y, H, n, num);
     TAP("attn_out_b", l, -1, s->y, n * H);
-    be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
-    TAP("attn_X", l, -1, s->X2, n * c->n_hc * H);
-    float *tmp = s->X;
-    s->X = s->X2;
-    s->X2 = tmp;
+    sublayer_output(m, l, s, NULL, n);
 }
 
 static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens, int64_t n, ds4_numerics num) {
@@ -1095,11 +1154,10 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     const int k = c->n_expert_used;
     const float limit = c->swiglu_limit[l];
 
-    be->ops->hc_pre(be, &m->hc, s->X, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, s->x, s->post, s->comb, n);
+    sublayer_input(m, s, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, &W->ffn_norm, n);
     TAP("ffn_hc_x", l, -1, s->x, n * H);
     TAP("ffn_hc_post", l, -1, s->post, n * c->n_hc);
     TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
-    be->ops->rmsnorm(be, s->x, &W->ffn_norm, c->rms_eps, s->a, n, H);
     TAP("ffn_norm", l, -1, s->a, n * H);
     /* the router logits and the shared expert's gate and up, batched, in one call */
     const ds4_product prod[3] = {
@@ -1134,13 +1192,7 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a, (const int32_t *)s->sel, s->sel_w, k, limit,
                  s->moe, n, num);
     for (int64_t t = 0; t < n; t++) TAP("moe", l, t, s->moe + t * H, H);
-    be->ops->add(be, s->y, s->moe, s->y, n * H);
-    for (int64_t t = 0; t < n; t++) TAP("ffn_sum", l, t, s->y + t * H, H);
-    be->ops->hc_post(be, &m->hc, s->y, s->X, s->post, s->comb, s->X2, n);
-    TAP("ffn_X", l, -1, s->X2, n * c->n_hc * H);
-    float *tmp = s->X;
-    s->X = s->X2;
-    s->X2 = tmp;
+    sublayer_output(m, l, s, s->moe, n);
 }
 
 /* ------------------------------------------------------------ eval */
@@ -1161,6 +1213,8 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
      * which reads buffers between ops) */
     const bool step = decode && !m->tap && be->ops->step_begin && be->ops->step_end;
     if (step) be->ops->step_begin(be);
+    s->post_pending = false;
+    s->post_y2 = NULL;
     /* embedding, copied into every HC stream */
     be->ops->embed(be, &m->token_embd, tokens, (int)n, s->x);
     TAP("embed", -1, -1, s->x, n * H);
@@ -1175,6 +1229,7 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
         if (l + 1 == prof_end && l >= m->prof_first) ds4_backend_profiler_range(be, false);
         if (step && be->ops->step_mark) be->ops->step_mark(be); /* the device may start on the layers so far */
     }
+    sublayer_flush(m, s, n); /* the last layer's residual step */
     /* head: only the rows whose logits are wanted */
     int64_t first = all_logits ? 0 : n - 1, rows = n - first;
     if ((logits || greedy) && m->layer_limit) {
