@@ -265,8 +265,9 @@ static void check_hc_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_we
 
 /*
  * hc_post_pre_norm (with the routed sum y2 or without): the fused kernels
- * (ds4_cuda_backend_set_hc_post_pre 1) against hc_post's kernel and then
- * hc_pre_norm's (0), bit for bit in every output; the new state against
+ * (ds4_cuda_backend_set_hc_post_pre 1), and the fused partial kernel with
+ * the norm's kernel apart (set_hc_norm 0), against hc_post's kernel and
+ * then hc_pre_norm's (0), bit for bit in every output; the new state against
  * the CPU's bit for bit (add and hc_post are exact), x_out, post, comb and
  * the norm as hc_pre_norm's. The mix is written over the one read, as the
  * model calls it.
@@ -281,8 +282,8 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
     op_weight *nw = op_weight_floats(p, "blk.0.ffn_norm.weight", DS4_TYPE_F32, dim, 1, 1, hw);
     op_buf Xp = op_buf_from(p, hXp, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim);
     op_buf y2 = op_buf_from(p, hy2, n_rows * dim);
-    op_buf Xo[2], x[2], a[2], post[2], comb[2];
-    for (int v = 0; v < 2; v++) {
+    op_buf Xo[3], x[3], a[3], post[3], comb[3];
+    for (int v = 0; v < 3; v++) {
         Xo[v] = op_buf_poisoned(p, (n_rows + 1) * hc_dim);
         x[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
         a[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
@@ -292,21 +293,25 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
     p->cpu->ops->hc_post_pre_norm(p->cpu, hc, y.c, with_y2 ? y2.c : NULL, Xp.c, post[0].c, comb[0].c, Xo[0].c,
                                   &fn->c, &scale->c, &base->c, &nw->c, 1e-6f, x[0].c, post[0].c, comb[0].c, a[0].c,
                                   n_rows);
-    for (int v = 0; v < 2; v++) { /* v 0: fused, 1: hc_post's kernel, then hc_pre_norm's */
-        ds4_cuda_backend_set_hc_post_pre(p->gpu, v == 0);
+    for (int v = 0; v < 3; v++) { /* v 0: fused, 1: the norm's kernel apart, 2: hc_post's kernel, then hc_pre_norm's */
+        ds4_cuda_backend_set_hc_post_pre(p->gpu, v < 2);
+        ds4_cuda_backend_set_hc_norm(p->gpu, v != 1);
         p->gpu->ops->hc_post_pre_norm(p->gpu, hc, y.g, with_y2 ? y2.g : NULL, Xp.g, post[v].g, comb[v].g, Xo[v].g,
                                       &fn->g, &scale->g, &base->g, &nw->g, 1e-6f, x[v].g, post[v].g, comb[v].g,
                                       a[v].g, n_rows);
     }
     ds4_cuda_backend_set_hc_post_pre(p->gpu, env_on_default("DS4_CUDA_HC_POST_PRE", true));
+    ds4_cuda_backend_set_hc_norm(p->gpu, env_on_default("DS4_CUDA_HC_NORM", true));
     op_expect_ok(p);
     char name[160];
     snprintf(name, sizeof name, "hc_post_pre_norm (%s%s)", what, with_y2 ? ", y2" : "");
-    check_gpu_same(name, p, Xo[0], Xo[1], (n_rows + 1) * hc_dim);
-    check_gpu_same(name, p, x[0], x[1], (n_rows + 1) * dim);
-    check_gpu_same(name, p, a[0], a[1], (n_rows + 1) * dim);
-    check_gpu_same(name, p, post[0], post[1], n_rows * n);
-    check_gpu_same(name, p, comb[0], comb[1], n_rows * n * n);
+    for (int v = 0; v < 2; v++) {
+        check_gpu_same(name, p, Xo[v], Xo[2], (n_rows + 1) * hc_dim);
+        check_gpu_same(name, p, x[v], x[2], (n_rows + 1) * dim);
+        check_gpu_same(name, p, a[v], a[2], (n_rows + 1) * dim);
+        check_gpu_same(name, p, post[v], post[2], n_rows * n);
+        check_gpu_same(name, p, comb[v], comb[2], n_rows * n * n);
+    }
     op_compare(name, p, Xo[0], n_rows * hc_dim, 0.0, 0.0);
     check_guard(name, p, Xo[0], n_rows * hc_dim, hc_dim);
     const double tol = hc_tol(hc_dim);
@@ -314,7 +319,7 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
     op_compare(name, p, post[0], n_rows * n, tol, tol);
     op_compare(name, p, comb[0], n_rows * n * n, tol, tol);
     check_norm_rows(name, p, a[0], x[0], hw, n_rows, dim, tol);
-    for (int v = 0; v < 2; v++) {
+    for (int v = 0; v < 3; v++) {
         op_buf_free(p, &Xo[v]);
         op_buf_free(p, &x[v]);
         op_buf_free(p, &a[v]);

@@ -139,7 +139,7 @@ void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on);
  * Takes effect at the next op. */
 void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on);
 /* hc_post_pre_norm's residual step made inside hc_pre's partial kernel
- * (the default, where the fused norm is on too; DS4_CUDA_HC_POST_PRE=0
+ * (the default; DS4_CUDA_HC_POST_PRE=0
  * makes off the default), or hc_post's kernel and then hc_pre_norm's. The
  * results are the same either way, bit for bit. Takes effect at the next
  * op. */

@@ -522,6 +522,26 @@ static __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
+/* The finishing kernels' norm of a weighted sum held at rms_load_row's
+ * places (v; the weight's values wv, has_w false: plain): ar[i] =
+ * v[i] * scale * w[i], summed and rounded as rmsnorm_kernel<true>. */
+static __device__ __forceinline__ void hc_norm_store(const float4 (&v)[NORM_VEC], const float (&wv)[NORM_VEC][4],
+                                                     bool has_w, int64_t dim, float eps, double *red_d, float *ar) {
+    const float scale = rms_loaded_scale(v, dim, eps, red_d);
+#pragma unroll
+    for (int k = 0; k < NORM_VEC; k++) {
+        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+        if (i >= dim) continue;
+        float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
+                               __fmul_rn(v[k].w, scale));
+        if (has_w) {
+            y.x = __fmul_rn(y.x, wv[k][0]), y.y = __fmul_rn(y.y, wv[k][1]);
+            y.z = __fmul_rn(y.z, wv[k][2]), y.w = __fmul_rn(y.w, wv[k][3]);
+        }
+        *(float4 *)(ar + i) = y;
+    }
+}
+
 /*
  * hc_finish_norm_kernel, one block per row (hc_pre_norm): the split as
  * hc_finish_kernel, the whole weighted sum x[r] held in registers where
@@ -571,20 +591,60 @@ static __global__ void __launch_bounds__(HC_THREADS)
         const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
         if (i < dim) *(float4 *)(out + i) = v[k];
     }
-    const float scale = rms_loaded_scale(v, dim, norm_eps, red_d);
-    float *ar = a_out + row * dim;
+    hc_norm_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
+}
+
+/*
+ * hc_finish_norm_sliced_kernel, blocks (r, slice), for a few rows
+ * (decode): hc_finish_kernel's slices, then the row's last block to finish
+ * (a counter per row, `count`, left at zero again) reads the whole x[r]
+ * back from L2 at rmsnorm_kernel<true>'s places and norms it as
+ * hc_finish_norm_kernel does: the same bits, with the split and the
+ * weighted sum spread over the row's blocks. One element per thread (dim
+ * <= HC_THREADS * slices) and at most HC_PREFETCH streams (hc_norm_fits).
+ */
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_norm_sliced_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part, const float *nw,
+                                 float norm_eps, float *a_out, unsigned *count) {
+    __shared__ float mix[HC_MAX_MIX];
+    __shared__ float w[HC_MAX_STREAMS];
+    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
+    __shared__ float post_s[HC_MAX_STREAMS];
+    __shared__ double red_d[HC_THREADS / 32];
+    __shared__ bool last;
+    const int n = a.n_hc;
+    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (n * n <= 32 && threadIdx.x < 32) consts = hc_split_load(a, n);
+    float wv[NORM_VEC][4];
+    rms_load_weight(nw, a.dim, wv); /* a weight: before the wait */
+    cuda_grid_wait();
+    const int64_t row = blockIdx.x, dim = a.dim;
+    const float *X = a.X + row * (int64_t)n * dim;
+    const int64_t per = (dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i = blockIdx.y * per + threadIdx.x;
+    const bool mine = threadIdx.x < per && i < dim;
+    float xv[HC_PREFETCH];
+#pragma unroll
+    for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && mine ? X[s * dim + i] : 0.0f;
+    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
+    float *out = a.out + row * dim;
+    if (mine) out[i] = hc_weighted(xv, w, n);
+    /* the row's slices meet: each block's stores made visible before its
+     * count, the last block's loads after it (threadFenceReduction) */
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&count[row], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) count[row] = 0;
+    float4 v[NORM_VEC];
 #pragma unroll
     for (int k = 0; k < NORM_VEC; k++) {
-        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
-        if (i >= dim) continue;
-        float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
-                               __fmul_rn(v[k].w, scale));
-        if (nw) {
-            y.x = __fmul_rn(y.x, wv[k][0]), y.y = __fmul_rn(y.y, wv[k][1]);
-            y.z = __fmul_rn(y.z, wv[k][2]), y.w = __fmul_rn(y.w, wv[k][3]);
-        }
-        *(float4 *)(ar + i) = y;
+        const int64_t j = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+        v[k] = j < dim ? __ldcg((const float4 *)(out + j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+    hc_norm_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
 }
 
 typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args);
@@ -638,14 +698,20 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
                      n_mix, part, pa))
         return;
-    if (norm) {
-        (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part,
-                          norm->w, norm->eps, norm->out);
-        return;
-    }
     /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
+    if (norm) {
+        /* a few rows: sliced, the last block of a row norming it; many: a block per row */
+        if (n_rows <= CUDA_HC_COUNT_ROWS && a.dim <= slices * HC_THREADS)
+            (void)cuda_launch(be, what, hc_finish_norm_sliced_kernel, dim3((unsigned)n_rows, (unsigned)slices),
+                              HC_THREADS, 0, a, n_mix, n_chunks, part, norm->w, norm->eps, norm->out,
+                              ((cuda_backend *)be->impl)->hc_count);
+        else
+            (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks,
+                              part, norm->w, norm->eps, norm->out);
+        return;
+    }
     (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, a,
                       n_mix, n_chunks, part);
 }
@@ -843,15 +909,20 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
         return;
     }
     const cuda_backend *cb = cuda_impl(be);
-    if (!cb->hc_post_pre || !cb->hc_norm || !hc_norm_fits(hc, X_out, x_out, a_out)) {
+    if (!cb->hc_post_pre) {
         hc_post_launch(be, hc, y, y2, X, post, comb, X_out, total);
         cuda_hc_pre_norm(be, hc, X_out, fn, scale, base, norm, eps, x_out, post_out, comb_out, a_out, n_rows);
         return;
     }
     const hc_args a = hc_args_make(hc, X_out, fn, scale, base, x_out, post_out, comb_out);
-    const hc_norm nm = { wv, eps, a_out };
     const hc_post_args pa = { y, y2, X, post, comb };
-    hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", &nm, &pa);
+    if (cb->hc_norm && hc_norm_fits(hc, X_out, x_out, a_out)) {
+        const hc_norm nm = { wv, eps, a_out };
+        hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", &nm, &pa);
+        return;
+    }
+    hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", NULL, &pa);
+    be->ops->rmsnorm(be, x_out, norm, eps, a_out, n_rows, hc->dim);
 }
 
 /* ------------------------------------------------------------------------ */
