@@ -356,6 +356,9 @@ static void test_hc_pre_small(void) {
     check_hc_pre_n(&p, 3, 64, 5, DS4_TYPE_F16); /* the split over one warp */
     check_hc_pre_n(&p, 5, 40, 2, DS4_TYPE_F32);
     check_hc_pre_n(&p, 7, 64, 3, DS4_TYPE_F16); /* the split on one thread; 63 mix rows, a partial last group */
+    check_hc_pre(&p, 64, 70, DS4_TYPE_F16);     /* rows enough for the fused norm kernel */
+    check_hc_pre(&p, 36, 65, DS4_TYPE_F32);
+    check_hc_pre_n(&p, 3, 64, 66, DS4_TYPE_F32);
     op_pair_close(&p);
 }
 

@@ -594,59 +594,6 @@ static __global__ void __launch_bounds__(HC_THREADS)
     hc_norm_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
 }
 
-/*
- * hc_finish_norm_sliced_kernel, blocks (r, slice), for a few rows
- * (decode): hc_finish_kernel's slices, then the row's last block to finish
- * (a counter per row, `count`, left at zero again) reads the whole x[r]
- * back from L2 at rmsnorm_kernel<true>'s places and norms it as
- * hc_finish_norm_kernel does: the same bits, with the split and the
- * weighted sum spread over the row's blocks. One element per thread (dim
- * <= HC_THREADS * slices) and at most HC_PREFETCH streams (hc_norm_fits).
- */
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_finish_norm_sliced_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part, const float *nw,
-                                 float norm_eps, float *a_out, unsigned *count) {
-    __shared__ float mix[HC_MAX_MIX];
-    __shared__ float w[HC_MAX_STREAMS];
-    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
-    __shared__ float post_s[HC_MAX_STREAMS];
-    __shared__ double red_d[HC_THREADS / 32];
-    __shared__ bool last;
-    const int n = a.n_hc;
-    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-    if (n * n <= 32 && threadIdx.x < 32) consts = hc_split_load(a, n);
-    float wv[NORM_VEC][4];
-    rms_load_weight(nw, a.dim, wv); /* a weight: before the wait */
-    cuda_grid_wait();
-    const int64_t row = blockIdx.x, dim = a.dim;
-    const float *X = a.X + row * (int64_t)n * dim;
-    const int64_t per = (dim + gridDim.y - 1) / gridDim.y;
-    const int64_t i = blockIdx.y * per + threadIdx.x;
-    const bool mine = threadIdx.x < per && i < dim;
-    float xv[HC_PREFETCH];
-#pragma unroll
-    for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && mine ? X[s * dim + i] : 0.0f;
-    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
-    float *out = a.out + row * dim;
-    if (mine) out[i] = hc_weighted(xv, w, n);
-    /* the row's slices meet: each block's stores made visible before its
-     * count, the last block's loads after it (threadFenceReduction) */
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&count[row], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) count[row] = 0;
-    float4 v[NORM_VEC];
-#pragma unroll
-    for (int k = 0; k < NORM_VEC; k++) {
-        const int64_t j = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
-        v[k] = j < dim ? __ldcg((const float4 *)(out + j)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    hc_norm_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
-}
-
 typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args);
 
 template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type) {
@@ -702,14 +649,8 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
     if (norm) {
-        /* a few rows: sliced, the last block of a row norming it; many: a block per row */
-        if (n_rows <= CUDA_HC_COUNT_ROWS && a.dim <= slices * HC_THREADS)
-            (void)cuda_launch(be, what, hc_finish_norm_sliced_kernel, dim3((unsigned)n_rows, (unsigned)slices),
-                              HC_THREADS, 0, a, n_mix, n_chunks, part, norm->w, norm->eps, norm->out,
-                              ((cuda_backend *)be->impl)->hc_count);
-        else
-            (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks,
-                              part, norm->w, norm->eps, norm->out);
+        (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part,
+                          norm->w, norm->eps, norm->out);
         return;
     }
     (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, a,
@@ -797,8 +738,14 @@ void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_we
 
 /* States hc_finish_norm_kernel takes: at most HC_PREFETCH streams, rows of
  * dim % 4 == 0 up to NORM_CACHED, X, x_out and a_out 16-byte aligned. */
-static bool hc_norm_fits(const ds4_hc *hc, const float *X, const float *x_out, const float *a_out) {
-    return hc->n_hc <= HC_PREFETCH && hc->dim % 4 == 0 && hc->dim <= NORM_CACHED && (uintptr_t)X % 16 == 0 &&
+/* hc_finish_norm_kernel takes a whole row per block, so it pays where
+ * the rows alone fill the GPU: below HC_NORM_MIN_ROWS (decode) the
+ * finishing kernel's slices and then the rmsnorm kernel are faster (one
+ * row: decode 1.027x against the fused kernel, and 1.010x against slices
+ * whose last block norms the row; 128 and more rows: prefill 0.987x). */
+#define HC_NORM_MIN_ROWS 64
+static bool hc_norm_fits(const ds4_hc *hc, const float *X, const float *x_out, const float *a_out, int64_t n_rows) {
+    return n_rows >= HC_NORM_MIN_ROWS && hc->n_hc <= HC_PREFETCH && hc->dim % 4 == 0 && hc->dim <= NORM_CACHED && (uintptr_t)X % 16 == 0 &&
            (uintptr_t)x_out % 16 == 0 && (uintptr_t)a_out % 16 == 0;
 }
 
@@ -814,7 +761,7 @@ void cuda_hc_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *X, const d
         cuda_fail(be, DS4_ERR_INVALID, "hc_pre_norm: NULL norm output");
         return;
     }
-    if (!cuda_impl(be)->hc_norm || !hc_norm_fits(hc, X, x_out, a_out)) {
+    if (!cuda_impl(be)->hc_norm || !hc_norm_fits(hc, X, x_out, a_out, n_rows)) {
         cuda_hc_pre(be, hc, X, fn, scale, base, x_out, post, comb, n_rows);
         be->ops->rmsnorm(be, x_out, norm, eps, a_out, n_rows, hc->dim);
         return;
@@ -916,7 +863,7 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
     }
     const hc_args a = hc_args_make(hc, X_out, fn, scale, base, x_out, post_out, comb_out);
     const hc_post_args pa = { y, y2, X, post, comb };
-    if (cb->hc_norm && hc_norm_fits(hc, X_out, x_out, a_out)) {
+    if (cb->hc_norm && hc_norm_fits(hc, X_out, x_out, a_out, n_rows)) {
         const hc_norm nm = { wv, eps, a_out };
         hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", &nm, &pa);
         return;

@@ -72,9 +72,6 @@ typedef enum cuda_scratch_slot {
 /* Bad indices found by kernels (device memory, one per backend). The first
  * kernel thread to claim it (atomicCAS on `claim`, 0 -> 1) fills in the rest;
  * take_error reads it after the stream has drained and clears it. */
-/* rows of an hc_pre_norm that finish in slices (a counter each, cuda_backend.hc_count) */
-#define CUDA_HC_COUNT_ROWS 64
-
 typedef struct cuda_dev_error {
     unsigned long long claim; /* 0: nothing reported */
     long long value;          /* the bad index */
@@ -203,7 +200,6 @@ typedef struct cuda_backend {
     ds4_backend_counters counters; /* launches, copies, syncs (cuda_count_*) */
     cuda_dev_error *dev_error;      /* device: bad indices found by kernels */
     cuda_dev_error *dev_error_host; /* pinned: where take_error reads it */
-    unsigned *hc_count;             /* device, CUDA_HC_COUNT_ROWS zeros: hc_finish_norm_sliced_kernel's row counters */
     void *dl_host;                  /* pinned staging of download */
     size_t dl_cap;
     char check_names[CUDA_CHECK_NAMES][CUDA_CHECK_NAME_MAX]; /* cuda_check_tag's names */
