@@ -435,7 +435,6 @@ static __global__ void __launch_bounds__(ATT_THREADS)
 #define MQA_MIN_ROWS 32                 /* fewest rows worth a split of their own */
 static_assert(MQA_DIM % ATT_THREADS == 0 && MQA_DIM % 32 == 0, "whole dims per thread and lane");
 static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thread");
-static_assert(MQA_HG * MQA_DIM % ATT_THREADS == 0, "whole query values per thread");
 
 /* One query row's view for attention_rows: a_n window rows from a, the
  * first b_n rows of b (with a selection: b_n selected rows of b, each below
@@ -447,25 +446,7 @@ struct att_view {
     int64_t rps; /* rows per split: the row's own, as a single row's launch splits it (the grid has the most) */
 };
 
-/* The rows a warp scores in the tile at t0 (rows t0 + warp + u * ATT_WARPS
- * below r1; rp[u] NULL past r1 or for a bad index) and its lanes' values
- * of them, all loads issued together. */
-#define MQA_RPW (ATT_TILE / ATT_WARPS) /* rows per warp and tile */
-static_assert(MQA_RPW * ATT_WARPS == ATT_TILE, "whole rows per warp");
-static __device__ __forceinline__ void mqa_load_tile(const att_rows &rows, int64_t t0, int64_t r1, int warp, int lane,
-                                                     const float *(&rp)[MQA_RPW], float (&rv)[MQA_RPW][MQA_DIM / 32]) {
-#pragma unroll
-    for (int u = 0; u < MQA_RPW; u++) {
-        const int64_t r = t0 + warp + (int64_t)u * ATT_WARPS;
-        rp[u] = r < r1 ? att_row(rows, r) : NULL;
-    }
-#pragma unroll
-    for (int u = 0; u < MQA_RPW; u++)
-#pragma unroll
-        for (int k = 0; k < MQA_DIM / 32; k++) rv[u][k] = rp[u] ? rp[u][lane + 32 * k] : 0.0f;
-}
-
-static __global__ void __launch_bounds__(ATT_THREADS, 2)
+static __global__ void __launch_bounds__(ATT_THREADS)
     attention_mqa_kernel(const float *__restrict__ q, att_rows rows, int64_t n, int64_t rows_per_split,
                          float kq_scale, float *__restrict__ part, const att_view *__restrict__ views) {
     cuda_grid_wait();
@@ -489,20 +470,7 @@ static __global__ void __launch_bounds__(ATT_THREADS, 2)
     __shared__ const float *row_tile[ATT_TILE];
     const int64_t g = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t r0 = split * rows_per_split;
-    const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
-    /* the first tile's rows and the block's queries, all in flight together */
-    const float *rp[MQA_RPW];
-    float rv[MQA_RPW][MQA_DIM / 32];
-    mqa_load_tile(rows, r0, r1, warp, lane, rp, rv);
-    {
-        constexpr int QPT = MQA_HG * MQA_DIM / ATT_THREADS;
-        float qv[QPT];
-#pragma unroll
-        for (int u = 0; u < QPT; u++) qv[u] = q[g * MQA_HG * MQA_DIM + tid + u * ATT_THREADS];
-#pragma unroll
-        for (int u = 0; u < QPT; u++) (&qs[0][0])[tid + u * ATT_THREADS] = qv[u];
-    }
+    for (int i = tid; i < MQA_HG * MQA_DIM; i += ATT_THREADS) qs[i / MQA_DIM][i % MQA_DIM] = q[g * MQA_HG * MQA_DIM + i];
     float acc[MQA_HG][MQA_DPT];
 #pragma unroll
     for (int h = 0; h < MQA_HG; h++)
@@ -510,19 +478,21 @@ static __global__ void __launch_bounds__(ATT_THREADS, 2)
         for (int d = 0; d < MQA_DPT; d++) acc[h][d] = 0.0f;
     float m = -INFINITY, den = 0.0f; /* head tid's, in threads tid < MQA_HG */
     __syncthreads();
+    const int64_t r0 = split * rows_per_split;
+    const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
     for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
         const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
+        for (int j = warp; j < nt; j += ATT_WARPS) {
+            const float *row = att_row(rows, t0 + j); /* the same for the whole warp */
+            float rv[MQA_DIM / 32];
 #pragma unroll
-        for (int u = 0; u < MQA_RPW; u++) {
-            const int j = warp + u * ATT_WARPS;
-            if (j >= nt) break;
-            const float *row = rp[u]; /* the same for the whole warp */
+            for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? row[lane + 32 * k] : 0.0f;
 #pragma unroll
             for (int h = 0; h < MQA_HG; h++) {
                 float d = 0.0f;
                 if (row) {
 #pragma unroll
-                    for (int k = 0; k < MQA_DIM / 32; k++) d = fmaf(qs[h][lane + 32 * k], rv[u][k], d);
+                    for (int k = 0; k < MQA_DIM / 32; k++) d = fmaf(qs[h][lane + 32 * k], rv[k], d);
                     d = warp_sum(d);
                 }
                 if (lane == 0) s_tile[h][j] = row ? d * kq_scale : -INFINITY;
@@ -563,7 +533,6 @@ static __global__ void __launch_bounds__(ATT_THREADS, 2)
 #pragma unroll
             for (int h = 0; h < MQA_HG; h++) acc[h][d] = a[h];
         }
-        mqa_load_tile(rows, t0 + ATT_TILE, r1, warp, lane, rp, rv); /* the next tile's rows */
         __syncthreads(); /* the tile arrays are refilled next */
     }
 #pragma unroll
