@@ -599,6 +599,26 @@ static void check_router(op_pair *p, const router_case *rc, int trials, int64_t 
         if (R * K > 0) {
             p->cpu->ops->download(p->cpu, w_c, wts.c, R * K);
             p->gpu->ops->download(p->gpu, w_g, wts.g, R * K);
+            /* the other selection kernel (on chip or through global
+             * scratch): the same choices and weights bit for bit */
+            const bool reg = env_on_default("DS4_CUDA_ROUTER_REG", true);
+            op_buf sel2 = op_ints_from(p, sel_c, R * K), wts2 = op_buf_poisoned(p, RK);
+            ds4_cuda_backend_set_router_reg(p->gpu, !reg);
+            p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, rc->hash ? hash : NULL, K,
+                                rc->normalise, rc->scale, (int32_t *)sel2.g, wts2.g, R);
+            ds4_cuda_backend_set_router_reg(p->gpu, reg);
+            op_expect_ok(p);
+            int32_t *s2 = malloc((size_t)RK * sizeof *s2);
+            float *w2 = malloc((size_t)RK * sizeof *w2);
+            p->gpu->ops->download(p->gpu, (float *)s2, sel2.g, R * K);
+            p->gpu->ops->download(p->gpu, w2, wts2.g, R * K);
+            CHECK_MSG(memcmp(s2, sel_g, (size_t)(R * K) * sizeof *s2) == 0 &&
+                          memcmp(w2, w_g, (size_t)(R * K) * sizeof *w2) == 0,
+                      "%s, %lld rows (trial %d): the two router kernels differ", rc->name, (long long)R, t);
+            free(s2);
+            free(w2);
+            op_buf_free(p, &sel2);
+            op_buf_free(p, &wts2);
         }
         op_buf_free(p, &sel);
         op_buf_free(p, &wts);

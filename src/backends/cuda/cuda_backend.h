@@ -144,6 +144,12 @@ void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on);
  * results are the same either way, bit for bit. Takes effect at the next
  * op. */
 void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on);
+/* The router's selection with its keys in registers and its probabilities
+ * in shared memory (the default for up to 1,024 experts and 64 choices a
+ * row; DS4_CUDA_ROUTER_REG=0 makes off the default), or through global
+ * scratch. The results are the same either way, bit for bit. Takes effect
+ * at the next op. */
+void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on);
 /* The routed experts of several tokens grouped by expert, outside recorded
  * steps (on by default; DS4_CUDA_MOE_GROUPED=0 makes off the default): the
  * op reads the checked expert ids back (one wait), sorts the (token,

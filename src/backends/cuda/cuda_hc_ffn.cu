@@ -839,7 +839,11 @@ void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float
 
 /* hc_post (y + y2) and hc_pre_norm of its state: where the backend's
  * setting and the shapes allow, the residual step is made inside hc_pre's
- * partial kernel (two kernels in all instead of three). */
+ * partial kernel (two kernels in all instead of three). Each of a row's
+ * mix groups makes the step again, which pays in decode (one row: 1.005x
+ * to 1.009x) but not once the rows fill the GPU (128 rows: prefill
+ * 0.988x), so from HC_POST_PRE_MAX_ROWS rows hc_post's kernel runs first. */
+#define HC_POST_PRE_MAX_ROWS 64
 void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
                            const float *post, const float *comb, float *X_out, const ds4_weight *fn,
                            const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
@@ -856,7 +860,7 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
         return;
     }
     const cuda_backend *cb = cuda_impl(be);
-    if (!cb->hc_post_pre) {
+    if (!cb->hc_post_pre || n_rows >= HC_POST_PRE_MAX_ROWS) {
         hc_post_launch(be, hc, y, y2, X, post, comb, X_out, total);
         cuda_hc_pre_norm(be, hc, X_out, fn, scale, base, norm, eps, x_out, post_out, comb_out, a_out, n_rows);
         return;
@@ -977,6 +981,85 @@ static __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(router_ar
     }
 }
 
+/*
+ * router_kernel's selection and weights with everything on chip, for up to
+ * ROUTER_THREADS * ROUTER_KPT experts and ROUTER_REG_USED choices (the
+ * model's 256 and 6): each thread keeps its experts' rank keys in
+ * registers, the probabilities and the choices sit in shared memory, and a
+ * round is one barrier (every thread reads the warps' maxima and the owner
+ * of the winner marks it taken), instead of the keys' and probabilities'
+ * round trips through global memory. The same keys, order and arithmetic:
+ * the same results bit for bit.
+ */
+#define ROUTER_KPT 4       /* experts per thread */
+#define ROUTER_REG_USED 64 /* choices per row */
+static __global__ void __launch_bounds__(ROUTER_THREADS) router_reg_kernel(router_args a) {
+    cuda_grid_wait();
+    __shared__ unsigned long long red[2][ROUTER_THREADS / 32]; /* by round parity */
+    __shared__ float prob[ROUTER_THREADS * ROUTER_KPT];
+    __shared__ int32_t sel[ROUTER_REG_USED];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t row = blockIdx.x;
+    a.logits += row * a.n_expert;
+    if (a.hash) a.hash += row * a.n_used;
+    a.sel += row * a.n_used;
+    a.weight += row * a.n_used;
+
+    unsigned long long key[ROUTER_KPT];
+    float lg[ROUTER_KPT], bv[ROUTER_KPT];
+#pragma unroll
+    for (int j = 0; j < ROUTER_KPT; j++) { /* all loads in flight together */
+        const int64_t e = threadIdx.x + (int64_t)j * ROUTER_THREADS;
+        lg[j] = e < a.n_expert ? a.logits[e] : 0.0f;
+        bv[j] = e < a.n_expert && a.bias && !a.hash ? cuda_load_float(a.bias, a.bias_type, e) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_KPT; j++) {
+        const int64_t e = threadIdx.x + (int64_t)j * ROUTER_THREADS;
+        key[j] = 0;
+        if (e < a.n_expert) {
+            const float p = sqrtf(router_softplus(lg[j]));
+            prob[e] = p;
+            if (!a.hash) key[j] = router_key(a.bias ? __fadd_rn(p, bv[j]) : p, (uint32_t)e);
+        }
+    }
+    if (a.hash) {
+        for (int k = threadIdx.x; k < a.n_used; k += ROUTER_THREADS) sel[k] = a.hash[k];
+    } else {
+        for (int k = 0; k < a.n_used; k++) {
+            unsigned long long best = key[0];
+#pragma unroll
+            for (int j = 1; j < ROUTER_KPT; j++) best = key[j] > best ? key[j] : best;
+            for (int o = 16; o > 0; o >>= 1) {
+                const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+                best = other > best ? other : best;
+            }
+            if (lane == 0) red[k & 1][warp] = best;
+            __syncthreads();
+            unsigned long long b = red[k & 1][0];
+#pragma unroll
+            for (int wi = 1; wi < ROUTER_THREADS / 32; wi++) b = red[k & 1][wi] > b ? red[k & 1][wi] : b;
+            const uint32_t e = 0xffffffffu - (uint32_t)b;
+#pragma unroll
+            for (int j = 0; j < ROUTER_KPT; j++)
+                if (threadIdx.x + (uint32_t)j * ROUTER_THREADS == e) key[j] = 0; /* taken */
+            if (threadIdx.x == 0) sel[k] = (int32_t)e;
+        }
+    }
+    __syncthreads();
+
+    if (threadIdx.x == 0) { /* as router_kernel: the unbiased probabilities */
+        float sum = 0.0f;
+        for (int k = 0; k < a.n_used; k++) sum = __fadd_rn(sum, prob[sel[k]]);
+        if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
+        for (int k = 0; k < a.n_used; k++) {
+            const float p = prob[sel[k]];
+            a.sel[k] = sel[k];
+            a.weight[k] = a.normalise ? __fmul_rn(__fdiv_rn(p, sum), a.scale) : __fmul_rn(p, a.scale);
+        }
+    }
+}
+
 /* Zero results on a failed call (device memset on the stream), so a
  * caller that reads them anyway indexes expert 0 rather than garbage.
  * n_used here counts every row's choices. */
@@ -1026,14 +1109,17 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     }
     if (n_used == 0) return; /* nothing to select or weigh */
 
-    /* ROUTER slot: keys [n_rows, n_expert] u64 | prob [n_rows, n_expert] f32. */
-    const size_t keys_bytes = (size_t)(n_expert * n_rows) * sizeof(unsigned long long);
-    const size_t prob_bytes = (size_t)(n_expert * n_rows) * sizeof(float);
-    uint8_t *scratch = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_ROUTER, keys_bytes + prob_bytes);
+    /* ROUTER slot: keys [n_rows, n_expert] u64 | prob [n_rows, n_expert] f32
+     * (router_kernel's; router_reg_kernel keeps them on chip) */
+    const bool on_chip = cuda_impl(be)->router_reg && n_expert <= ROUTER_THREADS * ROUTER_KPT &&
+                         n_used_row <= ROUTER_REG_USED;
+    const size_t keys_bytes = on_chip ? 0 : (size_t)(n_expert * n_rows) * sizeof(unsigned long long);
+    const size_t prob_bytes = on_chip ? 0 : (size_t)(n_expert * n_rows) * sizeof(float);
+    uint8_t *scratch = on_chip ? NULL : (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_ROUTER, keys_bytes + prob_bytes);
     const int32_t *d_hash = NULL;
-    if (scratch && hash_ids)
+    if ((on_chip || scratch) && hash_ids)
         d_hash = (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_HC, hash_ids, (size_t)n_used * sizeof(int32_t));
-    if (!scratch || (hash_ids && !d_hash)) { /* the error is recorded */
+    if ((!on_chip && !scratch) || (hash_ids && !d_hash)) { /* the error is recorded */
         router_clear(be, sel_out, weight_out, n_used);
         return;
     }
@@ -1049,10 +1135,11 @@ void cuda_router(ds4_backend *be, const float *logits, int64_t n_expert, const d
     a.normalise = normalise;
     a.scale = scale;
     a.keys = (unsigned long long *)scratch;
-    a.prob = (float *)(scratch + keys_bytes);
+    a.prob = scratch ? (float *)(scratch + keys_bytes) : NULL;
     a.sel = sel_out;
     a.weight = weight_out;
-    (void)cuda_launch(be, "router kernel", router_kernel, (unsigned)n_rows, ROUTER_THREADS, 0, a);
+    (void)cuda_launch(be, "router kernel", on_chip ? router_reg_kernel : router_kernel, (unsigned)n_rows,
+                      ROUTER_THREADS, 0, a);
 }
 
 /* ------------------------------------------------------------------------ */

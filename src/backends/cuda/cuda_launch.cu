@@ -707,6 +707,7 @@ extern "C" int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be) {
 extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
 extern "C" void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on) { cuda_impl(be)->hc_norm = on != 0; }
 extern "C" void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on) { cuda_impl(be)->hc_post_pre = on != 0; }
+extern "C" void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on) { cuda_impl(be)->router_reg = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
     const char *w = ((const cuda_backend *)be->impl)->last_refusal;
@@ -728,6 +729,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->hc_norm = cuda_env_flag("DS4_CUDA_HC_NORM", true);
     cb->hc_post_pre = cuda_env_flag("DS4_CUDA_HC_POST_PRE", true);
+    cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", true);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
