@@ -601,7 +601,7 @@ static void check_router(op_pair *p, const router_case *rc, int trials, int64_t 
             p->gpu->ops->download(p->gpu, w_g, wts.g, R * K);
             /* the other selection kernel (on chip or through global
              * scratch): the same choices and weights bit for bit */
-            const bool reg = env_on_default("DS4_CUDA_ROUTER_REG", true);
+            const bool reg = env_on_default("DS4_CUDA_ROUTER_REG", false);
             op_buf sel2 = op_ints_from(p, sel_c, R * K), wts2 = op_buf_poisoned(p, RK);
             ds4_cuda_backend_set_router_reg(p->gpu, !reg);
             p->gpu->ops->router(p->gpu, logits.g, E, bias ? &bias->g : NULL, rc->hash ? hash : NULL, K,

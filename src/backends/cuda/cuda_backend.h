@@ -145,8 +145,8 @@ void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on);
  * op. */
 void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on);
 /* The router's selection with its keys in registers and its probabilities
- * in shared memory (the default for up to 1,024 experts and 64 choices a
- * row; DS4_CUDA_ROUTER_REG=0 makes off the default), or through global
+ * in shared memory (for up to 1,024 experts and 64 choices a row; off by
+ * default, DS4_CUDA_ROUTER_REG=1 makes on the default), or through global
  * scratch. The results are the same either way, bit for bit. Takes effect
  * at the next op. */
 void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on);

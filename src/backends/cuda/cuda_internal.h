@@ -166,7 +166,7 @@ typedef struct cuda_backend {
     bool norm_rope; /* head_norm_rope as one fused kernel (on by default; DS4_CUDA_NORM_ROPE=0: the separate ops' kernels) */
     bool hc_norm;   /* hc_pre_norm's norm in hc_pre's finishing kernel (on by default; DS4_CUDA_HC_NORM=0: the two ops' kernels) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
-    bool router_reg;  /* the router's keys and probabilities on chip (router_reg_kernel; on by default; DS4_CUDA_ROUTER_REG=0: router_kernel) */
+    bool router_reg;  /* the router's keys and probabilities on chip (router_reg_kernel; off by default, DS4_CUDA_ROUTER_REG=1 turns it on: measured slower in decode) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows

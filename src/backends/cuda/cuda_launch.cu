@@ -729,7 +729,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->hc_norm = cuda_env_flag("DS4_CUDA_HC_NORM", true);
     cb->hc_post_pre = cuda_env_flag("DS4_CUDA_HC_POST_PRE", true);
-    cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", true);
+    cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
