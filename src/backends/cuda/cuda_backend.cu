@@ -662,19 +662,7 @@ rmsnorm_kernel(const float *x, const float *w, float eps, float *out, int64_t di
         rms_load_row(xr, dim, v);
         float wv[NORM_VEC][4];
         rms_load_weight(w, dim, wv); /* in flight with the row */
-        const float scale = rms_loaded_scale(v, dim, eps, part);
-#pragma unroll
-        for (int k = 0; k < NORM_VEC; k++) {
-            const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
-            if (i >= dim) continue;
-            float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
-                                   __fmul_rn(v[k].w, scale));
-            if (w) {
-                y.x = __fmul_rn(y.x, wv[k][0]), y.y = __fmul_rn(y.y, wv[k][1]);
-                y.z = __fmul_rn(y.z, wv[k][2]), y.w = __fmul_rn(y.w, wv[k][3]);
-            }
-            *(float4 *)(yr + i) = y;
-        }
+        rms_scale_store(v, wv, w != NULL, dim, eps, part, yr);
         return;
     }
     double ss = 0.0;

@@ -522,26 +522,6 @@ static __global__ void __launch_bounds__(HC_THREADS)
     }
 }
 
-/* The finishing kernels' norm of a weighted sum held at rms_load_row's
- * places (v; the weight's values wv, has_w false: plain): ar[i] =
- * v[i] * scale * w[i], summed and rounded as rmsnorm_kernel<true>. */
-static __device__ __forceinline__ void hc_norm_store(const float4 (&v)[NORM_VEC], const float (&wv)[NORM_VEC][4],
-                                                     bool has_w, int64_t dim, float eps, double *red_d, float *ar) {
-    const float scale = rms_loaded_scale(v, dim, eps, red_d);
-#pragma unroll
-    for (int k = 0; k < NORM_VEC; k++) {
-        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
-        if (i >= dim) continue;
-        float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
-                               __fmul_rn(v[k].w, scale));
-        if (has_w) {
-            y.x = __fmul_rn(y.x, wv[k][0]), y.y = __fmul_rn(y.y, wv[k][1]);
-            y.z = __fmul_rn(y.z, wv[k][2]), y.w = __fmul_rn(y.w, wv[k][3]);
-        }
-        *(float4 *)(ar + i) = y;
-    }
-}
-
 /*
  * hc_finish_norm_kernel, one block per row (hc_pre_norm): the split as
  * hc_finish_kernel, the whole weighted sum x[r] held in registers where
@@ -591,7 +571,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
         const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
         if (i < dim) *(float4 *)(out + i) = v[k];
     }
-    hc_norm_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
+    rms_scale_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
 }
 
 typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args);

@@ -61,6 +61,26 @@ static __device__ __forceinline__ float rms_loaded_scale(const float4 (&v)[NORM_
     return rms_scale_of(ss, dim, eps, part);
 }
 
+/* The norm of a row held at rms_load_row's places (v; the weight's values
+ * wv from rms_load_weight, has_w false: plain): yr[i] = v[i] * scale *
+ * w[i], scale = rms_loaded_scale's. */
+static __device__ __forceinline__ void rms_scale_store(const float4 (&v)[NORM_VEC], const float (&wv)[NORM_VEC][4],
+                                                       bool has_w, int64_t dim, float eps, double *part, float *yr) {
+    const float scale = rms_loaded_scale(v, dim, eps, part);
+#pragma unroll
+    for (int k = 0; k < NORM_VEC; k++) {
+        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
+        if (i >= dim) continue;
+        float4 y = make_float4(__fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
+                               __fmul_rn(v[k].w, scale));
+        if (has_w) {
+            y.x = __fmul_rn(y.x, wv[k][0]), y.y = __fmul_rn(y.y, wv[k][1]);
+            y.z = __fmul_rn(y.z, wv[k][2]), y.w = __fmul_rn(y.w, wv[k][3]);
+        }
+        *(float4 *)(yr + i) = y;
+    }
+}
+
 /* The norm weight's values at the places rms_load_row reads (w may be
  * NULL: ones), loaded with the row so that their latency is not added
  * after the sum's. */
