@@ -356,6 +356,18 @@ typedef struct ds4_backend_ops {
      * the device starts while the host is still recording. Optional (NULL);
      * semantics are unchanged. */
     void (*step_mark)(ds4_backend *be);
+    /* A side branch of a step (optional: NULL when the backend has none):
+     * the ops called between branch_begin and branch_end may run beside
+     * the ops called after branch_end, until branch_join; what comes after
+     * the join sees the results of both. The caller promises that neither
+     * side reads or writes a buffer the other writes, between the begin and
+     * the join (scratch of the backend's own is the backend's concern).
+     * Semantics are unchanged: outside a recorded step, or on a backend
+     * that runs ops in call order, the calls do nothing. One branch at a
+     * time: begin, end, then join before the next begin. */
+    void (*branch_begin)(ds4_backend *be);
+    void (*branch_end)(ds4_backend *be);
+    void (*branch_join)(ds4_backend *be);
 
     /* ---- errors ------------------------------------------------------ */
     /* The ops above return nothing; an op that cannot run (bad shapes or

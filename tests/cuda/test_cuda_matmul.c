@@ -1797,6 +1797,81 @@ static void pack_moe_case(op_pair *p, int64_t dim, int64_t n_ff, int64_t n_rows)
     moe_fix_free(p, &f);
 }
 
+/* Side branches of a recorded step (backend.h's branch_begin / _end /
+ * _join): a branch's products and the main chain's after it give the
+ * results of direct launches bit for bit. Two Q8_0 products of 8 rows
+ * each quantise their x into the same scratch slot, so the main chain's
+ * joins the branch before its own (counted); an F16 product beside a Q8_0
+ * one shares nothing and runs beside it to the explicit join. With
+ * DS4_CUDA_GRAPH=0 (no recorded steps) only the results are compared. */
+static void test_step_branch(void) {
+    OPEN_PAIR(p);
+    const int64_t n = 1024, rows = 512, R = 8;
+    float *dq = NULL, *dq2 = NULL, *df = NULL;
+    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
+    uint8_t *bq2 = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq2);
+    uint8_t *bf = weight_bytes(DS4_TYPE_F16, n, rows, true, &df);
+    op_weight *wq = op_weight_make(&p, "blk.0.branch_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
+    op_weight *wq2 = op_weight_make(&p, "blk.0.branch_q2.weight", DS4_TYPE_Q8_0, n, rows, 1, bq2);
+    op_weight *wf = op_weight_make(&p, "blk.0.branch_f.weight", DS4_TYPE_F16, n, rows, 1, bf);
+    float *h1 = op_rand(R * n, 1.0), *h2 = op_rand(R * n, 1.0);
+    op_buf x1 = op_buf_from(&p, h1, R * n), x2 = op_buf_from(&p, h2, R * n);
+    op_buf ref[3], got[3];
+    const op_weight *side_w[2] = { wq, wf }; /* case 0: a shared slot; case 1: none */
+    const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
+    for (int cs = 0; cs < 2; cs++) {
+        const op_weight *ws[3] = { side_w[cs], wq2, wq };
+        for (int i = 0; i < 3; i++) ref[i] = op_buf_poisoned(&p, R * rows), got[i] = op_buf_poisoned(&p, R * rows);
+        /* side: ws[0] x1; main: ws[1] x2; after the join: ws[2] on the side's output rows' inputs (x1) */
+        for (int pass = 0; pass < 2; pass++) {
+            op_buf *y = pass ? got : ref;
+            uint64_t b0 = 0, j0 = 0, b1 = 0, j1 = 0;
+            ds4_cuda_backend_branch_stats(p.gpu, &b0, &j0);
+            const ds4_backend_counters c0 = op_gpu_counters(&p);
+            if (pass) p.gpu->ops->step_begin(p.gpu);
+            if (pass) p.gpu->ops->branch_begin(p.gpu);
+            p.gpu->ops->matmul(p.gpu, &ws[0]->g, 0, rows, x1.g, n, y[0].g, rows, R, DS4_NUMERICS_DS4);
+            if (pass) p.gpu->ops->branch_end(p.gpu);
+            p.gpu->ops->matmul(p.gpu, &ws[1]->g, 0, rows, x2.g, n, y[1].g, rows, R, DS4_NUMERICS_DS4);
+            if (pass) p.gpu->ops->branch_join(p.gpu);
+            p.gpu->ops->add(p.gpu, y[0].g, y[1].g, y[2].g, R * rows);
+            if (pass) p.gpu->ops->step_end(p.gpu);
+            const ds4_backend_counters c1 = op_gpu_counters(&p);
+            op_expect_ok(&p);
+            ds4_cuda_backend_branch_stats(p.gpu, &b1, &j1);
+            if (pass && recorded) {
+                CHECK_MSG(c1.graphs > c0.graphs && c1.step_breaks == c0.step_breaks, "case %d: not one graph", cs);
+                CHECK_MSG(b1 - b0 == 1, "case %d: %llu branches recorded", cs, (unsigned long long)(b1 - b0));
+                CHECK_MSG(j1 - j0 == (cs == 0 ? 1u : 0u), "case %d: %llu joins forced by a scratch slot", cs,
+                          (unsigned long long)(j1 - j0));
+            } else {
+                CHECK_MSG(b1 == b0 && j1 == j0, "case %d pass %d: branches outside a recorded step", cs, pass);
+            }
+        }
+        for (int i = 0; i < 3; i++) {
+            char what[96];
+            snprintf(what, sizeof what, "branch case %d, output %d", cs, i);
+            expect_same_rows(&p, what, got[i].g, ref[i].g, R, rows, rows);
+            op_buf_free(&p, &ref[i]);
+            op_buf_free(&p, &got[i]);
+        }
+    }
+    op_buf_free(&p, &x1);
+    op_buf_free(&p, &x2);
+    op_weight_free(&p, wq);
+    op_weight_free(&p, wq2);
+    op_weight_free(&p, wf);
+    free(h1);
+    free(h2);
+    free(bq);
+    free(bq2);
+    free(bf);
+    free(dq);
+    free(dq2);
+    free(df);
+    op_pair_close(&p);
+}
+
 static void test_matvec_pack(void) {
     OPEN_PAIR(p);
     pack_plain_case(&p, DS4_TYPE_Q2_K, 1024, 70001);    /* 6 rows a stage, warps of 8: stages of 6 and 2 */
@@ -1854,6 +1929,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
     TEST_ENTRY(test_matvec_pack),
+    TEST_ENTRY(test_step_branch),
     { 0 },
 };
 

@@ -321,7 +321,9 @@ static void test_compressor_chunks_match(void) {
  * the graphs are replayed rather than rebuilt (a step shape changes only
  * when a compressor emits a row, the window fills, the window's rows move
  * to the front of their buffer or the indexer starts selecting). The tokens start inside the window and cross the point where
- * the ratio-4 layers' indexer starts to select.
+ * the ratio-4 layers' indexer starts to select. The FFN's shared expert is
+ * a side branch of each step's graph (one per layer, counted); with
+ * branches off it is on the main chain, and the logits are the same.
  */
 static void test_graph_replay_matches_direct(void) {
     SETUP_OR_SKIP();
@@ -336,11 +338,18 @@ static void test_graph_replay_matches_direct(void) {
         float *direct = malloc((size_t)(n_dec * vocab) * sizeof *direct);
         float *graph = malloc((size_t)(n_dec * vocab) * sizeof *graph);
         float *seg = malloc((size_t)(n_dec * vocab) * sizeof *seg);
-        /* pass 0: direct launches; 1: one graph per step; 2: steps in segments */
-        for (int pass = 0; pass < 3 && direct && graph && seg; pass++) {
+        float *chain = malloc((size_t)(n_dec * vocab) * sizeof *chain);
+        static const char *const names[4] = { "direct", "graphs", "segments", "one chain" };
+        /* pass 0: direct launches; 1: one graph per step; 2: steps in
+         * segments; 3: segments without side branches (the shared expert
+         * on the main chain) */
+        for (int pass = 0; pass < 4 && direct && graph && seg && chain; pass++) {
             ds4_cuda_backend_set_graphs(be, pass > 0);
-            ds4_cuda_backend_set_segments(be, pass == 2);
-            float *out = pass == 0 ? direct : pass == 1 ? graph : seg;
+            ds4_cuda_backend_set_segments(be, pass >= 2);
+            ds4_cuda_backend_set_branches(be, pass != 3);
+            float *out = pass == 0 ? direct : pass == 1 ? graph : pass == 2 ? seg : chain;
+            uint64_t br0 = 0, br1 = 0;
+            ds4_cuda_backend_branch_stats(be, &br0, NULL);
             ds4_state *st = NULL;
             CHECK_MSG(ds4_state_create(m, 512, &st, &err) == DS4_OK, "%s", err.message);
             if (!st) break;
@@ -351,16 +360,23 @@ static void test_graph_replay_matches_direct(void) {
                 CHECK_MSG(ds4_model_eval(m, st, t + n_pre + i, 1, DS4_NUMERICS_DS4, out + i * vocab, false, &err) ==
                               DS4_OK, "%s", err.message);
             ds4_backend_counters_get(be, &c1);
+            ds4_cuda_backend_branch_stats(be, &br1, NULL);
             const uint64_t graphs = c1.graphs - c0.graphs, builds = c1.graph_builds - c0.graph_builds;
             const uint64_t glaunch = c1.graph_launches - c0.graph_launches;
             fprintf(stderr, "  %s: %lld steps, %llu as graphs, %llu graph launches, %llu built (%llu for a refused "
                     "update, last: %s), %llu node updates, %llu launches, %llu cut short (last: %s)\n",
-                    pass == 0 ? "direct" : pass == 1 ? "graphs" : "segments", (long long)n_dec,
+                    names[pass], (long long)n_dec,
                     (unsigned long long)graphs, (unsigned long long)glaunch, (unsigned long long)builds,
                     (unsigned long long)(c1.graph_refusals - c0.graph_refusals), ds4_cuda_backend_last_refusal(be),
                     (unsigned long long)(c1.node_updates - c0.node_updates),
                     (unsigned long long)(c1.launches - c0.launches),
                     (unsigned long long)(c1.step_breaks - c0.step_breaks), ds4_cuda_backend_last_break(be));
+            /* a branch per layer of every step where they are on (the FFN's shared expert) */
+            if (pass == 1 || pass == 2)
+                CHECK_MSG(br1 - br0 >= (uint64_t)(n_dec * c->n_layer), "%s: %llu branches in %lld steps of %d layers",
+                          names[pass], (unsigned long long)(br1 - br0), (long long)n_dec, (int)c->n_layer);
+            else
+                CHECK_MSG(br1 == br0, "%s: %llu branches recorded", names[pass], (unsigned long long)(br1 - br0));
             if (pass == 0) {
                 CHECK(graphs == 0 && builds == 0 && glaunch == 0);
             } else {
@@ -378,18 +394,20 @@ static void test_graph_replay_matches_direct(void) {
             }
             ds4_state_free(st);
         }
-        for (int pass = 1; pass < 3 && direct && graph && seg; pass++) {
-            const float *other = pass == 1 ? graph : seg;
+        for (int pass = 1; pass < 4 && direct && graph && seg && chain; pass++) {
+            const float *other = pass == 1 ? graph : pass == 2 ? seg : chain;
             int64_t first = -1;
             for (int64_t i = 0; i < n_dec * vocab && first < 0; i++)
                 if (memcmp(&direct[i], &other[i], sizeof(float)) != 0) first = i;
             CHECK_MSG(first < 0, "%s differ from direct launches at step %lld, logit %lld: %.9g vs %.9g",
-                      pass == 1 ? "graphs" : "segmented graphs", first < 0 ? 0LL : (long long)(first / vocab),
+                      names[pass], first < 0 ? 0LL : (long long)(first / vocab),
                       first < 0 ? 0LL : (long long)(first % vocab), first < 0 ? 0.0 : (double)direct[first],
                       first < 0 ? 0.0 : (double)other[first]);
         }
         ds4_cuda_backend_set_segments(be, 1);
+        ds4_cuda_backend_set_branches(be, 1);
         free(seg);
+        free(chain);
         free(direct);
         free(graph);
         free(t);

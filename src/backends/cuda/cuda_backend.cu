@@ -144,6 +144,7 @@ void *cuda_scratch(ds4_backend *be, cuda_scratch_slot slot, size_t bytes) {
         return NULL;
     }
     if (bytes == 0) bytes = 1;
+    cuda_branch_slot(cb, (int)slot);
     if (cb->scratch_cap[slot] >= bytes) return cb->scratch[slot];
     size_t cap = cb->scratch_cap[slot] ? cb->scratch_cap[slot] : 4096;
     while (cap < bytes) cap = cap > SIZE_MAX / 2 ? bytes : cap * 2;
@@ -991,6 +992,9 @@ static const ds4_backend_ops CUDA_OPS = {
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
     .step_mark = cuda_step_mark,
+    .branch_begin = cuda_branch_begin,
+    .branch_end = cuda_branch_end,
+    .branch_join = cuda_branch_join,
     .take_error = cuda_take_error,
 };
 

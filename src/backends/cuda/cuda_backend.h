@@ -113,6 +113,17 @@ void ds4_cuda_backend_set_graphs(ds4_backend *be, int on);
  * results are the same either way, bit for bit. Takes effect at the next
  * mark. */
 void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
+/* Side branches of recorded steps (backend.h's branch_begin / branch_end /
+ * branch_join) on or off (on by default; DS4_CUDA_BRANCH=0 makes off the
+ * default). On: a branch's kernels form a chain of their own in the step's
+ * graph, beside the main chain until the join (or until the main chain
+ * takes a scratch slot the branch took). Off: one chain in call order. The
+ * results are the same either way, bit for bit. Takes effect at the next
+ * branch. */
+void ds4_cuda_backend_set_branches(ds4_backend *be, int on);
+/* Branches recorded, and joins forced by a scratch slot that both sides
+ * took, since the backend was created. */
+void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins);
 /* The fused activation quantisation on or off (both on by default;
  * DS4_CUDA_MV_XQ=0 and DS4_CUDA_MOE_XQ=0 make off the defaults): mv_xq, the
  * Q8_0 decode products that quantise their own activations; moe_xq, the

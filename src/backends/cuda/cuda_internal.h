@@ -68,6 +68,7 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_ROUTER,       /* cuda_hc_ffn.cu */
     CUDA_SCRATCH_SLOTS
 } cuda_scratch_slot;
+static_assert(CUDA_SCRATCH_SLOTS <= 64, "a recorded branch keeps the slots it took in one 64-bit mask");
 
 /* Bad indices found by kernels (device memory, one per backend). The first
  * kernel thread to claim it (atomicCAS on `claim`, 0 -> 1) fills in the rest;
@@ -113,6 +114,11 @@ typedef struct cuda_node {
     size_t bytes;
     int value;                                /* memset byte */
     cudaMemcpyKind dir;
+    /* the entries it waits for: `pred` (-1: the segment's arena copy), the
+     * one before it on its chain, and `join` (-1: none), the last entry of
+     * a side branch (cuda_branch_*) it also waits for; `side`: on a branch */
+    int pred, join;
+    bool side;
 } cuda_node;
 
 /* A step's launches in order, with their argument bytes. */
@@ -184,6 +190,20 @@ typedef struct cuda_backend {
     const char *last_break; /* why the last recorded step was broken off (cuda_step_break) */
     const char *last_refusal; /* the node whose update CUDA refused last (a graph rebuilt for it) */
     cuda_node_log log;
+    /* side branches of a recorded step (cuda_branch_begin / _end / _join):
+     * entries recorded between begin and end form a chain of their own
+     * from the main chain's entry at the begin; the main chain goes on from
+     * there, and its first entry after a join also waits for the branch.
+     * A main entry that takes a scratch slot the branch took joins first. */
+    bool branches;    /* side branches are recorded (on by default; DS4_CUDA_BRANCH=0: one chain) */
+    bool br_side;     /* recording a side branch */
+    int last_main;    /* the log's last entry on the main chain (-1: none yet) */
+    int br_fork;      /* the main chain's last entry when the branch began */
+    int br_last;      /* the branch's last entry (-1: none yet) */
+    int br_pending;   /* a branch's last entry that the main chain has not joined (-1: none) */
+    bool br_join_next; /* the next main entry joins br_pending */
+    uint64_t br_slots; /* scratch slots the pending branch took (bit per slot) */
+    uint64_t br_count, br_auto_joins; /* branches recorded; joins forced by a scratch slot */
     cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
     uint64_t graph_clock;
     uint8_t *arena_host, *arena_dev;
@@ -321,6 +341,15 @@ bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes);
 void cuda_step_begin(ds4_backend *be);
 void cuda_step_end(ds4_backend *be);
 void cuda_step_mark(ds4_backend *be);
+/* Side branches (backend.h's branch_begin / branch_end / branch_join);
+ * outside a recorded step they do nothing. */
+void cuda_branch_begin(ds4_backend *be);
+void cuda_branch_end(ds4_backend *be);
+void cuda_branch_join(ds4_backend *be);
+/* A scratch slot taken by the op being recorded (cuda_scratch): taken
+ * inside a branch, it is the branch's until the join; taken on the main
+ * chain while the branch holds it, the next main entry joins the branch. */
+void cuda_branch_slot(cuda_backend *cb, int slot);
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
 /* Kernel timing: fold the finished launches into the per-kernel totals
  * (waits for the last one). */

@@ -75,6 +75,82 @@ static void log_clear(cuda_node_log *l, int seg = 0) {
     if (seg > 0) key_mix(l, 0x5e6d000000000000ULL + (uint64_t)seg);
 }
 
+/* The backend's log emptied for a new segment (seg > 0) or step: nothing
+ * on its chain yet and no branch pending (one recorded before runs with
+ * its segment, which finishes before the next one starts). A branch being
+ * recorded goes on from the new segment's start. */
+static void step_log_clear(cuda_backend *cb, int seg = 0) {
+    log_clear(&cb->log, seg);
+    cb->last_main = -1;
+    cb->br_fork = -1;
+    cb->br_last = -1;
+    cb->br_pending = -1;
+    cb->br_join_next = false;
+    cb->br_slots = 0;
+}
+
+/* Entry `e`, just pushed, linked to what it waits for: on a branch, the
+ * branch's entry before it (its first: the main chain's entry at the
+ * begin, and a branch still pending before it); on the main chain, the
+ * chain's last entry and, after a join, the pending branch's last. The
+ * links are part of the step's shape. */
+static void link_entry(cuda_backend *cb, cuda_node *e) {
+    const int i = cb->log.n - 1;
+    e->join = -1;
+    e->side = cb->br_side;
+    if (cb->br_side) {
+        e->pred = cb->br_last >= 0 ? cb->br_last : cb->br_fork;
+        if (cb->br_last < 0 && cb->br_pending >= 0) { /* a second branch before the first was joined */
+            e->join = cb->br_pending;
+            cb->br_pending = -1;
+        }
+        cb->br_last = i;
+    } else {
+        e->pred = cb->last_main;
+        if (cb->br_pending >= 0 && cb->br_join_next) {
+            e->join = cb->br_pending;
+            cb->br_pending = -1;
+            cb->br_join_next = false;
+            cb->br_slots = 0;
+        }
+        cb->last_main = i;
+    }
+    key_mix(&cb->log, ((uint64_t)(uint32_t)(e->pred + 2) << 32) | (uint32_t)(e->join + 2));
+}
+
+void cuda_branch_begin(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->recording || !cb->branches || cb->br_side) return;
+    cb->br_side = true;
+    cb->br_fork = cb->last_main;
+    cb->br_last = -1;
+    cb->br_count++;
+}
+
+void cuda_branch_end(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->br_side) return;
+    cb->br_side = false;
+    if (cb->recording && cb->br_last >= 0) cb->br_pending = cb->br_last;
+    cb->br_last = -1;
+}
+
+void cuda_branch_join(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->recording && cb->br_pending >= 0) cb->br_join_next = true;
+}
+
+void cuda_branch_slot(cuda_backend *cb, int slot) {
+    if (!cb->recording) return;
+    const uint64_t bit = (uint64_t)1 << slot;
+    if (cb->br_side) {
+        cb->br_slots |= bit;
+    } else if (cb->br_pending >= 0 && (cb->br_slots & bit) && !cb->br_join_next) {
+        cb->br_join_next = true;
+        cb->br_auto_joins++;
+    }
+}
+
 /* A new entry (zeroed), or NULL when memory ran out (error recorded). */
 static cuda_node *log_push(ds4_backend *be, cuda_node_log *l, int kind, const void *func, size_t data_len) {
     if (l->n == l->cap) {
@@ -297,8 +373,11 @@ static void submit_direct(ds4_backend *be) {
                                         cudaMemcpyHostToDevice, cb->stream)))
             (void)CUDA_OK(be, cudaEventRecord(cb->arena_done, cb->stream));
     }
+    /* in log order: a branch's entries were recorded before the main
+     * chain's that may run beside them, so this order is one the graph
+     * could run in */
     for (int i = 0; i < cb->log.n && !cuda_failed(be); i++) (void)direct_entry(be, &cb->log, &cb->log.nodes[i]);
-    log_clear(&cb->log);
+    step_log_clear(cb);
 }
 
 bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 grid, dim3 block, size_t smem,
@@ -324,6 +403,7 @@ bool cuda_launch_args(ds4_backend *be, const char *what, const void *func, dim3 
         e->n_args = a->n;
         memcpy(e->arg_off, a->off, (size_t)a->n * sizeof a->off[0]);
         memcpy(cb->log.pool + e->data, a->data, a->used);
+        link_entry(cb, e);
         return true;
     }
     void *params[CUDA_NODE_MAX_ARGS];
@@ -342,6 +422,7 @@ bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes) {
         e->src = src;
         e->bytes = bytes;
         e->dir = cudaMemcpyDeviceToDevice;
+        link_entry(cb, e);
         return true;
     }
     const int timed = profile_begin(be, NULL, "copy");
@@ -360,6 +441,7 @@ bool cuda_memset_d(ds4_backend *be, void *dst, int value, size_t bytes) {
         e->dst = dst;
         e->value = value & 0xff;
         e->bytes = bytes;
+        link_entry(cb, e);
         return true;
     }
     const int timed = profile_begin(be, NULL, "memset");
@@ -414,7 +496,8 @@ void cuda_step_begin(ds4_backend *be) {
     cb->seg_arena0 = 0;
     cb->seg_timed = false;
     cb->step_t0 = cuda_now_ns();
-    log_clear(&cb->log);
+    cb->br_side = false;
+    step_log_clear(cb);
 }
 
 void cuda_graph_timing_collect(cuda_backend *cb) {
@@ -501,20 +584,49 @@ static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log 
         }
     }
     if (ok && l->n > 0) {
-        cudaGraphNode_t *from = (cudaGraphNode_t *)malloc((size_t)l->n * sizeof *from);
-        cudaGraphEdgeData *edges = (cudaGraphEdgeData *)calloc((size_t)l->n, sizeof *edges);
-        ok = from && edges;
+        /* each entry's edge from its predecessor, and a join's from the
+         * branch it waits for. A kernel after a kernel is its programmatic
+         * dependent, one per predecessor: a branch's first entry takes the
+         * plain edge where the main chain's next entry already takes the
+         * programmatic one (the chain is the longer path) */
+        cudaGraphNode_t *from = (cudaGraphNode_t *)malloc((size_t)(2 * l->n) * sizeof *from);
+        cudaGraphNode_t *to = (cudaGraphNode_t *)malloc((size_t)(2 * l->n) * sizeof *to);
+        cudaGraphEdgeData *edges = (cudaGraphEdgeData *)calloc((size_t)(2 * l->n), sizeof *edges);
+        bool *prog_taken = (bool *)calloc((size_t)l->n, sizeof *prog_taken);
+        bool *prog = (bool *)calloc((size_t)l->n, sizeof *prog);
+        ok = from && to && edges && prog_taken && prog;
         if (!ok) cuda_fail(be, DS4_ERR_NOMEM, "cuda: out of host memory for a step graph of %d launches", l->n);
-        for (int i = 0; ok && i < l->n; i++) {
-            from[i] = i ? g->gnodes[i - 1] : g->arena_node;
-            const bool prog = cb->pdl && i > 0 && g->log.nodes[i - 1].kind == CUDA_NODE_KERNEL &&
-                              g->log.nodes[i].kind == CUDA_NODE_KERNEL;
-            edges[i].type = prog ? cudaGraphDependencyTypeProgrammatic : cudaGraphDependencyTypeDefault;
-            edges[i].from_port = prog ? cudaGraphKernelNodePortProgrammatic : cudaGraphKernelNodePortDefault;
+        for (int pass = 0; ok && pass < 2; pass++) { /* the main chain's entries first */
+            for (int i = 0; i < l->n; i++) {
+                const cuda_node *e = &g->log.nodes[i];
+                if (e->side != (pass == 1)) continue;
+                prog[i] = cb->pdl && e->pred >= 0 && !prog_taken[e->pred] && e->kind == CUDA_NODE_KERNEL &&
+                          g->log.nodes[e->pred].kind == CUDA_NODE_KERNEL;
+                if (prog[i]) prog_taken[e->pred] = true;
+            }
         }
-        if (ok) ok = CUDA_OK(be, cudaGraphAddDependencies(g->graph, from, g->gnodes, edges, (size_t)l->n));
+        size_t n_edges = 0;
+        for (int i = 0; ok && i < l->n; i++) {
+            const cuda_node *e = &g->log.nodes[i];
+            from[n_edges] = e->pred >= 0 ? g->gnodes[e->pred] : g->arena_node;
+            to[n_edges] = g->gnodes[i];
+            edges[n_edges].type = prog[i] ? cudaGraphDependencyTypeProgrammatic : cudaGraphDependencyTypeDefault;
+            edges[n_edges].from_port = prog[i] ? cudaGraphKernelNodePortProgrammatic : cudaGraphKernelNodePortDefault;
+            n_edges++;
+            if (e->join >= 0 && e->join != e->pred) {
+                from[n_edges] = g->gnodes[e->join];
+                to[n_edges] = g->gnodes[i];
+                edges[n_edges].type = cudaGraphDependencyTypeDefault;
+                edges[n_edges].from_port = cudaGraphKernelNodePortDefault;
+                n_edges++;
+            }
+        }
+        if (ok) ok = CUDA_OK(be, cudaGraphAddDependencies(g->graph, from, to, edges, n_edges));
         free(from);
+        free(to);
         free(edges);
+        free(prog_taken);
+        free(prog);
     }
     if (ok) ok = CUDA_OK(be, cudaGraphInstantiate(&g->exec, g->graph, 0));
     if (!ok) {
@@ -533,7 +645,8 @@ static cuda_graph_rec *graph_find(cuda_backend *cb, const cuda_node_log *l) {
         bool same = true;
         for (int k = 0; same && k < l->n; k++) {
             const cuda_node *a = &g->log.nodes[k], *b = &l->nodes[k];
-            same = a->kind == b->kind && a->func == b->func && a->data_len == b->data_len;
+            same = a->kind == b->kind && a->func == b->func && a->data_len == b->data_len && a->pred == b->pred &&
+                   a->join == b->join;
         }
         if (same) return g;
     }
@@ -628,7 +741,7 @@ void cuda_step_mark(ds4_backend *be) {
 static void segment_submit(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (cuda_failed(be)) { /* the evaluation failed: its error is reported, nothing runs */
-        log_clear(&cb->log, cb->seg);
+        step_log_clear(cb, cb->seg);
         return;
     }
     /* this segment's piece of the arena, at least 16 bytes (within the arena) */
@@ -675,11 +788,17 @@ static void segment_submit(ds4_backend *be) {
         }
     }
     cb->seg_arena0 = cb->arena_used;
-    log_clear(&cb->log, cb->seg);
+    step_log_clear(cb, cb->seg);
 }
 
 extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
 extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_impl(be)->segments = on != 0; }
+extern "C" void ds4_cuda_backend_set_branches(ds4_backend *be, int on) { cuda_impl(be)->branches = on != 0; }
+extern "C" void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins) {
+    const cuda_backend *cb = (const cuda_backend *)be->impl;
+    if (branches) *branches = cb->br_count;
+    if (auto_joins) *auto_joins = cb->br_auto_joins;
+}
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
 /* A group size the grouped matvec kernels have, else 0 (off). */
@@ -734,7 +853,8 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
-    log_clear(&cb->log);
+    cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
+    step_log_clear(cb);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t1), err);

@@ -1159,20 +1159,24 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     TAP("ffn_hc_post", l, -1, s->post, n * c->n_hc);
     TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
     TAP("ffn_norm", l, -1, s->a, n * H);
-    /* the router logits and the shared expert's gate and up, batched, in one call */
-    const ds4_product prod[3] = {
-        { &W->gate_inp, E, s->logits_e, E },
+    /* the shared expert, a side branch of a recorded step: it reads s->a
+     * and writes s->g, s->u and s->y, which the routed experts' ops do not
+     * touch, so it may run beside them until the join before s->y is read */
+    if (be->ops->branch_begin) be->ops->branch_begin(be);
+    const ds4_product prod[2] = {
         { &W->gate_sh, I, s->g, I },
         { &W->up_sh, I, s->u, I },
     };
-    be->ops->matmul_multi(be, prod, 3, s->a, H, n, num);
-    TAP("router_logits", l, -1, s->logits_e, n * E);
+    be->ops->matmul_multi(be, prod, 2, s->a, H, n, num);
     TAP("shexp_gate", l, -1, s->g, n * I);
     TAP("shexp_up", l, -1, s->u, n * I);
     be->ops->swiglu(be, s->g, s->u, limit, 1.0f, s->g, n * I);
     TAP("shexp_swiglu", l, -1, s->g, n * I);
     be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
     TAP("shexp_down", l, -1, s->y, n * H);
+    if (be->ops->branch_end) be->ops->branch_end(be);
+    be->ops->matmul(be, &W->gate_inp, 0, E, s->a, H, s->logits_e, E, n, num);
+    TAP("router_logits", l, -1, s->logits_e, n * E);
     /* routed experts: each token routes on its own, but the whole batch is
      * one router call and one moe call (hash layers: each token's row of
      * tid2eid, gathered on the host) */
@@ -1192,6 +1196,7 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a, (const int32_t *)s->sel, s->sel_w, k, limit,
                  s->moe, n, num);
     for (int64_t t = 0; t < n; t++) TAP("moe", l, t, s->moe + t * H, H);
+    if (be->ops->branch_join) be->ops->branch_join(be);
     sublayer_output(m, l, s, s->moe, n);
 }
 
