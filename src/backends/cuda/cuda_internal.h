@@ -54,6 +54,8 @@ typedef enum cuda_scratch_slot {
     CUDA_SCRATCH_MOE_GATE,     /* cuda_matmul.cu */
     CUDA_SCRATCH_MOE_UP,       /* cuda_matmul.cu */
     CUDA_SCRATCH_MOE_ACT,      /* cuda_matmul.cu */
+    CUDA_SCRATCH_MOE_X,        /* cuda_matmul.cu: the MoE's quantised input (not MATMUL_ACT: the shared
+                                * expert's products beside it in a step take that one) */
     CUDA_SCRATCH_MOE_SORTED,   /* cuda_matmul.cu: activations in expert order */
     CUDA_SCRATCH_MOE_GROUPS,   /* cuda_matmul.cu: expert groups and slot order */
     CUDA_SCRATCH_GEMM_PART,    /* cuda_gemm.cu: split-K partial sums */

@@ -1039,7 +1039,7 @@ static void moe_one_token(ds4_backend *be, const ds4_weight *gate, const ds4_wei
     const size_t qg = act_bytes(mg, dim, 1), qu = mu != mg ? act_bytes(mu, dim, 1) : 0;
     const void *xg = x, *xu = x;
     if (qg + qu) {
-        uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, align256(qg) + qu);
+        uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_X, align256(qg) + qu);
         if (!q) return;
         if (qg) {
             if (!quantize_acts(be, mg, x, dim, dim, 1, q, false)) return;
@@ -1254,7 +1254,7 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
     const int64_t xpitch = (xrow + 15) / 16 * 16, mpitch = (mrow + 15) / 16 * 16;
     const int32_t *d_groups = dev, *d_order = dev + 4 * slots, *d_tok = d_order + slots;
     /* x quantised, its rows gathered into expert order */
-    void *xq = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, (size_t)(n_rows * xrow));
+    void *xq = cuda_scratch(be, CUDA_SCRATCH_MOE_X, (size_t)(n_rows * xrow));
     uint8_t *sorted = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_SORTED,
                                               (size_t)(slots * (xpitch > mpitch ? xpitch : mpitch)));
     const int64_t n_mid = slots * n_ff, n_part = slots * dim;
@@ -1402,7 +1402,7 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     const size_t qg = act_bytes(mg, dim, n_rows), qu = mu != mg ? act_bytes(mu, dim, n_rows) : 0;
     const void *xg = x, *xu = x;
     if (qg + qu) {
-        uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, align256(qg) + qu);
+        uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_X, align256(qg) + qu);
         if (!q) return;
         if (qg) {
             if (!quantize_acts(be, mg, x, dim, dim, n_rows, q, true)) return;
