@@ -330,6 +330,7 @@ static void test_op_table(void) {
           o->router && o->swiglu && o->moe && o->take_error && o->copy_rows && o->add_weight_rows_at &&
           o->attention_rows && o->attention_states && o->compressor_pool_states);
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
+    CHECK(!o->branch_begin && !o->branch_end && !o->branch_join); /* runs ops in call order */
     ds4_backend_destroy(be);
 }
 
