@@ -56,7 +56,10 @@
 #define MV_NST 3       /* stages per warp: one decoded while the others are in flight */
 #define MV_COPIES ((MV_STAGE / 16 + 31) / 32) /* 16-byte copies per lane for a stage */
 #define MV_WARPS 8
-#define MV_TARGET_WARPS 4096 /* split rows until this many warps are in flight */
+/* split rows until this many warps are in flight (4096 -> 1024 measured:
+ * decode at 2K 1.012x, CI 1.004 .. 1.020; it halves the splits of q_a + kv,
+ * the router and the compressors, whose grids then fit about one wave) */
+#define MV_TARGET_WARPS 1024
 #define MV_MAX_RPW 8         /* rows per warp (short rows: a warp streams several) */
 /* give warps more rows only while at least this many remain (8192 -> 2048
  * measured: decode 1.035x; q_b, o_a, o_b 13.6 / 17.7 / 16.4 -> 12.2 / 14.3
