@@ -1021,11 +1021,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         prod[n_prod++] = (ds4_product){ &W->idx_proj, c->idx_n_head, s->iw, c->idx_n_head };
     }
     be->ops->matmul_multi(be, prod, n_prod, s->a, H, n, num);
-    /* q: low rank, norm, up, per-head plain norm, RoPE; a side branch of a
-     * recorded step: it reads and writes s->qr and s->q alone, which the kv
-     * row's and the compressors' ops below do not touch, and is joined
-     * before the indexer and the attention read them */
-    if (be->ops->branch_begin) be->ops->branch_begin(be);
+    /* q: low rank, norm, up, per-head plain norm, RoPE */
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
     TAP("q_a_norm", l, -1, s->qr, n * qr);
@@ -1043,7 +1039,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         be->ops->head_norm_rope(be, s->q, n, nh, D, NULL, c->rms_eps, pos, rope, false);
     }
     TAP("q_rope", l, -1, s->q, n * nh * D);
-    if (be->ops->branch_end) be->ops->branch_end(be);
     /* kv: projection (above), norm, RoPE, FP8 */
     TAP("kv", l, -1, kv, n * D);
     if (steps) {
@@ -1080,7 +1075,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         for (int64_t t = 0; t < n; t++) s->n_comp[t] = 0;
     if (ratio == 4)
         compressor_pass(m, rs, l, true, &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow, num, s->n_index);
-    if (be->ops->branch_join) be->ops->branch_join(be);
     const int64_t Wn = c->sliding_window;
     /* a batch of states: every row's KV row into its own window in one call */
     const bool own = !direct && rows_own_states(m, rs, n);
