@@ -1071,12 +1071,21 @@ static void moe_launches_case(op_pair *p, uint32_t tg, uint32_t td, uint64_t fus
     moe_free(p, &m);
 }
 
+/* One token: the ids checked and copied by a kernel of their own, or
+ * (ds4_cuda_backend_set_moe_ids, the default) read by the products
+ * themselves, one launch fewer; the results are the same (moe_launches_case
+ * holds each to the CPU). */
 static void test_moe_launches(void) {
     OPEN_PAIR(p);
     const uint64_t mids = env_on("DS4_CUDA_MOE_XQ") ? 1 : 2;
-    moe_launches_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4 + mids, 6);
-    moe_launches_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4 + mids, 6);
-    moe_launches_case(&p, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 6, 6);
+    for (int direct = 1; direct >= 0; direct--) {
+        ds4_cuda_backend_set_moe_ids(p.gpu, direct);
+        const uint64_t route = direct ? 0 : 1;
+        moe_launches_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 3 + route + mids, 5 + route);
+        moe_launches_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 3 + route + mids, 5 + route);
+        moe_launches_case(&p, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 5 + route, 5 + route);
+    }
+    ds4_cuda_backend_set_moe_ids(p.gpu, env_on("DS4_CUDA_MOE_IDS"));
     op_pair_close(&p);
 }
 
@@ -1338,22 +1347,27 @@ static void test_moe_bad_expert(void) {
         { { 0, 1, 2, 3, -1, 0 }, "expert -1 " },                 /* negative */
         { { INT32_MIN, 1, 2, 3, 1, 0 }, "expert -2147483648 " }, /* far out */
     };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    /* one token in DS4 numerics: the ids read by the products themselves
+     * (direct, the default) or checked by a kernel first; the same message */
+    const size_t n_bad = sizeof bad / sizeof bad[0];
+    for (size_t i = 0; i < 2 * n_bad; i++) {
+        ds4_cuda_backend_set_moe_ids(p.gpu, i < n_bad);
         for (int ni = 0; ni < 2; ni++) {
             const ds4_numerics num = ni ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
-            op_buf dsel = op_ints_from(&p, bad[i].sel, 6);
+            op_buf dsel = op_ints_from(&p, bad[i % n_bad].sel, 6);
             moe_both(&p, &m, x, dsel, dw, 6, y, 1, num);
             ds4_error ec = { 0 }, eg = { 0 };
             CHECK(p.cpu->ops->take_error(p.cpu, &ec) == DS4_ERR_INVALID);
             CHECK_MSG(p.gpu->ops->take_error(p.gpu, &eg) == DS4_ERR_INVALID, "moe bad expert %zu: %s", i, eg.message);
             CHECK_MSG(strcmp(ec.message, eg.message) == 0, "messages differ: cpu \"%s\" cuda \"%s\"", ec.message,
                       eg.message);
-            CHECK_MSG(strstr(eg.message, "moe") && strstr(eg.message, bad[i].expert) && strstr(eg.message, "[0, 4)") &&
+            CHECK_MSG(strstr(eg.message, "moe") && strstr(eg.message, bad[i % n_bad].expert) && strstr(eg.message, "[0, 4)") &&
                       strstr(eg.message, "blk.3.ffn_gate_exps.weight"), "%s", eg.message);
             op_expect_ok(&p); /* taken and cleared */
             op_buf_free(&p, &dsel);
         }
     }
+    ds4_cuda_backend_set_moe_ids(p.gpu, env_on("DS4_CUDA_MOE_IDS"));
     /* two bad calls before take_error: the first is reported */
     {
         op_buf s1 = op_ints_from(&p, bad[0].sel, 6), s2 = op_ints_from(&p, bad[1].sel, 6);

@@ -121,6 +121,12 @@ void ds4_cuda_backend_set_segments(ds4_backend *be, int on);
  * results are the same either way, bit for bit. Takes effect at the next
  * branch. */
 void ds4_cuda_backend_set_branches(ds4_backend *be, int on);
+/* One token's MoE on the streaming kernels reads the caller's expert ids and
+ * weights itself, its gate/up kernel reporting a bad id (on by default;
+ * DS4_CUDA_MOE_IDS=0 makes off the default), or checks and copies them in
+ * a kernel first (as every other MoE path does). The results and the error
+ * reported are the same either way. Takes effect at the next op. */
+void ds4_cuda_backend_set_moe_ids(ds4_backend *be, int on);
 /* Branches recorded, and joins forced by a scratch slot that both sides
  * took, since the backend was created. */
 void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins);

@@ -180,6 +180,7 @@ typedef struct cuda_backend {
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
                         * (1, 2, 4 or 8; 0: off, the default; DS4_CUDA_MOE_STEP_GROUP=N) */
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */
+    bool moe_ids;     /* one token's streaming MoE reads the router's ids itself (DS4_CUDA_MOE_IDS=0: the check kernel first) */
     bool fgemm;       /* F16-weight products of many tokens on the tensor cores (DS4_CUDA_FGEMM=0: off) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     bool in_step;   /* between step_begin and step_end */

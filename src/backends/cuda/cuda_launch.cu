@@ -801,6 +801,7 @@ extern "C" void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *b
 }
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
+extern "C" void ds4_cuda_backend_set_moe_ids(ds4_backend *be, int on) { cuda_impl(be)->moe_ids = on != 0; }
 /* A group size the grouped matvec kernels have, else 0 (off). */
 static int step_group_rows(long r) { return cuda_mv_rows_built(r) ? (int)r : 0; }
 extern "C" void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_rows) {
@@ -854,6 +855,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
+    cb->moe_ids = cuda_env_flag("DS4_CUDA_MOE_IDS", true);
     step_log_clear(cb);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);

@@ -1376,17 +1376,29 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
 
     /* sel and weights are device memory (the router's outputs): checked on
      * the device into MATMUL_CTRL [slots int32][slots float], which the
-     * product kernels read */
+     * product kernels read. One token on the streaming kernels (decode)
+     * skips that kernel: they read the caller's ids and weights, the
+     * gate/up kernel reports a bad id and every kernel leaves that expert
+     * out (its products read 0, down skips the slot: what the checked
+     * copy's expert 0 with weight 0 adds), so the chain from the router to
+     * the experts is a launch shorter (DS4_CUDA_MOE_IDS=0: the check
+     * first, as for the other paths) */
     const int64_t slots = (int64_t)n_used * n_rows;
-    int32_t *d_sel = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)slots * sizeof(int32_t));
-    if (!d_sel) return;
-    float *d_w = (float *)(d_sel + slots);
-    if (!cuda_launch(be, "moe_route_kernel", moe_route_kernel, (unsigned)cdiv(slots, 256), 256, 0, sel, weights,
-                     slots, n_expert, d_sel, d_w, cuda_dev_error_of(be), cuda_check_tag(be, gate->name)))
-        return;
-
     const mm_mode mg = mode_for(gate->type, num), mu = mode_for(up->type, num), md = mode_for(down->type, num);
     const bool suits = mv_moe_suits(gate, up, down, mg, mu, md, x, n_ff, n_used);
+    const bool direct_ids = n_rows == 1 && suits && cuda_impl(be)->moe_ids;
+    const int32_t *d_sel = sel;
+    const float *d_w = weights;
+    if (!direct_ids) {
+        int32_t *cs = (int32_t *)cuda_scratch(be, CUDA_SCRATCH_MATMUL_CTRL, 2 * (size_t)slots * sizeof(int32_t));
+        if (!cs) return;
+        float *cw = (float *)(cs + slots);
+        if (!cuda_launch(be, "moe_route_kernel", moe_route_kernel, (unsigned)cdiv(slots, 256), 256, 0, sel, weights,
+                         slots, n_expert, cs, cw, cuda_dev_error_of(be), cuda_check_tag(be, gate->name)))
+            return;
+        d_sel = cs;
+        d_w = cw;
+    }
     if (moe_grouped(be, gate, up, down, mg, mu, md, x, d_sel, d_w, n_used, limit, out, n_rows, suits)) return;
     if (!suits) {
         for (int64_t r = 0; r < n_rows && !cuda_failed(be); r++)
@@ -1419,7 +1431,8 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)n_mid * sizeof(float));
     if (!g || !u) return;
     if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
-                             act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u))
+                             act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u,
+                             direct_ids ? cuda_dev_error_of(be) : NULL, direct_ids ? cuda_check_tag(be, gate->name) : 0))
         return;
     const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
     if (!mids) return;

@@ -234,6 +234,8 @@ struct mv_args {
     int64_t act_blocks;  /* Q8_0: blocks of one activation row (where its scales start, split layout) */
     int64_t out_stride;  /* per activation row */
     const int32_t *sel;  /* device expert ids (NULL: plain rows) */
+    cuda_dev_error *err; /* gate/up: where a bad id of sel is reported (NULL: the caller checked them) */
+    int err_tag;
     int64_t rows_per_expert, n_expert;
     int64_t out_sel_stride; /* gate/up: output rows of slot blockIdx.y */
     int slots_per_token;    /* gate/up: slot s reads activation row s / slots_per_token */
@@ -812,6 +814,8 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
             const int64_t slot = blockIdx.y;
             const int32_t e = a.sel[slot];
             active = e >= 0 && e < a.n_expert;
+            if (!active && a.err && blockIdx.x == 0 && z == 0 && threadIdx.x == 0)
+                cuda_report_bad_index(a.err, CUDA_CHECK_MOE_EXPERT, a.err_tag, e, a.n_expert, slot);
             wrow0 = (int64_t)e * a.rows_per_expert + o_first;
             act += (slot / a.slots_per_token) * a.act_token_stride * act_unit;
         } else if (a.groups) {
@@ -1275,7 +1279,8 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
 
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
                          cuda_mv_act kind_u, const void *act_gate, const void *act_up, int64_t act_gate_stride,
-                         int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u) {
+                         int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u,
+                         cuda_dev_error *err, int err_tag) {
     const int64_t slots = (int64_t)n_used * n_tokens;
     if (n_used < 1 || slots > 65535) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %lld expert slots of %s (at most 65535)", (long long)slots,
@@ -1309,6 +1314,8 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.act_stride = 0;
         a.out_stride = 0;
         a.sel = sel;
+        a.err = m == 0 ? err : NULL; /* (one report: the first launch's) */
+        a.err_tag = err_tag;
         a.rows_per_expert = n_ff;
         a.n_expert = w->ne[2];
         a.out_sel_stride = n_ff;

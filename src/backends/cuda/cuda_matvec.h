@@ -78,10 +78,12 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *jobs, int n);
  *            down[sel[t][k]][o] . mid[t][k] (one launch; mid rows
  *            act_stride apart, out rows out_stride apart)
  * Experts whose id is outside [0, n_expert) are skipped (their products
- * read as 0); the caller reports them. */
+ * read as 0); the caller reports them, or with err (not NULL) the gate/up
+ * kernel does (cuda_report_bad_index, tag err_tag, at the slot's index). */
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
                          cuda_mv_act kind_u, const void *act_gate, const void *act_up, int64_t act_gate_stride,
-                         int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u);
+                         int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u,
+                         cuda_dev_error *err, int err_tag);
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
                       const int32_t *sel, int n_used, int64_t n_tokens, float *out, int64_t out_stride);
 
