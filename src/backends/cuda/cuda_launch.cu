@@ -101,6 +101,8 @@ static void link_entry(cuda_backend *cb, cuda_node *e) {
     if (cb->br_side) {
         e->pred = cb->br_last >= 0 ? cb->br_last : cb->br_fork;
         if (cb->br_last < 0 && cb->br_pending >= 0) { /* a second branch before the first was joined */
+            /* (a join the main chain asked for stays asked: it then waits
+             * for this branch, which waits for the first) */
             e->join = cb->br_pending;
             cb->br_pending = -1;
         }
@@ -115,7 +117,7 @@ static void link_entry(cuda_backend *cb, cuda_node *e) {
         }
         cb->last_main = i;
     }
-    key_mix(&cb->log, ((uint64_t)(uint32_t)(e->pred + 2) << 32) | (uint32_t)(e->join + 2));
+    key_mix(&cb->log, ((uint64_t)e->side << 63) | ((uint64_t)(uint32_t)(e->pred + 2) << 32) | (uint32_t)(e->join + 2));
 }
 
 void cuda_branch_begin(ds4_backend *be) {
@@ -646,7 +648,7 @@ static cuda_graph_rec *graph_find(cuda_backend *cb, const cuda_node_log *l) {
         for (int k = 0; same && k < l->n; k++) {
             const cuda_node *a = &g->log.nodes[k], *b = &l->nodes[k];
             same = a->kind == b->kind && a->func == b->func && a->data_len == b->data_len && a->pred == b->pred &&
-                   a->join == b->join;
+                   a->join == b->join && a->side == b->side;
         }
         if (same) return g;
     }
