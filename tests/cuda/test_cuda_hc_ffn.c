@@ -164,7 +164,7 @@ static void check_gpu_same(const char *what, op_pair *p, op_buf a, op_buf b, int
     p->gpu->ops->download(p->gpu, hb, b.g, n);
     int64_t diff = 0;
     for (int64_t i = 0; i < n; i++) diff += memcmp(&ha[i], &hb[i], sizeof *ha) != 0;
-    CHECK_MSG(diff == 0, "%s: %lld of %lld floats differ between the fused kernel and the ops' kernels", what,
+    CHECK_MSG(diff == 0, "%s: %lld of %lld floats differ from the reference's (bit for bit)", what,
               (long long)diff, (long long)n);
     free(ha);
     free(hb);
@@ -377,6 +377,154 @@ static void test_hc_pre_batch(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
     check_hc_pre(&p, 4096, 256, DS4_TYPE_F16);
+    op_pair_close(&p);
+}
+
+/* ------------------------------------------------------------------------ */
+/* hc_pre's deferred Sinkhorn                                                */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * hc_pre's comb logits left for later (ds4_cuda_backend_set_hc_defer): a
+ * weight product after it runs the Sinkhorn rounds beside its own work, or
+ * whatever reads comb first (hc_post, a download) settles them in a kernel
+ * of their own. Either way x_out, post, comb and the state hc_post makes
+ * from them are those of the split in the finishing kernel, bit for bit,
+ * and the product's output is its own. Modes:
+ *   0 the split in the finishing kernel (the reference, also against the CPU);
+ *   1 a product after hc_pre takes the task;
+ *   2 no product is long enough: hc_post settles it;
+ *   3 a recorded step: a product on a side branch (it must not take the
+ *     task), one on the main chain (it does), the join, hc_post;
+ *   4 a recorded step: hc_post on a side branch settles the task there, and
+ *     an hc_post on the main chain before the join must join that branch.
+ * Past 8 rows nothing is deferred (every mode is the reference's path).
+ */
+#define DEFER_MODES 5
+static void check_hc_defer(op_pair *p, int64_t n_rows) {
+    const int n = 4;
+    const int64_t dim = 4096, hc_dim = n * dim, n_mix = (2 + n) * n, pin = 1024, pout = 256;
+    const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
+    float *hfn = op_rand(hc_dim * n_mix, 1.0 / sqrt((double)hc_dim));
+    float *hscale = rand_uniform(3, 0.5, 1.5), *hbase = op_rand(n_mix, 0.5);
+    float *hX = hc_states(n_rows, hc_dim), *hy = op_rand(n_rows * dim, 2.0);
+    float *hw = op_rand(pin * pout, 1.0 / sqrt((double)pin)), *hxp = op_rand(pin, 1.0);
+    op_weight *fn = op_weight_floats(p, "hc_fn", DS4_TYPE_F16, hc_dim, n_mix, 1, hfn);
+    op_weight *scale = op_weight_floats(p, "hc_scale", DS4_TYPE_F32, 3, 1, 1, hscale);
+    op_weight *base = op_weight_floats(p, "hc_base", DS4_TYPE_F32, n_mix, 1, 1, hbase);
+    op_weight *wp = op_weight_floats(p, "blk.0.defer_w.weight", DS4_TYPE_F16, pin, pout, 1, hw);
+    op_buf X = op_buf_from(p, hX, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim), xp = op_buf_from(p, hxp, pin);
+    op_buf x_out[DEFER_MODES], post[DEFER_MODES], comb[DEFER_MODES], Xo[DEFER_MODES], yp[DEFER_MODES];
+    op_buf side = op_buf_poisoned(p, pout), Xo2 = op_buf_poisoned(p, n_rows * hc_dim);
+    const bool mv = env_on_default("DS4_CUDA_MATVEC", true);
+    const bool recorded = env_on_default("DS4_CUDA_GRAPH", true) && !env_on_default("DS4_CUDA_PROFILE", false);
+    const bool deferred = n_rows <= 8;
+    ds4_backend *g = p->gpu;
+    for (int m = 0; m < DEFER_MODES; m++) {
+        x_out[m] = op_buf_poisoned(p, n_rows * dim);
+        post[m] = op_buf_poisoned(p, n_rows * n);
+        comb[m] = op_buf_poisoned(p, n_rows * n * n);
+        Xo[m] = op_buf_poisoned(p, n_rows * hc_dim);
+        yp[m] = op_buf_poisoned(p, pout);
+        ds4_cuda_backend_set_hc_defer(g, m != 0, m == 2 ? INT64_MAX / 4 : 1);
+        uint64_t t0 = 0, s0 = 0, t1 = 0, s1 = 0, b0 = 0, j0 = 0, b1 = 0, j1 = 0;
+        ds4_cuda_backend_hc_defer_stats(g, &t0, &s0);
+        ds4_cuda_backend_branch_stats(g, &b0, &j0);
+        if (m >= 3) g->ops->step_begin(g);
+        g->ops->hc_pre(g, &hc, X.g, &fn->g, &scale->g, &base->g, x_out[m].g, post[m].g, comb[m].g, n_rows);
+        if (m == 4) {
+            g->ops->branch_begin(g);
+            g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo[m].g, n_rows);
+            g->ops->branch_end(g);
+            g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo2.g, n_rows);
+            g->ops->branch_join(g);
+            g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
+        } else {
+            if (m == 3) {
+                g->ops->branch_begin(g);
+                g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, side.g, pout, 1, DS4_NUMERICS_DS4);
+                g->ops->branch_end(g);
+            }
+            g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
+            if (m == 3) g->ops->branch_join(g);
+            g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo[m].g, n_rows);
+        }
+        if (m >= 3) g->ops->step_end(g);
+        op_expect_ok(p);
+        ds4_cuda_backend_hc_defer_stats(g, &t1, &s1);
+        ds4_cuda_backend_branch_stats(g, &b1, &j1);
+        const uint64_t want_taken = deferred && mv && (m == 1 || m == 3) ? 1 : 0;
+        const uint64_t want_settled = deferred && m != 0 && !want_taken ? 1 : 0;
+        CHECK_MSG(t1 - t0 == want_taken && s1 - s0 == want_settled,
+                  "%lld rows, mode %d: %llu tasks taken by a product (want %llu), %llu settled (want %llu)",
+                  (long long)n_rows, m, (unsigned long long)(t1 - t0), (unsigned long long)want_taken,
+                  (unsigned long long)(s1 - s0), (unsigned long long)want_settled);
+        if (m == 4) {
+            const uint64_t want_joins = deferred && recorded ? 1 : 0;
+            CHECK_MSG(j1 - j0 == want_joins, "%lld rows: %llu joins forced by the branch's settle (want %llu)",
+                      (long long)n_rows, (unsigned long long)(j1 - j0), (unsigned long long)want_joins);
+        }
+    }
+    /* the reference against the CPU (same inputs) */
+    p->cpu->ops->hc_pre(p->cpu, &hc, X.c, &fn->c, &scale->c, &base->c, x_out[0].c, post[0].c, comb[0].c, n_rows);
+    p->cpu->ops->hc_post(p->cpu, &hc, y.c, X.c, post[0].c, comb[0].c, Xo[0].c, n_rows);
+    op_expect_ok(p);
+    const double tol = hc_tol(hc_dim);
+    char what[96];
+    snprintf(what, sizeof what, "deferred split reference comb (%lld rows)", (long long)n_rows);
+    op_compare(what, p, comb[0], n_rows * n * n, tol, tol);
+    snprintf(what, sizeof what, "deferred split reference post (%lld rows)", (long long)n_rows);
+    op_compare(what, p, post[0], n_rows * n, tol, tol);
+    for (int m = 1; m < DEFER_MODES; m++) {
+        snprintf(what, sizeof what, "%lld rows, mode %d: x_out", (long long)n_rows, m);
+        check_gpu_same(what, p, x_out[m], x_out[0], n_rows * dim);
+        snprintf(what, sizeof what, "%lld rows, mode %d: post", (long long)n_rows, m);
+        check_gpu_same(what, p, post[m], post[0], n_rows * n);
+        snprintf(what, sizeof what, "%lld rows, mode %d: comb", (long long)n_rows, m);
+        check_gpu_same(what, p, comb[m], comb[0], n_rows * n * n);
+        snprintf(what, sizeof what, "%lld rows, mode %d: hc_post's state", (long long)n_rows, m);
+        check_gpu_same(what, p, Xo[m], Xo[0], n_rows * hc_dim);
+        snprintf(what, sizeof what, "%lld rows, mode %d: the product", (long long)n_rows, m);
+        check_gpu_same(what, p, yp[m], yp[0], pout);
+    }
+    snprintf(what, sizeof what, "%lld rows: the product on the branch", (long long)n_rows);
+    check_gpu_same(what, p, side, yp[0], pout);
+    snprintf(what, sizeof what, "%lld rows: hc_post on the main chain", (long long)n_rows);
+    check_gpu_same(what, p, Xo2, Xo[0], n_rows * hc_dim);
+    ds4_cuda_backend_set_hc_defer(g, env_on_default("DS4_CUDA_HC_DEFER", true), 0);
+
+    for (int m = 0; m < DEFER_MODES; m++) {
+        op_buf_free(p, &x_out[m]);
+        op_buf_free(p, &post[m]);
+        op_buf_free(p, &comb[m]);
+        op_buf_free(p, &Xo[m]);
+        op_buf_free(p, &yp[m]);
+    }
+    op_buf_free(p, &side);
+    op_buf_free(p, &Xo2);
+    op_buf_free(p, &X);
+    op_buf_free(p, &y);
+    op_buf_free(p, &xp);
+    op_weight_free(p, fn);
+    op_weight_free(p, scale);
+    op_weight_free(p, base);
+    op_weight_free(p, wp);
+    free(hfn);
+    free(hscale);
+    free(hbase);
+    free(hX);
+    free(hy);
+    free(hw);
+    free(hxp);
+}
+
+static void test_hc_defer(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    check_hc_defer(&p, 1);
+    check_hc_defer(&p, 3);
+    check_hc_defer(&p, 8); /* the most rows deferred: one block of the product's eight warps */
+    check_hc_defer(&p, 9); /* past that: the split in the finishing kernel */
     op_pair_close(&p);
 }
 
@@ -884,6 +1032,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_hc_pre_small),
     TEST_ENTRY(test_hc_pre_real),
     TEST_ENTRY(test_hc_pre_batch),
+    TEST_ENTRY(test_hc_defer),
     TEST_ENTRY(test_hc_head),
     TEST_ENTRY(test_hc_post),
     TEST_ENTRY(test_router_topk),

@@ -105,6 +105,7 @@ static ds4_status cuda_take_error(ds4_backend *be, ds4_error *err) {
     /* The device error record comes back with the same wait: one small copy
      * per call (take_error runs once per evaluation). */
     cudaStream_t s = cuda_stream(be);
+    cuda_hc_settle(be); /* an evaluation ends with no Sinkhorn left (dropped after an error) */
     cuda_step_break(be, "take_error");
     const bool copied = cudaMemcpyAsync(cb->dev_error_host, cb->dev_error, sizeof *cb->dev_error,
                                         cudaMemcpyDeviceToHost, s) == cudaSuccess;
@@ -303,6 +304,7 @@ static void cuda_download(ds4_backend *be, float *host_dst, const float *src, in
         return;
     }
     cuda_backend *cb = cuda_impl(be);
+    cuda_hc_settle(be); /* what is read back may be a comb */
     cuda_step_break(be, "download");
     const size_t bytes = (size_t)n * sizeof(float);
     cuda_count_copy(be, false, bytes);

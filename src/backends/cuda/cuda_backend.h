@@ -127,6 +127,17 @@ void ds4_cuda_backend_set_branches(ds4_backend *be, int on);
  * a kernel first (as every other MoE path does). The results and the error
  * reported are the same either way. Takes effect at the next op. */
 void ds4_cuda_backend_set_moe_ids(ds4_backend *be, int on);
+/* hc_pre's Sinkhorn rounds off its chain (on by default; DS4_CUDA_HC_DEFER=0
+ * makes off the default): for up to 8 rows the finishing kernel leaves
+ * the comb logits and the next weight product of at least min_bytes of
+ * weights on the main chain runs the rounds in blocks of its own (0: the
+ * default, 8 MiB; DS4_CUDA_HC_DEFER_BYTES sets it), or a kernel of their
+ * own runs them before anything reads comb. The results are the same
+ * either way, bit for bit. Takes effect at the next hc_pre. */
+void ds4_cuda_backend_set_hc_defer(ds4_backend *be, int on, int64_t min_bytes);
+/* Deferred Sinkhorn tasks run by weight products, and by their own kernel,
+ * since the backend was created. */
+void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uint64_t *settled);
 /* Branches recorded, and joins forced by a scratch slot that both sides
  * took, since the backend was created. */
 void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins);

@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_hc_comb.cuh"
 #include "backends/cuda/cuda_rows.cuh"
 
 /* ------------------------------------------------------------------------ */
@@ -87,6 +88,7 @@ struct hc_args {
     int n_hc;
     int64_t dim;
     int iters;
+    int defer; /* hc_pre: comb gets the logits, the Sinkhorn is left to a cuda_comb_task */
     float eps, norm_eps;
     float *out;  /* x_out [n_rows, dim] */
     float *post; /* hc_pre only: [n_rows, n_hc] */
@@ -170,46 +172,23 @@ static __device__ __forceinline__ hc_split_consts hc_split_load(const hc_args &a
  * L / n, column L % n); every row or column sum gathers its n values by
  * shuffles and adds them in the CPU's order, so each lane computes exactly
  * the CPU's sums and quotients (bit-identical to hc_split_one), while the
- * 20 Sinkhorn rounds no longer run on one thread. All 32 lanes call it. */
+ * 20 Sinkhorn rounds no longer run on one thread (hc_comb_rounds). With
+ * a.defer C gets the comb logits instead, the rounds' input, and a
+ * cuda_comb_task runs them later. All 32 lanes call it. */
 template <int NT>
 static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_split_consts k, const float *mix,
                                                      float *pre, float *post, float *C) {
-    /* NT > 0: the stream count known when compiling (the model's 4), so
-     * the row and column sums are straight-line shuffles and adds; the
-     * Sinkhorn chain is the critical path of hc_pre. 0: a.n_hc. */
+    /* NT > 0: the stream count known when compiling (the model's 4); 0: a.n_hc */
     const int n = NT > 0 ? NT : a.n_hc, lane = threadIdx.x & 31;
     const float eps = a.eps;
     const bool mine = lane < n * n;
-    const int r = mine ? lane / n : 0, c = mine ? lane % n : 0;
     if (lane < n) {
         pre[lane] = __fadd_rn(cuda_sigmoid(__fadd_rn(__fmul_rn(mix[lane], k.sc0), k.b0)), eps);
         post[lane] = __fmul_rn(2.0f, cuda_sigmoid(__fadd_rn(__fmul_rn(mix[n + lane], k.sc1), k.b1)));
     }
     float v = 0.0f;
     if (mine) v = __fadd_rn(__fmul_rn(mix[2 * n + lane], k.sc2), k.bc);
-    float m = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < n; j++) {
-        const float o = __shfl_sync(0xffffffffu, v, r * n + j);
-        if (o > m) m = o;
-    }
-    v = cuda_expf(__fsub_rn(v, m));
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
-    v = __fadd_rn(__fmul_rn(v, __frcp_rn(sum)), eps);
-    for (int iter = 0; iter < a.iters; iter++) {
-        if (iter > 0) {
-            sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, r * n + j));
-            v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
-        }
-        sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < n; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * n + c));
-        v = __fmul_rn(v, __frcp_rn(__fadd_rn(sum, eps)));
-    }
+    if (!a.defer) v = hc_comb_rounds<NT>(v, n, eps, a.iters); /* (a.defer: the logits, cuda_comb_task's input) */
     if (mine) C[lane] = v;
 }
 
@@ -576,6 +555,76 @@ static __global__ void __launch_bounds__(HC_THREADS)
 
 typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args);
 
+/* ------------------------------------------------------------------------ */
+/* The Sinkhorn off hc_pre's chain                                           */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * pre (the weighted sum's weights) and post need only sigmoids; the 20
+ * Sinkhorn rounds that make comb are a serial chain of about 6 us on one
+ * warp, and comb is read only by the next hc_post (inside the next hc_pre's
+ * partial kernel in decode), a sublayer later. So for decode-sized calls
+ * the finishing kernel writes the comb logits (hc_args.defer) and leaves a
+ * cuda_comb_task: the next weight product on the main chain of at least
+ * hc_defer_bytes (q_b or a compressor's in attention, the routed experts'
+ * gate/up in the FFN: 10-25 us kernels) runs the rounds in extra blocks
+ * beside its own (cuda_hc_take_comb), so that they cost the chain nothing;
+ * whatever reads comb first settles a task no product took with
+ * hc_comb_kernel. The rounds are hc_comb_rounds either way: comb is the
+ * same bit for bit.
+ */
+#define HC_DEFER_MAX_ROWS 8 /* rows of a deferred split (one warp each): those of the streaming products */
+#define HC_DEFER_BYTES (8ll << 20) /* a product that takes it reads at least this many weight bytes */
+
+/* one warp per row of t */
+static __global__ void __launch_bounds__(HC_THREADS) hc_comb_kernel(cuda_comb_task t) {
+    cuda_grid_wait();
+    hc_comb_row(t, (int64_t)blockIdx.x * (HC_THREADS / 32) + (threadIdx.x >> 5));
+}
+
+void cuda_hc_settle(ds4_backend *be) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->comb_branch && !cb->br_side) {
+        /* the task ran on a side branch: what reads comb on the main chain joins it first */
+        if (cb->br_pending >= 0 && !cb->br_join_next) {
+            cb->br_join_next = true;
+            cb->br_auto_joins++;
+        }
+        cb->comb_branch = false;
+    }
+    if (!cb->comb_pending) return;
+    cb->comb_pending = false;
+    if (cuda_failed(be)) return;
+    const cuda_comb_task t = cb->comb;
+    const unsigned blocks = (unsigned)((t.n_rows + HC_THREADS / 32 - 1) / (HC_THREADS / 32));
+    if (cuda_launch(be, "hc_comb kernel", hc_comb_kernel, blocks, HC_THREADS, 0, t)) cb->comb_settled++;
+    if (cb->br_side) cb->comb_branch = true;
+}
+
+bool cuda_hc_take_comb(cuda_backend *cb, double weight_bytes, cuda_comb_task *t) {
+    if (!cb->comb_pending || cb->br_side || weight_bytes < (double)cb->hc_defer_bytes) return false;
+    *t = cb->comb;
+    cb->comb_pending = false;
+    cb->comb_taken++;
+    return true;
+}
+
+extern "C" void ds4_cuda_backend_set_hc_defer(ds4_backend *be, int on, int64_t min_bytes) {
+    cuda_backend *cb = cuda_impl(be);
+    cuda_hc_settle(be);
+    cb->hc_defer = on != 0;
+    cb->hc_defer_bytes = min_bytes > 0 ? min_bytes : cuda_env_long("DS4_CUDA_HC_DEFER_BYTES", HC_DEFER_BYTES, 1, 1L << 40);
+}
+extern "C" void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uint64_t *settled) {
+    const cuda_backend *cb = (const cuda_backend *)be->impl;
+    if (taken) *taken = cb->comb_taken;
+    if (settled) *settled = cb->comb_settled;
+}
+void cuda_hc_defer_init(cuda_backend *cb) {
+    cb->hc_defer = cuda_env_flag("DS4_CUDA_HC_DEFER", true);
+    cb->hc_defer_bytes = cuda_env_long("DS4_CUDA_HC_DEFER_BYTES", HC_DEFER_BYTES, 1, 1L << 40);
+}
+
 template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type) {
     switch (type) {
     case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC, POST>;
@@ -633,8 +682,19 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
                           norm->w, norm->eps, norm->out);
         return;
     }
-    (void)cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, a,
-                      n_mix, n_chunks, part);
+    cuda_backend *cb = cuda_impl(be);
+    hc_args af = a;
+    af.defer = !HEAD && cb->hc_defer && a.comb && a.n_hc * a.n_hc <= 32 && n_rows <= HC_DEFER_MAX_ROWS;
+    if (cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, af,
+                    n_mix, n_chunks, part) &&
+        af.defer) {
+        cb->comb.comb = a.comb;
+        cb->comb.n_hc = a.n_hc;
+        cb->comb.iters = a.iters;
+        cb->comb.n_rows = (int)n_rows;
+        cb->comb.eps = a.eps;
+        cb->comb_pending = true;
+    }
 }
 
 /* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */
@@ -710,6 +770,7 @@ static bool hc_pre_check(ds4_backend *be, const char *op, const ds4_hc *hc, cons
 
 void cuda_hc_pre(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
                  const ds4_weight *base, float *x_out, float *post, float *comb, int64_t n_rows) {
+    cuda_hc_settle(be); /* a deferred Sinkhorn before any HC op (they read or write comb) */
     if (cuda_failed(be)) return;
     if (!hc_pre_check(be, "hc_pre", hc, X, fn, scale, base, x_out, post, comb, n_rows) || n_rows <= 0) return;
     const hc_args a = hc_args_make(hc, X, fn, scale, base, x_out, post, comb);
@@ -732,6 +793,7 @@ static bool hc_norm_fits(const ds4_hc *hc, const float *X, const float *x_out, c
 void cuda_hc_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn,
                       const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
                       float *x_out, float *post, float *comb, float *a_out, int64_t n_rows) {
+    cuda_hc_settle(be); /* a deferred Sinkhorn before any HC op (they read or write comb) */
     if (cuda_failed(be)) return;
     if (!hc_pre_check(be, "hc_pre_norm", hc, X, fn, scale, base, x_out, post, comb, n_rows)) return;
     const float *wv;
@@ -753,6 +815,7 @@ void cuda_hc_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *X, const d
 
 void cuda_hc_head(ds4_backend *be, const ds4_hc *hc, const float *X, const ds4_weight *fn, const ds4_weight *scale,
                   const ds4_weight *base, float *out, int64_t n_rows) {
+    cuda_hc_settle(be); /* a deferred Sinkhorn before any HC op (they read or write comb) */
     if (cuda_failed(be)) return;
     const int64_t n = hc ? hc->n_hc : 0;
     if (!hc_check(be, "hc_head", hc, fn, scale, base, n, 1)) return;
@@ -811,6 +874,7 @@ static void hc_post_launch(ds4_backend *be, const ds4_hc *hc, const float *y, co
 
 void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float *X, const float *post,
                   const float *comb, float *X_out, int64_t n_rows) {
+    cuda_hc_settle(be); /* a deferred Sinkhorn before any HC op (they read or write comb) */
     if (cuda_failed(be)) return;
     int64_t total;
     if (!hc_post_check(be, "hc_post", hc, y, X, post, comb, X_out, n_rows, &total) || total == 0) return;
@@ -828,6 +892,7 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
                            const float *post, const float *comb, float *X_out, const ds4_weight *fn,
                            const ds4_weight *scale, const ds4_weight *base, const ds4_weight *norm, float eps,
                            float *x_out, float *post_out, float *comb_out, float *a_out, int64_t n_rows) {
+    cuda_hc_settle(be); /* a deferred Sinkhorn before any HC op (they read or write comb) */
     if (cuda_failed(be)) return;
     int64_t total;
     if (!hc_post_check(be, "hc_post_pre_norm", hc, y, X, post, comb, X_out, n_rows, &total)) return;

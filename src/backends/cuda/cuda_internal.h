@@ -143,6 +143,15 @@ typedef struct cuda_graph_rec {
     uint64_t last_use;
 } cuda_graph_rec;
 
+/* The Sinkhorn half of an hc_pre split left for later (cuda_hc_ffn.cu):
+ * comb holds the rows' comb logits (scaled mix plus base), which the task
+ * turns into the normalised comb in place, one warp per row. */
+typedef struct cuda_comb_task {
+    float *comb; /* [n_rows, n_hc * n_hc] */
+    int n_hc, iters, n_rows;
+    float eps;
+} cuda_comb_task;
+
 typedef struct cuda_backend {
     int device;
     int sm_count; /* the device's multiprocessors (0: not asked yet; cuda_sm_count) */
@@ -173,6 +182,16 @@ typedef struct cuda_backend {
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool norm_rope; /* head_norm_rope as one fused kernel (on by default; DS4_CUDA_NORM_ROPE=0: the separate ops' kernels) */
     bool hc_norm;   /* hc_pre_norm's norm in hc_pre's finishing kernel (on by default; DS4_CUDA_HC_NORM=0: the two ops' kernels) */
+    /* hc_pre's Sinkhorn off its chain: the finishing kernel leaves the comb
+     * logits, and the next long enough weight product on the main chain
+     * runs the rounds in blocks of its own (cuda_hc_take_comb), or a kernel
+     * of their own runs them before anything reads comb (cuda_hc_settle) */
+    bool hc_defer;         /* on by default; DS4_CUDA_HC_DEFER=0: the split in the finishing kernel */
+    int64_t hc_defer_bytes; /* the weight bytes of a product that takes them (DS4_CUDA_HC_DEFER_BYTES) */
+    bool comb_pending;     /* a task waits for a product or a settle */
+    bool comb_branch;      /* its kernel ran on a side branch not yet joined */
+    cuda_comb_task comb;
+    uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
     bool router_reg;  /* the router's keys and probabilities on chip (router_reg_kernel; off by default, DS4_CUDA_ROUTER_REG=1 turns it on: measured slower in decode) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
@@ -353,6 +372,13 @@ void cuda_branch_join(ds4_backend *be);
  * inside a branch, it is the branch's until the join; taken on the main
  * chain while the branch holds it, the next main entry joins the branch. */
 void cuda_branch_slot(cuda_backend *cb, int slot);
+/* hc_pre's deferred Sinkhorn (see cuda_backend's hc_defer): settle runs a
+ * pending task now, in a kernel of its own (every op that reads comb, a
+ * download and step_end call it); take hands it to a product of
+ * weight_bytes on the main chain (true: *t is the product's to run). */
+void cuda_hc_settle(ds4_backend *be);
+bool cuda_hc_take_comb(cuda_backend *cb, double weight_bytes, cuda_comb_task *t);
+void cuda_hc_defer_init(cuda_backend *cb); /* the settings from the environment */
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
 /* Kernel timing: fold the finished launches into the per-kernel totals
  * (waits for the last one). */

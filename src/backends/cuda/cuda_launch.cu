@@ -720,6 +720,7 @@ static void segment_submit(ds4_backend *be);
 void cuda_step_end(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (!cb->in_step) return;
+    cuda_hc_settle(be); /* a step leaves no Sinkhorn for the next */
     cb->in_step = false;
     if (cb->recording) { /* else broken off: the rest ran directly */
         cb->recording = false;
@@ -858,6 +859,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
     cb->moe_ids = cuda_env_flag("DS4_CUDA_MOE_IDS", true);
+    cuda_hc_defer_init(cb);
     step_log_clear(cb);
     DS4_CUDA_CHECK(cudaEventCreateWithFlags(&cb->arena_done, cudaEventDisableTiming), err);
     DS4_CUDA_CHECK(cudaEventCreate(&cb->graph_t0), err);

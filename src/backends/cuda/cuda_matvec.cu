@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_hc_comb.cuh"
 #include "backends/cuda/cuda_matvec.h"
 #include "backends/cuda/cuda_quant.cuh"
 
@@ -261,6 +262,11 @@ struct mv_args {
      * output row r goes to slot order[first + r] (out_sel_stride apart) */
     const int4 *groups;
     const int32_t *order;
+    /* an hc_pre's deferred Sinkhorn (cuda_hc_take_comb): the last
+     * comb_blocks blocks of x (y 0, z 0) run its rows, a warp each, beside
+     * the product (those of other y or z do nothing) */
+    cuda_comb_task comb;
+    int comb_blocks;
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
@@ -772,6 +778,14 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
     typedef mvt<T> G;
     constexpr int PR = PACK ? G::STAGE_UNITS * G::UNIT / (PACK ? PACK : 1) : 1; /* mv_pack<T, PACK>::PR */
     static_assert(mv_pack_fits<T, PACK, PR>(), "stage_q8_0_packed takes two rows of 32 blocks; the others mv_pack's");
+    if (a.comb_blocks && (int)blockIdx.x >= (int)gridDim.x - a.comb_blocks) {
+        if (blockIdx.y == 0 && blockIdx.z == 0) {
+            cuda_grid_wait(); /* the logits come from the kernels before */
+            const int64_t b = (int64_t)blockIdx.x - ((int64_t)gridDim.x - a.comb_blocks);
+            hc_comb_row(a.comb, b * (blockDim.x >> 5) + (threadIdx.x >> 5));
+        }
+        return;
+    }
     extern __shared__ uint4 smem[];
     __shared__ float red[MV_WARPS * MV_MAX_RPW][ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1118,8 +1132,8 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     const size_t shm =
         (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) + xq_bytes;
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
-    const int64_t nb = (a.n_out + per_block - 1) / per_block;
-    if (nb > INT32_MAX || n_slots > 65535) {
+    int64_t nb = (a.n_out + per_block - 1) / per_block;
+    if (nb > INT32_MAX - 1 || n_slots > 65535) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: %lld outputs x %d slots is too large a grid", (long long)a.n_out,
                   n_slots);
         return false;
@@ -1154,6 +1168,15 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     }
     static const bool prefetch = cuda_env_flag("DS4_CUDA_MV_PREFETCH", true);
     a.prefetch = prefetch ? 1 : 0;
+    /* a deferred HC Sinkhorn rides along with a long enough product (its
+     * weight bytes, counting every slot and matrix) */
+    double outs = 0.0;
+    for (int z = 0; z < n_mats; z++) outs += (double)a.n_out_z[z];
+    const double wbytes = (double)a.row_bytes * outs * n_slots * (a.experts_as_parts ? a.parts : 1);
+    if (cuda_hc_take_comb(cuda_impl(be), wbytes, &a.comb)) {
+        a.comb_blocks = (a.comb.n_rows + warps - 1) / warps;
+        nb += a.comb_blocks;
+    }
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
     if (!cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a)) return false;
     if (packed_fn) cuda_impl(be)->mv_packed_launches++;
