@@ -1639,7 +1639,8 @@ static void plant_quant_edges(float *hx, int64_t n_rows, int64_t x_stride) {
 }
 
 /* A Q8_0 decode product (1 to 8 rows) whose float rows fit 4608 bytes of
- * quantised blocks, on a grid of at most 1,056 thread blocks, quantises them
+ * quantised blocks, on a grid of at most 1,056 thread blocks (one row: up to
+ * 9216 bytes on a grid of at most 396), quantises them
  * in the product kernel itself: one launch instead of the quantiser's and
  * the product's (`fused`: the single product; `fused_multi`: it and its
  * first half as one matmul_multi). Its results must equal, bit for bit,
@@ -1738,6 +1739,11 @@ static void test_matvec_quantises_x(void) {
     quantises_x_case(&p, 1024, 70000, 1, false, false);
     quantises_x_case(&p, 1024, 40000, 1, true, false);
     quantises_x_case(&p, 1024, 8192, 1, true, true);
+    /* one row of up to 9216 bytes: o_b's 8192 -> 4096 in 256 blocks (the
+     * multi's 2 x 256 are too many); 500 blocks; 9504 bytes */
+    quantises_x_case(&p, 8192, 4096, 1, true, false);
+    quantises_x_case(&p, 8192, 8000, 1, false, false);
+    quantises_x_case(&p, 8448, 1024, 1, false, false);
     op_pair_close(&p);
 }
 

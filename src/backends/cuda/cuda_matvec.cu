@@ -909,7 +909,7 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         /* row r of the split layout at xs + r * act_blocks * 36: its codes,
          * then its scales (act_blocks is a multiple of 4, so rows stay
          * 16-byte aligned). Each thread takes half a block, 16 floats in four
-         * 16-byte loads issued together (the rows fit one pass of the block's
+         * 16-byte loads issued together (the rows fit one or two passes of the block's
          * threads); the two halves of a block are neighbouring lanes. */
         uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
         const int nb = (int)a.act_blocks, row_elems = nb * 32, total = n_rows * row_elems;
@@ -1087,10 +1087,14 @@ static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_B
  * 228 KB): those products keep the quantiser kernel. */
 #define MV_XQ_MAX 4608
 #define MV_XQ_MAX_BLOCKS 1056 /* ... and grids of at most two blocks per SM (132 x 4 fit at once) */
+/* One row of up to 8192 (o_b) may take twice that when its grid fits one
+ * wave at three blocks per SM (the 9 KB leave room for three, not four) */
+#define MV_XQ_MAX_ONE 9216
+#define MV_XQ_ONE_BLOCKS 396
 /* the dynamic shared memory of every matvec kernel: the rings, then the
  * IQ2_XXS tables or the quantised activations */
 #define MV_SMEM_MAX \
-    ((size_t)MV_WARPS * MV_NST * MV_STAGE + (sizeof(iq2_tables) > MV_XQ_MAX ? sizeof(iq2_tables) : MV_XQ_MAX))
+    ((size_t)MV_WARPS * MV_NST * MV_STAGE + (sizeof(iq2_tables) > MV_XQ_MAX_ONE ? sizeof(iq2_tables) : MV_XQ_MAX_ONE))
 
 /* Once per backend: every matvec kernel may use MV_SMEM_MAX bytes of
  * dynamic shared memory (more than the default without opting in). */
@@ -1139,7 +1143,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         return false;
     }
     /* the kernel's 16-byte loads of x and its split layout in shared memory */
-    if (xq && (xq_bytes > MV_XQ_MAX || a.act_blocks % 4 != 0 || a.act_stride != a.act_blocks || a.sel ||
+    if (xq && (xq_bytes > (a.n_rows == 1 ? MV_XQ_MAX_ONE : MV_XQ_MAX) || a.act_blocks % 4 != 0 || a.act_stride != a.act_blocks || a.sel ||
                a.group_rows || type != DS4_TYPE_Q8_0 || (uintptr_t)a.xf % 16 != 0 ||
                (a.n_rows > 1 && a.xf_stride % 4 != 0))) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of %lld blocks cannot be quantised in the kernel", a.n_rows,
@@ -1219,7 +1223,8 @@ static void plain_geometry(mv_args *a, int64_t n_out_total, bool moe = false) {
 
 bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
     if (!cuda_impl(be)->mv_xq || type != DS4_TYPE_Q8_0 || n <= 0 || n % (8 * DS4_QK8_0) != 0 || n_rows < 1) return false;
-    if ((n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0) > MV_XQ_MAX) return false;
+    const int64_t xq_bytes = (n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0);
+    if (xq_bytes > (n_rows == 1 ? MV_XQ_MAX_ONE : MV_XQ_MAX)) return false;
     /* every thread block quantises all of x again: only while the grid is
      * about one wave (the head's 2,020 blocks would each redo it) */
     int64_t total = 0, most = 0;
@@ -1229,7 +1234,8 @@ bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows
     a.units = n / (8 * DS4_QK8_0);
     plain_geometry(&a, total);
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
-    return (most + per_block - 1) / per_block * n_mats <= MV_XQ_MAX_BLOCKS;
+    const int64_t blocks = (most + per_block - 1) / per_block * n_mats;
+    return blocks <= (xq_bytes > MV_XQ_MAX ? MV_XQ_ONE_BLOCKS : MV_XQ_MAX_BLOCKS);
 }
 
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
