@@ -52,6 +52,15 @@ typedef struct ds4_product {
 } ds4_product;
 #define DS4_PRODUCTS_MAX 8 /* products of one matmul_multi call */
 
+/* One row set of head_norm_rope2: n_heads heads a row at x, norm weight w
+ * (NULL: plain), round_kv as head_norm_rope's. */
+typedef struct ds4_head_rows {
+    float *x;
+    int64_t n_heads;
+    const struct ds4_weight *w;
+    bool round_kv;
+} ds4_head_rows;
+
 typedef enum ds4_numerics {
     DS4_NUMERICS_DS4 = 0,       /* DS4's rounding steps (the default) */
     DS4_NUMERICS_REFERENCE = 1, /* float32 throughout */
@@ -197,6 +206,13 @@ typedef struct ds4_backend_ops {
      * arguments are checked first (ds4_head_norm_rope_valid). */
     void (*head_norm_rope)(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
                            const ds4_weight *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv);
+    /* Two row sets of the same rows and positions (the model's q heads and
+     * KV row): exactly head_norm_rope(a->x, n_rows, a->n_heads, head_dim,
+     * a->w, eps, pos, rope, a->round_kv), then the same for b, in one pass
+     * where the backend fuses them. a's and b's rows must not overlap
+     * (DS4_ERR_INVALID). Optional: NULL (the CPU), the two calls. */
+    void (*head_norm_rope2)(ds4_backend *be, const ds4_head_rows *a, const ds4_head_rows *b, int64_t n_rows,
+                            int64_t head_dim, float eps, const int32_t *pos, const ds4_rope *rope);
 
     /* ---- hyper-connections ------------------------------------------ */
     /* For each of n_rows token states X [n_hc * dim]: mix = fn . plain_rmsnorm(X)

@@ -331,6 +331,7 @@ static void test_op_table(void) {
           o->attention_rows && o->attention_states && o->compressor_pool_states);
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     CHECK(!o->branch_begin && !o->branch_end && !o->branch_join); /* runs ops in call order */
+    CHECK(!o->head_norm_rope2); /* the model makes the two head_norm_rope calls */
     ds4_backend_destroy(be);
 }
 

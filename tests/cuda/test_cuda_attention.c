@@ -262,6 +262,99 @@ static void test_head_norm_rope(void) {
     op_pair_close(&p);
 }
 
+/* head_norm_rope2: a row set of q heads and one of KV rows of the same rows
+ * in one launch where both suit the fused kernel, bit for bit the two
+ * head_norm_rope calls (on the GPU, each fused the same way) and so near
+ * the CPU's two calls; where one does not suit it, the two calls' kernels.
+ * Refused: a NULL row set, row sets that overlap, a set head_norm_rope
+ * refuses (its message); nothing written. */
+static void test_head_norm_rope2(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    static const struct {
+        int64_t n_rows, heads_q, head_dim;
+        int n_rot;
+        uint32_t wtype; /* the KV set's weight */
+        bool fused;
+    } cases[] = {
+        { 1, 64, 512, 64, DS4_TYPE_F32, true }, /* the model's decode */
+        { 5, 64, 512, 64, DS4_TYPE_F32, true },
+        { 3, 2, 352, 18, DS4_TYPE_F16, true },
+        { 2, 3, 98, 18, DS4_TYPE_F32, false },
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const int64_t rows = cases[ci].n_rows, hq = cases[ci].heads_q, hd = cases[ci].head_dim;
+        const int64_t nq = rows * hq * hd, nk = rows * hd;
+        const ds4_rope rope = { cases[ci].n_rot, 160000.0f, 16.0f, 9.6f, 21.3f };
+        int32_t *pos = malloc((size_t)rows * sizeof *pos);
+        for (int64_t r = 0; r < rows; r++) pos[r] = (int32_t)rand_range(0, 1000000);
+        float *hw = op_rand(hd, 1.0), *hxq = op_rand(nq, 3.0), *hxk = op_rand(nk, 3.0);
+        op_weight *w = op_weight_floats(&p, "blk.0.attn_kv_a_norm.weight", cases[ci].wtype, hd, 1, 1, hw);
+        op_buf q = op_buf_from(&p, hxq, nq), k = op_buf_from(&p, hxk, nk);
+        op_buf q2 = op_buf_from(&p, hxq, nq), k2 = op_buf_from(&p, hxk, nk);
+        char what[128];
+        snprintf(what, sizeof what, "head_norm_rope2 case %zu (%lld rows, %lld + 1 heads of %lld)", ci,
+                 (long long)rows, (long long)hq, (long long)hd);
+        p.cpu->ops->head_norm_rope(p.cpu, q.c, rows, hq, hd, NULL, 1e-6f, pos, &rope, false);
+        p.cpu->ops->head_norm_rope(p.cpu, k.c, rows, 1, hd, &w->c, 1e-6f, pos, &rope, true);
+        const ds4_backend_counters c0 = op_gpu_counters(&p);
+        p.gpu->ops->head_norm_rope(p.gpu, q2.g, rows, hq, hd, NULL, 1e-6f, pos, &rope, false);
+        p.gpu->ops->head_norm_rope(p.gpu, k2.g, rows, 1, hd, &w->g, 1e-6f, pos, &rope, true);
+        const ds4_backend_counters c1 = op_gpu_counters(&p);
+        const ds4_head_rows a = { q.g, hq, NULL, false }, b = { k.g, 1, &w->g, true };
+        p.gpu->ops->head_norm_rope2(p.gpu, &a, &b, rows, hd, 1e-6f, pos, &rope);
+        const ds4_backend_counters c2 = op_gpu_counters(&p);
+        op_expect_ok(&p);
+        /* (an F16 weight is dequantised by a kernel of its own each call) */
+        const uint64_t dq = cases[ci].wtype != DS4_TYPE_F32 ? 1u : 0u;
+        const uint64_t two = c1.launches - c0.launches, one = c2.launches - c1.launches;
+        const bool fused = cases[ci].fused && env_on_default("DS4_CUDA_NORM_ROPE", true) &&
+                           env_on_default("DS4_CUDA_NORM_ROPE2", true);
+        CHECK_MSG(one == (fused ? 1u + dq : two), "%s: %llu launches (the two calls: %llu)", what,
+                  (unsigned long long)one, (unsigned long long)two);
+        float *ha = malloc((size_t)nq * sizeof *ha), *hb = malloc((size_t)nq * sizeof *hb);
+        p.gpu->ops->download(p.gpu, ha, q.g, nq);
+        p.gpu->ops->download(p.gpu, hb, q2.g, nq);
+        CHECK_MSG(memcmp(ha, hb, (size_t)nq * sizeof *ha) == 0, "%s: q differs from head_norm_rope's", what);
+        p.gpu->ops->download(p.gpu, ha, k.g, nk);
+        p.gpu->ops->download(p.gpu, hb, k2.g, nk);
+        CHECK_MSG(memcmp(ha, hb, (size_t)nk * sizeof *ha) == 0, "%s: kv differs from head_norm_rope's", what);
+        /* against the CPU as test_head_norm_rope */
+        const double ymax = sqrt((double)hd);
+        op_compare(what, &p, q, nq, 16.0 * U * ymax, 8.0 * U);
+        op_compare(what, &p, k, nk, ymax * max_abs(hw, hd) / 512.0, 0.125);
+        free(ha);
+        free(hb);
+        op_buf_free(&p, &q);
+        op_buf_free(&p, &k);
+        op_buf_free(&p, &q2);
+        op_buf_free(&p, &k2);
+        op_weight_free(&p, w);
+        free(hxq);
+        free(hxk);
+        free(hw);
+        free(pos);
+    }
+    /* refused: the message, nothing written */
+    {
+        float *hx = op_rand(256, 1.0);
+        op_buf x = op_buf_from(&p, hx, 256);
+        const ds4_rope rope = { 64, 10000.0f, 1.0f, 0.0f, 0.0f }, odd = { 15, 10000.0f, 1.0f, 0.0f, 0.0f };
+        const int32_t pos0 = 5;
+        const ds4_head_rows a = { x.g, 1, NULL, false }, b = { x.g + 128, 1, NULL, true }, over = { x.g + 64, 1, NULL, true };
+        p.gpu->ops->head_norm_rope2(p.gpu, &a, NULL, 1, 128, 1e-6f, &pos0, &rope);
+        op_expect_error_with(&p, "head_norm_rope2 without a set", "head_norm_rope2", "NULL row set", NULL);
+        p.gpu->ops->head_norm_rope2(p.gpu, &a, &over, 1, 128, 1e-6f, &pos0, &rope);
+        op_expect_error_with(&p, "head_norm_rope2 overlapping", "head_norm_rope2", "overlap", NULL);
+        p.gpu->ops->head_norm_rope2(p.gpu, &a, &b, 1, 128, 1e-6f, &pos0, &odd);
+        op_expect_error_with(&p, "head_norm_rope2 odd n_rot", "15 rotated dims in heads of 128", NULL);
+        op_compare("head_norm_rope2 refused", &p, x, 256, 0, 0);
+        op_buf_free(&p, &x);
+        free(hx);
+    }
+    op_pair_close(&p);
+}
+
 /* ------------------------------------------------------------------------ */
 /* attention                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -1305,6 +1398,7 @@ static void test_attention_bad_index(void) {
 static const test_case TESTS[] = {
     TEST_ENTRY(test_rope_tail),
     TEST_ENTRY(test_head_norm_rope),
+    TEST_ENTRY(test_head_norm_rope2),
     TEST_ENTRY(test_attention),
     TEST_ENTRY(test_attention_rows),
     TEST_ENTRY(test_compressor_pool),

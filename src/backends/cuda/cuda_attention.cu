@@ -226,13 +226,13 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
  * rounds them, then every value through half precision as round_f16_kernel.
  * Each step's float operations are those of the kernel it stands for. */
 template <bool ROUND>
-static __global__ void __launch_bounds__(NORM_THREADS)
-    head_norm_rope_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const float *__restrict__ w,
-                          float eps, const int32_t *__restrict__ pos, rope_params rp) {
-    cuda_grid_wait();
+static __device__ __forceinline__ void head_norm_rope_block(float *__restrict__ x, int64_t n_heads, int64_t head_dim,
+                                                            const float *__restrict__ w, float eps,
+                                                            const int32_t *__restrict__ pos, const rope_params &rp,
+                                                            int64_t head) {
     __shared__ double part[NORM_THREADS / 32];
     extern __shared__ float rope_cs[];
-    const int64_t head = blockIdx.x, r = head / n_heads;
+    const int64_t r = head / n_heads;
     float *xr = x + head * head_dim;
     float4 v[NORM_VEC];
     float wv[NORM_VEC][4];
@@ -286,6 +286,34 @@ static __global__ void __launch_bounds__(NORM_THREADS)
 }
 static_assert(KV_FP8_BLOCK == 16 * 4, "an FP8 block is the float4s of 16 threads");
 
+template <bool ROUND>
+static __global__ void __launch_bounds__(NORM_THREADS)
+    head_norm_rope_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const float *__restrict__ w,
+                          float eps, const int32_t *__restrict__ pos, rope_params rp) {
+    cuda_grid_wait();
+    head_norm_rope_block<ROUND>(x, n_heads, head_dim, w, eps, pos, rp, blockIdx.x);
+}
+
+/* Two row sets in one launch (head_norm_rope2): blocks below a.blocks take
+ * a's heads, the others b's, each as head_norm_rope_kernel would (ROUND_A,
+ * ROUND_B: their roundings). */
+struct hnr_set {
+    float *x;
+    const float *w;
+    int64_t n_heads;
+    int64_t blocks; /* n_rows * n_heads */
+};
+template <bool ROUND_A, bool ROUND_B>
+static __global__ void __launch_bounds__(NORM_THREADS)
+    head_norm_rope2_kernel(hnr_set a, hnr_set b, int64_t head_dim, float eps, const int32_t *__restrict__ pos,
+                           rope_params rp) {
+    cuda_grid_wait();
+    if ((int64_t)blockIdx.x < a.blocks)
+        head_norm_rope_block<ROUND_A>(a.x, a.n_heads, head_dim, a.w, eps, pos, rp, blockIdx.x);
+    else
+        head_norm_rope_block<ROUND_B>(b.x, b.n_heads, head_dim, b.w, eps, pos, rp, blockIdx.x - a.blocks);
+}
+
 bool cuda_head_norm_rope_fits(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim) {
     return n_rows * n_heads <= INT32_MAX && head_dim % 4 == 0 && head_dim <= NORM_CACHED && (uintptr_t)x % 16 == 0;
 }
@@ -312,6 +340,35 @@ void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_
     else
         (void)cuda_launch(be, "head_norm_rope_kernel", head_norm_rope_kernel<false>, (unsigned)blocks, NORM_THREADS,
                           smem, x, n_heads, head_dim, w, eps, d_pos, rp);
+}
+
+void cuda_head_norm_rope2_fused(ds4_backend *be, float *xa, int64_t heads_a, const float *wa, bool round_a, float *xb,
+                                int64_t heads_b, const float *wb, bool round_b, int64_t n_rows, int64_t head_dim,
+                                float eps, const int32_t *pos, const ds4_rope *rope) {
+    if (cuda_failed(be) || n_rows <= 0) return;
+    const int64_t blocks = n_rows * (heads_a + heads_b);
+    if (!cuda_head_norm_rope_fits(xa, n_rows, heads_a, head_dim) ||
+        !cuda_head_norm_rope_fits(xb, n_rows, heads_b, head_dim) || blocks > INT32_MAX) {
+        cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope2: %lld heads of %lld do not suit the fused kernel",
+                  (long long)blocks, (long long)head_dim);
+        return;
+    }
+    typedef void (*fn_t)(hnr_set, hnr_set, int64_t, float, const int32_t *, rope_params);
+    const fn_t fn = round_a ? (round_b ? head_norm_rope2_kernel<true, true> : head_norm_rope2_kernel<true, false>)
+                            : (round_b ? head_norm_rope2_kernel<false, true> : head_norm_rope2_kernel<false, false>);
+    const size_t smem = (size_t)rope->n_rot * sizeof(float);
+    if (!cuda_allow_dynamic_smem(be, (const void *)fn, smem, "head_norm_rope2", rope->n_rot)) return;
+    const int32_t *d_pos =
+        (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
+    if (!d_pos) return;
+    const rope_params rp = rope_params_of(rope, false);
+    hnr_set a, b;
+    memset(&a, 0, sizeof a); /* (recorded steps compare argument bytes) */
+    memset(&b, 0, sizeof b);
+    a.x = xa, a.w = wa, a.n_heads = heads_a, a.blocks = n_rows * heads_a;
+    b.x = xb, b.w = wb, b.n_heads = heads_b, b.blocks = n_rows * heads_b;
+    (void)cuda_launch(be, "head_norm_rope2_kernel", fn, (unsigned)blocks, NORM_THREADS, smem, a, b, head_dim, eps,
+                      d_pos, rp);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -735,6 +735,44 @@ static void cuda_head_norm_rope(ds4_backend *be, float *x, int64_t n_rows, int64
     }
 }
 
+/* head_norm_rope of a, then of b: one kernel where both suit the fused one
+ * (and the settings allow it: DS4_CUDA_NORM_ROPE, DS4_CUDA_NORM_ROPE2), else
+ * the two ops. */
+static void cuda_head_norm_rope2(ds4_backend *be, const ds4_head_rows *a, const ds4_head_rows *b, int64_t n_rows,
+                                 int64_t head_dim, float eps, const int32_t *pos, const ds4_rope *rope) {
+    if (cuda_failed(be)) return;
+    if (!a || !b) {
+        cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope2: a NULL row set");
+        return;
+    }
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_head_norm_rope_valid(a->x, n_rows, a->n_heads, head_dim, a->w, pos, rope, &err) ||
+        !ds4_head_norm_rope_valid(b->x, n_rows, b->n_heads, head_dim, b->w, pos, rope, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return;
+    }
+    if (n_rows == 0) return;
+    const int64_t na = n_rows * a->n_heads * head_dim, nb = n_rows * b->n_heads * head_dim;
+    if (a->x < b->x + nb && b->x < a->x + na) {
+        cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope2: the two row sets overlap");
+        return;
+    }
+    if (cuda_impl(be)->norm_rope && cuda_impl(be)->norm_rope2 &&
+        cuda_head_norm_rope_fits(a->x, n_rows, a->n_heads, head_dim) &&
+        cuda_head_norm_rope_fits(b->x, n_rows, b->n_heads, head_dim) &&
+        n_rows * (a->n_heads + b->n_heads) <= INT32_MAX) {
+        const float *wa, *wb;
+        if (!cuda_norm_weight_floats(be, a->w, head_dim, "head_norm_rope2", &wa)) return;
+        if (!cuda_norm_weight_floats(be, b->w, head_dim, "head_norm_rope2", &wb)) return;
+        cuda_head_norm_rope2_fused(be, a->x, a->n_heads, wa, a->round_kv, b->x, b->n_heads, wb, b->round_kv, n_rows,
+                                   head_dim, eps, pos, rope);
+        return;
+    }
+    cuda_head_norm_rope(be, a->x, n_rows, a->n_heads, head_dim, a->w, eps, pos, rope, a->round_kv);
+    cuda_head_norm_rope(be, b->x, n_rows, b->n_heads, head_dim, b->w, eps, pos, rope, b->round_kv);
+}
+
 __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
     cuda_grid_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -973,6 +1011,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .matmul_grouped = cuda_matmul_grouped,
     .rope_tail = cuda_rope_tail,
     .head_norm_rope = cuda_head_norm_rope,
+    .head_norm_rope2 = cuda_head_norm_rope2,
     .hc_pre = cuda_hc_pre,
     .hc_pre_norm = cuda_hc_pre_norm,
     .hc_post = cuda_hc_post,

@@ -181,6 +181,7 @@ typedef struct cuda_backend {
     int64_t mv_packed_launches; /* matvec launches that packed them (ds4_cuda_backend_mv_packed_launches) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool norm_rope; /* head_norm_rope as one fused kernel (on by default; DS4_CUDA_NORM_ROPE=0: the separate ops' kernels) */
+    bool norm_rope2; /* head_norm_rope2's two row sets in one kernel (on by default; DS4_CUDA_NORM_ROPE2=0: a kernel each) */
     bool hc_norm;   /* hc_pre_norm's norm in hc_pre's finishing kernel (on by default; DS4_CUDA_HC_NORM=0: the two ops' kernels) */
     /* hc_pre's Sinkhorn off its chain: the finishing kernel leaves the comb
      * logits, and the next long enough weight product on the main chain
@@ -637,6 +638,12 @@ bool cuda_head_norm_rope_fits(const float *x, int64_t n_rows, int64_t n_heads, i
  * one after the other. */
 void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
                                const float *w, float eps, const int32_t *pos, const ds4_rope *rope, bool round_kv);
+/* head_norm_rope of two row sets (rows a, then b, of the same rows and
+ * positions) as one kernel: each as cuda_head_norm_rope_fused would (both
+ * checked as there; wa, wb device floats or NULL). */
+void cuda_head_norm_rope2_fused(ds4_backend *be, float *xa, int64_t heads_a, const float *wa, bool round_a, float *xb,
+                                int64_t heads_b, const float *wb, bool round_b, int64_t n_rows, int64_t head_dim,
+                                float eps, const int32_t *pos, const ds4_rope *rope);
 void cuda_attention_rows(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                          const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                          const int64_t *b_n, const ds4_weight *sinks, float *out);

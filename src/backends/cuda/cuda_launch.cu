@@ -850,6 +850,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->mv_pack = cuda_env_flag("DS4_CUDA_MV_PACK", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
+    cb->norm_rope2 = cuda_env_flag("DS4_CUDA_NORM_ROPE2", true);
     cb->hc_norm = cuda_env_flag("DS4_CUDA_HC_NORM", true);
     cb->hc_post_pre = cuda_env_flag("DS4_CUDA_HC_POST_PRE", true);
     cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);

@@ -1223,8 +1223,9 @@ static void plain_geometry(mv_args *a, int64_t n_out_total, bool moe = false) {
 
 bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
     if (!cuda_impl(be)->mv_xq || type != DS4_TYPE_Q8_0 || n <= 0 || n % (8 * DS4_QK8_0) != 0 || n_rows < 1) return false;
+    static const bool wide = cuda_env_flag("DS4_CUDA_MV_XQ_WIDE", true); /* (=0: MV_XQ_MAX for one row too) */
     const int64_t xq_bytes = (n / DS4_QK8_0) * n_rows * (int64_t)sizeof(mv_q8_0);
-    if (xq_bytes > (n_rows == 1 ? MV_XQ_MAX_ONE : MV_XQ_MAX)) return false;
+    if (xq_bytes > (n_rows == 1 && wide ? MV_XQ_MAX_ONE : MV_XQ_MAX)) return false;
     /* every thread block quantises all of x again: only while the grid is
      * about one wave (the head's 2,020 blocks would each redo it) */
     int64_t total = 0, most = 0;

@@ -1028,10 +1028,15 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
     TAP("q_b", l, -1, s->q, n * nh * D);
     /* the per-head norm and RoPE of q, then of kv with its FP8 and F16
-     * rounding, each in one call (head_norm_rope) unless an inspection hook
+     * rounding: both in one call (head_norm_rope2) where the backend has
+     * it, else each in one (head_norm_rope), unless an inspection hook
      * wants the steps in between */
     const bool steps = m->tap || rope->n_rot != c->n_rot;
-    if (steps) {
+    const bool both = !steps && be->ops->head_norm_rope2; /* q's and kv's in one call */
+    if (both) {
+        const ds4_head_rows hq = { s->q, nh, NULL, false }, hkv = { kv, 1, &W->kv_norm, num == DS4_NUMERICS_DS4 };
+        be->ops->head_norm_rope2(be, &hq, &hkv, n, D, c->rms_eps, pos, rope);
+    } else if (steps) {
         be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
         TAP("q_head_norm", l, -1, s->q, n * nh * D);
         be->ops->rope_tail(be, s->q, n, nh, D, pos, rope, false);
@@ -1052,7 +1057,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
             be->ops->round_f16(be, kv, n * D); /* stored F16-rounded (CPU semantics) */
             TAP("kv_f16", l, -1, kv, n * D);
         }
-    } else {
+    } else if (!both) {
         be->ops->head_norm_rope(be, kv, n, 1, D, &W->kv_norm, c->rms_eps, pos, rope, num == DS4_NUMERICS_DS4);
     }
     /* compressor and indexer projections (above), batched */
