@@ -1035,12 +1035,13 @@ static void expect_same_rows(op_pair *p, const char *what, float *b, float *r, i
     free(hr);
 }
 
-/* The streaming MoE of a decoded token takes four launches: x quantised,
- * gate and up together (reading the router's ids themselves; with
- * ds4_cuda_backend_set_moe_ids off, a routing check first), the mids (SwiGLU
- * and their Q8_K blocks in one kernel; two with the fusion off) and down
- * summed over the experts; Q8_0 down weights keep the SwiGLU and Q8_0
- * quantiser kernels.
+/* The streaming MoE of a decoded token takes three launches: gate and up
+ * together (quantising x to Q8_K blocks themselves, reading the router's
+ * ids themselves; with ds4_cuda_backend_set_moe_ids off, a routing check
+ * first), the mids (SwiGLU and their Q8_K blocks in one kernel) and down
+ * summed over the experts. With the fusion off x's quantiser and the
+ * mids' run as kernels of their own (five launches); Q8_0 weights keep
+ * the quantiser, SwiGLU and Q8_0 quantiser kernels.
  * With the fusion off (ds4_cuda_backend_set_fusions) the results are the
  * same bit for bit; against the CPU as moe_expect_close (moe_case holds
  * them to the precise bound). */
@@ -1080,11 +1081,13 @@ static void moe_launches_case(op_pair *p, uint32_t tg, uint32_t td, uint64_t fus
 static void test_moe_launches(void) {
     OPEN_PAIR(p);
     const uint64_t mids = env_on("DS4_CUDA_MOE_XQ") ? 1 : 2;
+    /* x's Q8_K blocks in the gate/up kernel (with the fusion, DS4_CUDA_MOE_XK) */
+    const uint64_t xq = env_on("DS4_CUDA_MOE_XQ") && env_on("DS4_CUDA_MOE_XK") ? 0 : 1;
     for (int direct = 1; direct >= 0; direct--) {
         ds4_cuda_backend_set_moe_ids(p.gpu, direct);
         const uint64_t route = direct ? 0 : 1;
-        moe_launches_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 3 + route + mids, 5 + route);
-        moe_launches_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 3 + route + mids, 5 + route);
+        moe_launches_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 2 + xq + route + mids, 5 + route);
+        moe_launches_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 2 + xq + route + mids, 5 + route);
         moe_launches_case(&p, DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, 5 + route, 5 + route);
     }
     ds4_cuda_backend_set_moe_ids(p.gpu, env_on("DS4_CUDA_MOE_IDS"));
@@ -1722,6 +1725,56 @@ static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_row
     free(deq);
 }
 
+/* A grouped Q8_0 decode product (o_a: 8 groups of 4096 -> 1024) whose
+ * thread blocks each hold outputs of one group quantises each group's slice
+ * of x in the product kernel (cuda_mv_grouped_quantises): one launch instead
+ * of the quantiser's and the product's, bit for bit the quantiser kernel's
+ * path (the fusion off), the quantisers' edge cases included. Groups a
+ * block would straddle, and rows past the shared memory, keep the
+ * quantiser kernel. */
+static void grouped_xq_case(op_pair *p, int64_t n_groups, int64_t n_in, int64_t n_out, int64_t n_rows, bool fused) {
+    if (!env_on("DS4_CUDA_MV_XQ")) fused = false;
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n_in, n_groups * n_out, false, &deq);
+    op_weight *w = op_weight_make(p, "blk.0.attn_output_a.weight", DS4_TYPE_Q8_0, n_in, n_groups * n_out, 1, bytes);
+    const int64_t x_stride = n_groups * n_in + 32, width = n_groups * n_out, out_stride = width + 3;
+    const int64_t ny = n_rows * out_stride;
+    float *hx = op_rand(n_rows * x_stride, 1.0);
+    plant_quant_edges(hx, n_rows, x_stride);
+    op_buf x = op_buf_from(p, hx, n_rows * x_stride), y = op_buf_poisoned(p, ny), ref = op_buf_poisoned(p, ny);
+    const ds4_backend_ops *g = p->gpu->ops;
+    char what[160];
+    snprintf(what, sizeof what, "Q8_0 grouped %lld x %lld -> %lld, %lld rows", (long long)n_groups, (long long)n_in,
+             (long long)n_out, (long long)n_rows);
+    ds4_cuda_backend_set_fusions(p->gpu, 0, env_on("DS4_CUDA_MOE_XQ"));
+    EXPECT_LAUNCHES(p, 2, what,
+                    g->matmul_grouped(p->gpu, &w->g, n_groups, n_out, x.g, x_stride, ref.g, out_stride, n_rows,
+                                      DS4_NUMERICS_DS4));
+    default_fusions(p);
+    EXPECT_LAUNCHES(p, fused ? 1 : 2, what,
+                    g->matmul_grouped(p->gpu, &w->g, n_groups, n_out, x.g, x_stride, y.g, out_stride, n_rows,
+                                      DS4_NUMERICS_DS4));
+    expect_same_rows(p, what, y.g, ref.g, n_rows, width, out_stride);
+    op_buf_free(p, &x);
+    op_buf_free(p, &y);
+    op_buf_free(p, &ref);
+    op_weight_free(p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+}
+
+static void test_matvec_grouped_quantises_x(void) {
+    OPEN_PAIR(p);
+    grouped_xq_case(&p, 8, 4096, 1024, 1, true);  /* o_a: 256 blocks of 32 outputs, 4608 bytes a group */
+    grouped_xq_case(&p, 8, 4096, 1024, 2, false); /* 2 x 4608 bytes */
+    grouped_xq_case(&p, 4, 1024, 256, 3, true);   /* 3 x 1152 bytes, blocks of 8 outputs */
+    grouped_xq_case(&p, 8, 4096, 100, 1, true);   /* rows split over two warps, blocks of 4 outputs */
+    grouped_xq_case(&p, 8, 4096, 102, 1, false);  /* a block would straddle two groups */
+    grouped_xq_case(&p, 8, 256, 2051, 1, false);  /* blocks of 64 outputs over groups of 2051 */
+    op_pair_close(&p);
+}
+
 static void test_matvec_quantises_x(void) {
     OPEN_PAIR(p);
     quantises_x_case(&p, 1024, 2048, 1, true, true);    /* 512 blocks; multi 2 x 512 */
@@ -1957,6 +2010,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_bad_expert),
     TEST_ENTRY(test_matvec_pack),
     TEST_ENTRY(test_step_branch),
+    TEST_ENTRY(test_matvec_grouped_quantises_x),
     { 0 },
 };
 

@@ -143,9 +143,11 @@ void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uin
 void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins);
 /* The fused activation quantisation on or off (both on by default;
  * DS4_CUDA_MV_XQ=0 and DS4_CUDA_MOE_XQ=0 make off the defaults): mv_xq, the
- * Q8_0 decode products that quantise their own activations; moe_xq, the
- * MoE's SwiGLU and the Q8_K blocks of its mids in one kernel. The results
- * are the same either way, bit for bit. Takes effect at the next op. */
+ * Q8_0 decode products (plain, several of one input, grouped) that quantise
+ * their own activations; moe_xq, the MoE's SwiGLU and the Q8_K blocks of its
+ * mids in one kernel, and one token's gate/up quantising x to Q8_K blocks
+ * itself (DS4_CUDA_MOE_XK=0: not that part). The results are the same
+ * either way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
 /* Short rows packed into the matvec kernels' stages (on by default;
  * DS4_CUDA_MV_PACK=0 makes off the default): one-activation-row products

@@ -969,7 +969,17 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
     if (n_out == 0 || n_rows == 0 || cuda_failed(be)) return;
     const mm_mode mode = mode_for(w->type, num);
     const int64_t blk = mode == MM_Q8_K ? DS4_QK_K : mode == MM_Q8_0 ? DS4_QK8_0 : 4;
-    if (mv_suits(w, mode, x, x_stride, n_rows) && n_in % blk == 0) {
+    const bool mv = mv_suits(w, mode, x, x_stride, n_rows) && n_in % blk == 0;
+    if (mv && mode == MM_Q8_0 && cuda_mv_grouped_quantises(be, w->type, n_in, n_out, n_groups, n_rows) &&
+        (uintptr_t)x % 16 == 0 && n_in % 4 == 0 && (n_rows == 1 || x_stride % 4 == 0) &&
+        !ranges_overlap(x, rows_span(n_rows, x_stride, n_groups * n_in), out,
+                        rows_span(n_rows, out_stride, n_groups * n_out))) {
+        /* one launch and no quantiser: each block quantises its group's
+         * slice of x (o_a), block for block as quantising the rows would */
+        run_mv(be, w, mode, 0, n_out, n_groups, NULL, n_in / DS4_QK8_0, n_in, out, out_stride, n_rows, x, x_stride);
+        return;
+    }
+    if (mv) {
         /* one launch: the groups are whole activation blocks, so quantising
          * each row once gives every group's blocks exactly as quantising the
          * groups one by one would */
@@ -1411,9 +1421,13 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
      * and up's when it differs), gate and up in one launch, SwiGLU with the
      * routing weights, the mids quantised, down summed over each token's
      * experts in one launch. */
+    /* one token whose gate and up take Q8_K blocks in one launch (with the
+     * MoE's fusions on): that kernel quantises x itself */
+    const bool xk = cuda_impl(be)->moe_xq && (uintptr_t)x % 16 == 0 &&
+                    cuda_mv_moe_quantises(gate, up, mv_kind(mg), mv_kind(mu), n_rows);
     const size_t qg = act_bytes(mg, dim, n_rows), qu = mu != mg ? act_bytes(mu, dim, n_rows) : 0;
     const void *xg = x, *xu = x;
-    if (qg + qu) {
+    if (!xk && qg + qu) {
         uint8_t *q = (uint8_t *)cuda_scratch(be, CUDA_SCRATCH_MOE_X, align256(qg) + qu);
         if (!q) return;
         if (qg) {
@@ -1432,7 +1446,8 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     if (!g || !u) return;
     if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
                              act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u,
-                             direct_ids ? cuda_dev_error_of(be) : NULL, direct_ids ? cuda_check_tag(be, gate->name) : 0))
+                             direct_ids ? cuda_dev_error_of(be) : NULL, direct_ids ? cuda_check_tag(be, gate->name) : 0,
+                             xk ? x : NULL))
         return;
     const void *mids = moe_mids(be, md, g, u, d_w, n_ff, slots, limit);
     if (!mids) return;

@@ -255,6 +255,10 @@ struct mv_args {
      * then unused) */
     const float *xf;
     int64_t xf_stride;
+    /* ... of a grouped product: floats of xf from one group's slice to the
+     * next; a block's outputs lie in one group, whose slice it quantises
+     * (act_blocks blocks a row; act_group_stride is then 0) */
+    int64_t xf_group_stride;
     int prefetch; /* plain products: first stages issued before cuda_grid_wait ($DS4_CUDA_MV_PREFETCH=0: after) */
     /* expert-grouped products (cuda_mv_moe_grouped): block y is group g,
      * groups[g] = (expert, first sorted row, rows <= ROWS, 0); its
@@ -270,6 +274,60 @@ struct mv_args {
 };
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
+
+/*
+ * Q8_K block ib of a row (256 floats at x, 16-byte aligned) on one warp,
+ * into the split layout of a row of nb blocks at row (codes, then the
+ * scales, then the bsums): lane l holds elements 8l .. 8l + 7. The
+ * arithmetic of cuda_matmul.cu's q8_K_block (256 threads, one element
+ * each): m = the first element of largest |x| (a NaN counts as -1, so it
+ * never wins; the order "larger |x|, then lower index" has one winner
+ * whatever the reduction's shape), m == 0 an all-zero block, iscale =
+ * -127 / m, q = round-half-even(iscale * x) clamped to [-128, 127], bsums
+ * of 16, d = 1 / iscale: the same bytes.
+ */
+static __device__ __forceinline__ void mv_q8_K_warp(const float *x, uint8_t *row, int nb, int ib) {
+    const int lane = threadIdx.x & 31;
+    const float4 lo = ((const float4 *)x)[2 * lane], hi = ((const float4 *)x)[2 * lane + 1];
+    const float v[8] = { lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w };
+    float ba = -2.0f, bv = 0.0f;
+    int bi = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        float t = fabsf(v[j]);
+        if (!(t == t)) t = -1.0f;
+        if (t > ba) ba = t, bi = 8 * lane + j, bv = v[j];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float oa = __shfl_xor_sync(FULL_MASK, ba, off), ov = __shfl_xor_sync(FULL_MASK, bv, off);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+        if (oa > ba || (oa == ba && oi < bi)) ba = oa, bi = oi, bv = ov;
+    }
+    const float m = ba > 0.0f ? bv : 0.0f;
+    int8_t *qs = (int8_t *)row + ib * DS4_QK_K;
+    float *dp = (float *)(row + nb * DS4_QK_K) + ib;
+    int16_t *bsums = (int16_t *)(row + nb * (DS4_QK_K + 4)) + ib * (DS4_QK_K / 16);
+    uint32_t w0 = 0, w1 = 0;
+    int s = 0;
+    float d = 0.0f;
+    if (m != 0.0f) {
+        const float iscale = __fdiv_rn(-127.0f, m);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int q = __float2int_rn(__fmul_rn(iscale, v[j]));
+            q = q > 127 ? 127 : q < -128 ? -128 : q;
+            s += q;
+            if (j < 4) w0 |= ((uint32_t)q & 0xffu) << (8 * j);
+            else w1 |= ((uint32_t)q & 0xffu) << (8 * (j - 4));
+        }
+        d = __fdiv_rn(1.0f, iscale);
+    }
+    *(uint2 *)(qs + 8 * lane) = make_uint2(w0, w1);
+    s += __shfl_xor_sync(FULL_MASK, s, 1); /* elements 16k .. 16k + 15: lanes 2k, 2k + 1 */
+    if ((lane & 1) == 0) bsums[lane >> 1] = (int16_t)s;
+    if (lane == 0) *dp = d;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Stage decoders: add one stage's contribution to acc[ROWS]                  */
@@ -913,11 +971,13 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
          * threads); the two halves of a block are neighbouring lanes. */
         uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
         const int nb = (int)a.act_blocks, row_elems = nb * 32, total = n_rows * row_elems;
+        const float *xf = a.xf;
+        if (a.group_rows) xf += ((int64_t)blockIdx.x * a.rpb * a.rpw / a.group_rows) * a.xf_group_stride;
         for (int e0 = 16 * threadIdx.x; e0 - 16 * (int)threadIdx.x < total; e0 += 16 * blockDim.x) {
             const bool on = e0 < total; /* every lane runs each pass: the halves meet in a shuffle */
             const int r = on ? e0 / row_elems : 0, e = on ? e0 - r * row_elems : 0;
             float4 v[4];
-            const float4 *src = (const float4 *)(a.xf + r * a.xf_stride + e);
+            const float4 *src = (const float4 *)(xf + r * a.xf_stride + e);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] = on ? src[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             uint4 codes;
@@ -930,6 +990,19 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         }
         __syncthreads();
         act = xs;
+    }
+    if constexpr (!mv_float(T) && T != DS4_TYPE_Q8_0) {
+        if (a.xf) {
+            /* XK (one token's gate/up): x quantised to Q8_K blocks, a warp
+             * each, in shared memory after the rings (and the IQ2_XXS
+             * tables), while the first stages are in flight */
+            uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16)) +
+                          (T == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
+            const int nb = (int)a.act_blocks;
+            for (int ib = warp; ib < nb; ib += n_warps) mv_q8_K_warp(a.xf + (int64_t)ib * DS4_QK_K, xs, nb, ib);
+            __syncthreads();
+            act = xs;
+        }
     }
 
     float acc[ROWS];
@@ -1091,6 +1164,10 @@ static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_B
  * wave at three blocks per SM (the 9 KB leave room for three, not four) */
 #define MV_XQ_MAX_ONE 9216
 #define MV_XQ_ONE_BLOCKS 396
+/* One token's Q8_K activations an XK gate/up quantises (4096: 16 blocks),
+ * after the IQ2_XXS tables: within MV_XQ_MAX_ONE of shared memory too */
+#define MV_XK_MAX 4672
+static_assert(MV_XK_MAX + sizeof(iq2_tables) <= MV_XQ_MAX_ONE, "MV_SMEM_MAX holds an XK kernel's memory");
 /* the dynamic shared memory of every matvec kernel: the rings, then the
  * IQ2_XXS tables or the quantised activations */
 #define MV_SMEM_MAX \
@@ -1124,17 +1201,19 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
      * warps of 6 rows instead of 8 in stages of 3, 3 and 2, measured
      * slower: experts q2 42.6 / 206.7 / 742.7 us at 1 / 8 / 32 rows against
      * 41.1 / 203.6 / 723.8.) */
+    const bool xk = a.xf != NULL && act_kind_for(type) == CUDA_MV_Q8_K; /* one token's gate/up: Q8_K in the kernel */
+    const bool xq = a.xf != NULL && !xk;
     const int bpr = a.units == 1 || a.units == 2 || a.units == 4 ? (int)a.units * unit_blocks_of(type) : 0;
     const mv_fn packed_fn = cuda_impl(be)->mv_pack && (a.experts_as_parts || (a.n_rows == 1 && a.parts == 1)) &&
                                     !a.groups && !a.group_rows && a.rpw >= 2
-                                ? mv_packed_kernel(type, bpr, a.xf != NULL)
+                                ? mv_packed_kernel(type, bpr, xq)
                                 : NULL;
     const int warps = a.parts * a.rpb;
     const int threads = 32 * warps;
-    const bool xq = a.xf != NULL;
     const size_t xq_bytes = xq ? (size_t)a.n_rows * (size_t)a.act_blocks * sizeof(mv_q8_0) : 0;
-    const size_t shm =
-        (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) + xq_bytes;
+    const size_t xk_bytes = xk ? (size_t)a.act_blocks * sizeof(ds4_block_q8_K) : 0;
+    const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) +
+                       xq_bytes + xk_bytes;
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
     int64_t nb = (a.n_out + per_block - 1) / per_block;
     if (nb > INT32_MAX - 1 || n_slots > 65535) {
@@ -1144,10 +1223,17 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     }
     /* the kernel's 16-byte loads of x and its split layout in shared memory */
     if (xq && (xq_bytes > (a.n_rows == 1 ? MV_XQ_MAX_ONE : MV_XQ_MAX) || a.act_blocks % 4 != 0 || a.act_stride != a.act_blocks || a.sel ||
-               a.group_rows || type != DS4_TYPE_Q8_0 || (uintptr_t)a.xf % 16 != 0 ||
+               (a.group_rows && (a.group_rows % per_block != 0 || a.act_group_stride != 0 || a.xf_group_stride % 4 != 0)) ||
+               type != DS4_TYPE_Q8_0 || (uintptr_t)a.xf % 16 != 0 ||
                (a.n_rows > 1 && a.xf_stride % 4 != 0))) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of %lld blocks cannot be quantised in the kernel", a.n_rows,
                   (long long)a.act_blocks);
+        return false;
+    }
+    if (xk && (xk_bytes > MV_XK_MAX || a.n_rows != 1 || !a.sel || n_slots > a.slots_per_token ||
+               a.act_token_stride != a.act_blocks || (uintptr_t)a.xf % 16 != 0)) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: %d x %d slots of %lld blocks cannot be quantised in the kernel",
+                  a.n_rows, n_slots, (long long)a.act_blocks);
         return false;
     }
     const mv_fn fn = packed_fn ? packed_fn : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
@@ -1158,8 +1244,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
         const int64_t bb = (int64_t)sizeof(ds4_block_q8_K);
         bool bases = true;
         for (int z = 0; z < n_mats; z++) bases = bases && (uintptr_t)a.act[z] % 16 == 0;
-        a.act_aligned = bases &&
-                        (a.act_stride * bb) % 16 == 0 && (a.act_token_stride * bb) % 16 == 0;
+        a.act_aligned = xk || (bases && (a.act_stride * bb) % 16 == 0 && (a.act_token_stride * bb) % 16 == 0);
     }
     if (!fn) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: no kernel for type %s", ds4_type_name(type));
@@ -1239,6 +1324,17 @@ bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows
     return blocks <= (xq_bytes > MV_XQ_MAX ? MV_XQ_ONE_BLOCKS : MV_XQ_MAX_BLOCKS);
 }
 
+bool cuda_mv_grouped_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_out, int64_t n_groups,
+                               int64_t n_rows) {
+    const int64_t total = n_out * n_groups;
+    if (n_groups < 2 || !cuda_mv_quantises(be, type, n, n_rows, &total, 1)) return false;
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    a.units = n / (8 * DS4_QK8_0);
+    plain_geometry(&a, total);
+    return n_out % ((int64_t)a.rpb * a.rpw) == 0; /* no block straddles two groups */
+}
+
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
 
 bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups, int64_t act_group_stride) {
@@ -1265,7 +1361,8 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     a.xf_stride = j->xf_stride;
     if (n_groups > 1) {
         a.group_rows = j->n_out;
-        a.act_group_stride = act_group_stride;
+        if (j->xf) a.xf_group_stride = act_group_stride; /* (floats: the kernel quantises each group's slice) */
+        else a.act_group_stride = act_group_stride;
     }
     plain_geometry(&a, a.n_out);
     return mv_launch(be, j->type, a, 1, 1);
@@ -1310,7 +1407,7 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
                          cuda_mv_act kind_u, const void *act_gate, const void *act_up, int64_t act_gate_stride,
                          int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u,
-                         cuda_dev_error *err, int err_tag) {
+                         cuda_dev_error *err, int err_tag, const float *xf) {
     const int64_t slots = (int64_t)n_used * n_tokens;
     if (n_used < 1 || slots > 65535) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %lld expert slots of %s (at most 65535)", (long long)slots,
@@ -1353,10 +1450,20 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.act_token_stride = act_strides[m]; /* gate and up share it when they share a launch */
         a.act_blocks = act_strides[m];
         a.n_rows = 1;
+        a.xf = xf;
         plain_geometry(&a, n_ff * slots * (shared ? 2 : 1), true);
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
+}
+
+bool cuda_mv_moe_quantises(const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g, cuda_mv_act kind_u,
+                           int64_t n_tokens) {
+    static const bool on = cuda_env_flag("DS4_CUDA_MOE_XK", true); /* (=0: the quantiser kernel, for A/B) */
+    const int64_t dim = gate->ne[0];
+    return on && n_tokens == 1 && kind_g == CUDA_MV_Q8_K && kind_u == CUDA_MV_Q8_K && gate->type == up->type &&
+           gate->row_bytes == up->row_bytes && dim % DS4_QK_K == 0 &&
+           (dim / DS4_QK_K) * (int64_t)sizeof(ds4_block_q8_K) <= MV_XK_MAX;
 }
 
 bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, cuda_mv_act kind,

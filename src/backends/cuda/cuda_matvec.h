@@ -58,6 +58,12 @@ bool cuda_mv_fits(uint32_t type, cuda_mv_act act_kind, int64_t row_bytes, int64_
  * and more than one row a multiple of 4 floats apart (the caller checks;
  * the launch refuses them otherwise). */
 bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats);
+/* The same for a grouped product (cuda_mv_run_grouped) of n_groups >= 2
+ * groups of n_out outputs over slices of n: each thread block's outputs lie
+ * in one group, whose slice it quantises (the job's xf with act_stride n /
+ * 32, the group stride in floats). */
+bool cuda_mv_grouped_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_out, int64_t n_groups,
+                               int64_t n_rows);
 
 /* Enqueue a product (cuda_mv_fits must hold, 1 <= n_rows <= 8). false with
  * the error recorded when the launch failed. */
@@ -83,7 +89,14 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *jobs, int n);
 bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g,
                          cuda_mv_act kind_u, const void *act_gate, const void *act_up, int64_t act_gate_stride,
                          int64_t act_up_stride, const int32_t *sel, int n_used, int64_t n_tokens, float *g, float *u,
-                         cuda_dev_error *err, int err_tag);
+                         cuda_dev_error *err, int err_tag, const float *xf);
+/* true when one token's gate/up (cuda_mv_moe_gate_up, one launch for both:
+ * the same type, Q8_K activations) can quantise x itself: its xf then
+ * holds the token's dim floats (16-byte aligned), act_* are unused and the
+ * strides are dim / 256 blocks. The Q8_K blocks are those of the quantiser
+ * kernel, bit for bit. */
+bool cuda_mv_moe_quantises(const ds4_weight *gate, const ds4_weight *up, cuda_mv_act kind_g, cuda_mv_act kind_u,
+                           int64_t n_tokens);
 bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind, const void *mids, int64_t act_stride,
                       const int32_t *sel, int n_used, int64_t n_tokens, float *out, int64_t out_stride);
 
