@@ -275,12 +275,15 @@ static void test_head_norm_rope2(void) {
         int64_t n_rows, heads_q, head_dim;
         int n_rot;
         uint32_t wtype; /* the KV set's weight */
+        uint32_t wtype_q; /* the q set's (0: none, the model's) */
         bool fused;
     } cases[] = {
-        { 1, 64, 512, 64, DS4_TYPE_F32, true }, /* the model's decode */
-        { 5, 64, 512, 64, DS4_TYPE_F32, true },
-        { 3, 2, 352, 18, DS4_TYPE_F16, true },
-        { 2, 3, 98, 18, DS4_TYPE_F32, false },
+        { 1, 64, 512, 64, DS4_TYPE_F32, 0, true }, /* the model's decode */
+        { 5, 64, 512, 64, DS4_TYPE_F32, 0, true },
+        { 3, 2, 352, 18, DS4_TYPE_F16, 0, true },
+        { 3, 2, 352, 18, DS4_TYPE_F16, DS4_TYPE_F32, true },
+        { 3, 2, 352, 18, DS4_TYPE_F16, DS4_TYPE_F16, false }, /* two converted weights: the two calls */
+        { 2, 3, 98, 18, DS4_TYPE_F32, 0, false },
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const int64_t rows = cases[ci].n_rows, hq = cases[ci].heads_q, hd = cases[ci].head_dim;
@@ -288,25 +291,27 @@ static void test_head_norm_rope2(void) {
         const ds4_rope rope = { cases[ci].n_rot, 160000.0f, 16.0f, 9.6f, 21.3f };
         int32_t *pos = malloc((size_t)rows * sizeof *pos);
         for (int64_t r = 0; r < rows; r++) pos[r] = (int32_t)rand_range(0, 1000000);
-        float *hw = op_rand(hd, 1.0), *hxq = op_rand(nq, 3.0), *hxk = op_rand(nk, 3.0);
+        float *hw = op_rand(hd, 1.0), *hwq = op_rand(hd, 1.0), *hxq = op_rand(nq, 3.0), *hxk = op_rand(nk, 3.0);
         op_weight *w = op_weight_floats(&p, "blk.0.attn_kv_a_norm.weight", cases[ci].wtype, hd, 1, 1, hw);
+        op_weight *wq = cases[ci].wtype_q ? op_weight_floats(&p, "blk.0.q_norm.weight", cases[ci].wtype_q, hd, 1, 1, hwq)
+                                          : NULL;
         op_buf q = op_buf_from(&p, hxq, nq), k = op_buf_from(&p, hxk, nk);
         op_buf q2 = op_buf_from(&p, hxq, nq), k2 = op_buf_from(&p, hxk, nk);
         char what[128];
         snprintf(what, sizeof what, "head_norm_rope2 case %zu (%lld rows, %lld + 1 heads of %lld)", ci,
                  (long long)rows, (long long)hq, (long long)hd);
-        p.cpu->ops->head_norm_rope(p.cpu, q.c, rows, hq, hd, NULL, 1e-6f, pos, &rope, false);
+        p.cpu->ops->head_norm_rope(p.cpu, q.c, rows, hq, hd, wq ? &wq->c : NULL, 1e-6f, pos, &rope, false);
         p.cpu->ops->head_norm_rope(p.cpu, k.c, rows, 1, hd, &w->c, 1e-6f, pos, &rope, true);
         const ds4_backend_counters c0 = op_gpu_counters(&p);
-        p.gpu->ops->head_norm_rope(p.gpu, q2.g, rows, hq, hd, NULL, 1e-6f, pos, &rope, false);
+        p.gpu->ops->head_norm_rope(p.gpu, q2.g, rows, hq, hd, wq ? &wq->g : NULL, 1e-6f, pos, &rope, false);
         p.gpu->ops->head_norm_rope(p.gpu, k2.g, rows, 1, hd, &w->g, 1e-6f, pos, &rope, true);
         const ds4_backend_counters c1 = op_gpu_counters(&p);
-        const ds4_head_rows a = { q.g, hq, NULL, false }, b = { k.g, 1, &w->g, true };
+        const ds4_head_rows a = { q.g, hq, wq ? &wq->g : NULL, false }, b = { k.g, 1, &w->g, true };
         p.gpu->ops->head_norm_rope2(p.gpu, &a, &b, rows, hd, 1e-6f, pos, &rope);
         const ds4_backend_counters c2 = op_gpu_counters(&p);
         op_expect_ok(&p);
         /* (an F16 weight is dequantised by a kernel of its own each call) */
-        const uint64_t dq = cases[ci].wtype != DS4_TYPE_F32 ? 1u : 0u;
+        const uint64_t dq = (cases[ci].wtype != DS4_TYPE_F32) + (cases[ci].wtype_q == DS4_TYPE_F16);
         const uint64_t two = c1.launches - c0.launches, one = c2.launches - c1.launches;
         const bool fused = cases[ci].fused && env_on_default("DS4_CUDA_NORM_ROPE", true) &&
                            env_on_default("DS4_CUDA_NORM_ROPE2", true);
@@ -320,9 +325,9 @@ static void test_head_norm_rope2(void) {
         p.gpu->ops->download(p.gpu, hb, k2.g, nk);
         CHECK_MSG(memcmp(ha, hb, (size_t)nk * sizeof *ha) == 0, "%s: kv differs from head_norm_rope's", what);
         /* against the CPU as test_head_norm_rope */
-        const double ymax = sqrt((double)hd);
+        const double ymax = sqrt((double)hd) * (wq ? max_abs(hwq, hd) : 1.0);
         op_compare(what, &p, q, nq, 16.0 * U * ymax, 8.0 * U);
-        op_compare(what, &p, k, nk, ymax * max_abs(hw, hd) / 512.0, 0.125);
+        op_compare(what, &p, k, nk, sqrt((double)hd) * max_abs(hw, hd) / 512.0, 0.125);
         free(ha);
         free(hb);
         op_buf_free(&p, &q);
@@ -330,9 +335,11 @@ static void test_head_norm_rope2(void) {
         op_buf_free(&p, &q2);
         op_buf_free(&p, &k2);
         op_weight_free(&p, w);
+        op_weight_free(&p, wq);
         free(hxq);
         free(hxk);
         free(hw);
+        free(hwq);
         free(pos);
     }
     /* refused: the message, nothing written */

@@ -390,47 +390,58 @@ static void test_hc_pre_batch(void) {
  * whatever reads comb first (hc_post, a download) settles them in a kernel
  * of their own. Either way x_out, post, comb and the state hc_post makes
  * from them are those of the split in the finishing kernel, bit for bit,
- * and the product's output is its own. Modes:
- *   0 the split in the finishing kernel (the reference, also against the CPU);
+ * and the products' outputs are their own. Modes:
+ *   0 the split in the finishing kernel (the reference, also against the
+ *     CPU; the reference products too);
  *   1 a product after hc_pre takes the task;
  *   2 no product is long enough: hc_post settles it;
- *   3 a recorded step: a product on a side branch (it must not take the
- *     task), one on the main chain (it does), the join, hc_post;
+ *   3 a recorded step: the one product long enough runs on a side branch,
+ *     which must not take the task (a product or settle on the main chain
+ *     would not wait for the branch); hc_post settles it;
  *   4 a recorded step: hc_post on a side branch settles the task there, and
- *     an hc_post on the main chain before the join must join that branch.
+ *     an hc_post on the main chain before the join must join that branch;
+ *   5 a recorded step: a product on the main chain takes it;
+ *   6 a matmul_multi of two products (a grid of two matrices: only the
+ *     first matrix's extra blocks may run the task) takes it.
  * Past 8 rows nothing is deferred (every mode is the reference's path).
  */
-#define DEFER_MODES 5
+#define DEFER_MODES 7
 static void check_hc_defer(op_pair *p, int64_t n_rows) {
     const int n = 4;
-    const int64_t dim = 4096, hc_dim = n * dim, n_mix = (2 + n) * n, pin = 1024, pout = 256;
+    const int64_t dim = 4096, hc_dim = n * dim, n_mix = (2 + n) * n, pin = 1024, pout = 256, pbig = 512;
     const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
     float *hfn = op_rand(hc_dim * n_mix, 1.0 / sqrt((double)hc_dim));
     float *hscale = rand_uniform(3, 0.5, 1.5), *hbase = op_rand(n_mix, 0.5);
     float *hX = hc_states(n_rows, hc_dim), *hy = op_rand(n_rows * dim, 2.0);
-    float *hw = op_rand(pin * pout, 1.0 / sqrt((double)pin)), *hxp = op_rand(pin, 1.0);
+    float *hw = op_rand(pin * pbig, 1.0 / sqrt((double)pin)), *hxp = op_rand(pin, 1.0);
     op_weight *fn = op_weight_floats(p, "hc_fn", DS4_TYPE_F16, hc_dim, n_mix, 1, hfn);
     op_weight *scale = op_weight_floats(p, "hc_scale", DS4_TYPE_F32, 3, 1, 1, hscale);
     op_weight *base = op_weight_floats(p, "hc_base", DS4_TYPE_F32, n_mix, 1, 1, hbase);
     op_weight *wp = op_weight_floats(p, "blk.0.defer_w.weight", DS4_TYPE_F16, pin, pout, 1, hw);
+    op_weight *wb = op_weight_floats(p, "blk.0.defer_big.weight", DS4_TYPE_F16, pin, pbig, 1, hw);
+    const int64_t big_bytes = pin * pbig * 2; /* wb's: only it reaches mode 3's bound */
     op_buf X = op_buf_from(p, hX, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim), xp = op_buf_from(p, hxp, pin);
     op_buf x_out[DEFER_MODES], post[DEFER_MODES], comb[DEFER_MODES], Xo[DEFER_MODES], yp[DEFER_MODES];
-    op_buf side = op_buf_poisoned(p, pout), Xo2 = op_buf_poisoned(p, n_rows * hc_dim);
+    op_buf side = op_buf_poisoned(p, pbig), side_ref = op_buf_poisoned(p, pbig), Xo2 = op_buf_poisoned(p, n_rows * hc_dim);
+    op_buf ym[2], ym_ref[2];
+    for (int i = 0; i < 2; i++) ym[i] = op_buf_poisoned(p, pout), ym_ref[i] = op_buf_poisoned(p, pout);
     const bool mv = env_on_default("DS4_CUDA_MATVEC", true);
     const bool recorded = env_on_default("DS4_CUDA_GRAPH", true) && !env_on_default("DS4_CUDA_PROFILE", false);
     const bool deferred = n_rows <= 8;
     ds4_backend *g = p->gpu;
+    ds4_cuda_backend_set_branches(g, 1);
     for (int m = 0; m < DEFER_MODES; m++) {
         x_out[m] = op_buf_poisoned(p, n_rows * dim);
         post[m] = op_buf_poisoned(p, n_rows * n);
         comb[m] = op_buf_poisoned(p, n_rows * n * n);
         Xo[m] = op_buf_poisoned(p, n_rows * hc_dim);
         yp[m] = op_buf_poisoned(p, pout);
-        ds4_cuda_backend_set_hc_defer(g, m != 0, m == 2 ? INT64_MAX / 4 : 1);
+        ds4_cuda_backend_set_hc_defer(g, m != 0, m == 2 ? INT64_MAX / 4 : m == 3 ? big_bytes : 1);
         uint64_t t0 = 0, s0 = 0, t1 = 0, s1 = 0, b0 = 0, j0 = 0, b1 = 0, j1 = 0;
         ds4_cuda_backend_hc_defer_stats(g, &t0, &s0);
         ds4_cuda_backend_branch_stats(g, &b0, &j0);
-        if (m >= 3) g->ops->step_begin(g);
+        const bool step = m == 3 || m == 4 || m == 5;
+        if (step) g->ops->step_begin(g);
         g->ops->hc_pre(g, &hc, X.g, &fn->g, &scale->g, &base->g, x_out[m].g, post[m].g, comb[m].g, n_rows);
         if (m == 4) {
             g->ops->branch_begin(g);
@@ -439,21 +450,33 @@ static void check_hc_defer(op_pair *p, int64_t n_rows) {
             g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo2.g, n_rows);
             g->ops->branch_join(g);
             g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
+        } else if (m == 6) {
+            const ds4_product pr[2] = { { &wp->g, pout, ym[0].g, pout }, { &wp->g, pout / 2, ym[1].g, pout } };
+            g->ops->matmul_multi(g, pr, 2, xp.g, pin, 1, DS4_NUMERICS_DS4);
+            g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
+            g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo[m].g, n_rows);
         } else {
             if (m == 3) {
                 g->ops->branch_begin(g);
-                g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, side.g, pout, 1, DS4_NUMERICS_DS4);
+                g->ops->matmul(g, &wb->g, 0, pbig, xp.g, pin, side.g, pbig, 1, DS4_NUMERICS_DS4);
                 g->ops->branch_end(g);
             }
             g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
             if (m == 3) g->ops->branch_join(g);
             g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo[m].g, n_rows);
         }
-        if (m >= 3) g->ops->step_end(g);
+        if (step) g->ops->step_end(g);
+        if (m == 0) { /* the products' references, no task pending */
+            g->ops->matmul(g, &wb->g, 0, pbig, xp.g, pin, side_ref.g, pbig, 1, DS4_NUMERICS_DS4);
+            const ds4_product pr[2] = { { &wp->g, pout, ym_ref[0].g, pout }, { &wp->g, pout / 2, ym_ref[1].g, pout } };
+            g->ops->matmul_multi(g, pr, 2, xp.g, pin, 1, DS4_NUMERICS_DS4);
+        }
         op_expect_ok(p);
         ds4_cuda_backend_hc_defer_stats(g, &t1, &s1);
         ds4_cuda_backend_branch_stats(g, &b1, &j1);
-        const uint64_t want_taken = deferred && mv && (m == 1 || m == 3) ? 1 : 0;
+        /* mode 3 outside a recorded step: no branch, so its long product takes it */
+        const bool takes = m == 1 || m == 5 || m == 6 || (m == 3 && !recorded);
+        const uint64_t want_taken = deferred && mv && takes ? 1 : 0;
         const uint64_t want_settled = deferred && m != 0 && !want_taken ? 1 : 0;
         CHECK_MSG(t1 - t0 == want_taken && s1 - s0 == want_settled,
                   "%lld rows, mode %d: %llu tasks taken by a product (want %llu), %llu settled (want %llu)",
@@ -488,10 +511,15 @@ static void check_hc_defer(op_pair *p, int64_t n_rows) {
         check_gpu_same(what, p, yp[m], yp[0], pout);
     }
     snprintf(what, sizeof what, "%lld rows: the product on the branch", (long long)n_rows);
-    check_gpu_same(what, p, side, yp[0], pout);
+    check_gpu_same(what, p, side, side_ref, pbig);
     snprintf(what, sizeof what, "%lld rows: hc_post on the main chain", (long long)n_rows);
     check_gpu_same(what, p, Xo2, Xo[0], n_rows * hc_dim);
+    for (int i = 0; i < 2; i++) {
+        snprintf(what, sizeof what, "%lld rows: matmul_multi's product %d", (long long)n_rows, i);
+        check_gpu_same(what, p, ym[i], ym_ref[i], i ? pout / 2 : pout);
+    }
     ds4_cuda_backend_set_hc_defer(g, env_on_default("DS4_CUDA_HC_DEFER", true), 0);
+    ds4_cuda_backend_set_branches(g, env_on_default("DS4_CUDA_BRANCH", true));
 
     for (int m = 0; m < DEFER_MODES; m++) {
         op_buf_free(p, &x_out[m]);
@@ -500,7 +528,9 @@ static void check_hc_defer(op_pair *p, int64_t n_rows) {
         op_buf_free(p, &Xo[m]);
         op_buf_free(p, &yp[m]);
     }
+    for (int i = 0; i < 2; i++) op_buf_free(p, &ym[i]), op_buf_free(p, &ym_ref[i]);
     op_buf_free(p, &side);
+    op_buf_free(p, &side_ref);
     op_buf_free(p, &Xo2);
     op_buf_free(p, &X);
     op_buf_free(p, &y);
@@ -509,6 +539,7 @@ static void check_hc_defer(op_pair *p, int64_t n_rows) {
     op_weight_free(p, scale);
     op_weight_free(p, base);
     op_weight_free(p, wp);
+    op_weight_free(p, wb);
     free(hfn);
     free(hscale);
     free(hbase);

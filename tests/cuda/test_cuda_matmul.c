@@ -1053,6 +1053,12 @@ static void moe_launches_case(op_pair *p, uint32_t tg, uint32_t td, uint64_t fus
     float wts[6];
     moe_route(n_expert, n_used, sel, wts);
     float *hx = op_rand(dim, 1.0);
+    /* the Q8_K quantisers' edge cases: an all-zero block, and a block whose
+     * largest magnitude is there twice with both signs (the first wins) */
+    for (int i = 0; i < 256; i++) hx[i] = 0.0f;
+    for (int i = 256; i < 512; i++) hx[i] = 0.01f * (float)(i % 7) - 0.03f;
+    hx[259] = 9.0f;
+    hx[356] = -9.0f;
     op_buf x = op_buf_from(p, hx, dim), y = op_buf_poisoned(p, dim), y2 = op_buf_poisoned(p, dim);
     op_buf dsel = op_ints_from(p, sel, n_used), dw = op_buf_from(p, wts, n_used);
     moe_both(p, &m, x, dsel, dw, n_used, y, 1, DS4_NUMERICS_DS4); /* scratch grown */

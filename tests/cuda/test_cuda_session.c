@@ -62,6 +62,12 @@ static bool setup(void) {
         }                                                                                \
     } while (0)
 
+/* An environment switch: "0" off, "1" on, else the default. */
+static bool env_flag(const char *name, bool dflt) {
+    const char *v = getenv(name);
+    return v && !strcmp(v, "0") ? false : v && !strcmp(v, "1") ? true : dflt;
+}
+
 static int32_t *random_tokens(int64_t n) {
     int32_t *t = malloc((size_t)n * sizeof *t);
     for (int64_t i = 0; i < n; i++) t[i] = (int32_t)(test_rand_u64() % (uint64_t)vocab);
@@ -416,6 +422,87 @@ static void test_graph_replay_matches_direct(void) {
 }
 
 /*
+ * hc_pre's Sinkhorn rounds off the chain (ds4_cuda_backend_set_hc_defer):
+ * the whole model, recorded steps with side branches, a prefill of 8 rows
+ * (the most deferred) then decoded tokens, gives the logits of the split in
+ * the finishing kernel bit for bit whichever way the rounds run: every
+ * task taken by the first product after its hc_pre (a bound of one byte),
+ * the FFN's taken by the routed experts' gate/up launch (a bound just past
+ * the router's weight: a grid of expert slots and two matrices, whose
+ * extra blocks of slot 0 and matrix 0 alone run it), or none taken (every
+ * task settled by its own kernel). Each pass counts its tasks: the model's
+ * two hc_pre a layer, every step.
+ */
+static void test_deferred_sinkhorn_matches(void) {
+    SETUP_OR_SKIP();
+    ds4_error err = { 0 };
+    gguf_file *f = NULL;
+    ds4_backend *be = NULL;
+    ds4_model *m = open_model(&f, &be);
+    const gguf_tensor *router = f ? gguf_find_tensor(f, "blk.0.ffn_gate_inp.weight") : NULL;
+    const gguf_tensor *gate = f ? gguf_find_tensor(f, "blk.0.ffn_gate_exps.weight") : NULL;
+    CHECK(router && gate);
+    if (m && router && gate) {
+        const ds4_config *c = ds4_model_config(m);
+        const int64_t n_pre = 8, n_dec = 12, per_step = 2 * (int64_t)c->n_layer;
+        /* gate and up of the token's experts against the router's matrix */
+        const int64_t experts_bytes = (int64_t)(gate->n_bytes / (uint64_t)c->n_expert) * c->n_expert_used * 2;
+        CHECK_MSG(experts_bytes > (int64_t)router->n_bytes + 1, "the experts' gate/up (%lld bytes) do not outweigh "
+                  "the router (%llu)", (long long)experts_bytes, (unsigned long long)router->n_bytes);
+        int32_t *t = random_tokens(n_pre + n_dec);
+        float *ref = malloc((size_t)((n_dec + 1) * vocab) * sizeof *ref);
+        float *got = malloc((size_t)((n_dec + 1) * vocab) * sizeof *got);
+        static const char *const names[4] = { "split in the finishing kernel", "first product",
+                                              "routed experts' gate/up", "own kernel" };
+        const int64_t bounds[4] = { 0, 1, (int64_t)router->n_bytes + 1, INT64_MAX / 4 };
+        ds4_cuda_backend_set_graphs(be, 1);
+        ds4_cuda_backend_set_branches(be, 1);
+        for (int pass = 0; pass < 4 && ref && got; pass++) {
+            float *out = pass == 0 ? ref : got;
+            ds4_cuda_backend_set_hc_defer(be, pass != 0, bounds[pass]);
+            uint64_t t0 = 0, s0 = 0, t1 = 0, s1 = 0;
+            ds4_cuda_backend_hc_defer_stats(be, &t0, &s0);
+            ds4_state *st = NULL;
+            CHECK_MSG(ds4_state_create(m, 512, &st, &err) == DS4_OK, "%s", err.message);
+            if (!st) break;
+            CHECK(ds4_model_eval(m, st, t, n_pre, DS4_NUMERICS_DS4, out, false, &err) == DS4_OK);
+            for (int64_t i = 0; i < n_dec; i++)
+                CHECK_MSG(ds4_model_eval(m, st, t + n_pre + i, 1, DS4_NUMERICS_DS4, out + (i + 1) * vocab, false,
+                                         &err) == DS4_OK, "%s", err.message);
+            ds4_cuda_backend_hc_defer_stats(be, &t1, &s1);
+            ds4_state_free(st);
+            const uint64_t tasks = (uint64_t)((n_dec + 1) * per_step), taken = t1 - t0, settled = s1 - s0;
+            fprintf(stderr, "  %s: %llu tasks taken by products, %llu settled\n", names[pass],
+                    (unsigned long long)taken, (unsigned long long)settled);
+            /* every hc_pre leaves a task (the prefill's 8 rows too), run one way or the other */
+            CHECK_MSG(pass == 0 ? taken + settled == 0 : taken + settled == tasks,
+                      "%s: %llu taken + %llu settled of %llu tasks", names[pass], (unsigned long long)taken,
+                      (unsigned long long)settled, (unsigned long long)(pass == 0 ? 0 : tasks));
+            /* decoded tokens: every task taken (pass 1), the FFN's at least (pass 2: the experts) */
+            const uint64_t want = pass == 1 ? (uint64_t)(n_dec * per_step) : pass == 2 ? (uint64_t)(n_dec * c->n_layer) : 0;
+            if (env_flag("DS4_CUDA_MATVEC", true))
+                CHECK_MSG(taken >= want && (pass != 3 || taken == 0), "%s: %llu tasks taken by products (want %s%llu)",
+                          names[pass], (unsigned long long)taken, pass == 3 ? "" : "at least ",
+                          (unsigned long long)want);
+            if (pass > 0) {
+                int64_t first = -1;
+                for (int64_t i = 0; i < (n_dec + 1) * vocab && first < 0; i++)
+                    if (memcmp(&ref[i], &got[i], sizeof(float)) != 0) first = i;
+                CHECK_MSG(first < 0, "%s: logits differ from the split in the finishing kernel at step %lld, "
+                          "logit %lld", names[pass], first < 0 ? 0LL : (long long)(first / vocab),
+                          first < 0 ? 0LL : (long long)(first % vocab));
+            }
+        }
+        ds4_cuda_backend_set_hc_defer(be, env_flag("DS4_CUDA_HC_DEFER", true), 0);
+        ds4_cuda_backend_set_branches(be, env_flag("DS4_CUDA_BRANCH", true));
+        free(ref);
+        free(got);
+        free(t);
+    }
+    close_model(f, be, m);
+}
+
+/*
  * Batched decode on the GPU: four states at different positions decode one
  * token each per call (weights read once for all rows; the products take
  * the several-row kernels), and every row's logits agree with a
@@ -612,6 +699,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_checkpoint_cpu_to_cuda),
     TEST_ENTRY(test_decode_step_waits),
     TEST_ENTRY(test_graph_replay_matches_direct),
+    TEST_ENTRY(test_deferred_sinkhorn_matches),
     TEST_ENTRY(test_batch_decode_matches_single),
     TEST_ENTRY(test_compressor_chunks_match),
     TEST_ENTRY(test_step_break_keeps_order),

@@ -343,6 +343,8 @@ static bool copy_floats(ds4_backend *be, float *dst, const float *src, int64_t n
 
 static void cuda_copy(ds4_backend *be, float *dst, const float *src, int64_t n) {
     if (n <= 0 || dst == src || cuda_failed(be)) return;
+    cuda_hc_settle_touching(be, src, n); /* a deferred Sinkhorn's comb read or written */
+    cuda_hc_settle_touching(be, dst, n);
     const size_t bytes = (size_t)n * sizeof(float);
     const bool overlap = dst < src + n && src < dst + n;
     if (!overlap) {
@@ -413,6 +415,10 @@ static void cuda_copy_rows(ds4_backend *be, float *const *dst, const float *cons
         return;
     }
     if (n == 0 || width == 0) return;
+    for (int64_t i = 0; i < n; i++) {
+        cuda_hc_settle_touching(be, src[i], width);
+        cuda_hc_settle_touching(be, dst[i], width);
+    }
     const uint64_t *table = cuda_upload_pointer_pairs(be, CUDA_SCRATCH_COPY_ROWS, (const void *const *)dst,
                                                       (const void *const *)src, n, "copy_rows");
     if (!table) return;
@@ -427,6 +433,7 @@ __global__ void fill_kernel(float *dst, float v, int64_t n) {
 
 static void cuda_fill(ds4_backend *be, float *dst, float value, int64_t n) {
     if (n <= 0 || cuda_failed(be)) return;
+    cuda_hc_settle_touching(be, dst, n);
     (void)cuda_launch(be, "fill_kernel", fill_kernel, grid_for(n, 256), 256, 0, dst, value, n);
 }
 
@@ -758,7 +765,10 @@ static void cuda_head_norm_rope2(ds4_backend *be, const ds4_head_rows *a, const 
         cuda_fail(be, DS4_ERR_INVALID, "head_norm_rope2: the two row sets overlap");
         return;
     }
-    if (cuda_impl(be)->norm_rope && cuda_impl(be)->norm_rope2 &&
+    /* (a weight other than F32 is converted into one scratch slot: two such
+     * weights cannot both be held for one kernel) */
+    const bool both_converted = a->w && b->w && a->w->type != DS4_TYPE_F32 && b->w->type != DS4_TYPE_F32;
+    if (cuda_impl(be)->norm_rope && cuda_impl(be)->norm_rope2 && !both_converted &&
         cuda_head_norm_rope_fits(a->x, n_rows, a->n_heads, head_dim) &&
         cuda_head_norm_rope_fits(b->x, n_rows, b->n_heads, head_dim) &&
         n_rows * (a->n_heads + b->n_heads) <= INT32_MAX) {

@@ -586,7 +586,7 @@ void cuda_hc_settle(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (cb->comb_branch && !cb->br_side) {
         /* the task ran on a side branch: what reads comb on the main chain joins it first */
-        if (cb->br_pending >= 0 && !cb->br_join_next) {
+        if (cb->recording && cb->br_pending >= 0 && !cb->br_join_next) {
             cb->br_join_next = true;
             cb->br_auto_joins++;
         }
@@ -599,6 +599,13 @@ void cuda_hc_settle(ds4_backend *be) {
     const unsigned blocks = (unsigned)((t.n_rows + HC_THREADS / 32 - 1) / (HC_THREADS / 32));
     if (cuda_launch(be, "hc_comb kernel", hc_comb_kernel, blocks, HC_THREADS, 0, t)) cb->comb_settled++;
     if (cb->br_side) cb->comb_branch = true;
+}
+
+void cuda_hc_settle_touching(ds4_backend *be, const float *p, int64_t n) {
+    const cuda_backend *cb = cuda_impl(be);
+    if (!cb->comb_pending || !p || n <= 0) return;
+    const int64_t nc = (int64_t)cb->comb.n_rows * cb->comb.n_hc * cb->comb.n_hc;
+    if (p < cb->comb.comb + nc && cb->comb.comb < p + n) cuda_hc_settle(be);
 }
 
 bool cuda_hc_take_comb(cuda_backend *cb, double weight_bytes, cuda_comb_task *t) {
@@ -684,7 +691,8 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     }
     cuda_backend *cb = cuda_impl(be);
     hc_args af = a;
-    af.defer = !HEAD && cb->hc_defer && a.comb && a.n_hc * a.n_hc <= 32 && n_rows <= HC_DEFER_MAX_ROWS;
+    /* (not on a side branch: a product or settle on the main chain would not wait for its logits) */
+    af.defer = !HEAD && cb->hc_defer && !cb->br_side && a.comb && a.n_hc * a.n_hc <= 32 && n_rows <= HC_DEFER_MAX_ROWS;
     if (cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, af,
                     n_mix, n_chunks, part) &&
         af.defer) {

@@ -378,6 +378,9 @@ void cuda_branch_slot(cuda_backend *cb, int slot);
  * download and step_end call it); take hands it to a product of
  * weight_bytes on the main chain (true: *t is the product's to run). */
 void cuda_hc_settle(ds4_backend *be);
+/* ... the same, only where [p, p + n) overlaps the pending task's comb (a
+ * copy or fill reading or writing it) */
+void cuda_hc_settle_touching(ds4_backend *be, const float *p, int64_t n);
 bool cuda_hc_take_comb(cuda_backend *cb, double weight_bytes, cuda_comb_task *t);
 void cuda_hc_defer_init(cuda_backend *cb); /* the settings from the environment */
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
