@@ -586,10 +586,7 @@ void cuda_hc_settle(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (cb->comb_branch && !cb->br_side) {
         /* the task ran on a side branch: what reads comb on the main chain joins it first */
-        if (cb->recording && cb->br_pending >= 0 && !cb->br_join_next) {
-            cb->br_join_next = true;
-            cb->br_auto_joins++;
-        }
+        cuda_branch_force_join(cb);
         cb->comb_branch = false;
     }
     if (!cb->comb_pending) return;
@@ -616,11 +613,16 @@ bool cuda_hc_take_comb(cuda_backend *cb, double weight_bytes, cuda_comb_task *t)
     return true;
 }
 
+/* the bound a product's weight bytes must reach: DS4_CUDA_HC_DEFER_BYTES, else HC_DEFER_BYTES */
+static int64_t hc_defer_bytes_default(void) {
+    return cuda_env_long("DS4_CUDA_HC_DEFER_BYTES", HC_DEFER_BYTES, 1, 1L << 40);
+}
+
 extern "C" void ds4_cuda_backend_set_hc_defer(ds4_backend *be, int on, int64_t min_bytes) {
     cuda_backend *cb = cuda_impl(be);
     cuda_hc_settle(be);
     cb->hc_defer = on != 0;
-    cb->hc_defer_bytes = min_bytes > 0 ? min_bytes : cuda_env_long("DS4_CUDA_HC_DEFER_BYTES", HC_DEFER_BYTES, 1, 1L << 40);
+    cb->hc_defer_bytes = min_bytes > 0 ? min_bytes : hc_defer_bytes_default();
 }
 extern "C" void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uint64_t *settled) {
     const cuda_backend *cb = (const cuda_backend *)be->impl;
@@ -629,7 +631,7 @@ extern "C" void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t 
 }
 void cuda_hc_defer_init(cuda_backend *cb) {
     cb->hc_defer = cuda_env_flag("DS4_CUDA_HC_DEFER", true);
-    cb->hc_defer_bytes = cuda_env_long("DS4_CUDA_HC_DEFER_BYTES", HC_DEFER_BYTES, 1, 1L << 40);
+    cb->hc_defer_bytes = hc_defer_bytes_default();
 }
 
 template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type) {

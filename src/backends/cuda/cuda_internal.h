@@ -373,6 +373,9 @@ void cuda_branch_join(ds4_backend *be);
  * inside a branch, it is the branch's until the join; taken on the main
  * chain while the branch holds it, the next main entry joins the branch. */
 void cuda_branch_slot(cuda_backend *cb, int slot);
+/* On the main chain of a recorded step with a branch not yet joined: the
+ * next main entry joins it (counted in br_auto_joins); else nothing. */
+void cuda_branch_force_join(cuda_backend *cb);
 /* hc_pre's deferred Sinkhorn (see cuda_backend's hc_defer): settle runs a
  * pending task now, in a kernel of its own (every op that reads comb, a
  * download and step_end call it); take hands it to a product of

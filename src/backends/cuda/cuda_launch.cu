@@ -142,15 +142,17 @@ void cuda_branch_join(ds4_backend *be) {
     if (cb->recording && cb->br_pending >= 0) cb->br_join_next = true;
 }
 
+void cuda_branch_force_join(cuda_backend *cb) {
+    if (!cb->recording || cb->br_side || cb->br_pending < 0 || cb->br_join_next) return;
+    cb->br_join_next = true;
+    cb->br_auto_joins++;
+}
+
 void cuda_branch_slot(cuda_backend *cb, int slot) {
     if (!cb->recording) return;
     const uint64_t bit = (uint64_t)1 << slot;
-    if (cb->br_side) {
-        cb->br_slots |= bit;
-    } else if (cb->br_pending >= 0 && (cb->br_slots & bit) && !cb->br_join_next) {
-        cb->br_join_next = true;
-        cb->br_auto_joins++;
-    }
+    if (cb->br_side) cb->br_slots |= bit;
+    else if (cb->br_slots & bit) cuda_branch_force_join(cb);
 }
 
 /* A new entry (zeroed), or NULL when memory ran out (error recorded). */

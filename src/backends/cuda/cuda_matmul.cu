@@ -763,18 +763,24 @@ static bool ranges_overlap(const float *a, int64_t na, const float *b, int64_t n
 /* The floats n_rows rows of n, `stride` apart, span. */
 static int64_t rows_span(int64_t n_rows, int64_t stride, int64_t n) { return (n_rows - 1) * stride + n; }
 
-/* A Q8_0 streaming product quantises x itself (no quantiser launch) when
- * its rows fit the kernel's shared memory and no output it writes overlaps
- * x (its blocks read x while others write). */
-static bool mv_quantises_x(ds4_backend *be, const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows,
-                           const float *const *outs, const int64_t *n_outs, const int64_t *out_strides, int n_outs_n) {
-    if (mode != MM_Q8_0 || !cuda_mv_quantises(be, w->type, w->ne[0], n_rows, n_outs, n_outs_n)) return false;
-    if ((uintptr_t)x % 16 != 0 || (n_rows > 1 && x_stride % 4 != 0)) return false; /* 16-byte loads */
+/* x rows of len floats that a product kernel may quantise itself: 16-byte
+ * loads (x aligned, rows a multiple of 4 floats apart) and no output it
+ * writes overlapping x (its blocks read x while others write). */
+static bool xq_input_ok(const float *x, int64_t x_stride, int64_t len, int64_t n_rows, const float *const *outs,
+                        const int64_t *n_outs, const int64_t *out_strides, int n_outs_n) {
+    if ((uintptr_t)x % 16 != 0 || (n_rows > 1 && x_stride % 4 != 0)) return false;
     for (int k = 0; k < n_outs_n; k++)
-        if (ranges_overlap(x, rows_span(n_rows, x_stride, w->ne[0]), outs[k],
-                           rows_span(n_rows, out_strides[k], n_outs[k])))
+        if (ranges_overlap(x, rows_span(n_rows, x_stride, len), outs[k], rows_span(n_rows, out_strides[k], n_outs[k])))
             return false;
     return true;
+}
+
+/* A Q8_0 streaming product quantises x itself (no quantiser launch) when
+ * its rows fit the kernel's shared memory and x suits it (xq_input_ok). */
+static bool mv_quantises_x(ds4_backend *be, const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows,
+                           const float *const *outs, const int64_t *n_outs, const int64_t *out_strides, int n_outs_n) {
+    return mode == MM_Q8_0 && cuda_mv_quantises(be, w->type, w->ne[0], n_rows, n_outs, n_outs_n) &&
+           xq_input_ok(x, x_stride, w->ne[0], n_rows, outs, n_outs, out_strides, n_outs_n);
 }
 
 /* The streaming kernels on n_groups groups of n_out weight rows from row0
@@ -970,10 +976,11 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
     const mm_mode mode = mode_for(w->type, num);
     const int64_t blk = mode == MM_Q8_K ? DS4_QK_K : mode == MM_Q8_0 ? DS4_QK8_0 : 4;
     const bool mv = mv_suits(w, mode, x, x_stride, n_rows) && n_in % blk == 0;
+    const float *outs[1] = { out };
+    const int64_t width[1] = { n_groups * n_out }, strides[1] = { out_stride };
+    /* (n_in is then a multiple of 256: every group's slice starts 16-byte aligned) */
     if (mv && mode == MM_Q8_0 && cuda_mv_grouped_quantises(be, w->type, n_in, n_out, n_groups, n_rows) &&
-        (uintptr_t)x % 16 == 0 && n_in % 4 == 0 && (n_rows == 1 || x_stride % 4 == 0) &&
-        !ranges_overlap(x, rows_span(n_rows, x_stride, n_groups * n_in), out,
-                        rows_span(n_rows, out_stride, n_groups * n_out))) {
+        xq_input_ok(x, x_stride, n_groups * n_in, n_rows, outs, width, strides, 1)) {
         /* one launch and no quantiser: each block quantises its group's
          * slice of x (o_a), block for block as quantising the rows would */
         run_mv(be, w, mode, 0, n_out, n_groups, NULL, n_in / DS4_QK8_0, n_in, out, out_stride, n_rows, x, x_stride);

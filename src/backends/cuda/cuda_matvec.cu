@@ -1306,6 +1306,16 @@ static void plain_geometry(mv_args *a, int64_t n_out_total, bool moe = false) {
     a->rpw = rows_per_warp(a->parts == 1, n_out_total, moe);
 }
 
+/* Outputs per thread block of a plain (or grouped) Q8_0 launch over total
+ * outputs of rows of n (plain_geometry's split and rows per warp). */
+static int64_t q8_0_outputs_per_block(int64_t n, int64_t total) {
+    mv_args a;
+    memset(&a, 0, sizeof a);
+    a.units = n / (8 * DS4_QK8_0);
+    plain_geometry(&a, total);
+    return (int64_t)a.rpb * a.rpw;
+}
+
 bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows, const int64_t *n_outs, int n_mats) {
     if (!cuda_impl(be)->mv_xq || type != DS4_TYPE_Q8_0 || n <= 0 || n % (8 * DS4_QK8_0) != 0 || n_rows < 1) return false;
     static const bool wide = cuda_env_flag("DS4_CUDA_MV_XQ_WIDE", true); /* (=0: MV_XQ_MAX for one row too) */
@@ -1315,11 +1325,7 @@ bool cuda_mv_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_t n_rows
      * about one wave (the head's 2,020 blocks would each redo it) */
     int64_t total = 0, most = 0;
     for (int z = 0; z < n_mats; z++) total += n_outs[z], most = n_outs[z] > most ? n_outs[z] : most;
-    mv_args a;
-    memset(&a, 0, sizeof a);
-    a.units = n / (8 * DS4_QK8_0);
-    plain_geometry(&a, total);
-    const int64_t per_block = (int64_t)a.rpb * a.rpw;
+    const int64_t per_block = q8_0_outputs_per_block(n, total);
     const int64_t blocks = (most + per_block - 1) / per_block * n_mats;
     return blocks <= (xq_bytes > MV_XQ_MAX ? MV_XQ_ONE_BLOCKS : MV_XQ_MAX_BLOCKS);
 }
@@ -1328,11 +1334,7 @@ bool cuda_mv_grouped_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_
                                int64_t n_rows) {
     const int64_t total = n_out * n_groups;
     if (n_groups < 2 || !cuda_mv_quantises(be, type, n, n_rows, &total, 1)) return false;
-    mv_args a;
-    memset(&a, 0, sizeof a);
-    a.units = n / (8 * DS4_QK8_0);
-    plain_geometry(&a, total);
-    return n_out % ((int64_t)a.rpb * a.rpw) == 0; /* no block straddles two groups */
+    return n_out % q8_0_outputs_per_block(n, total) == 0; /* no block straddles two groups */
 }
 
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
