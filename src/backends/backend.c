@@ -230,6 +230,15 @@ bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_s
                           (long long)x_stride, p[j].n_out > 0 && n_rows > 0 && !p[j].out ? ", NULL output" : "");
             return false;
         }
+        const ds4_weight *a = p[j].add;
+        if (a && (a->ne[0] != p[j].n_out || p[j].add_row < 0 || p[j].add_row >= a->ne[1] * a->ne[2] * a->ne[3])) {
+            ds4_error_set(err, DS4_ERR_INVALID,
+                          "matmul_multi: product %d (%s, %lld outputs) adds row %lld of %s [%lld x %lld rows]", j,
+                          w->name ? w->name : "(unnamed)", (long long)p[j].n_out, (long long)p[j].add_row,
+                          a->name ? a->name : "(unnamed)", (long long)a->ne[0],
+                          (long long)(a->ne[1] * a->ne[2] * a->ne[3]));
+            return false;
+        }
     }
     return true;
 }

@@ -43,12 +43,16 @@ extern "C" {
 #endif
 
 /* One product of matmul_multi: out[r][o] = W[o] . x[r] for o < n_out (the
- * first n_out rows of W), out rows out_stride apart. */
+ * first n_out rows of W), out rows out_stride apart. With `add` (NULL:
+ * none), row add_row of that weight (n_out wide) is then added to every
+ * output row, exactly as add_weight_row adds it (one float add each). */
 typedef struct ds4_product {
     const struct ds4_weight *w;
     int64_t n_out;
     float *out;
     int64_t out_stride;
+    const struct ds4_weight *add;
+    int64_t add_row;
 } ds4_product;
 #define DS4_PRODUCTS_MAX 8 /* products of one matmul_multi call */
 
@@ -384,6 +388,13 @@ typedef struct ds4_backend_ops {
     void (*branch_begin)(ds4_backend *be);
     void (*branch_end)(ds4_backend *be);
     void (*branch_join)(ds4_backend *be);
+    /* A hint (optional: NULL when the backend has none): the n weights
+     * w[0..n) are read soon, in that order, by ops called after this one.
+     * The backend may start bringing them nearer its compute units beside
+     * the ops in between (the CUDA backend, in a recorded step: into its L2
+     * cache, as much as the cache holds). Results are unchanged; n 0 does
+     * nothing; a NULL or unbound weight, or n < 0, is an error. */
+    void (*prefetch)(ds4_backend *be, const ds4_weight *const *w, int n);
 
     /* ---- errors ------------------------------------------------------ */
     /* The ops above return nothing; an op that cannot run (bad shapes or

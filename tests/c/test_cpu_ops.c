@@ -332,6 +332,7 @@ static void test_op_table(void) {
     CHECK(!o->step_begin && !o->step_end && !o->step_mark);
     CHECK(!o->branch_begin && !o->branch_end && !o->branch_join); /* runs ops in call order */
     CHECK(!o->head_norm_rope2); /* the model makes the two head_norm_rope calls */
+    CHECK(!o->prefetch);        /* weights are read from host memory where they lie */
     ds4_backend_destroy(be);
 }
 
@@ -892,6 +893,10 @@ static void test_matmul_multi(void) {
         out[j] = fvec(max_rows * (n_outs[j] + 2));
         want[j] = fvec(max_rows * (n_outs[j] + 2));
     }
+    /* rows to add after products 1 (F16 rows of its 17 outputs) and 3 (F32, 5) */
+    test_weight add1, add3;
+    weight_make(&add1, "blk.0.add1.weight", DS4_TYPE_F16, 17, 3, src);
+    weight_make(&add3, "blk.0.add3.weight", DS4_TYPE_F32, 5, 4, src + 60);
     static const int64_t ROWS[] = { 1, 3, 20 };
     for (int num = 0; num < 2; num++) {
         const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
@@ -900,8 +905,15 @@ static void test_matmul_multi(void) {
             ds4_product p[NP];
             for (int j = 0; j < NP; j++) {
                 for (int64_t i = 0; i < max_rows * (n_outs[j] + 2); i++) out[j][i] = want[j][i] = -7.0f;
-                p[j] = (ds4_product){ &tw[j].w, n_outs[j], out[j], n_outs[j] + 2 };
+                p[j] = (ds4_product){ &tw[j].w, n_outs[j], out[j], n_outs[j] + 2, NULL, 0 };
                 be->ops->matmul(be, &tw[j].w, 0, n_outs[j], x, x_stride, want[j], n_outs[j] + 2, n_rows, nm);
+            }
+            /* the added rows: as add_weight_row adds them, row by row */
+            p[1].add = &add1.w, p[1].add_row = 2;
+            p[3].add = &add3.w, p[3].add_row = (int64_t)ri;
+            for (int64_t r = 0; r < n_rows; r++) {
+                be->ops->add_weight_row(be, want[1] + r * (n_outs[1] + 2), &add1.w, 2, 1);
+                be->ops->add_weight_row(be, want[3] + r * (n_outs[3] + 2), &add3.w, (int64_t)ri, 1);
             }
             be->ops->matmul_multi(be, p, NP, x, x_stride, n_rows, nm);
             expect_no_error(be);
@@ -918,11 +930,11 @@ static void test_matmul_multi(void) {
     unbound.host = NULL;
     test_weight narrow;
     weight_make(&narrow, "blk.0.narrow.weight", DS4_TYPE_Q8_0, 128, 20, src);
-    for (int c = 0; c < 9; c++) {
+    for (int c = 0; c < 11; c++) {
         ds4_product p[NP];
         for (int j = 0; j < NP; j++) {
             for (int64_t i = 0; i < max_rows * (n_outs[j] + 2); i++) out[j][i] = -7.0f;
-            p[j] = (ds4_product){ &tw[j].w, n_outs[j], out[j], n_outs[j] + 2 };
+            p[j] = (ds4_product){ &tw[j].w, n_outs[j], out[j], n_outs[j] + 2, NULL, 0 };
         }
         int n = NP;
         int64_t rows = 3, xs = x_stride;
@@ -938,6 +950,8 @@ static void test_matmul_multi(void) {
         case 6: p[4].out = NULL; break;
         case 7: p[4].w = &q40, want_st = DS4_ERR_UNSUPPORTED, name = "blk.1.q40.weight"; break;
         case 8: p[3].w = &unbound, name = ds4_type_name(types[1]); break;
+        case 9: p[1].add = &add3.w, name = "blk.0.add3.weight"; break;             /* 5 wide for 17 outputs */
+        case 10: p[3].add = &add3.w, p[3].add_row = 4, name = "blk.0.add3.weight"; break; /* past its 4 rows */
         }
         be->ops->matmul_multi(be, p, n, x, xs, rows, DS4_NUMERICS_DS4);
         CHECK_MSG(take_error(be, msg, sizeof msg) == want_st, "case %d: %s", c, msg);
@@ -948,6 +962,8 @@ static void test_matmul_multi(void) {
         CHECK_MSG(written == 0, "case %d: %d values written", c, written);
     }
     weight_free(&narrow);
+    weight_free(&add1);
+    weight_free(&add3);
     for (int j = 0; j < NP; j++) {
         weight_free(&tw[j]);
         free(out[j]);

@@ -451,7 +451,7 @@ static void check_hc_defer(op_pair *p, int64_t n_rows) {
             g->ops->branch_join(g);
             g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
         } else if (m == 6) {
-            const ds4_product pr[2] = { { &wp->g, pout, ym[0].g, pout }, { &wp->g, pout / 2, ym[1].g, pout } };
+            const ds4_product pr[2] = { { &wp->g, pout, ym[0].g, pout, NULL, 0 }, { &wp->g, pout / 2, ym[1].g, pout, NULL, 0 } };
             g->ops->matmul_multi(g, pr, 2, xp.g, pin, 1, DS4_NUMERICS_DS4);
             g->ops->matmul(g, &wp->g, 0, pout, xp.g, pin, yp[m].g, pout, 1, DS4_NUMERICS_DS4);
             g->ops->hc_post(g, &hc, y.g, X.g, post[m].g, comb[m].g, Xo[m].g, n_rows);
@@ -468,7 +468,7 @@ static void check_hc_defer(op_pair *p, int64_t n_rows) {
         if (step) g->ops->step_end(g);
         if (m == 0) { /* the products' references, no task pending */
             g->ops->matmul(g, &wb->g, 0, pbig, xp.g, pin, side_ref.g, pbig, 1, DS4_NUMERICS_DS4);
-            const ds4_product pr[2] = { { &wp->g, pout, ym_ref[0].g, pout }, { &wp->g, pout / 2, ym_ref[1].g, pout } };
+            const ds4_product pr[2] = { { &wp->g, pout, ym_ref[0].g, pout, NULL, 0 }, { &wp->g, pout / 2, ym_ref[1].g, pout, NULL, 0 } };
             g->ops->matmul_multi(g, pr, 2, xp.g, pin, 1, DS4_NUMERICS_DS4);
         }
         op_expect_ok(p);

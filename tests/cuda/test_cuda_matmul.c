@@ -1467,8 +1467,8 @@ static void multi_case(op_pair *p, const uint32_t *types, const int64_t *n_outs,
             const int64_t ny = n_rows * (n_outs[j] + pad) > 0 ? n_rows * (n_outs[j] + pad) : 1;
             y[j] = op_buf_poisoned(p, ny);
             ysep[j] = op_buf_poisoned(p, ny);
-            pc[j] = (ds4_product){ &w[j]->c, n_outs[j], y[j].c, n_outs[j] + pad };
-            pg[j] = (ds4_product){ &w[j]->g, n_outs[j], y[j].g, n_outs[j] + pad };
+            pc[j] = (ds4_product){ &w[j]->c, n_outs[j], y[j].c, n_outs[j] + pad, NULL, 0 };
+            pg[j] = (ds4_product){ &w[j]->g, n_outs[j], y[j].g, n_outs[j] + pad, NULL, 0 };
         }
         p->cpu->ops->matmul_multi(p->cpu, pc, n, x.c, x_stride, n_rows, num);
         p->gpu->ops->matmul_multi(p->gpu, pg, n, x.g, x_stride, n_rows, num);
@@ -1510,6 +1510,112 @@ static void multi_case(op_pair *p, const uint32_t *types, const int64_t *n_outs,
         free(bytes[j]);
         free(deq[j]);
     }
+}
+
+/*
+ * matmul_multi's added rows (ds4_product.add: the compressors' APE rows of
+ * a decoded token): the attention input's seven products with the two
+ * gate products adding an F16 row, kv an F32 row and q_a a Q8_0 row (no
+ * float row: added by the add_weight_row op after the product), for 1 and
+ * 3 rows (the streaming kernels, where a float row is added in the
+ * kernel's last step: three launches fewer than the products and the four
+ * add_weight_row calls) and 11 (product by product). The outputs equal the
+ * products without rows followed by add_weight_row, bit for bit. A row of
+ * the wrong width is an error.
+ */
+static void test_matmul_multi_add(void) {
+    OPEN_PAIR(p);
+    enum { NP = 7 };
+    const int64_t n_in = 4096;
+    const uint32_t types[NP] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_F16, DS4_TYPE_F16,
+                                 DS4_TYPE_F16, DS4_TYPE_F16, DS4_TYPE_F16 };
+    const int64_t n_outs[NP] = { 1024, 512, 1024, 1024, 256, 256, 64 };
+    /* the rows to add: product j adds row add_rows[j] of adds[j] (-1: none) */
+    const uint32_t add_types[NP] = { DS4_TYPE_Q8_0, DS4_TYPE_F32, 0, DS4_TYPE_F16, 0, DS4_TYPE_F16, 0 };
+    const int64_t add_rows[NP] = { 1, 0, -1, 3, -1, 2, -1 };
+    op_weight *w[NP], *adds[NP] = { NULL };
+    uint8_t *bytes[NP], *abytes[NP] = { NULL };
+    float *deq[NP], *adeq[NP] = { NULL };
+    int in_kernel = 0; /* float rows */
+    static const char *const names[NP] = { "blk.0.multi_add_0.weight", "blk.0.multi_add_1.weight",
+                                           "blk.0.multi_add_2.weight", "blk.0.multi_add_3.weight",
+                                           "blk.0.multi_add_4.weight", "blk.0.multi_add_5.weight",
+                                           "blk.0.multi_add_6.weight" };
+    static const char *const ape_names[NP] = { "blk.0.multi_add_0_ape.weight", "blk.0.multi_add_1_ape.weight", NULL,
+                                               "blk.0.multi_add_3_ape.weight", NULL, "blk.0.multi_add_5_ape.weight",
+                                               NULL }; /* (weights keep their name's pointer) */
+    for (int j = 0; j < NP; j++) {
+        bytes[j] = weight_bytes(types[j], n_in, n_outs[j], false, &deq[j]);
+        w[j] = op_weight_make(&p, names[j], types[j], n_in, n_outs[j], 1, bytes[j]);
+        if (add_rows[j] < 0) continue;
+        abytes[j] = weight_bytes(add_types[j], n_outs[j], 4, false, &adeq[j]);
+        adds[j] = op_weight_make(&p, ape_names[j], add_types[j], n_outs[j], 4, 1, abytes[j]);
+        in_kernel += add_types[j] != DS4_TYPE_Q8_0;
+    }
+    static const int64_t ROWS[] = { 1, 3, 11 };
+    for (size_t ri = 0; ri < 3; ri++) {
+        const int64_t n_rows = ROWS[ri];
+        float *hx = op_rand(n_rows * n_in, x_amp);
+        op_buf x = op_buf_from(&p, hx, n_rows * n_in), y[NP], ysep[NP];
+        ds4_product pf[NP], ps[NP];
+        for (int j = 0; j < NP; j++) {
+            y[j] = op_buf_poisoned(&p, n_rows * n_outs[j]);
+            ysep[j] = op_buf_poisoned(&p, n_rows * n_outs[j]);
+            pf[j] = (ds4_product){ &w[j]->g, n_outs[j], y[j].g, n_outs[j], adds[j] ? &adds[j]->g : NULL,
+                                   adds[j] ? add_rows[j] : 0 };
+            ps[j] = (ds4_product){ &w[j]->g, n_outs[j], ysep[j].g, n_outs[j], NULL, 0 };
+        }
+        /* (each way once before it is counted: scratch grows the first time) */
+        for (int rep = 0; rep < 2; rep++) {
+            const ds4_backend_counters c0 = op_gpu_counters(&p);
+            p.gpu->ops->matmul_multi(p.gpu, ps, NP, x.g, n_in, n_rows, DS4_NUMERICS_DS4);
+            for (int j = 0; j < NP; j++)
+                if (adds[j]) p.gpu->ops->add_weight_row(p.gpu, ysep[j].g, &adds[j]->g, add_rows[j], n_rows);
+            const ds4_backend_counters c1 = op_gpu_counters(&p);
+            p.gpu->ops->matmul_multi(p.gpu, pf, NP, x.g, n_in, n_rows, DS4_NUMERICS_DS4);
+            const ds4_backend_counters c2 = op_gpu_counters(&p);
+            op_expect_ok(&p);
+            const uint64_t sep = c1.launches - c0.launches, fused = c2.launches - c1.launches;
+            const uint64_t want = n_rows <= 8 && env_on("DS4_CUDA_MV_ADD") ? sep - (uint64_t)in_kernel : sep;
+            if (rep == 1)
+                CHECK_MSG(!launch_counts_apply() || fused == want,
+                          "matmul_multi with rows to add, %lld rows: %llu launches (the products, then the rows: "
+                          "%llu; want %llu)", (long long)n_rows, (unsigned long long)fused, (unsigned long long)sep,
+                          (unsigned long long)want);
+        }
+        for (int j = 0; j < NP; j++) {
+            char what[160];
+            snprintf(what, sizeof what, "matmul_multi product %d (%s -> %lld) adding %s row %lld, %lld rows", j,
+                     ds4_type_name(types[j]), (long long)n_outs[j],
+                     adds[j] ? ds4_type_name(add_types[j]) : "no", (long long)add_rows[j], (long long)n_rows);
+            expect_same_rows(&p, what, y[j].g, ysep[j].g, n_rows, n_outs[j], n_outs[j]);
+            op_buf_free(&p, &y[j]);
+            op_buf_free(&p, &ysep[j]);
+        }
+        /* a row of another width: an error, nothing written */
+        if (ri == 0) {
+            op_buf yb = op_buf_poisoned(&p, n_outs[2]);
+            ds4_product bad = { &w[2]->g, n_outs[2], yb.g, n_outs[2], &adds[5]->g, 0 };
+            p.gpu->ops->matmul_multi(p.gpu, &bad, 1, x.g, n_in, 1, DS4_NUMERICS_DS4);
+            op_expect_error_with(&p, "matmul_multi adding a row of 256 to 1024 outputs", "matmul_multi", "adds row",
+                                 "multi_add_5_ape", NULL);
+            float g0 = 0.0f;
+            p.gpu->ops->download(p.gpu, &g0, yb.g, 1);
+            CHECK_MSG(isnan(g0), "matmul_multi adding a row of another width: written");
+            op_buf_free(&p, &yb);
+        }
+        op_buf_free(&p, &x);
+        free(hx);
+    }
+    for (int j = 0; j < NP; j++) {
+        op_weight_free(&p, w[j]);
+        free(bytes[j]);
+        free(deq[j]);
+        if (adds[j]) op_weight_free(&p, adds[j]);
+        free(abytes[j]);
+        free(adeq[j]);
+    }
+    op_pair_close(&p);
 }
 
 /* The model's two calls (the attention input's seven products: two Q8_0
@@ -1558,7 +1664,7 @@ static void test_matmul_multi_errors(void) {
         const ds4_weight *wv = side ? &w->g : &w->c, *w96v = side ? &w96->g : &w96->c;
         float *yv = side ? y.g : y.c, *y2v = side ? y2.g : y2.c;
         const float *xv = side ? x.g : x.c;
-        ds4_product ok[2] = { { wv, 16, yv, 16 }, { wv, 8, y2v, 16 } };
+        ds4_product ok[2] = { { wv, 16, yv, 16, NULL, 0 }, { wv, 8, y2v, 16, NULL, 0 } };
         ds4_product bad[2];
         ds4_error e = { 0 };
         be->ops->matmul_multi(be, ok, 0, xv, 64, 1, DS4_NUMERICS_DS4); /* no products */
@@ -1601,8 +1707,8 @@ static void test_matmul_multi_errors(void) {
         for (int i = 0; i < 4 * 16; i++) written += !isnan(hy[i]);
         CHECK_EQ_INT(written, 0);
     }
-    ds4_product okc[2] = { { &w->c, 16, y.c, 16 }, { &w->c, 8, y2.c, 16 } };
-    ds4_product okg[2] = { { &w->g, 16, y.g, 16 }, { &w->g, 8, y2.g, 16 } };
+    ds4_product okc[2] = { { &w->c, 16, y.c, 16, NULL, 0 }, { &w->c, 8, y2.c, 16, NULL, 0 } };
+    ds4_product okg[2] = { { &w->g, 16, y.g, 16, NULL, 0 }, { &w->g, 8, y2.g, 16, NULL, 0 } };
     p.cpu->ops->matmul_multi(p.cpu, okc, 2, x.c, 64, 4, DS4_NUMERICS_DS4);
     p.gpu->ops->matmul_multi(p.gpu, okg, 2, x.g, 64, 4, DS4_NUMERICS_DS4);
     op_expect_ok(&p);
@@ -1676,13 +1782,13 @@ static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_row
     /* the quantiser kernel's path: single, multi (all rows and the first half) */
     ds4_cuda_backend_set_fusions(p->gpu, 0, env_on("DS4_CUDA_MOE_XQ"));
     EXPECT_LAUNCHES(p, 2, what, g->matmul(p->gpu, &w->g, 0, n_out, x.g, x_stride, ref[0].g, out_stride, n_rows, num));
-    ds4_product pr[2] = { { &w->g, n_out, ref[1].g, out_stride }, { &w->g, n_out / 2, ref[2].g, out_stride } };
+    ds4_product pr[2] = { { &w->g, n_out, ref[1].g, out_stride, NULL, 0 }, { &w->g, n_out / 2, ref[2].g, out_stride, NULL, 0 } };
     EXPECT_LAUNCHES(p, 2, what, g->matmul_multi(p->gpu, pr, 2, x.g, x_stride, n_rows, num));
     default_fusions(p);
     /* the same calls, fused where they fit */
     EXPECT_LAUNCHES(p, fused ? 1 : 2, what,
                     g->matmul(p->gpu, &w->g, 0, n_out, x.g, x_stride, y[0].g, out_stride, n_rows, num));
-    ds4_product py[2] = { { &w->g, n_out, y[1].g, out_stride }, { &w->g, n_out / 2, y[2].g, out_stride } };
+    ds4_product py[2] = { { &w->g, n_out, y[1].g, out_stride, NULL, 0 }, { &w->g, n_out / 2, y[2].g, out_stride, NULL, 0 } };
     EXPECT_LAUNCHES(p, fused_multi ? 1 : 2, what, g->matmul_multi(p->gpu, py, 2, x.g, x_stride, n_rows, num));
     expect_same_rows(p, what, y[0].g, ref[0].g, n_rows, n_out, out_stride);
     expect_same_rows(p, what, y[1].g, ref[1].g, n_rows, n_out, out_stride);
@@ -1958,6 +2064,156 @@ static void test_step_branch(void) {
     op_pair_close(&p);
 }
 
+/* The bytes the prefetch asks for of [dev, dev + bytes): its whole 16-byte
+ * pieces (what the backend documents). */
+static uint64_t inner_bytes(const void *dev, uint64_t bytes) {
+    const uintptr_t a = ((uintptr_t)dev + 15) & ~(uintptr_t)15, e = ((uintptr_t)dev + bytes) & ~(uintptr_t)15;
+    return e > a ? (uint64_t)(e - a) : 0;
+}
+
+/*
+ * The prefetch op, a hint: outside a recorded step it launches nothing; in
+ * a step each call is one leaf launch (up to 8 weights) asking for each
+ * weight's whole 16-byte pieces in order, at most the set bound in all;
+ * each way (the copy engine's L2 prefetch, loads, off) the products after it
+ * give the results of no step bit for bit, and the step runs as one graph.
+ * One token's routed experts in a step add a launch for the chosen experts'
+ * down matrices (the 6 of them, whole). Bad arguments are errors.
+ */
+static void test_prefetch(void) {
+    OPEN_PAIR(p);
+    const int64_t n = 1024, rows = 512;
+    float *dq = NULL, *df = NULL;
+    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
+    uint8_t *bf = weight_bytes(DS4_TYPE_F16, n, rows, true, &df);
+    op_weight *wq = op_weight_make(&p, "blk.0.pf_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
+    op_weight *wf = op_weight_make(&p, "blk.0.pf_f.weight", DS4_TYPE_F16, n, rows, 1, bf);
+    float *hx = op_rand(n, 1.0);
+    op_buf x = op_buf_from(&p, hx, n), ref[2], got[2];
+    const ds4_weight *ws[2] = { &wq->g, &wf->g };
+    const uint64_t whole = inner_bytes(wq->g.device, (uint64_t)(wq->g.row_bytes * rows)) +
+                           inner_bytes(wf->g.device, (uint64_t)(wf->g.row_bytes * rows));
+    const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
+    for (int i = 0; i < 2; i++) ref[i] = op_buf_poisoned(&p, rows), got[i] = op_buf_poisoned(&p, rows);
+    ds4_cuda_backend_set_prefetch_parts(p.gpu, 1, 1);
+    p.gpu->ops->matmul(p.gpu, ws[0], 0, rows, x.g, n, ref[0].g, rows, 1, DS4_NUMERICS_DS4);
+    p.gpu->ops->matmul(p.gpu, ws[1], 0, rows, x.g, n, ref[1].g, rows, 1, DS4_NUMERICS_DS4);
+    op_expect_ok(&p);
+    /* outside a step: nothing launched, nothing asked */
+    {
+        uint64_t l0 = 0, b0 = 0, l1 = 0, b1 = 0;
+        ds4_cuda_backend_set_prefetch(p.gpu, 1, 64 << 20);
+        ds4_cuda_backend_prefetch_stats(p.gpu, &l0, &b0);
+        const ds4_backend_counters c0 = op_gpu_counters(&p);
+        p.gpu->ops->prefetch(p.gpu, ws, 2);
+        const ds4_backend_counters c1 = op_gpu_counters(&p);
+        ds4_cuda_backend_prefetch_stats(p.gpu, &l1, &b1);
+        op_expect_ok(&p);
+        CHECK_MSG(c1.launches == c0.launches && l1 == l0 && b1 == b0,
+                  "prefetch outside a step: %llu launches, %llu recorded, %llu bytes",
+                  (unsigned long long)(c1.launches - c0.launches), (unsigned long long)(l1 - l0),
+                  (unsigned long long)(b1 - b0));
+    }
+    static const struct { int mode; int64_t bound; } cases[] = { { 1, 64 << 20 }, { 2, 64 << 20 }, { 1, 1000 },
+                                                                 { 2, 1000 }, { 0, 64 << 20 } };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const int mode = cases[k].mode;
+        char what[96];
+        snprintf(what, sizeof what, "prefetch mode %d, at most %lld bytes", mode, (long long)cases[k].bound);
+        ds4_cuda_backend_set_prefetch(p.gpu, mode, cases[k].bound);
+        for (int rep = 0; rep < 2; rep++) { /* the second replays the first's graph */
+            uint64_t l0 = 0, b0 = 0, l1 = 0, b1 = 0;
+            ds4_cuda_backend_prefetch_stats(p.gpu, &l0, &b0);
+            const ds4_backend_counters c0 = op_gpu_counters(&p);
+            p.gpu->ops->step_begin(p.gpu);
+            p.gpu->ops->prefetch(p.gpu, ws, 2);
+            p.gpu->ops->matmul(p.gpu, ws[0], 0, rows, x.g, n, got[0].g, rows, 1, DS4_NUMERICS_DS4);
+            p.gpu->ops->matmul(p.gpu, ws[1], 0, rows, x.g, n, got[1].g, rows, 1, DS4_NUMERICS_DS4);
+            p.gpu->ops->step_end(p.gpu);
+            const ds4_backend_counters c1 = op_gpu_counters(&p);
+            ds4_cuda_backend_prefetch_stats(p.gpu, &l1, &b1);
+            op_expect_ok(&p);
+            const bool on = recorded && mode != 0;
+            const uint64_t want = !on ? 0 : cases[k].bound < (int64_t)whole ? (uint64_t)cases[k].bound & ~(uint64_t)15
+                                                                             : whole;
+            CHECK_MSG(l1 - l0 == (on ? 1u : 0u) && b1 - b0 == want, "%s: %llu launches asking for %llu bytes "
+                      "(want %u, %llu)", what, (unsigned long long)(l1 - l0), (unsigned long long)(b1 - b0),
+                      on ? 1u : 0u, (unsigned long long)want);
+            if (recorded)
+                CHECK_MSG(c1.graphs > c0.graphs && c1.step_breaks == c0.step_breaks, "%s: not one graph", what);
+            for (int i = 0; i < 2; i++) expect_same_rows(&p, what, got[i].g, ref[i].g, 1, rows, rows);
+        }
+    }
+    /* one token's routed experts in a step: their down matrices too */
+    {
+        const int64_t dim = 2048, n_ff = 1024, n_expert = 8;
+        const int n_used = 6;
+        moe_weights m = moe_make(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, dim, n_ff, n_expert);
+        int32_t sel[6];
+        float wts[6];
+        moe_route(n_expert, n_used, sel, wts);
+        float *hm = op_rand(dim, 1.0);
+        op_buf mx = op_buf_from(&p, hm, dim), y = op_buf_poisoned(&p, dim), y2 = op_buf_poisoned(&p, dim);
+        op_buf dsel = op_ints_from(&p, sel, n_used), dw = op_buf_from(&p, wts, n_used);
+        ds4_cuda_backend_set_prefetch(p.gpu, 1, 64 << 20);
+        moe_gpu(&p, &m, mx, dsel, dw, n_used, 0.0f, y, 1);
+        uint64_t l0 = 0, b0 = 0, l1 = 0, b1 = 0;
+        ds4_cuda_backend_prefetch_stats(p.gpu, &l0, &b0);
+        p.gpu->ops->step_begin(p.gpu);
+        moe_gpu(&p, &m, mx, dsel, dw, n_used, 0.0f, y2, 1);
+        p.gpu->ops->step_end(p.gpu);
+        ds4_cuda_backend_prefetch_stats(p.gpu, &l1, &b1);
+        op_expect_ok(&p);
+        const uint64_t expert = (uint64_t)(m.down->g.row_bytes * dim);
+        if (recorded && env_on("DS4_CUDA_MATVEC"))
+            CHECK_MSG(l1 - l0 == 1 && b1 - b0 == expert * (uint64_t)n_used,
+                      "moe in a step: %llu prefetch launches asking for %llu bytes (want 1, %llu)",
+                      (unsigned long long)(l1 - l0), (unsigned long long)(b1 - b0),
+                      (unsigned long long)(expert * (uint64_t)n_used));
+        expect_same_rows(&p, "moe with its experts' down matrices prefetched", y2.g, y.g, 1, dim, dim);
+        op_buf_free(&p, &mx);
+        op_buf_free(&p, &y);
+        op_buf_free(&p, &y2);
+        op_buf_free(&p, &dsel);
+        op_buf_free(&p, &dw);
+        free(hm);
+        moe_free(&p, &m);
+    }
+    /* bad arguments: errors, in a step or not */
+    {
+        ds4_weight unbound = wq->g;
+        unbound.device = NULL;
+        const ds4_weight *with_null[2] = { &wq->g, NULL }, *with_unbound[1] = { &unbound };
+        for (int step = 0; step < 2; step++) {
+            if (step) p.gpu->ops->step_begin(p.gpu);
+            p.gpu->ops->prefetch(p.gpu, NULL, 1);
+            op_expect_error_with(&p, "prefetch of a NULL list", "prefetch", "NULL list", NULL);
+            p.gpu->ops->prefetch(p.gpu, ws, -1);
+            op_expect_error_with(&p, "prefetch of -1 weights", "prefetch", "-1 weights", NULL);
+            p.gpu->ops->prefetch(p.gpu, with_null, 2);
+            op_expect_error_with(&p, "prefetch of a NULL weight", "prefetch", "weight 1", "NULL", NULL);
+            p.gpu->ops->prefetch(p.gpu, with_unbound, 1);
+            op_expect_error_with(&p, "prefetch of an unbound weight", "prefetch", "pf_q", "not bound", NULL);
+            p.gpu->ops->prefetch(p.gpu, ws, 0); /* nothing */
+            if (step) p.gpu->ops->step_end(p.gpu);
+            op_expect_ok(&p);
+        }
+    }
+    const char *pe = getenv("DS4_CUDA_PREFETCH"); /* the default back */
+    ds4_cuda_backend_set_prefetch(p.gpu, pe && !strcmp(pe, "1") ? 1 : pe && !strcmp(pe, "2") ? 2 : 0, 0);
+    ds4_cuda_backend_set_prefetch_parts(p.gpu, env_on("DS4_CUDA_PREFETCH_OPS"), env_on("DS4_CUDA_PREFETCH_EXPERTS"));
+    for (int i = 0; i < 2; i++) op_buf_free(&p, &ref[i]), op_buf_free(&p, &got[i]);
+    op_buf_free(&p, &x);
+    op_weight_free(&p, wq);
+    op_weight_free(&p, wf);
+    free(hx);
+    free(bq);
+    free(bf);
+    free(dq);
+    free(df);
+    op_pair_close(&p);
+}
+
 static void test_matvec_pack(void) {
     OPEN_PAIR(p);
     pack_plain_case(&p, DS4_TYPE_Q2_K, 1024, 70001);    /* 6 rows a stage, warps of 8: stages of 6 and 2 */
@@ -2001,6 +2257,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_grouped_iq2_xxs),
     TEST_ENTRY(test_matmul_grouped_errors),
     TEST_ENTRY(test_matmul_multi),
+    TEST_ENTRY(test_matmul_multi_add),
     TEST_ENTRY(test_matmul_multi_errors),
     TEST_ENTRY(test_matvec_quantises_x),
     TEST_ENTRY(test_moe_iq2_xxs),
@@ -2016,6 +2273,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_bad_expert),
     TEST_ENTRY(test_matvec_pack),
     TEST_ENTRY(test_step_branch),
+    TEST_ENTRY(test_prefetch),
     TEST_ENTRY(test_matvec_grouped_quantises_x),
     { 0 },
 };

@@ -503,6 +503,79 @@ static void test_deferred_sinkhorn_matches(void) {
 }
 
 /*
+ * Weights into the L2 ahead of their products (ds4_cuda_backend_set_prefetch):
+ * the whole model, a prefill of 8 rows then decoded tokens as recorded
+ * steps, gives the same logits bit for bit with the prefetch off, by the
+ * copy engine and by loads. The decoded steps ask for three sets a layer
+ * (the normed input's products, the output products, the FFN's shared
+ * expert and router) and at most one more (the routed experts' down
+ * matrices); the prefill, not a recorded step, for none.
+ */
+static void test_prefetch_matches(void) {
+    SETUP_OR_SKIP();
+    ds4_error err = { 0 };
+    gguf_file *f = NULL;
+    ds4_backend *be = NULL;
+    ds4_model *m = open_model(&f, &be);
+    if (m) {
+        const ds4_config *c = ds4_model_config(m);
+        const int64_t n_pre = 8, n_dec = 12;
+        int32_t *t = random_tokens(n_pre + n_dec);
+        float *ref = malloc((size_t)((n_dec + 1) * vocab) * sizeof *ref);
+        float *got = malloc((size_t)((n_dec + 1) * vocab) * sizeof *got);
+        const bool recorded = !env_flag("DS4_CUDA_PROFILE", false); /* (kernel timing records no steps) */
+        ds4_cuda_backend_set_graphs(be, 1);
+        ds4_cuda_backend_set_prefetch_parts(be, 1, 1);
+        static const int modes[3] = { 0, 1, 2 };
+        for (int pass = 0; pass < 3 && ref && got; pass++) {
+            float *out = pass == 0 ? ref : got;
+            ds4_cuda_backend_set_prefetch(be, modes[pass], 0);
+            uint64_t l0 = 0, b0 = 0, l1 = 0, b1 = 0, l2 = 0, b2 = 0;
+            ds4_state *st = NULL;
+            CHECK_MSG(ds4_state_create(m, 512, &st, &err) == DS4_OK, "%s", err.message);
+            if (!st) break;
+            ds4_cuda_backend_prefetch_stats(be, &l0, &b0);
+            CHECK(ds4_model_eval(m, st, t, n_pre, DS4_NUMERICS_DS4, out, false, &err) == DS4_OK);
+            ds4_cuda_backend_prefetch_stats(be, &l1, &b1);
+            for (int64_t i = 0; i < n_dec; i++)
+                CHECK_MSG(ds4_model_eval(m, st, t + n_pre + i, 1, DS4_NUMERICS_DS4, out + (i + 1) * vocab, false,
+                                         &err) == DS4_OK, "%s", err.message);
+            ds4_cuda_backend_prefetch_stats(be, &l2, &b2);
+            ds4_state_free(st);
+            const uint64_t steps = (uint64_t)n_dec, per = (l2 - l1) / steps, layers = (uint64_t)c->n_layer;
+            fprintf(stderr, "  prefetch mode %d: %llu launches in the prefill, %llu a decoded token (%llu bytes)\n",
+                    modes[pass], (unsigned long long)(l1 - l0), (unsigned long long)per,
+                    (unsigned long long)((b2 - b1) / steps));
+            CHECK_MSG(l1 == l0 && b1 == b0, "mode %d: the prefill prefetched (%llu launches)", modes[pass],
+                      (unsigned long long)(l1 - l0));
+            if (recorded && modes[pass] != 0)
+                CHECK_MSG(l2 - l1 >= 3 * layers * steps && l2 - l1 <= 4 * layers * steps && b2 > b1,
+                          "mode %d: %llu launches over %llu decoded tokens of %llu layers", modes[pass],
+                          (unsigned long long)(l2 - l1), (unsigned long long)steps, (unsigned long long)layers);
+            else
+                CHECK_MSG(l2 == l1, "mode %d: %llu launches", modes[pass], (unsigned long long)(l2 - l1));
+            if (pass > 0) {
+                int64_t first = -1;
+                for (int64_t i = 0; i < (n_dec + 1) * vocab && first < 0; i++)
+                    if (memcmp(&ref[i], &got[i], sizeof(float)) != 0) first = i;
+                CHECK_MSG(first < 0, "prefetch mode %d: logits differ from no prefetch at step %lld, logit %lld",
+                          modes[pass], first < 0 ? 0LL : (long long)(first / vocab),
+                          first < 0 ? 0LL : (long long)(first % vocab));
+            }
+        }
+        const char *pe = getenv("DS4_CUDA_PREFETCH"); /* the default back */
+        ds4_cuda_backend_set_prefetch(be, pe && !strcmp(pe, "1") ? 1 : pe && !strcmp(pe, "2") ? 2 : 0, 0);
+        ds4_cuda_backend_set_prefetch_parts(be, env_flag("DS4_CUDA_PREFETCH_OPS", true),
+                                            env_flag("DS4_CUDA_PREFETCH_EXPERTS", true));
+        ds4_cuda_backend_set_graphs(be, env_flag("DS4_CUDA_GRAPH", true));
+        free(ref);
+        free(got);
+        free(t);
+    }
+    close_model(f, be, m);
+}
+
+/*
  * Batched decode on the GPU: four states at different positions decode one
  * token each per call (weights read once for all rows; the products take
  * the several-row kernels), and every row's logits agree with a
@@ -700,6 +773,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_decode_step_waits),
     TEST_ENTRY(test_graph_replay_matches_direct),
     TEST_ENTRY(test_deferred_sinkhorn_matches),
+    TEST_ENTRY(test_prefetch_matches),
     TEST_ENTRY(test_batch_decode_matches_single),
     TEST_ENTRY(test_compressor_chunks_match),
     TEST_ENTRY(test_step_break_keeps_order),

@@ -294,7 +294,8 @@ void cpu_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, 
         cpu_matmul(be, w, g * n_out, n_out, x + g * n_in, x_stride, out + g * n_out, out_stride, n_rows, num);
 }
 
-/* The products one by one: bit-identical to separate matmul calls. */
+/* The products one by one (each with its row added after it): bit-identical
+ * to separate matmul (and add_weight_row) calls. */
 void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
                       ds4_numerics num) {
     ds4_error err = { 0 };
@@ -305,7 +306,15 @@ void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float 
     cpu_dot_kind kind;
     for (int j = 0; j < n; j++) /* every weight usable before any product is written */
         if (!product_weight_ok(be, "matmul_multi", p[j].w, num, &kind)) return;
-    for (int j = 0; j < n; j++) cpu_matmul(be, p[j].w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
+    for (int j = 0; j < n; j++) {
+        cpu_matmul(be, p[j].w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
+        if (!p[j].add || p[j].n_out == 0) continue;
+        if (p[j].out_stride == p[j].n_out || n_rows == 1)
+            be->ops->add_weight_row(be, p[j].out, p[j].add, p[j].add_row, n_rows);
+        else
+            for (int64_t r = 0; r < n_rows; r++)
+                be->ops->add_weight_row(be, p[j].out + r * p[j].out_stride, p[j].add, p[j].add_row, 1);
+    }
 }
 
 /* ------------------------------------------------------------------------ */

@@ -1046,6 +1046,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .branch_begin = cuda_branch_begin,
     .branch_end = cuda_branch_end,
     .branch_join = cuda_branch_join,
+    .prefetch = cuda_prefetch,
     .take_error = cuda_take_error,
 };
 
@@ -1086,6 +1087,7 @@ extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4
     DS4_CUDA_TRY(st, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, cb->stream), err, fail);
     DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->dev_error_host, sizeof *cb->dev_error_host), err, fail);
     if ((st = cuda_launch_init(cb, err)) != DS4_OK) goto fail;
+    if ((st = cuda_prefetch_init(cb, err)) != DS4_OK) goto fail;
     memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
     {
         /* keep freed pool blocks for reuse instead of returning them at every sync */
@@ -1107,6 +1109,7 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
     cuda_backend *cb = cuda_impl(be);
     if (cb->stream) cudaStreamSynchronize(cb->stream);
     cuda_launch_free(cb);
+    cuda_prefetch_free(cb);
     for (int i = 0; i < CUDA_SCRATCH_SLOTS; i++) {
         cudaFree(cb->scratch[i]);
         cudaFreeHost(cb->ctrl_host[i]);

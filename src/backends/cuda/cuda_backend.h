@@ -138,6 +138,22 @@ void ds4_cuda_backend_set_hc_defer(ds4_backend *be, int on, int64_t min_bytes);
 /* Deferred Sinkhorn tasks run by weight products, and by their own kernel,
  * since the backend was created. */
 void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uint64_t *settled);
+/* Weights into the L2 cache ahead of their products, in recorded steps
+ * (backend.h's prefetch, and the routed experts' down matrices of one
+ * decoded token once the router has chosen them): mode 1, the bulk copy
+ * engine's L2 prefetch; 2, loads by a grid of threads; 0 off, the default
+ * (measured slower on the H200; DS4_CUDA_PREFETCH=N sets the default). A call asks for at most
+ * max_bytes (0: the default, three quarters of the device's L2;
+ * DS4_CUDA_PREFETCH_MIB sets it). The results are the same either way,
+ * bit for bit. Takes effect at the next op. */
+void ds4_cuda_backend_set_prefetch(ds4_backend *be, int mode, int64_t max_bytes);
+/* Which prefetches run (both by default; DS4_CUDA_PREFETCH_OPS=0 and
+ * DS4_CUDA_PREFETCH_EXPERTS=0 make off the defaults): the op's calls, and
+ * the routed experts' down matrices. */
+void ds4_cuda_backend_set_prefetch_parts(ds4_backend *be, int ops, int experts);
+/* Prefetch launches recorded, and the bytes they asked for, since the
+ * backend was created. */
+void ds4_cuda_backend_prefetch_stats(const ds4_backend *be, uint64_t *launches, uint64_t *bytes);
 /* Branches recorded, and joins forced by a scratch slot that both sides
  * took, since the backend was created. */
 void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins);

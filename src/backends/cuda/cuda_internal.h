@@ -227,6 +227,13 @@ typedef struct cuda_backend {
     bool br_join_next; /* the next main entry joins br_pending */
     uint64_t br_slots; /* scratch slots the pending branch took (bit per slot) */
     uint64_t br_count, br_auto_joins; /* branches recorded; joins forced by a scratch slot */
+    bool rec_leaf;    /* the entry being recorded is a leaf off the chain (cuda_launch_leaf) */
+    /* weights into the L2 ahead of their products (cuda_prefetch.cu) */
+    int pf_mode;            /* 0 off, 1 the copy engine's L2 prefetch (default), 2 loads (DS4_CUDA_PREFETCH) */
+    int64_t pf_max_bytes;   /* bytes one call asks for at most (DS4_CUDA_PREFETCH_MIB; default 3/4 of the L2) */
+    bool pf_ops, pf_experts; /* the op's calls, the experts' down matrices (DS4_CUDA_PREFETCH_OPS / _EXPERTS=0: not) */
+    unsigned *pf_sink;      /* device word the loads' kernel may write (never read) */
+    uint64_t pf_nodes, pf_bytes; /* prefetch launches recorded, and the bytes they ask for */
     cuda_graph_rec graphs[CUDA_GRAPH_CACHE];
     uint64_t graph_clock;
     uint8_t *arena_host, *arena_dev;
@@ -356,6 +363,20 @@ static inline bool cuda_launch(ds4_backend *be, const char *what, void (*k)(P...
     (cuda_args_put<P>(a, static_cast<P>(args)), ...);
     return cuda_launch_args(be, what, (const void *)k, grid, block, smem, &a);
 }
+/* The same, as a leaf of a recorded step: the kernel waits for the entry
+ * recorded last on the chain being recorded, and nothing waits for it (the
+ * chain goes on from that entry). Outside a recorded step it launches
+ * nothing and returns false (for kernels whose work is a hint). */
+template <typename... P, typename... A>
+static inline bool cuda_launch_leaf(ds4_backend *be, const char *what, void (*k)(P...), dim3 grid, dim3 block,
+                                    size_t smem, A... args) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    if (!cb->recording) return false;
+    cb->rec_leaf = true;
+    const bool ok = cuda_launch(be, what, k, grid, block, smem, args...);
+    cb->rec_leaf = false;
+    return ok;
+}
 /* Device-to-device copy of `bytes` (no overlap) and byte fill, on the stream
  * or into the recorded step. */
 bool cuda_copy_d2d(ds4_backend *be, void *dst, const void *src, size_t bytes);
@@ -387,6 +408,13 @@ void cuda_hc_settle_touching(ds4_backend *be, const float *p, int64_t n);
 bool cuda_hc_take_comb(cuda_backend *cb, double weight_bytes, cuda_comb_task *t);
 void cuda_hc_defer_init(cuda_backend *cb); /* the settings from the environment */
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err);
+/* The prefetch op (backend.h), its settings from the environment and the
+ * device's L2 size, and the routed experts' down matrices of the token
+ * being decoded once sel (device, slots ids) is known. */
+void cuda_prefetch(ds4_backend *be, const ds4_weight *const *w, int n);
+ds4_status cuda_prefetch_init(cuda_backend *cb, ds4_error *err);
+void cuda_prefetch_free(cuda_backend *cb);
+void cuda_prefetch_experts(ds4_backend *be, const ds4_weight *w, const int32_t *sel, int64_t slots);
 /* Kernel timing: fold the finished launches into the per-kernel totals
  * (waits for the last one). */
 void cuda_profile_collect(ds4_backend *be);

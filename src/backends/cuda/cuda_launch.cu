@@ -98,7 +98,10 @@ static void link_entry(cuda_backend *cb, cuda_node *e) {
     const int i = cb->log.n - 1;
     e->join = -1;
     e->side = cb->br_side;
-    if (cb->br_side) {
+    if (cb->rec_leaf) { /* off the chain: after its last entry, and nothing after it */
+        e->side = true;
+        e->pred = !cb->br_side ? cb->last_main : cb->br_last >= 0 ? cb->br_last : cb->br_fork;
+    } else if (cb->br_side) {
         e->pred = cb->br_last >= 0 ? cb->br_last : cb->br_fork;
         if (cb->br_last < 0 && cb->br_pending >= 0) { /* a second branch before the first was joined */
             /* (a join the main chain asked for stays asked: it then waits

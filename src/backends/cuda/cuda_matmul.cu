@@ -790,6 +790,8 @@ static void run_mv(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t r
                    const void *act, int64_t act_stride, int64_t group_stride, float *out, int64_t out_stride,
                    int64_t n_rows, const float *xf, int64_t xf_stride) {
     cuda_mv_job j;
+    j.add = NULL;
+    j.add_type = 0;
     j.type = w->type;
     j.act_kind = mv_kind(mode);
     j.w = w->device;
@@ -886,6 +888,14 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
  * matrix); the rest go through cuda_matmul one by one.
  */
 static_assert(DS4_PRODUCTS_MAX <= CUDA_MV_MAX_MATS, "one launch holds every product of a call");
+/* A product's row to add (ds4_product.add), by the add_weight_row op. */
+static void product_add(ds4_backend *be, const ds4_product *p, int64_t n_rows) {
+    if (!p->add) return;
+    if (p->out_stride == p->n_out || n_rows == 1)
+        be->ops->add_weight_row(be, p->out, p->add, p->add_row, n_rows);
+    else
+        for (int64_t r = 0; r < n_rows; r++) be->ops->add_weight_row(be, p->out + r * p->out_stride, p->add, p->add_row, 1);
+}
 void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
                        ds4_numerics num) {
     ds4_error err;
@@ -912,6 +922,7 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
         if (!joined || p[j].n_out == 0 || !mv_suits(w, mode, x, x_stride, n_rows)) {
             done[j] = true;
             cuda_matmul(be, w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
+            if (p[j].n_out > 0) product_add(be, &p[j], n_rows);
             continue;
         }
         /* j and every later product of the same type and row length */
@@ -947,8 +958,16 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             jb->n_rows = (int)n_rows;
             jb->xf = xq ? x : NULL;
             jb->xf_stride = x_stride;
+            /* a float row to add: in the kernel's last step (others after it) */
+            const ds4_weight *ad = p[k].add;
+            static const bool fuse_add = cuda_env_flag("DS4_CUDA_MV_ADD", true); /* 0: by add_weight_row (A/B) */
+            const bool in_kernel = fuse_add && ad && ad->device && cuda_is_float_type(ad->type);
+            jb->add = in_kernel ? cuda_weight_row(ad, p[k].add_row) : NULL;
+            jb->add_type = in_kernel ? ad->type : 0;
         }
         if (!cuda_mv_run_multi(be, jobs, nj)) return;
+        for (int i = 0; i < nj; i++)
+            if (!jobs[i].add) product_add(be, &p[take[i]], n_rows);
     }
 }
 
@@ -1451,6 +1470,9 @@ void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, con
     float *g = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_GATE, (size_t)n_mid * sizeof(float));
     float *u = (float *)cuda_scratch(be, CUDA_SCRATCH_MOE_UP, (size_t)n_mid * sizeof(float));
     if (!g || !u) return;
+    /* the chosen experts' down matrices into the L2 beside gate/up (a
+     * recorded step's leaf; one token's, which fit) */
+    cuda_prefetch_experts(be, down, d_sel, slots);
     if (!cuda_mv_moe_gate_up(be, gate, up, mv_kind(mg), mv_kind(mu), xg, xu, act_stride_of(mg, dim, dim),
                              act_stride_of(mu, dim, dim), d_sel, n_used, n_rows, g, u,
                              direct_ids ? cuda_dev_error_of(be) : NULL, direct_ids ? cuda_check_tag(be, gate->name) : 0,

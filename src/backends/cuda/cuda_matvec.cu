@@ -271,7 +271,12 @@ struct mv_args {
      * the product (those of other y or z do nothing) */
     cuda_comb_task comb;
     int comb_blocks;
+    /* plain products: a float row added to each output row of matrix z
+     * (NULL: none), as add_weight_row adds it */
+    const void *add[CUDA_MV_MAX_MATS];
+    uint32_t add_type[CUDA_MV_MAX_MATS];
 };
+static_assert(sizeof(mv_args) <= 1024, "mv_args fits a launch's argument bytes (cuda_args)");
 
 static __device__ __forceinline__ int ld_s32(const uint8_t *p) { return *(const int *)p; }
 
@@ -1093,6 +1098,7 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
             if (a.experts_as_parts) out = a.out[z] + (int64_t)blockIdx.y * a.out_token_stride + r * a.out_stride_z[z];
             else if (a.groups) out = a.out[z] + (int64_t)a.order[grp_first + r] * a.out_sel_stride;
             else out = a.out[z] + (a.sel ? (int64_t)blockIdx.y * a.out_sel_stride : 0) + r * a.out_stride_z[z];
+            if (a.add[z]) s = __fadd_rn(s, cuda_load_float(a.add[z], a.add_type[z], oo));
             out[oo] = s;
         }
     }
@@ -1392,6 +1398,8 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
         a.n_out_z[z] = j[z].n_out;
         a.out_stride_z[z] = j[z].out_stride;
         a.n_out = j[z].n_out > a.n_out ? j[z].n_out : a.n_out;
+        a.add[z] = j[z].add;
+        a.add_type[z] = j[z].add_type;
         total += j[z].n_out;
     }
     a.row_bytes = j[0].row_bytes;

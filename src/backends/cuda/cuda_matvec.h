@@ -44,6 +44,10 @@ typedef struct cuda_mv_job {
      * unused and act_stride is n / 32 */
     const float *xf;
     int64_t xf_stride;
+    /* non-NULL (cuda_mv_run_multi): a float row (add_type F32, F16 or BF16)
+     * of n_out values added to every output row, as add_weight_row adds it */
+    const void *add;
+    uint32_t add_type;
 } cuda_mv_job;
 
 /* true when the matvec kernels can run this weight type / row shape with

@@ -766,7 +766,7 @@ static void compressor_each(ds4_model *m, ds4_state *const *rs, int l, bool is_i
         const int ratio = cs->ratio;
         const int64_t width = cs->coff * cs->dim, p = pos[t];
         float *sc_t = sc + t * width;
-        be->ops->add_weight_row(be, sc_t, ape, p % ratio, 1);
+        if (ape) be->ops->add_weight_row(be, sc_t, ape, p % ratio, 1); /* (NULL: its product added it) */
         TAP(is_index ? "idx_comp_score" : "comp_score", l, t, sc_t, width);
         const bool window_end = (p + 1) % ratio == 0;
         if (window_end || t + 1 == n || rs[t + 1] != rs[t] || pos[t + 1] != p + 1) {
@@ -783,6 +783,8 @@ static void compressor_each(ds4_model *m, ds4_state *const *rs, int l, bool is_i
     }
 }
 
+/* (ape NULL: one row, n 1, whose score row got its APE row from its
+ * product; that takes compressor_each) */
 static void compressor_pass(ds4_model *m, ds4_state *const *rs, int l, bool is_index, const ds4_weight *ape,
                             const ds4_weight *norm, float *kv, float *sc, const int32_t *pos, int64_t n,
                             float *row, ds4_numerics num, int64_t *n_rows) {
@@ -969,6 +971,12 @@ static void sublayer_output(ds4_model *m, int l, scratch *s, const float *y2, in
     TAP(y2 ? "ffn_X" : "attn_X", l, -1, s->X, n * m->cfg.n_hc * H);
 }
 
+/* The weights of the products ahead, for a backend that can bring them in
+ * beside the ops before them (backend.h's prefetch). */
+static void prefetch(ds4_model *m, const ds4_weight *const *w, int n) {
+    if (m->be->ops->prefetch) m->be->ops->prefetch(m->be, w, n);
+}
+
 /* Row t of the batch belongs to state rs[t] (at position pos[t]): a prefill
  * chunk has one state for every row, a batched decode one state per row. */
 static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratch *s, const int32_t *pos, int64_t n,
@@ -980,6 +988,15 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     const int ratio = c->compress_ratio[l];
     const ds4_rope *rope = ratio ? &m->rope_comp : &m->rope_dense;
 
+    /* the normed input's products first (their weights come in beside the
+     * HC mix), then q_b's */
+    {
+        const ds4_weight *pw[7] = { &W->q_a, &W->kv };
+        int np = 2;
+        if (ratio) pw[np++] = &W->comp_kv, pw[np++] = &W->comp_gate;
+        if (ratio == 4) pw[np++] = &W->idx_kv, pw[np++] = &W->idx_gate, pw[np++] = &W->idx_proj;
+        prefetch(m, pw, np);
+    }
     sublayer_input(m, s, &W->hc_attn_fn, &W->hc_attn_scale, &W->hc_attn_base, &W->attn_norm, n);
     TAP("attn_hc_x", l, -1, s->x, n * H);
     TAP("attn_hc_post", l, -1, s->post, n * c->n_hc);
@@ -1006,19 +1023,25 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     }
     /* every product of the normed input in one call: q low rank, kv, and
      * the compressor and indexer projections */
+    /* (one decoded token without an inspection hook: each score row's APE
+     * row is added by its product, not by the compressor pass after it) */
+    const bool ape_added = direct && !m->tap;
     ds4_product prod[7] = {
-        { &W->q_a, qr, s->qr, qr },
-        { &W->kv, D, kv, D },
+        { .w = &W->q_a, .n_out = qr, .out = s->qr, .out_stride = qr },
+        { .w = &W->kv, .n_out = D, .out = kv, .out_stride = D },
     };
     int n_prod = 2;
     if (ratio) {
-        prod[n_prod++] = (ds4_product){ &W->comp_kv, cw, ckv, cw };
-        prod[n_prod++] = (ds4_product){ &W->comp_gate, cw, csc, cw };
+        prod[n_prod++] = (ds4_product){ .w = &W->comp_kv, .n_out = cw, .out = ckv, .out_stride = cw };
+        prod[n_prod++] = (ds4_product){ .w = &W->comp_gate, .n_out = cw, .out = csc, .out_stride = cw,
+                                        .add = ape_added ? &W->comp_ape : NULL, .add_row = pos[0] % ratio };
     }
     if (ratio == 4) {
-        prod[n_prod++] = (ds4_product){ &W->idx_kv, iw, ikv, iw };
-        prod[n_prod++] = (ds4_product){ &W->idx_gate, iw, isc, iw };
-        prod[n_prod++] = (ds4_product){ &W->idx_proj, c->idx_n_head, s->iw, c->idx_n_head };
+        prod[n_prod++] = (ds4_product){ .w = &W->idx_kv, .n_out = iw, .out = ikv, .out_stride = iw };
+        prod[n_prod++] = (ds4_product){ .w = &W->idx_gate, .n_out = iw, .out = isc, .out_stride = iw,
+                                        .add = ape_added ? &W->idx_ape : NULL, .add_row = pos[0] % ratio };
+        prod[n_prod++] = (ds4_product){ .w = &W->idx_proj, .n_out = c->idx_n_head, .out = s->iw,
+                                        .out_stride = c->idx_n_head };
     }
     be->ops->matmul_multi(be, prod, n_prod, s->a, H, n, num);
     /* q: low rank, norm, up, per-head plain norm, RoPE */
@@ -1027,6 +1050,10 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a_norm", l, -1, s->qr, n * qr);
     be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
     TAP("q_b", l, -1, s->q, n * nh * D);
+    { /* the output products' weights, beside the norms, compressors and attention */
+        const ds4_weight *pw[2] = { &W->out_a, &W->out_b };
+        prefetch(m, pw, 2);
+    }
     /* the per-head norm and RoPE of q, then of kv with its FP8 and F16
      * rounding: both in one call (head_norm_rope2) where the backend has
      * it, else each in one (head_norm_rope), unless an inspection hook
@@ -1075,11 +1102,13 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
      * first that needs them on are made in one batch */
     bool iq_made = false;
     if (ratio)
-        compressor_pass(m, rs, l, false, &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow, num, s->n_comp);
+        compressor_pass(m, rs, l, false, ape_added ? NULL : &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow,
+                        num, s->n_comp);
     else
         for (int64_t t = 0; t < n; t++) s->n_comp[t] = 0;
     if (ratio == 4)
-        compressor_pass(m, rs, l, true, &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow, num, s->n_index);
+        compressor_pass(m, rs, l, true, ape_added ? NULL : &W->idx_ape, &W->idx_norm, ikv, isc, pos, n, s->crow,
+                        num, s->n_index);
     const int64_t Wn = c->sliding_window;
     /* a batch of states: every row's KV row into its own window in one call */
     const bool own = !direct && rows_own_states(m, rs, n);
@@ -1159,6 +1188,10 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     const int k = c->n_expert_used;
     const float limit = c->swiglu_limit[l];
 
+    { /* the shared expert's and the router's weights, beside the HC mix */
+        const ds4_weight *pw[4] = { &W->gate_sh, &W->up_sh, &W->gate_inp, &W->down_sh };
+        prefetch(m, pw, 4);
+    }
     sublayer_input(m, s, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, &W->ffn_norm, n);
     TAP("ffn_hc_x", l, -1, s->x, n * H);
     TAP("ffn_hc_post", l, -1, s->post, n * c->n_hc);
@@ -1169,8 +1202,8 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
      * touch, so it may run beside them until the join before s->y is read */
     if (be->ops->branch_begin) be->ops->branch_begin(be);
     const ds4_product prod[2] = {
-        { &W->gate_sh, I, s->g, I },
-        { &W->up_sh, I, s->u, I },
+        { .w = &W->gate_sh, .n_out = I, .out = s->g, .out_stride = I },
+        { .w = &W->up_sh, .n_out = I, .out = s->u, .out_stride = I },
     };
     be->ops->matmul_multi(be, prod, 2, s->a, H, n, num);
     TAP("shexp_gate", l, -1, s->g, n * I);
