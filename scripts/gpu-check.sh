@@ -16,6 +16,8 @@
 #   ALLOW_SKIP=1    accept skipped CUDA tests (by default a skip is a failure:
 #                   on a GPU machine it means the device was not usable)
 #   STEP_TIMEOUT    seconds per test / sanitizer run (default 600)
+#   UNIT_TIMEOUT    seconds per CUDA test binary of the unit stage (default 360: the
+#                   whole of test_cuda_matmul takes about 170; a hang then costs less device time)
 #   CPU_TESTS=0     skip `make test-c` in the build stage (CI runs the CPU tests; saves device time)
 #   CPU_BUILD=0     skip the CPU build and (unless CPU_TESTS=1) its tests: only build/cuda
 #   UNIT_ONLY       "[VAR=V,...:]BIN[:FILTER] ..." runs only those CUDA tests in the unit stage
@@ -74,6 +76,7 @@ cd "$(dirname "$0")/.." || exit 1
 
 JOBS=${JOBS:-16}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
+UNIT_TIMEOUT=${UNIT_TIMEOUT:-360}
 ALLOW_SKIP=${ALLOW_SKIP:-0}
 STAGES=${STAGES:-build,unit,parity,sanitize}
 SHM=${SHM:-/dev/shm/ds4-gpu-check}
@@ -524,12 +527,14 @@ main() {
         fi
         section "$name"
         log="$TMP/$(basename "$b")${filter:+.$filter}.log"
-        env "${envs[@]}" timeout "$STEP_TIMEOUT" "$b" $filter >"$log" 2>&1
+        env "${envs[@]}" timeout "$UNIT_TIMEOUT" "$b" $filter >"$log" 2>&1
         rc=$?
         cat "$log"
         counts=$(test_counts "$log")
         read -r p f s <<<"${counts:-? ? ?}"
-        if [ $rc -ne 0 ]; then
+        if [ $rc -eq 124 ]; then
+            record "$name" "FAIL (timed out after ${UNIT_TIMEOUT}s, in the test after: $(grep -E '^(ok|FAIL|SKIP) ' "$log" | tail -n1 | cut -c1-60))"
+        elif [ $rc -ne 0 ]; then
             record "$name" "FAIL (exit $rc; $p passed, $f failed, $s skipped)"
         elif [ "$s" != "0" ] && [ "$ALLOW_SKIP" != "1" ]; then
             record "$name" "FAIL ($s skipped on a GPU machine; $p passed)"

@@ -108,6 +108,13 @@ static double normwise(const float *a, const float *b) {
     return max_ref > 0 ? max_abs / max_ref : max_abs;
 }
 
+/* The first of n floats where a and b differ bit for bit, or -1. */
+static int64_t first_diff(const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0) return i;
+    return -1;
+}
+
 static int32_t argmax(const float *v) {
     int64_t best = 0;
     for (int64_t i = 1; i < vocab; i++)
@@ -402,9 +409,7 @@ static void test_graph_replay_matches_direct(void) {
         }
         for (int pass = 1; pass < 4 && direct && graph && seg && chain; pass++) {
             const float *other = pass == 1 ? graph : pass == 2 ? seg : chain;
-            int64_t first = -1;
-            for (int64_t i = 0; i < n_dec * vocab && first < 0; i++)
-                if (memcmp(&direct[i], &other[i], sizeof(float)) != 0) first = i;
+            const int64_t first = first_diff(direct, other, n_dec * vocab);
             CHECK_MSG(first < 0, "%s differ from direct launches at step %lld, logit %lld: %.9g vs %.9g",
                       names[pass], first < 0 ? 0LL : (long long)(first / vocab),
                       first < 0 ? 0LL : (long long)(first % vocab), first < 0 ? 0.0 : (double)direct[first],
@@ -485,9 +490,7 @@ static void test_deferred_sinkhorn_matches(void) {
                           names[pass], (unsigned long long)taken, pass == 3 ? "" : "at least ",
                           (unsigned long long)want);
             if (pass > 0) {
-                int64_t first = -1;
-                for (int64_t i = 0; i < (n_dec + 1) * vocab && first < 0; i++)
-                    if (memcmp(&ref[i], &got[i], sizeof(float)) != 0) first = i;
+                const int64_t first = first_diff(ref, got, (n_dec + 1) * vocab);
                 CHECK_MSG(first < 0, "%s: logits differ from the split in the finishing kernel at step %lld, "
                           "logit %lld", names[pass], first < 0 ? 0LL : (long long)(first / vocab),
                           first < 0 ? 0LL : (long long)(first % vocab));
@@ -555,9 +558,7 @@ static void test_prefetch_matches(void) {
             else
                 CHECK_MSG(l2 == l1, "mode %d: %llu launches", modes[pass], (unsigned long long)(l2 - l1));
             if (pass > 0) {
-                int64_t first = -1;
-                for (int64_t i = 0; i < (n_dec + 1) * vocab && first < 0; i++)
-                    if (memcmp(&ref[i], &got[i], sizeof(float)) != 0) first = i;
+                const int64_t first = first_diff(ref, got, (n_dec + 1) * vocab);
                 CHECK_MSG(first < 0, "prefetch mode %d: logits differ from no prefetch at step %lld, logit %lld",
                           modes[pass], first < 0 ? 0LL : (long long)(first / vocab),
                           first < 0 ? 0LL : (long long)(first % vocab));
