@@ -930,7 +930,11 @@ static void test_matmul_multi(void) {
     unbound.host = NULL;
     test_weight narrow;
     weight_make(&narrow, "blk.0.narrow.weight", DS4_TYPE_Q8_0, 128, 20, src);
-    for (int c = 0; c < 11; c++) {
+    ds4_weight add_unbound = add1.w, add_q40 = { "blk.1.add_q40.weight", DS4_TYPE_Q4_0, { 12, 1, 1, 1 }, 18,
+                                                   tw[0].data, NULL, NULL }; /* (12 wide: the type is what fails) */
+    add_unbound.host = NULL;
+    add_unbound.name = "blk.0.add_unbound.weight";
+    for (int c = 0; c < 13; c++) {
         ds4_product p[NP];
         for (int j = 0; j < NP; j++) {
             for (int64_t i = 0; i < max_rows * (n_outs[j] + 2); i++) out[j][i] = -7.0f;
@@ -952,6 +956,8 @@ static void test_matmul_multi(void) {
         case 8: p[3].w = &unbound, name = ds4_type_name(types[1]); break;
         case 9: p[1].add = &add3.w, name = "blk.0.add3.weight"; break;             /* 5 wide for 17 outputs */
         case 10: p[3].add = &add3.w, p[3].add_row = 4, name = "blk.0.add3.weight"; break; /* past its 4 rows */
+        case 11: p[1].add = &add_unbound, name = "blk.0.add_unbound.weight"; break; /* (the last product checked too) */
+        case 12: p[4].add = &add_q40, want_st = DS4_ERR_UNSUPPORTED, name = "blk.1.add_q40.weight"; break;
         }
         be->ops->matmul_multi(be, p, n, x, xs, rows, DS4_NUMERICS_DS4);
         CHECK_MSG(take_error(be, msg, sizeof msg) == want_st, "case %d: %s", c, msg);

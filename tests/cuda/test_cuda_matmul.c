@@ -1518,10 +1518,11 @@ static void multi_case(op_pair *p, const uint32_t *types, const int64_t *n_outs,
  * gate products adding an F16 row, kv an F32 row and q_a a Q8_0 row (no
  * float row: added by the add_weight_row op after the product), for 1 and
  * 3 rows (the streaming kernels, where a float row is added in the
- * kernel's last step: three launches fewer than the products and the four
- * add_weight_row calls) and 11 (product by product). The outputs equal the
- * products without rows followed by add_weight_row, bit for bit. A row of
- * the wrong width is an error.
+ * kernel's last step: three add_row launches fewer than the products and
+ * the add_weight_row calls; the 3 rows' outputs 3 floats wider than the
+ * data, added row by row) and 11 (product by product). The outputs equal
+ * the products without rows followed by add_weight_row, bit for bit. A row
+ * of the wrong width, or of an unbound weight, is an error.
  */
 static void test_matmul_multi_add(void) {
     OPEN_PAIR(p);
@@ -1554,29 +1555,34 @@ static void test_matmul_multi_add(void) {
     }
     static const int64_t ROWS[] = { 1, 3, 11 };
     for (size_t ri = 0; ri < 3; ri++) {
-        const int64_t n_rows = ROWS[ri];
+        const int64_t n_rows = ROWS[ri], pad = n_rows == 3 ? 3 : 0; /* (3 rows: output rows 3 floats apart more) */
         float *hx = op_rand(n_rows * n_in, x_amp);
         op_buf x = op_buf_from(&p, hx, n_rows * n_in), y[NP], ysep[NP];
         ds4_product pf[NP], ps[NP];
         for (int j = 0; j < NP; j++) {
-            y[j] = op_buf_poisoned(&p, n_rows * n_outs[j]);
-            ysep[j] = op_buf_poisoned(&p, n_rows * n_outs[j]);
-            pf[j] = (ds4_product){ &w[j]->g, n_outs[j], y[j].g, n_outs[j], adds[j] ? &adds[j]->g : NULL,
+            y[j] = op_buf_poisoned(&p, n_rows * (n_outs[j] + pad));
+            ysep[j] = op_buf_poisoned(&p, n_rows * (n_outs[j] + pad));
+            pf[j] = (ds4_product){ &w[j]->g, n_outs[j], y[j].g, n_outs[j] + pad, adds[j] ? &adds[j]->g : NULL,
                                    adds[j] ? add_rows[j] : 0 };
-            ps[j] = (ds4_product){ &w[j]->g, n_outs[j], ysep[j].g, n_outs[j], NULL, 0 };
+            ps[j] = (ds4_product){ &w[j]->g, n_outs[j], ysep[j].g, n_outs[j] + pad, NULL, 0 };
         }
         /* (each way once before it is counted: scratch grows the first time) */
         for (int rep = 0; rep < 2; rep++) {
             const ds4_backend_counters c0 = op_gpu_counters(&p);
             p.gpu->ops->matmul_multi(p.gpu, ps, NP, x.g, n_in, n_rows, DS4_NUMERICS_DS4);
-            for (int j = 0; j < NP; j++)
-                if (adds[j]) p.gpu->ops->add_weight_row(p.gpu, ysep[j].g, &adds[j]->g, add_rows[j], n_rows);
+            for (int j = 0; j < NP; j++) {
+                if (!adds[j]) continue;
+                if (!pad) p.gpu->ops->add_weight_row(p.gpu, ysep[j].g, &adds[j]->g, add_rows[j], n_rows);
+                for (int64_t r = 0; pad && r < n_rows; r++) /* row by row where the rows are apart */
+                    p.gpu->ops->add_weight_row(p.gpu, ysep[j].g + r * (n_outs[j] + pad), &adds[j]->g, add_rows[j], 1);
+            }
             const ds4_backend_counters c1 = op_gpu_counters(&p);
             p.gpu->ops->matmul_multi(p.gpu, pf, NP, x.g, n_in, n_rows, DS4_NUMERICS_DS4);
             const ds4_backend_counters c2 = op_gpu_counters(&p);
             op_expect_ok(&p);
             const uint64_t sep = c1.launches - c0.launches, fused = c2.launches - c1.launches;
-            const uint64_t want = n_rows <= 8 && env_on("DS4_CUDA_MV_ADD") ? sep - (uint64_t)in_kernel : sep;
+            const uint64_t saved = (uint64_t)in_kernel * (pad ? (uint64_t)n_rows : 1u); /* add_row_kernel launches */
+            const uint64_t want = n_rows <= 8 && env_on("DS4_CUDA_MV_ADD") ? sep - saved : sep;
             if (rep == 1)
                 CHECK_MSG(!launch_counts_apply() || fused == want,
                           "matmul_multi with rows to add, %lld rows: %llu launches (the products, then the rows: "
@@ -1588,7 +1594,7 @@ static void test_matmul_multi_add(void) {
             snprintf(what, sizeof what, "matmul_multi product %d (%s -> %lld) adding %s row %lld, %lld rows", j,
                      ds4_type_name(types[j]), (long long)n_outs[j],
                      adds[j] ? ds4_type_name(add_types[j]) : "no", (long long)add_rows[j], (long long)n_rows);
-            expect_same_rows(&p, what, y[j].g, ysep[j].g, n_rows, n_outs[j], n_outs[j]);
+            expect_same_rows(&p, what, y[j].g, ysep[j].g, n_rows, n_outs[j], n_outs[j] + pad);
             op_buf_free(&p, &y[j]);
             op_buf_free(&p, &ysep[j]);
         }
@@ -1599,6 +1605,12 @@ static void test_matmul_multi_add(void) {
             p.gpu->ops->matmul_multi(p.gpu, &bad, 1, x.g, n_in, 1, DS4_NUMERICS_DS4);
             op_expect_error_with(&p, "matmul_multi adding a row of 256 to 1024 outputs", "matmul_multi", "adds row",
                                  "multi_add_5_ape", NULL);
+            ds4_weight unbound = adds[3]->g; /* (1024 wide, for product 2) */
+            unbound.device = NULL;
+            bad.add = &unbound;
+            p.gpu->ops->matmul_multi(p.gpu, &bad, 1, x.g, n_in, 1, DS4_NUMERICS_DS4);
+            op_expect_error_with(&p, "matmul_multi adding a row of an unbound weight", "matmul_multi",
+                                 "multi_add_3_ape", "not bound", NULL);
             float g0 = 0.0f;
             p.gpu->ops->download(p.gpu, &g0, yb.g, 1);
             CHECK_MSG(isnan(g0), "matmul_multi adding a row of another width: written");

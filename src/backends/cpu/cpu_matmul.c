@@ -304,8 +304,17 @@ void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float 
         return;
     }
     cpu_dot_kind kind;
-    for (int j = 0; j < n; j++) /* every weight usable before any product is written */
+    for (int j = 0; j < n; j++) { /* every weight usable before any product is written */
         if (!product_weight_ok(be, "matmul_multi", p[j].w, num, &kind)) return;
+        const ds4_weight *a = p[j].add;
+        const ds4_type_traits *t = a ? ds4_type_traits_get(a->type) : NULL;
+        if (a && (!a->host || !t || !t->dequant_row)) {
+            cpu_fail(be, a->host ? DS4_ERR_UNSUPPORTED : DS4_ERR_INVALID,
+                     "matmul_multi: product %d adds a row of %s, which is %s", j, cpu_wname(a),
+                     a->host ? "of a type with no row decoder" : "not bound");
+            return;
+        }
+    }
     for (int j = 0; j < n; j++) {
         cpu_matmul(be, p[j].w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
         if (!p[j].add || p[j].n_out == 0) continue;

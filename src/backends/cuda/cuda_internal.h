@@ -229,7 +229,7 @@ typedef struct cuda_backend {
     uint64_t br_count, br_auto_joins; /* branches recorded; joins forced by a scratch slot */
     bool rec_leaf;    /* the entry being recorded is a leaf off the chain (cuda_launch_leaf) */
     /* weights into the L2 ahead of their products (cuda_prefetch.cu) */
-    int pf_mode;            /* 0 off, 1 the copy engine's L2 prefetch (default), 2 loads (DS4_CUDA_PREFETCH) */
+    int pf_mode;            /* 0 off (default), 1 the copy engine's L2 prefetch, 2 loads (DS4_CUDA_PREFETCH) */
     int64_t pf_max_bytes;   /* bytes one call asks for at most (DS4_CUDA_PREFETCH_MIB; default 3/4 of the L2) */
     bool pf_ops, pf_experts; /* the op's calls, the experts' down matrices (DS4_CUDA_PREFETCH_OPS / _EXPERTS=0: not) */
     unsigned *pf_sink;      /* device word the loads' kernel may write (never read) */

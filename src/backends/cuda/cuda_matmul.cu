@@ -910,6 +910,13 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             return;
         }
         if (!check_weight(be, "matmul_multi", p[j].w, num)) return;
+        const ds4_weight *a = p[j].add;
+        if (a && (!a->device || !ds4_cuda_dequant_supported(a->type))) {
+            cuda_fail(be, a->device ? DS4_ERR_UNSUPPORTED : DS4_ERR_INVALID,
+                      "matmul_multi: product %d adds a row of %s, which is %s", j, cuda_wname(a),
+                      a->device ? "of a type with no row decoder" : "not bound");
+            return;
+        }
     }
     if (n_rows == 0 || cuda_failed(be)) return;
     static const bool joined = cuda_env_flag("DS4_CUDA_MULTI", true); /* 0: product by product (A/B) */
