@@ -2226,6 +2226,60 @@ static void test_prefetch(void) {
     op_pair_close(&p);
 }
 
+/*
+ * XS (ds4_cuda_backend_set_mv_xs): one-row products of float weights read x
+ * from the block's copy in shared memory. F16, BF16 and F32 rows of 4,096
+ * (the compressors' 2,560 outputs: whole rows a warp; the router's 256: rows
+ * split over warps), two F16 products of one matmul_multi, and rows of
+ * 8,192 (too wide: global memory as before) give the same outputs bit for
+ * bit with it on and off, in the same number of launches.
+ */
+static void test_matvec_xs(void) {
+    OPEN_PAIR(p);
+    static const struct { uint32_t type; int64_t n, rows; } cases[] = {
+        { DS4_TYPE_F16, 4096, 2560 }, { DS4_TYPE_F16, 4096, 256 }, { DS4_TYPE_BF16, 4096, 512 },
+        { DS4_TYPE_F32, 4096, 256 },  { DS4_TYPE_F16, 8192, 64 },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const uint32_t type = cases[k].type;
+        const int64_t n = cases[k].n, rows = cases[k].rows;
+        float *dq = NULL;
+        uint8_t *b = weight_bytes(type, n, rows, true, &dq);
+        op_weight *w = op_weight_make(&p, "blk.0.xs.weight", type, n, rows, 1, b);
+        float *hx = op_rand(n, 1.0);
+        op_buf x = op_buf_from(&p, hx, n), y[2][2];
+        char what[96];
+        snprintf(what, sizeof what, "matvec XS %s %lld -> %lld", ds4_type_name(type), (long long)n, (long long)rows);
+        uint64_t launches[2] = { 0, 0 };
+        for (int on = 0; on < 2; on++) {
+            ds4_cuda_backend_set_mv_xs(p.gpu, on);
+            y[on][0] = op_buf_poisoned(&p, rows);
+            y[on][1] = op_buf_poisoned(&p, rows);
+            const ds4_product pr[2] = { { &w->g, rows, y[on][0].g, rows, NULL, 0 },
+                                        { &w->g, rows / 2, y[on][1].g, rows, NULL, 0 } };
+            p.gpu->ops->matmul(p.gpu, &w->g, 0, rows, x.g, n, y[on][0].g, rows, 1, DS4_NUMERICS_DS4); /* (scratch) */
+            const ds4_backend_counters c0 = op_gpu_counters(&p);
+            p.gpu->ops->matmul(p.gpu, &w->g, 0, rows, x.g, n, y[on][0].g, rows, 1, DS4_NUMERICS_DS4);
+            if (type == DS4_TYPE_F16) p.gpu->ops->matmul_multi(p.gpu, pr, 2, x.g, n, 1, DS4_NUMERICS_DS4);
+            const ds4_backend_counters c1 = op_gpu_counters(&p);
+            op_expect_ok(&p);
+            launches[on] = c1.launches - c0.launches;
+        }
+        CHECK_MSG(launches[0] == launches[1], "%s: %llu launches off, %llu on", what, (unsigned long long)launches[0],
+                  (unsigned long long)launches[1]);
+        expect_same_rows(&p, what, y[1][0].g, y[0][0].g, 1, rows, rows);
+        if (type == DS4_TYPE_F16) expect_same_rows(&p, what, y[1][1].g, y[0][1].g, 1, rows / 2, rows);
+        for (int on = 0; on < 2; on++) op_buf_free(&p, &y[on][0]), op_buf_free(&p, &y[on][1]);
+        op_buf_free(&p, &x);
+        op_weight_free(&p, w);
+        free(hx);
+        free(b);
+        free(dq);
+    }
+    ds4_cuda_backend_set_mv_xs(p.gpu, env_on_default("DS4_CUDA_MV_XS", false));
+    op_pair_close(&p);
+}
+
 static void test_matvec_pack(void) {
     OPEN_PAIR(p);
     pack_plain_case(&p, DS4_TYPE_Q2_K, 1024, 70001);    /* 6 rows a stage, warps of 8: stages of 6 and 2 */
@@ -2286,6 +2340,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matvec_pack),
     TEST_ENTRY(test_step_branch),
     TEST_ENTRY(test_prefetch),
+    TEST_ENTRY(test_matvec_xs),
     TEST_ENTRY(test_matvec_grouped_quantises_x),
     { 0 },
 };

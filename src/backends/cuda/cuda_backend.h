@@ -172,6 +172,13 @@ void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe_xq);
  * decode two to six rows per stage instead of one. The results are the same either way, bit for bit.
  * Takes effect at the next op. */
 void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on);
+/* One-activation-row products of F32/F16/BF16 weights with rows of at most
+ * 4,096 elements read x from a copy in shared memory that each thread
+ * block makes once, instead of from global memory inside the inner loop
+ * (off by default: not yet measured; DS4_CUDA_MV_XS=1 makes on the
+ * default). The results are the same either way, bit for bit. Takes
+ * effect at the next op. */
+void ds4_cuda_backend_set_mv_xs(ds4_backend *be, int on);
 /* Matvec launches that packed rows so, since the backend was created. */
 int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be);
 /* head_norm_rope as one fused kernel (the default; DS4_CUDA_NORM_ROPE=0

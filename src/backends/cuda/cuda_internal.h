@@ -178,6 +178,7 @@ typedef struct cuda_backend {
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
     bool mv_pack;   /* one-row products of short rows pack several rows per stage (DS4_CUDA_MV_PACK=0: off) */
+    bool mv_xs;     /* one-row float-weight products read x from shared memory (off by default; DS4_CUDA_MV_XS=1: on) */
     int64_t mv_packed_launches; /* matvec launches that packed them (ds4_cuda_backend_mv_packed_launches) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool norm_rope; /* head_norm_rope as one fused kernel (on by default; DS4_CUDA_NORM_ROPE=0: the separate ops' kernels) */

@@ -828,6 +828,7 @@ extern "C" void ds4_cuda_backend_set_fusions(ds4_backend *be, int mv_xq, int moe
 }
 
 extern "C" void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on) { cuda_impl(be)->mv_pack = on != 0; }
+extern "C" void ds4_cuda_backend_set_mv_xs(ds4_backend *be, int on) { cuda_impl(be)->mv_xs = on != 0; }
 extern "C" int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->mv_packed_launches;
 }
@@ -853,6 +854,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->mv_pack = cuda_env_flag("DS4_CUDA_MV_PACK", true);
+    cb->mv_xs = cuda_env_flag("DS4_CUDA_MV_XS", false);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->norm_rope2 = cuda_env_flag("DS4_CUDA_NORM_ROPE2", true);

@@ -271,6 +271,10 @@ struct mv_args {
      * the product (those of other y or z do nothing) */
     cuda_comb_task comb;
     int comb_blocks;
+    /* one-row float-weight products (XS): the block copies the x row of
+     * xs_floats floats into shared memory after the rings and reads it
+     * there (0: from global memory) */
+    int64_t xs_floats;
     /* plain products: a float row added to each output row of matrix z
      * (NULL: none), as add_weight_row adds it */
     const void *add[CUDA_MV_MAX_MATS];
@@ -968,6 +972,15 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         tab.pos = tab.t->pos[0];
     }
     if (early) cuda_grid_wait();
+    if constexpr (mv_float(T) && ROWS == 1) {
+        if (a.xs_floats) { /* XS: x once into shared memory, 16 bytes a thread at a time */
+            float4 *xs = (float4 *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
+            const float4 *src = (const float4 *)act;
+            for (int64_t i = threadIdx.x; i < a.xs_floats / 4; i += blockDim.x) xs[i] = src[i];
+            __syncthreads();
+            act = (const uint8_t *)xs;
+        }
+    }
     if constexpr (XQ) {
         /* row r of the split layout at xs + r * act_blocks * 36: its codes,
          * then its scales (act_blocks is a multiple of 4, so rows stay
@@ -1173,11 +1186,14 @@ static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_B
 /* One token's Q8_K activations an XK gate/up quantises (4096: 16 blocks),
  * after the IQ2_XXS tables: within MV_XQ_MAX_ONE of shared memory too */
 #define MV_XK_MAX 4672
+/* One float x row an XS kernel copies into shared memory (4,096 floats: the
+ * compressors, indexer and router products of the 4,096-wide input) */
+#define MV_XS_MAX 16384
 static_assert(MV_XK_MAX + sizeof(iq2_tables) <= MV_XQ_MAX_ONE, "MV_SMEM_MAX holds an XK kernel's memory");
 /* the dynamic shared memory of every matvec kernel: the rings, then the
  * IQ2_XXS tables or the quantised activations */
-#define MV_SMEM_MAX \
-    ((size_t)MV_WARPS * MV_NST * MV_STAGE + (sizeof(iq2_tables) > MV_XQ_MAX_ONE ? sizeof(iq2_tables) : MV_XQ_MAX_ONE))
+#define MV_SMEM_EXTRA_ (sizeof(iq2_tables) > MV_XQ_MAX_ONE ? sizeof(iq2_tables) : MV_XQ_MAX_ONE)
+#define MV_SMEM_MAX ((size_t)MV_WARPS * MV_NST * MV_STAGE + (MV_SMEM_EXTRA_ > MV_XS_MAX ? MV_SMEM_EXTRA_ : MV_XS_MAX))
 
 /* Once per backend: every matvec kernel may use MV_SMEM_MAX bytes of
  * dynamic shared memory (more than the default without opting in). */
@@ -1218,8 +1234,15 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     const int threads = 32 * warps;
     const size_t xq_bytes = xq ? (size_t)a.n_rows * (size_t)a.act_blocks * sizeof(mv_q8_0) : 0;
     const size_t xk_bytes = xk ? (size_t)a.act_blocks * sizeof(ds4_block_q8_K) : 0;
+    /* XS: one float x row of a plain one-row product, whole 16-byte pieces
+     * of every matrix's x, from shared memory */
+    const int64_t row_floats = a.units * 8; /* (float types: 8 elements a 16-byte unit) */
+    bool xs = cuda_impl(be)->mv_xs && cuda_is_float_type(type) && !packed_fn && a.n_rows == 1 && !a.sel &&
+              !a.groups && !a.group_rows && !a.experts_as_parts && !a.xf && row_floats * 4 <= MV_XS_MAX;
+    for (int z = 0; xs && z < n_mats; z++) xs = (uintptr_t)a.act[z] % 16 == 0;
+    a.xs_floats = xs ? row_floats : 0;
     const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) +
-                       xq_bytes + xk_bytes;
+                       xq_bytes + xk_bytes + (xs ? (size_t)row_floats * 4 : 0);
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
     int64_t nb = (a.n_out + per_block - 1) / per_block;
     if (nb > INT32_MAX - 1 || n_slots > 65535) {
