@@ -242,3 +242,12 @@ bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_s
     }
     return true;
 }
+
+void ds4_product_add_row(ds4_backend *be, const ds4_product *p, int64_t n_rows) {
+    if (!p->add || p->n_out == 0) return;
+    if (p->out_stride == p->n_out || n_rows == 1) {
+        be->ops->add_weight_row(be, p->out, p->add, p->add_row, n_rows);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++) be->ops->add_weight_row(be, p->out + r * p->out_stride, p->add, p->add_row, 1);
+}

@@ -501,6 +501,10 @@ bool ds4_attention_states_valid(int64_t n, const float *q, const float *out, con
  * not NULL, strides for several rows): false with the message in err
  * (DS4_ERR_INVALID). Weight types are each backend's to check. */
 bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows, ds4_error *err);
+/* Product p's row (p->add, when set) added to its n_rows output rows with
+ * the backend's add_weight_row op: one call where the rows are contiguous,
+ * else one a row. For matmul_multi implementations, after the product. */
+void ds4_product_add_row(ds4_backend *be, const ds4_product *p, int64_t n_rows);
 
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */

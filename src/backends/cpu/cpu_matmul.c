@@ -317,12 +317,7 @@ void cpu_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float 
     }
     for (int j = 0; j < n; j++) {
         cpu_matmul(be, p[j].w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
-        if (!p[j].add || p[j].n_out == 0) continue;
-        if (p[j].out_stride == p[j].n_out || n_rows == 1)
-            be->ops->add_weight_row(be, p[j].out, p[j].add, p[j].add_row, n_rows);
-        else
-            for (int64_t r = 0; r < n_rows; r++)
-                be->ops->add_weight_row(be, p[j].out + r * p[j].out_stride, p[j].add, p[j].add_row, 1);
+        ds4_product_add_row(be, &p[j], n_rows);
     }
 }
 

@@ -888,14 +888,6 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
  * matrix); the rest go through cuda_matmul one by one.
  */
 static_assert(DS4_PRODUCTS_MAX <= CUDA_MV_MAX_MATS, "one launch holds every product of a call");
-/* A product's row to add (ds4_product.add), by the add_weight_row op. */
-static void product_add(ds4_backend *be, const ds4_product *p, int64_t n_rows) {
-    if (!p->add) return;
-    if (p->out_stride == p->n_out || n_rows == 1)
-        be->ops->add_weight_row(be, p->out, p->add, p->add_row, n_rows);
-    else
-        for (int64_t r = 0; r < n_rows; r++) be->ops->add_weight_row(be, p->out + r * p->out_stride, p->add, p->add_row, 1);
-}
 void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float *x, int64_t x_stride, int64_t n_rows,
                        ds4_numerics num) {
     ds4_error err;
@@ -929,7 +921,7 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
         if (!joined || p[j].n_out == 0 || !mv_suits(w, mode, x, x_stride, n_rows)) {
             done[j] = true;
             cuda_matmul(be, w, 0, p[j].n_out, x, x_stride, p[j].out, p[j].out_stride, n_rows, num);
-            if (p[j].n_out > 0) product_add(be, &p[j], n_rows);
+            ds4_product_add_row(be, &p[j], n_rows);
             continue;
         }
         /* j and every later product of the same type and row length */
@@ -974,7 +966,7 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
         }
         if (!cuda_mv_run_multi(be, jobs, nj)) return;
         for (int i = 0; i < nj; i++)
-            if (!jobs[i].add) product_add(be, &p[take[i]], n_rows);
+            if (!jobs[i].add) ds4_product_add_row(be, &p[take[i]], n_rows);
     }
 }
 
