@@ -195,6 +195,19 @@ typedef struct ds4_backend_ops {
      * n_rows > 1 (as for matmul). n_out 0 or n_rows 0 does nothing. */
     void (*matmul_grouped)(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
                            int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
+    /* Optional (NULL: the caller makes the two calls): exactly
+     * rope_tail(x, n_rows, n_heads, head_dim, pos, rope, true), then
+     * matmul_grouped(w, n_groups, n_out, x, n_heads * head_dim, out,
+     * out_stride, n_rows, num): the attention output's inverse RoPE and its
+     * grouped low-rank projection, in one pass where the backend rotates
+     * the rows as it quantises them. Rows of x hold n_heads heads of
+     * head_dim floats, n_heads * head_dim = n_groups * W->ne[0]. x is not to
+     * be read after: a backend that rotates as it quantises leaves it as it
+     * was, the two calls leave it rotated. The arguments are checked as the
+     * two calls check them. */
+    void (*rope_matmul_grouped)(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, float *x,
+                                int64_t n_heads, int64_t head_dim, const int32_t *pos, const ds4_rope *rope,
+                                float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 
     /* ---- rotary ------------------------------------------------------ */
     /* Rotate the last rope->n_rot dims of each of n_heads heads of width

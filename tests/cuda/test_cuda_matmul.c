@@ -2280,6 +2280,103 @@ static void test_matvec_xs(void) {
     op_pair_close(&p);
 }
 
+/* rope_matmul_grouped (the attention output's inverse RoPE and o_a): the
+ * fused launch, where the product rotates each row back as it quantises
+ * it, gives rope_tail's inverse then matmul_grouped bit for bit, in one
+ * launch and without writing x; shapes it does not take (rows past its
+ * shared memory, RoPEs of more than 64 dims, heads that straddle a group's
+ * slice) make the two calls, and so does DS4_CUDA_MV_ROPE=0. */
+static void rope_grouped_case(op_pair *p, int64_t n_groups, int64_t n_in, int64_t n_out, int64_t head_dim,
+                              const ds4_rope *rope, int64_t n_rows, int32_t pos0, bool fused) {
+    if (!env_on("DS4_CUDA_MV_XQ") || !env_on("DS4_CUDA_MV_ROPE")) fused = false;
+    const ds4_backend_ops *g = p->gpu->ops;
+    float *deq = NULL;
+    uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n_in, n_groups * n_out, false, &deq);
+    op_weight *w = op_weight_make(p, "blk.0.attn_output_a.weight", DS4_TYPE_Q8_0, n_in, n_groups * n_out, 1, bytes);
+    const int64_t width = n_groups * n_in, n_heads = width / head_dim, out_stride = n_groups * n_out + 5;
+    const int64_t nx = n_rows * width, ny = n_rows * out_stride;
+    float *hx = op_rand(nx, 1.0), *hx_after = malloc((size_t)nx * sizeof *hx_after);
+    plant_quant_edges(hx, n_rows, width);
+    int32_t *pos = malloc((size_t)n_rows * sizeof *pos);
+    for (int64_t r = 0; r < n_rows; r++) pos[r] = pos0 + (int32_t)(r * 7919 % 1000); /* (not in order) */
+    op_buf xr = op_buf_from(p, hx, nx), x = op_buf_from(p, hx, nx);
+    op_buf y = op_buf_poisoned(p, ny), ref = op_buf_poisoned(p, ny);
+    char what[200];
+    snprintf(what, sizeof what, "rope_matmul_grouped %lld x %lld -> %lld, heads of %lld, %d rotated, %lld rows from %d",
+             (long long)n_groups, (long long)n_in, (long long)n_out, (long long)head_dim, rope->n_rot,
+             (long long)n_rows, pos0);
+    const ds4_backend_counters c0 = op_gpu_counters(p);
+    g->rope_tail(p->gpu, xr.g, n_rows, n_heads, head_dim, pos, rope, true);
+    g->matmul_grouped(p->gpu, &w->g, n_groups, n_out, xr.g, width, ref.g, out_stride, n_rows, DS4_NUMERICS_DS4);
+    const ds4_backend_counters c1 = op_gpu_counters(p);
+    op_expect_ok(p);
+    const uint64_t two_calls = c1.launches - c0.launches;
+    EXPECT_LAUNCHES(p, fused ? two_calls - 1 : two_calls, what,
+                    g->rope_matmul_grouped(p->gpu, &w->g, n_groups, n_out, x.g, n_heads, head_dim, pos, rope, y.g,
+                                           out_stride, n_rows, DS4_NUMERICS_DS4));
+    CHECK_MSG(!fused || !launch_counts_apply() || two_calls == 2, "%s: %llu launches for the two calls", what,
+              (unsigned long long)two_calls);
+    expect_same_rows(p, what, y.g, ref.g, n_rows, n_groups * n_out, out_stride);
+    if (fused) { /* x as it was */
+        g->download(p->gpu, hx_after, x.g, nx);
+        CHECK_MSG(memcmp(hx, hx_after, (size_t)nx * sizeof *hx) == 0, "%s: the fused launch wrote x", what);
+    }
+    op_buf_free(p, &xr);
+    op_buf_free(p, &x);
+    op_buf_free(p, &y);
+    op_buf_free(p, &ref);
+    op_weight_free(p, w);
+    free(pos);
+    free(hx);
+    free(hx_after);
+    free(bytes);
+    free(deq);
+}
+
+static void test_rope_matmul_grouped(void) {
+    OPEN_PAIR(p);
+    const ds4_rope plain = { 64, 10000.0f, 1.0f, 0.0f, 0.0f }, yarn = { 64, 160000.0f, 16.0f, 3.5f, 21.25f };
+    const ds4_rope small = { 16, 10000.0f, 1.0f, 0.0f, 0.0f }, wide = { 128, 10000.0f, 1.0f, 0.0f, 0.0f };
+    rope_grouped_case(&p, 8, 4096, 1024, 512, &yarn, 1, 1000003, true); /* o_a of one decoded token */
+    rope_grouped_case(&p, 8, 4096, 1024, 512, &plain, 1, 0, true);
+    rope_grouped_case(&p, 4, 1024, 256, 256, &yarn, 3, 77, true);       /* 3 rows of 1152 bytes */
+    rope_grouped_case(&p, 4, 1024, 256, 64, &plain, 2, 5, true);        /* heads all RoPE */
+    rope_grouped_case(&p, 4, 1024, 256, 128, &small, 1, 12345, true);
+    rope_grouped_case(&p, 8, 4096, 1024, 512, &yarn, 2, 9, false);      /* 2 x 4608 bytes: the two calls */
+    rope_grouped_case(&p, 4, 1024, 256, 256, &wide, 1, 9, false);       /* 64 pairs */
+    rope_grouped_case(&p, 4, 1024, 256, 2048, &plain, 1, 9, false);     /* a head over two groups */
+    rope_grouped_case(&p, 8, 4096, 1024, 512, &yarn, 12, 31, false);    /* rows of the GEMM */
+    /* bad arguments: the error of the call that checks them, the backend still usable */
+    {
+        float *deq = NULL;
+        uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, 256, 8, false, &deq);
+        op_weight *w = op_weight_make(&p, "blk.0.attn_output_a.weight", DS4_TYPE_Q8_0, 256, 8, 1, bytes);
+        op_buf x = op_buf_poisoned(&p, 1024), y = op_buf_poisoned(&p, 16);
+        const ds4_backend_ops *g = p.gpu->ops;
+        const int32_t pos0 = 3;
+        g->rope_matmul_grouped(p.gpu, &w->g, 2, 4, x.g, 3, 128, &pos0, &plain, y.g, 8, 1, DS4_NUMERICS_DS4);
+        op_expect_error_with(&p, "rope_matmul_grouped 3 heads of 128", "rope_matmul_grouped", "3 heads of 128",
+                             "attn_output_a", NULL);
+        g->rope_matmul_grouped(p.gpu, &w->g, 2, 4, x.g, 4, 128, &pos0, NULL, y.g, 8, 1, DS4_NUMERICS_DS4);
+        op_expect_error_with(&p, "rope_matmul_grouped without a RoPE", "rope_tail", "no RoPE", NULL);
+        g->rope_matmul_grouped(p.gpu, &w->g, 2, 4, x.g, 4, 128, NULL, &plain, y.g, 8, 1, DS4_NUMERICS_DS4);
+        op_expect_error_with(&p, "rope_matmul_grouped without positions", "rope_tail", "positions", NULL);
+        g->rope_matmul_grouped(p.gpu, &w->g, 4, 4, x.g, 8, 128, &pos0, &plain, y.g, 16, 1, DS4_NUMERICS_DS4);
+        op_expect_error_with(&p, "rope_matmul_grouped past the weight", "matmul_grouped", "4 groups of 4", NULL);
+        ds4_weight unbound = w->g;
+        unbound.device = NULL;
+        g->rope_matmul_grouped(p.gpu, &unbound, 2, 4, x.g, 4, 128, &pos0, &plain, y.g, 8, 1, DS4_NUMERICS_DS4);
+        op_expect_error_with(&p, "rope_matmul_grouped unbound", "rope_matmul_grouped", "not bound", NULL);
+        op_buf_free(&p, &x);
+        op_buf_free(&p, &y);
+        op_weight_free(&p, w);
+        free(bytes);
+        free(deq);
+    }
+    rope_grouped_case(&p, 8, 4096, 1024, 512, &yarn, 1, 2048, true); /* after the errors */
+    op_pair_close(&p);
+}
+
 static void test_matvec_pack(void) {
     OPEN_PAIR(p);
     pack_plain_case(&p, DS4_TYPE_Q2_K, 1024, 70001);    /* 6 rows a stage, warps of 8: stages of 6 and 2 */
@@ -2341,6 +2438,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_step_branch),
     TEST_ENTRY(test_prefetch),
     TEST_ENTRY(test_matvec_xs),
+    TEST_ENTRY(test_rope_matmul_grouped),
     TEST_ENTRY(test_matvec_grouped_quantises_x),
     { 0 },
 };

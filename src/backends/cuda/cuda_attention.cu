@@ -49,6 +49,7 @@
 #include <cub/cub.cuh>
 
 #include "backends/cuda/cuda_internal.h"
+#include "backends/cuda/cuda_rope.cuh"
 #include "backends/cuda/cuda_rows.cuh"
 
 /* ------------------------------------------------------------------------ */
@@ -88,58 +89,16 @@ static __device__ __forceinline__ float warp_sum(float v) {
 /* ------------------------------------------------------------------------ */
 
 #define ROPE_TABLE 64 /* pairs whose frequencies travel with the launch (n_rot <= 128) */
+typedef cuda_rope_params<ROPE_TABLE> rope_params;
 
-struct rope_params {
-    int n_rot;
-    int table; /* freq[k] holds pow(base, -2k / n_rot), made on the host as the CPU makes it */
-    double base, factor, yarn_lo, yarn_hi;
-    double sin_sign;
-    double freq[ROPE_TABLE];
-};
-
-/* The CPU's rope_angle, operation for operation (double, no contraction);
- * the position-free pow comes from the host's table when there is one. */
-static __device__ double rope_angle(const rope_params &rp, int64_t p, int64_t k) {
-    const double f = rp.table ? rp.freq[k] : pow(rp.base, -2.0 * (double)k / (double)rp.n_rot);
-    const double theta = (double)p * f;
-    if (!(rp.factor > 1.0)) return theta;
-    double span = rp.yarn_hi - rp.yarn_lo;
-    if (span < 0.001) span = 0.001;
-    double y = ((double)k - rp.yarn_lo) / span;
-    if (y < 0.0) y = 0.0;
-    if (y > 1.0) y = 1.0;
-    const double ramp = 1.0 - y;
-    return __dadd_rn(__dmul_rn(theta / rp.factor, 1.0 - ramp), __dmul_rn(theta, ramp));
-}
-
-/* The launch's copy of the RoPE parameters (n_rot checked by the caller). */
 static rope_params rope_params_of(const ds4_rope *rope, bool inverse) {
-    rope_params rp;
-    memset(&rp, 0, sizeof rp); /* padding too: recorded steps compare argument bytes */
-    const int64_t n_rot = rope->n_rot, half = n_rot / 2;
-    rp.n_rot = (int)n_rot;
-    rp.base = (double)rope->base;
-    rp.factor = (double)rope->factor;
-    rp.yarn_lo = (double)rope->yarn_lo;
-    rp.yarn_hi = (double)rope->yarn_hi;
-    rp.sin_sign = inverse ? -1.0 : 1.0;
-    rp.table = half <= ROPE_TABLE;
-    for (int64_t k = 0; rp.table && k < half; k++) rp.freq[k] = pow(rp.base, -2.0 * (double)k / (double)n_rot);
-    return rp;
+    return cuda_rope_params_of<ROPE_TABLE>(rope, inverse);
 }
 
 /* The cos (then sin, times sin_sign) of each pair at position p into cs, by
  * the block's threads (a barrier after). */
-static __device__ __forceinline__ void rope_table(const rope_params &rp, int64_t p, float *cs) {
-    const int half = rp.n_rot / 2;
-    for (int k = threadIdx.x; k < half; k += blockDim.x) {
-        const double theta = rope_angle(rp, p, k);
-        double sn, c;
-        sincos(theta, &sn, &c);
-        cs[k] = (float)c;
-        cs[half + k] = (float)(rp.sin_sign * sn);
-    }
-    __syncthreads();
+static __device__ __forceinline__ void rope_table(const rope_params &rp, const int32_t *p, float *cs) {
+    cuda_rope_table(rp, p, cs);
 }
 
 /* Block (row r, heads [h0, h0 + heads_per_block)). cs: cos of each pair, then
@@ -151,7 +110,7 @@ static __global__ void __launch_bounds__(ROPE_THREADS)
     extern __shared__ float rope_cs[];
     const int64_t r = blockIdx.x;
     const int half = rp.n_rot / 2;
-    rope_table(rp, pos[r], rope_cs);
+    rope_table(rp, pos + r, rope_cs);
     const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
     const int64_t h1 = h0 + heads_per_block < n_heads ? h0 + heads_per_block : n_heads;
     const int count = (int)((h1 - h0) * half); /* the host keeps it below INT32_MAX - ROPE_THREADS */
@@ -160,9 +119,10 @@ static __global__ void __launch_bounds__(ROPE_THREADS)
         const int k = e % half;
         float *tail = x + (r * n_heads + h) * head_dim + (head_dim - rp.n_rot);
         const float c = rope_cs[k], s = rope_cs[half + k];
-        const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
-        tail[2 * k] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-        tail[2 * k + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+        float x0 = tail[2 * k], x1 = tail[2 * k + 1];
+        cuda_rope_rotate(x0, x1, c, s);
+        tail[2 * k] = x0;
+        tail[2 * k + 1] = x1;
     }
 }
 
@@ -238,7 +198,7 @@ static __device__ __forceinline__ void head_norm_rope_block(float *__restrict__ 
     float wv[NORM_VEC][4];
     rms_load_row(xr, head_dim, v);
     rms_load_weight(w, head_dim, wv);
-    rope_table(rp, pos[r], rope_cs); /* while the row is in flight */
+    rope_table(rp, pos + r, rope_cs); /* while the row is in flight */
     const float scale = rms_loaded_scale(v, head_dim, eps, part);
     const int half = rp.n_rot / 2;
     const int64_t tail = head_dim - rp.n_rot; /* even */
@@ -255,9 +215,7 @@ static __device__ __forceinline__ void head_norm_rope_block(float *__restrict__ 
             if (i + c >= tail && i + c < head_dim) {
                 const int pk = (int)((i + c - tail) / 2);
                 const float cs = rope_cs[pk], sn = rope_cs[half + pk];
-                const float x0 = y[c], x1 = y[c + 1];
-                y[c] = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
-                y[c + 1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+                cuda_rope_rotate(y[c], y[c + 1], cs, sn);
             }
         }
         if (ROUND) {

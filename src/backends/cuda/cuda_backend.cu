@@ -1019,6 +1019,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .matmul = cuda_matmul,
     .matmul_multi = cuda_matmul_multi,
     .matmul_grouped = cuda_matmul_grouped,
+    .rope_matmul_grouped = cuda_rope_matmul_grouped,
     .rope_tail = cuda_rope_tail,
     .head_norm_rope = cuda_head_norm_rope,
     .head_norm_rope2 = cuda_head_norm_rope2,

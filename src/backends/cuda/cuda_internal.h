@@ -662,6 +662,9 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
 bool cuda_matmul_supported(uint32_t type, ds4_numerics num);
 
 /* cuda_attention.cu */
+void cuda_rope_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, float *x,
+                              int64_t n_heads, int64_t head_dim, const int32_t *pos, const ds4_rope *rope,
+                              float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num);
 void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t *pos,
                     const ds4_rope *rope, bool inverse);
 /* Heads the fused head_norm_rope kernel takes: at most INT32_MAX of them,

@@ -788,10 +788,13 @@ static bool mv_quantises_x(ds4_backend *be, const ds4_weight *w, mm_mode mode, c
  * plain; xf: the float rows the kernel quantises itself, act unused). */
 static void run_mv(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t row0, int64_t n_out, int64_t n_groups,
                    const void *act, int64_t act_stride, int64_t group_stride, float *out, int64_t out_stride,
-                   int64_t n_rows, const float *xf, int64_t xf_stride) {
+                   int64_t n_rows, const float *xf, int64_t xf_stride, const ds4_rope *rope = NULL,
+                   const int32_t *rope_pos = NULL, int64_t rope_head_dim = 0) {
     cuda_mv_job j;
-    j.add = NULL;
-    j.add_type = 0;
+    memset(&j, 0, sizeof j);
+    j.rope = rope;
+    j.rope_pos = rope_pos;
+    j.rope_head_dim = rope_head_dim;
     j.type = w->type;
     j.act_kind = mv_kind(mode);
     j.w = w->device;
@@ -943,6 +946,7 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
             const ds4_weight *v = p[k].w;
             done[k] = true;
             cuda_mv_job *jb = &jobs[i];
+            memset(jb, 0, sizeof *jb);
             jb->type = v->type;
             jb->act_kind = mv_kind(mode);
             jb->w = v->device;
@@ -970,9 +974,19 @@ void cuda_matmul_multi(ds4_backend *be, const ds4_product *p, int n, const float
     }
 }
 
-/* The routing of one token, checked: sel_out[k] = sel[k] and w_out[k] =
- * weights[k] when sel[k] is in [0, n_expert); else the bad id is reported
- * and expert 0 with weight 0 stands in for it. */
+/* A grouped product (checked shapes) that one streaming launch runs with
+ * each block quantising its group's slice of x (o_a). */
+static bool grouped_xq(ds4_backend *be, const ds4_weight *w, mm_mode mode, int64_t n_groups, int64_t n_out,
+                       const float *x, int64_t x_stride, const float *out, int64_t out_stride, int64_t n_rows) {
+    const int64_t n_in = w->ne[0];
+    const float *outs[1] = { out };
+    const int64_t width[1] = { n_groups * n_out }, strides[1] = { out_stride };
+    /* (n_in is then a multiple of 256: every group's slice starts 16-byte aligned) */
+    return mode == MM_Q8_0 && mv_suits(w, mode, x, x_stride, n_rows) && n_in % DS4_QK8_0 == 0 &&
+           cuda_mv_grouped_quantises(be, w->type, n_in, n_out, n_groups, n_rows) &&
+           xq_input_ok(x, x_stride, n_groups * n_in, n_rows, outs, width, strides, 1);
+}
+
 void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, const float *x,
                          int64_t x_stride, float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
     if (!w || !w->device) {
@@ -994,11 +1008,7 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
     const mm_mode mode = mode_for(w->type, num);
     const int64_t blk = mode == MM_Q8_K ? DS4_QK_K : mode == MM_Q8_0 ? DS4_QK8_0 : 4;
     const bool mv = mv_suits(w, mode, x, x_stride, n_rows) && n_in % blk == 0;
-    const float *outs[1] = { out };
-    const int64_t width[1] = { n_groups * n_out }, strides[1] = { out_stride };
-    /* (n_in is then a multiple of 256: every group's slice starts 16-byte aligned) */
-    if (mv && mode == MM_Q8_0 && cuda_mv_grouped_quantises(be, w->type, n_in, n_out, n_groups, n_rows) &&
-        xq_input_ok(x, x_stride, n_groups * n_in, n_rows, outs, width, strides, 1)) {
+    if (grouped_xq(be, w, mode, n_groups, n_out, x, x_stride, out, out_stride, n_rows)) {
         /* one launch and no quantiser: each block quantises its group's
          * slice of x (o_a), block for block as quantising the rows would */
         run_mv(be, w, mode, 0, n_out, n_groups, NULL, n_in / DS4_QK8_0, n_in, out, out_stride, n_rows, x, x_stride);
@@ -1027,6 +1037,45 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
     }
     for (int64_t g = 0; g < n_groups && !cuda_failed(be); g++)
         cuda_matmul(be, w, g * n_out, n_out, x + g * n_in, x_stride, out + g * n_out, out_stride, n_rows, num);
+}
+
+/* The attention output's inverse RoPE inside o_a's quantiser: the grouped
+ * XQ launch rotates each 16-float piece of x back (mv_rope_back) before it
+ * quantises it, so x is not written and rope_tail's launch is gone; any
+ * other shape, or $DS4_CUDA_MV_ROPE=0, makes the two calls. */
+void cuda_rope_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups, int64_t n_out, float *x,
+                              int64_t n_heads, int64_t head_dim, const int32_t *pos, const ds4_rope *rope,
+                              float *out, int64_t out_stride, int64_t n_rows, ds4_numerics num) {
+    if (!w || !w->device) {
+        cuda_fail(be, DS4_ERR_INVALID, "rope_matmul_grouped: weight %s is not bound", cuda_wname(w));
+        return;
+    }
+    const int64_t n_in = w->ne[0];
+    if (n_heads < 1 || head_dim < 1 || n_groups < 1 || n_heads > INT64_MAX / head_dim ||
+        n_heads * head_dim / n_groups != n_in || n_heads * head_dim % n_groups != 0) {
+        cuda_fail(be, DS4_ERR_INVALID,
+                  "rope_matmul_grouped: %lld heads of %lld are not %lld groups of the %lld inputs of weight %s",
+                  (long long)n_heads, (long long)head_dim, (long long)n_groups, (long long)n_in, cuda_wname(w));
+        return;
+    }
+    const int64_t width = n_heads * head_dim;
+    static const bool fuse = cuda_env_flag("DS4_CUDA_MV_ROPE", true); /* 0: the two calls (A/B) */
+    const mm_mode mode = mode_for(w->type, num);
+    const bool fused = fuse && !cuda_failed(be) && x && pos && n_rows >= 1 && n_out >= 1 &&
+                       n_groups * n_out <= cuda_weight_rows(w) && cuda_mv_rope_fits(rope, head_dim, n_in, n_in) &&
+                       (n_rows == 1 || out_stride >= n_groups * n_out) &&
+                       grouped_xq(be, w, mode, n_groups, n_out, x, width, out, out_stride, n_rows);
+    if (!fused) {
+        cuda_rope_tail(be, x, n_rows, n_heads, head_dim, pos, rope, true);
+        if (!cuda_failed(be)) cuda_matmul_grouped(be, w, n_groups, n_out, x, width, out, out_stride, n_rows, num);
+        return;
+    }
+    if (!check_weight(be, "rope_matmul_grouped", w, num)) return;
+    const int32_t *d_pos =
+        (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_MATMUL_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
+    if (!d_pos) return;
+    run_mv(be, w, mode, 0, n_out, n_groups, NULL, n_in / DS4_QK8_0, n_in, out, out_stride, n_rows, x, width, rope,
+           d_pos, head_dim);
 }
 
 /* Expert ids and weights of n slots (tokens x experts per token) checked

@@ -52,6 +52,7 @@
 #include "backends/cuda/cuda_hc_comb.cuh"
 #include "backends/cuda/cuda_matvec.h"
 #include "backends/cuda/cuda_quant.cuh"
+#include "backends/cuda/cuda_rope.cuh"
 
 #define MV_STAGE 2176 /* bytes of one stage (64 Q8_0 blocks: two full warp steps) */
 #define MV_NST 3       /* stages per warp: one decoded while the others are in flight */
@@ -279,6 +280,12 @@ struct mv_args {
      * (NULL: none), as add_weight_row adds it */
     const void *add[CUDA_MV_MAX_MATS];
     uint32_t add_type[CUDA_MV_MAX_MATS];
+    /* XQ: each x row's heads of rope_head_dim floats have their tails
+     * rotated back (rope_tail's inverse) as they are quantised, row r at
+     * position rope_pos[r] (NULL: none; cuda_mv_job.rope) */
+    const int32_t *rope_pos;
+    int rope_head_dim;
+    cuda_rope_params<CUDA_MV_ROPE_PAIRS> rope;
 };
 static_assert(sizeof(mv_args) <= 1024, "mv_args fits a launch's argument bytes (cuda_args)");
 
@@ -818,6 +825,29 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
     else return s;
 }
 
+/* The 16 floats v of x row r from element e (a multiple of 16 of a slice
+ * of whole heads) with every pair of a head's last n_rot dims rotated back
+ * by row r's table, as rope_tail_kernel rotates them (pairs start at even
+ * offsets, so none straddles the 16). */
+static __device__ __forceinline__ void mv_rope_back(const mv_args &a, int r, int e, const float *cs, float4 (&v)[4]) {
+    const int hd = a.rope_head_dim, n_rot = a.rope.n_rot, half = n_rot / 2, tail = hd - n_rot;
+    const int eh = e % hd; /* the first value's place in its head */
+    if (eh + 16 <= tail) return;
+    const float *c = cs + r * n_rot;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int p0 = eh + 4 * i, p1 = p0 + 2;
+        if (p0 >= tail) {
+            const int k = (p0 - tail) >> 1;
+            cuda_rope_rotate(v[i].x, v[i].y, c[k], c[half + k]);
+        }
+        if (p1 >= tail) {
+            const int k = (p1 - tail) >> 1;
+            cuda_rope_rotate(v[i].z, v[i].w, c[k], c[half + k]);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------ */
 /* The kernel                                                                */
 /* ------------------------------------------------------------------------ */
@@ -834,9 +864,11 @@ template <uint32_t T> static __device__ __forceinline__ float mv_finish(float s)
  * since their rows come from the router's ids.
  *
  * The one-row kernels of the unrolled stage decoder (mv_one_row) are held
- * to 64 registers: four blocks per SM, as their shared memory allows. */
+ * to 64 registers: four blocks per SM, as their shared memory allows; so
+ * are the XQ kernels of up to four rows (the RoPE tables' double sincos
+ * would take them from 60 to 72 registers, three blocks per SM). */
 template <uint32_t T, int ROWS, bool XQ, int PACK = 0>
-__global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) mv_kernel(mv_args a) {
+__global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ && ROWS <= 4) ? 4 : 1) mv_kernel(mv_args a) {
     static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
     static_assert(!PACK || ROWS == 1, "packed stages: one activation row");
     /* PACK: rows of PACK blocks, PR of them per stage (mv_pack, or Q8_0's
@@ -971,6 +1003,19 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         __syncthreads();
         tab.pos = tab.t->pos[0];
     }
+    /* XQ with a RoPE: each row's cos / sin table after the split x rows
+     * (positions are control data, uploaded before the step's kernels:
+     * made while the kernel before drains) */
+    float *rope_cs = NULL;
+    if constexpr (XQ) {
+        if (a.rope_pos) {
+            rope_cs = (float *)((uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16)) +
+                                (size_t)a.n_rows * a.act_blocks * sizeof(mv_q8_0));
+            for (int i = threadIdx.x; i < a.n_rows * (a.rope.n_rot / 2); i += blockDim.x)
+                cuda_rope_entry(a.rope, a.rope_pos, i, rope_cs);
+            /* (the barrier after the quantiser's first loads publishes them) */
+        }
+    }
     if (early) cuda_grid_wait();
     if constexpr (mv_float(T) && ROWS == 1) {
         if (a.xs_floats) { /* XS: x once into shared memory, 16 bytes a thread at a time */
@@ -991,6 +1036,7 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
         const int nb = (int)a.act_blocks, row_elems = nb * 32, total = n_rows * row_elems;
         const float *xf = a.xf;
         if (a.group_rows) xf += ((int64_t)blockIdx.x * a.rpb * a.rpw / a.group_rows) * a.xf_group_stride;
+        bool first_pass = true;
         for (int e0 = 16 * threadIdx.x; e0 - 16 * (int)threadIdx.x < total; e0 += 16 * blockDim.x) {
             const bool on = e0 < total; /* every lane runs each pass: the halves meet in a shuffle */
             const int r = on ? e0 / row_elems : 0, e = on ? e0 - r * row_elems : 0;
@@ -998,6 +1044,13 @@ __global__ void __launch_bounds__(256, ROWS == 1 && mv_one_row<T>::ON ? 4 : 1) m
             const float4 *src = (const float4 *)(xf + r * a.xf_stride + e);
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] = on ? src[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (rope_cs) {
+                if (first_pass) { /* the tables' entries, made by every thread above */
+                    __syncthreads();
+                    first_pass = false;
+                }
+                if (on) mv_rope_back(a, r, e, rope_cs, v);
+            }
             uint4 codes;
             const float d = cuda_q8_0_quant_half(v, &codes);
             if (on) {
@@ -1190,6 +1243,8 @@ static const uint32_t mv_types[] = { DS4_TYPE_F32,  DS4_TYPE_F16,     DS4_TYPE_B
  * compressors, indexer and router products of the 4,096-wide input) */
 #define MV_XS_MAX 16384
 static_assert(MV_XK_MAX + sizeof(iq2_tables) <= MV_XQ_MAX_ONE, "MV_SMEM_MAX holds an XK kernel's memory");
+static_assert(MV_XQ_MAX_ONE + CUDA_MV_MAX_ROWS * 2 * CUDA_MV_ROPE_PAIRS * sizeof(float) <= MV_XS_MAX,
+              "MV_SMEM_MAX holds an XQ kernel's rows and RoPE tables");
 /* the dynamic shared memory of every matvec kernel: the rings, then the
  * IQ2_XXS tables or the quantised activations */
 #define MV_SMEM_EXTRA_ (sizeof(iq2_tables) > MV_XQ_MAX_ONE ? sizeof(iq2_tables) : MV_XQ_MAX_ONE)
@@ -1241,8 +1296,9 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
               !a.groups && !a.group_rows && !a.experts_as_parts && !a.xf && row_floats * 4 <= MV_XS_MAX;
     for (int z = 0; xs && z < n_mats; z++) xs = (uintptr_t)a.act[z] % 16 == 0;
     a.xs_floats = xs ? row_floats : 0;
+    const size_t rope_bytes = a.rope_pos ? (size_t)a.n_rows * (size_t)a.rope.n_rot * sizeof(float) : 0;
     const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) +
-                       xq_bytes + xk_bytes + (xs ? (size_t)row_floats * 4 : 0);
+                       xq_bytes + xk_bytes + (xs ? (size_t)row_floats * 4 : 0) + rope_bytes;
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
     int64_t nb = (a.n_out + per_block - 1) / per_block;
     if (nb > INT32_MAX - 1 || n_slots > 65535) {
@@ -1257,6 +1313,13 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                (a.n_rows > 1 && a.xf_stride % 4 != 0))) {
         cuda_fail(be, DS4_ERR_INVALID, "matvec: %d rows of %lld blocks cannot be quantised in the kernel", a.n_rows,
                   (long long)a.act_blocks);
+        return false;
+    }
+    if (a.rope_pos && (!xq || !a.rope.table || a.rope.n_rot <= 0 || a.rope.n_rot % 2 != 0 || a.rope_head_dim <= 0 ||
+                       a.rope.n_rot > a.rope_head_dim || (a.act_blocks * DS4_QK8_0) % a.rope_head_dim != 0 ||
+                       a.xf_group_stride % a.rope_head_dim != 0)) {
+        cuda_fail(be, DS4_ERR_INVALID, "matvec: x rows of %lld blocks cannot rotate %d dims of heads of %d back",
+                  (long long)a.act_blocks, a.rope.n_rot, a.rope_head_dim);
         return false;
     }
     if (xk && (xk_bytes > MV_XK_MAX || a.n_rows != 1 || !a.sel || n_slots > a.slots_per_token ||
@@ -1366,6 +1429,11 @@ bool cuda_mv_grouped_quantises(ds4_backend *be, uint32_t type, int64_t n, int64_
     return n_out % q8_0_outputs_per_block(n, total) == 0; /* no block straddles two groups */
 }
 
+bool cuda_mv_rope_fits(const ds4_rope *rope, int64_t head_dim, int64_t n, int64_t group_stride) {
+    return rope && rope->n_rot > 0 && rope->n_rot % 2 == 0 && rope->n_rot / 2 <= CUDA_MV_ROPE_PAIRS &&
+           head_dim >= rope->n_rot && head_dim <= INT32_MAX && n % head_dim == 0 && group_stride % head_dim == 0;
+}
+
 bool cuda_mv_run(ds4_backend *be, const cuda_mv_job *j) { return cuda_mv_run_grouped(be, j, 1, 0); }
 
 bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups, int64_t act_group_stride) {
@@ -1390,6 +1458,11 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
     a.n_rows = j->n_rows;
     a.xf = j->xf;
     a.xf_stride = j->xf_stride;
+    if (j->rope) {
+        a.rope_pos = j->rope_pos;
+        a.rope_head_dim = (int)j->rope_head_dim;
+        a.rope = cuda_rope_params_of<CUDA_MV_ROPE_PAIRS>(j->rope, true);
+    }
     if (n_groups > 1) {
         a.group_rows = j->n_out;
         if (j->xf) a.xf_group_stride = act_group_stride; /* (floats: the kernel quantises each group's slice) */

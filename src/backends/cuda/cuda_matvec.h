@@ -48,7 +48,25 @@ typedef struct cuda_mv_job {
      * of n_out values added to every output row, as add_weight_row adds it */
     const void *add;
     uint32_t add_type;
+    /* non-NULL (with xf; cuda_mv_rope_fits): each xf row is rows of heads of
+     * rope_head_dim floats whose last rope->n_rot dims the kernel rotates
+     * back (rope_tail's inverse, row r at position rope_pos[r], device
+     * memory) before it quantises them, bit for bit as quantising the rows
+     * that rope_tail rotated; xf itself is not written */
+    const ds4_rope *rope;
+    const int32_t *rope_pos;
+    int64_t rope_head_dim;
 } cuda_mv_job;
+
+/* Pairs of a RoPE that a product can rotate back in its quantiser (the
+ * host's frequency table travels with the launch). */
+#define CUDA_MV_ROPE_PAIRS 32
+
+/* true when a product that quantises rows of n floats (a grouped one: from
+ * slices group_stride floats apart; 0 for one slice) can rotate back the
+ * tails of heads of head_dim floats under rope: whole heads in each slice,
+ * an even n_rot <= head_dim of at most 2 * CUDA_MV_ROPE_PAIRS dims. */
+bool cuda_mv_rope_fits(const ds4_rope *rope, int64_t head_dim, int64_t n, int64_t group_stride);
 
 /* true when the matvec kernels can run this weight type / row shape with
  * these activations (rows 16-byte aligned, whole staging units). */

@@ -1168,12 +1168,18 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         t0 = t1;
     }
     if (own) attend_plain_states(m, rs, l, s, plain, n);
-    be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
-    TAP("attn_rope_inv", l, -1, s->attn, n * nh * D);
-    /* grouped low-rank output: group g reads heads g*nh/G .. (g+1)*nh/G - 1
-     * (its nh*D/G columns of each row) through its ro rows of out_a */
+    /* the inverse RoPE of the attention output, then the grouped low-rank
+     * output: group g reads heads g*nh/G .. (g+1)*nh/G - 1 (its nh*D/G
+     * columns of each row) through its ro rows of out_a; in one call where
+     * the backend has it, unless an inspection hook wants the rotated rows */
     const int64_t G = c->o_groups, ro = c->o_lora;
-    be->ops->matmul_grouped(be, &W->out_a, G, ro, s->attn, nh * D, s->low, G * ro, n, num);
+    if (!m->tap && be->ops->rope_matmul_grouped) {
+        be->ops->rope_matmul_grouped(be, &W->out_a, G, ro, s->attn, nh, D, pos, rope, s->low, G * ro, n, num);
+    } else {
+        be->ops->rope_tail(be, s->attn, n, nh, D, pos, rope, true);
+        TAP("attn_rope_inv", l, -1, s->attn, n * nh * D);
+        be->ops->matmul_grouped(be, &W->out_a, G, ro, s->attn, nh * D, s->low, G * ro, n, num);
+    }
     TAP("attn_out_a", l, -1, s->low, n * G * ro);
     be->ops->matmul(be, &W->out_b, 0, H, s->low, G * ro, s->y, H, n, num);
     TAP("attn_out_b", l, -1, s->y, n * H);
