@@ -65,6 +65,13 @@
 #                               prefill to $OUT/ncu-detail-REGEX.txt; KERN_TOKEN_DETAIL="REGEX,..." the
 #                               same for kernels of the decoded token ($OUT/ncu-detail-token-REGEX.txt;
 #                               matched against demangled names: 'mv_kernel<.unsigned int.16' is IQ2_XXS)
+#                     timeline  the kernels of decoded tokens as the GPU ran them (graph replays, no
+#                               serialisation): scripts/cupti_trace.c, built here against the machine's
+#                               CUPTI, records every kernel's start and end during `bench --synthetic
+#                               deepseek4-full-q2 --ctx TL_CTX (default 2048) --gen TL_GEN (default 16)`;
+#                               scripts/timeline.py sums the last 8 tokens to $OUT/timeline.md (spans,
+#                               gaps, each kernel's time at the head of the chain, one layer in order);
+#                               TL_AB="VAR=V ..." once more per setting (timeline-VAR.md)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
@@ -372,6 +379,54 @@ kernels_stage() {
 }
 
 # Each weight product on its own: `bench --ops` (no model file needed).
+# The decoded tokens' kernel timeline (CUPTI activity records, see the
+# timeline stage above): the library is built against the CUPTI that the
+# machine has (the toolkit's, else the nvidia-cuda-cupti wheel's), its
+# kernel record struct the newest that compiles.
+find_cupti() {
+    local d
+    for d in /usr/local/cuda/extras/CUPTI "$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' 2>/dev/null)" \
+        "$(python3 -c 'import nvidia.cuda_cupti as c, os; print(list(c.__path__)[0])' 2>/dev/null)"; do
+        [ -n "$d" ] && [ -f "$d/include/cupti_activity.h" ] && ls "$d"/lib*/libcupti.so* >/dev/null 2>&1 && { echo "$d"; return; }
+    done
+}
+timeline_stage() {
+    local out="${OUT:-$TMP}" cupti lib k so="$TMP/cupti_trace.so" v envs
+    cupti=$(find_cupti)
+    if [ -z "$cupti" ]; then
+        record "kernel timeline" "SKIP (no CUPTI headers and library)"
+        return
+    fi
+    lib=$(dirname "$(ls "$cupti"/lib*/libcupti.so* | head -n1)")
+    for k in 13 12 11 10 9; do
+        cc -O2 -shared -fPIC -o "$so" scripts/cupti_trace.c -DKREC=CUpti_ActivityKernel$k -I"$cupti/include" \
+            -I/usr/local/cuda/include -L"$lib" -l:"$(basename "$(ls "$lib"/libcupti.so* | head -n1)")" \
+            -Wl,-rpath,"$lib" 2>"$TMP/cupti-cc.log" && break
+    done
+    if [ ! -s "$so" ]; then
+        tail -n 5 "$TMP/cupti-cc.log"
+        record "kernel timeline" "FAIL (cupti_trace.c did not build against $cupti)"
+        return
+    fi
+    local targs=(--ctx "${TL_CTX:-2048}" --prefill 1 --gen "${TL_GEN:-16}" --repeat 1 --ttft 0)
+    for v in "" ${TL_AB:-}; do
+        envs_of "$v"
+        local tag=${v:+-${v//[^A-Za-z0-9_]/_}}
+        section "kernel timeline${v:+ ($v)}"
+        if env "${envs[@]}" CUDA_INJECTION64_PATH="$so" DS4_TRACE_OUT="$TMP/trace$tag.csv" timeout "$STEP_TIMEOUT" \
+            build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda "${targs[@]}" \
+            >"$TMP/timeline$tag.log" 2>&1 &&
+            python3 scripts/timeline.py "$TMP/trace$tag.csv" >"$out/timeline$tag.md"; then
+            grep -h "cupti_trace" "$TMP/timeline$tag.log"
+            head -n 12 "$out/timeline$tag.md"
+            record "kernel timeline${v:+ ($v)}" PASS
+        else
+            tail -n 20 "$TMP/timeline$tag.log"
+            record "kernel timeline${v:+ ($v)}" FAIL
+        fi
+    done
+}
+
 ops_stage() {
     local out="${OUT:-$TMP}" v envs
     section "bench --ops (rows ${OPS_ROWS:-1,8})"
@@ -550,6 +605,7 @@ main() {
     if has_stage ops && [ -x build/cuda/ds4server ]; then ops_stage; fi
     if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
     if has_stage kernels && [ -x build/cuda/ds4server ]; then kernels_stage; fi
+    if has_stage timeline && [ -x build/cuda/ds4server ]; then timeline_stage; fi
 
     if ! has_stage sanitize; then
         :
