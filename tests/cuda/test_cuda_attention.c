@@ -1107,6 +1107,10 @@ static void test_indexer_rows(void) {
     indexer_rows_case(&p, 16, 128, n3, 3, 40, 8); /* the tiny model's top-k of 8 */
     const int64_t n1[1] = { 50 };
     indexer_rows_case(&p, 8, 128, n1, 1, 50, 1); /* k = 1: row by row */
+    /* rows of more keys than one block sorts whole beside rows it does sort
+     * whole: each row's own path in one launch */
+    const int64_t n5[3] = { 6000, 4096, 520 };
+    indexer_rows_case(&p, 4, 64, n5, 3, 6000, 512);
     op_pair_close(&p);
 }
 
@@ -1208,6 +1212,21 @@ static void test_top_k(void) {
     top_k_case(&p, "n < k", s, 5, 16);
     top_k_case(&p, "n = 1", s, 1, 4);
     top_k_case(&p, "n = 0", s, 0, 8);
+
+    /* a decoded token's selection (a little past 2K context: 512 of 520
+     * compressed rows), rows sorted whole up to 4096 keys and the radix
+     * select past them, around the bound, with and without ties */
+    for (int64_t i = 0; i < 8192; i++) s[i] = (float)test_rand_normal();
+    top_k_case(&p, "decode, 512 of 520", s, 520, 512);
+    top_k_case(&p, "512 of 513", s, 513, 512);
+    top_k_case(&p, "512 of 4096 (sorted whole)", s, 4096, 512);
+    top_k_case(&p, "512 of 4097 (selected)", s, 4097, 512);
+    top_k_case(&p, "4096 of 4096", s, 4096, 4096);
+    top_k_case(&p, "3 of 65", s, 65, 3);
+    top_k_case(&p, "2 of 2", s, 2, 2);
+    for (int64_t i = 0; i < 8192; i++) s[i] = (float)rand_range(-3, 4);
+    top_k_case(&p, "ties, 512 of 3000 (sorted whole)", s, 3000, 512);
+    top_k_case(&p, "ties, 1000 of 8192 (selected)", s, 8192, 1000);
 
     /* the model's size: 1M context / 4 rows, top 512 */
     for (int64_t i = 0; i < big; i++) s[i] = (float)test_rand_normal();

@@ -1150,17 +1150,52 @@ static __global__ void __launch_bounds__(TOPK_THREADS)
 }
 
 /*
- * Top-k in one block, for size = min(k, n) up to TOPK_SELECT_MAX: a radix
- * select finds the size-th largest key (8 bits a pass, from the top: each
- * pass counts the keys that match the digits fixed so far, digit by digit,
- * and fixes the next digit where the count from the top reaches the rank
- * still wanted); the keys at or above it are exactly the top `size` (keys
- * are distinct), gathered into shared memory and put in descending order by
- * a bitonic sort. One launch whatever n is, with nothing on the host that
- * depends on the scores (a recorded step can replay it).
+ * Top-k in one block, for size = min(k, n) up to TOPK_SELECT_MAX. A row of
+ * at most TOPK_SORT_ALL keys (the indexer's at contexts up to 16K) is
+ * sorted whole in shared memory. A longer one first has its size-th largest
+ * key found by a radix select (8 bits a pass, from the top: each pass counts
+ * the keys that match the digits fixed so far, digit by digit, and one warp
+ * finds the digit where the count from the top reaches the rank still
+ * wanted); the keys at or above it are exactly the top `size` (keys are
+ * distinct), gathered into shared memory and sorted. Either way the first
+ * `size` keys in descending order: the same list. One launch whatever n
+ * is, with nothing on the host that depends on the scores (a recorded step
+ * can replay it).
  */
 #define TOPK_SELECT_THREADS 1024
 #define TOPK_SELECT_MAX 4096
+#define TOPK_SORT_ALL 4096
+
+static __host__ __device__ __forceinline__ int topk_pow2(int64_t n) {
+    int p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+
+/* sel[0 .. P) (P a power of two) in descending order, by the block's
+ * threads: a bitonic network. A stage pairs i with i + j; for j <= 32 the
+ * 32 pairs a warp takes lie in one aligned run of 64 keys, its own in the
+ * stage after too while that one's j <= 32, so between two such stages a
+ * warp barrier does (the block's only where a stage reaches past the run). */
+static __device__ __forceinline__ void topk_bitonic_desc(unsigned long long *sel, int P) {
+    const int tid = threadIdx.x, nt = blockDim.x, half = P >> 1;
+    for (int len = 2; len <= P; len <<= 1) {
+        for (int j = len >> 1; j > 0; j >>= 1) {
+            for (int q = tid; q < half; q += nt) {
+                const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), o = i + j;
+                const unsigned long long a = sel[i], b = sel[o];
+                if ((i & len) == 0 ? a < b : a > b) {
+                    sel[i] = b;
+                    sel[o] = a;
+                }
+            }
+            /* the next stage's j: j / 2, or the next length's first (len); none after the last */
+            const int next = j > 1 ? j >> 1 : len < P ? len : 1 << 30;
+            if (j <= 32 && next <= 32) __syncwarp();
+            else __syncthreads();
+        }
+    }
+}
 
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
@@ -1178,71 +1213,77 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             return;
         }
     }
-    extern __shared__ unsigned long long sel[]; /* pow2 >= size keys */
+    extern __shared__ unsigned long long sel[]; /* pow2 >= size keys (>= n when the row is sorted whole) */
     __shared__ unsigned int hist[256];
     __shared__ unsigned long long prefix, pmask;
     __shared__ long long rank; /* rank still wanted among the keys matching prefix */
     __shared__ unsigned int count;
     const int tid = threadIdx.x, nt = blockDim.x;
-    if (tid == 0) {
-        prefix = 0;
-        pmask = 0;
-        rank = size;
-        count = 0;
-    }
-    __syncthreads();
-    const int bits = 32 + shift;
-    for (int d = ((bits - 1) / 8) * 8; d >= 0; d -= 8) {
-        for (int i = tid; i < 256; i += nt) hist[i] = 0;
+    const int whole = n <= TOPK_SORT_ALL && topk_pow2(n) <= pow2 ? topk_pow2(n) : 0;
+    if (whole) {
+        for (int i = tid; i < whole; i += nt) sel[i] = i < n ? topk_key(scores, i, n, shift) : 0ull;
         __syncthreads();
-        const unsigned long long pf = prefix, pm = pmask;
-        for (int64_t i = tid; i < n; i += nt) {
-            const unsigned long long key = topk_key(scores, i, n, shift);
-            if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
-        }
-        __syncthreads();
+        topk_bitonic_desc(sel, whole);
+    } else {
         if (tid == 0) {
-            long long r = rank;
-            int b = 0;
-            for (int bb = 255; bb >= 0; bb--) {
-                if ((long long)hist[bb] >= r) {
-                    b = bb;
-                    break;
-                }
-                r -= hist[bb];
-            }
-            rank = r;
-            prefix = pf | ((unsigned long long)b << d);
-            pmask = pm | (255ull << d);
+            prefix = 0;
+            pmask = 0;
+            rank = size;
+            count = 0;
         }
         __syncthreads();
-    }
-    const unsigned long long threshold = prefix;
-    for (int64_t i = tid; i < n; i += nt) {
-        const unsigned long long key = topk_key(scores, i, n, shift);
-        if (key >= threshold) {
-            const unsigned int at = atomicAdd(&count, 1u);
-            if (at < (unsigned)pow2) sel[at] = key;
-        }
-    }
-    __syncthreads();
-    for (int i = (int)size + tid; i < pow2; i += nt) sel[i] = 0; /* below every key */
-    __syncthreads();
-    for (int len = 2; len <= pow2; len <<= 1) {
-        for (int j = len >> 1; j > 0; j >>= 1) {
-            for (int i = tid; i < pow2; i += nt) {
-                const int o = i ^ j;
-                if (o > i) {
-                    const unsigned long long a = sel[i], b = sel[o];
-                    const bool desc = (i & len) == 0;
-                    if (desc ? a < b : a > b) {
-                        sel[i] = b;
-                        sel[o] = a;
+        const int bits = 32 + shift;
+        for (int d = ((bits - 1) / 8) * 8; d >= 0; d -= 8) {
+            for (int i = tid; i < 256; i += nt) hist[i] = 0;
+            __syncthreads();
+            const unsigned long long pf = prefix, pm = pmask;
+            for (int64_t i = tid; i < n; i += nt) {
+                const unsigned long long key = topk_key(scores, i, n, shift);
+                if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
+            }
+            __syncthreads();
+            if (tid < 32) {
+                /* lane l: digits 255 - 8l .. 248 - 8l; the lane whose share
+                 * of the count from the top holds the rank fixes the digit */
+                const long long r0 = rank;
+                unsigned int c[8], own = 0;
+#pragma unroll
+                for (int q = 0; q < 8; q++) own += c[q] = hist[255 - 8 * tid - q];
+                unsigned int incl = own;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const unsigned int t = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += t;
+                }
+                const long long above = (long long)(incl - own);
+                if (above < r0 && r0 <= (long long)incl) {
+                    long long r = r0 - above;
+                    int b = 248 - 8 * tid;
+                    for (int q = 0; q < 8; q++) {
+                        if ((long long)c[q] >= r) {
+                            b = 255 - 8 * tid - q;
+                            break;
+                        }
+                        r -= c[q];
                     }
+                    rank = r;
+                    prefix = pf | ((unsigned long long)b << d);
+                    pmask = pm | (255ull << d);
                 }
             }
             __syncthreads();
         }
+        const unsigned long long threshold = prefix;
+        for (int64_t i = tid; i < n; i += nt) {
+            const unsigned long long key = topk_key(scores, i, n, shift);
+            if (key >= threshold) {
+                const unsigned int at = atomicAdd(&count, 1u);
+                if (at < (unsigned)pow2) sel[at] = key;
+            }
+        }
+        __syncthreads();
+        for (int i = (int)size + tid; i < pow2; i += nt) sel[i] = 0; /* below every key */
+        __syncthreads();
+        topk_bitonic_desc(sel, pow2);
     }
     const unsigned long long mask = shift ? (1ull << shift) - 1ull : 0ull;
     for (int64_t i = tid; i < k; i += nt) idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sel[i] & mask)) : -1;
@@ -1333,8 +1374,7 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         return;
     }
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
-        int pow2 = 1;
-        while (pow2 < size) pow2 <<= 1;
+        const int pow2 = topk_pow2(n <= TOPK_SORT_ALL ? n : size); /* (a row sorted whole, or the selected keys) */
         (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
                           (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
                           (const int64_t *)NULL, (int64_t)0);
@@ -1398,8 +1438,11 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
         return;
     }
     const int64_t size = k < most ? k : most;
-    int pow2 = 1;
-    while (pow2 < size) pow2 <<= 1;
+    /* room for each row's selection and for the longest row sorted whole */
+    int64_t whole = 0;
+    for (int64_t r = 0; r < n_rows; r++)
+        if (n[r] <= TOPK_SORT_ALL && n[r] > whole) whole = n[r];
+    const int pow2 = topk_pow2(whole > size ? whole : size);
     const int64_t *d_n =
         (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
     if (!d_n) return;
