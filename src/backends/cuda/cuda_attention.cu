@@ -1199,7 +1199,7 @@ static __device__ __forceinline__ void topk_bitonic_desc(unsigned long long *sel
 
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
-                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride) {
+                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max) {
     cuda_grid_wait();
     if (row_n) { /* row blockIdx.x of top_k_rows: its own count, shift and size (pow2 covers every row's) */
         const int64_t y = blockIdx.x;
@@ -1219,7 +1219,7 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     __shared__ long long rank; /* rank still wanted among the keys matching prefix */
     __shared__ unsigned int count;
     const int tid = threadIdx.x, nt = blockDim.x;
-    const int whole = n <= TOPK_SORT_ALL && topk_pow2(n) <= pow2 ? topk_pow2(n) : 0;
+    const int whole = n <= whole_max && topk_pow2(n) <= pow2 ? topk_pow2(n) : 0;
     if (whole) {
         for (int i = tid; i < whole; i += nt) sel[i] = i < n ? topk_key(scores, i, n, shift) : 0ull;
         __syncthreads();
@@ -1337,6 +1337,13 @@ static __global__ void __launch_bounds__(TOPK_MAX_THREADS)
     for (int64_t i = 1 + threadIdx.x; i < k; i += TOPK_MAX_THREADS) idx[i] = -1;
 }
 
+/* The longest row topk_select_kernel sorts whole: TOPK_SORT_ALL, or with
+ * DS4_CUDA_TOPK_WHOLE=0 none (every row through the radix select; A/B). */
+static int topk_whole_max(void) {
+    static const bool whole = cuda_env_flag("DS4_CUDA_TOPK_WHOLE", true);
+    return whole ? TOPK_SORT_ALL : 0;
+}
+
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
@@ -1374,10 +1381,11 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         return;
     }
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
-        const int pow2 = topk_pow2(n <= TOPK_SORT_ALL ? n : size); /* (a row sorted whole, or the selected keys) */
+        const int wmax = topk_whole_max();
+        const int pow2 = topk_pow2(n <= wmax ? n : size); /* (a row sorted whole, or the selected keys) */
         (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
                           (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
-                          (const int64_t *)NULL, (int64_t)0);
+                          (const int64_t *)NULL, (int64_t)0, wmax);
         return;
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
@@ -1439,13 +1447,15 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     }
     const int64_t size = k < most ? k : most;
     /* room for each row's selection and for the longest row sorted whole */
+    const int wmax = topk_whole_max();
     int64_t whole = 0;
     for (int64_t r = 0; r < n_rows; r++)
-        if (n[r] <= TOPK_SORT_ALL && n[r] > whole) whole = n[r];
+        if (n[r] <= wmax && n[r] > whole) whole = n[r];
     const int pow2 = topk_pow2(whole > size ? whole : size);
     const int64_t *d_n =
         (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
     if (!d_n) return;
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
-                      (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride);
+                      (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
+                      wmax);
 }
