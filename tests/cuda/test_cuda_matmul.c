@@ -2280,75 +2280,6 @@ static void test_matvec_xs(void) {
     op_pair_close(&p);
 }
 
-/*
- * The deep ring (ds4_cuda_backend_set_mv_deep): one-row products whose
- * thread blocks leave each SM at most two stream through five stages a warp
- * instead of three. Q8_0 rows quantising their own x (q_a's 4096 -> 1024,
- * o_b's 8192 -> 4096, the grouped o_a) and with the quantiser kernel, F16
- * rows (a compressor's 4096 -> 1024, two products of one matmul_multi)
- * give the same outputs bit for bit with it on and off, in the same number
- * of launches, and take it when on; a grid of more blocks (q_b's 1024 ->
- * 32768) and two activation rows do not.
- */
-static void test_matvec_deep(void) {
-    OPEN_PAIR(p);
-    static const struct { uint32_t type; int64_t n, rows, groups, n_rows; bool xq, deep; } cases[] = {
-        { DS4_TYPE_Q8_0, 4096, 1024, 1, 1, true, true },  { DS4_TYPE_Q8_0, 8192, 4096, 1, 1, true, true },
-        { DS4_TYPE_Q8_0, 4096, 1024, 8, 1, true, true },  { DS4_TYPE_Q8_0, 4096, 2048, 1, 1, false, true },
-        { DS4_TYPE_F16, 4096, 1024, 1, 1, false, true },  { DS4_TYPE_Q8_0, 1024, 32768, 1, 1, true, false },
-        { DS4_TYPE_Q8_0, 4096, 1024, 1, 2, true, false }, { DS4_TYPE_F16, 4096, 300, 1, 2, false, false },
-    };
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        const uint32_t type = cases[k].type;
-        const int64_t n = cases[k].n, rows = cases[k].rows, G = cases[k].groups, nr = cases[k].n_rows;
-        float *dq = NULL;
-        uint8_t *b = weight_bytes(type, n, rows * G, true, &dq);
-        op_weight *w = op_weight_make(&p, "blk.0.deep.weight", type, n, rows * G, 1, b);
-        const int64_t xw = n * G, yw = rows * G;
-        float *hx = op_rand(nr * xw, 1.0);
-        op_buf x = op_buf_from(&p, hx, nr * xw), y[2][2];
-        char what[128];
-        snprintf(what, sizeof what, "matvec deep ring %s %lld x %lld -> %lld, %lld rows%s", ds4_type_name(type),
-                 (long long)G, (long long)n, (long long)rows, (long long)nr, cases[k].xq ? "" : ", no XQ");
-        uint64_t launches[2] = { 0, 0 };
-        int64_t deep[2] = { 0, 0 };
-        ds4_cuda_backend_set_fusions(p.gpu, cases[k].xq && env_on("DS4_CUDA_MV_XQ"), env_on("DS4_CUDA_MOE_XQ"));
-        for (int on = 0; on < 2; on++) {
-            ds4_cuda_backend_set_mv_deep(p.gpu, on);
-            y[on][0] = op_buf_poisoned(&p, nr * yw);
-            y[on][1] = op_buf_poisoned(&p, nr * yw);
-            const ds4_product pr[2] = { { &w->g, rows, y[on][0].g, yw, NULL, 0 },
-                                        { &w->g, rows / 2, y[on][1].g, yw, NULL, 0 } };
-            const ds4_backend_counters c0 = op_gpu_counters(&p);
-            const int64_t d0 = ds4_cuda_backend_mv_deep_launches(p.gpu);
-            if (G > 1)
-                p.gpu->ops->matmul_grouped(p.gpu, &w->g, G, rows, x.g, xw, y[on][0].g, yw, nr, DS4_NUMERICS_DS4);
-            else
-                p.gpu->ops->matmul(p.gpu, &w->g, 0, rows, x.g, xw, y[on][0].g, yw, nr, DS4_NUMERICS_DS4);
-            if (type == DS4_TYPE_F16) p.gpu->ops->matmul_multi(p.gpu, pr, 2, x.g, xw, nr, DS4_NUMERICS_DS4);
-            const ds4_backend_counters c1 = op_gpu_counters(&p);
-            op_expect_ok(&p);
-            launches[on] = c1.launches - c0.launches;
-            deep[on] = ds4_cuda_backend_mv_deep_launches(p.gpu) - d0;
-        }
-        CHECK_MSG(launches[0] == launches[1], "%s: %llu launches off, %llu on", what, (unsigned long long)launches[0],
-                  (unsigned long long)launches[1]);
-        CHECK_MSG(deep[0] == 0 && (deep[1] > 0) == cases[k].deep, "%s: %lld deep launches off, %lld on", what,
-                  (long long)deep[0], (long long)deep[1]);
-        expect_same_rows(&p, what, y[1][0].g, y[0][0].g, nr, yw, yw);
-        if (type == DS4_TYPE_F16) expect_same_rows(&p, what, y[1][1].g, y[0][1].g, nr, rows / 2, yw);
-        for (int on = 0; on < 2; on++) op_buf_free(&p, &y[on][0]), op_buf_free(&p, &y[on][1]);
-        op_buf_free(&p, &x);
-        op_weight_free(&p, w);
-        free(hx);
-        free(b);
-        free(dq);
-    }
-    default_fusions(&p);
-    ds4_cuda_backend_set_mv_deep(p.gpu, env_on("DS4_CUDA_MV_DEEP"));
-    op_pair_close(&p);
-}
-
 /* rope_matmul_grouped (the attention output's inverse RoPE and o_a): the
  * fused launch, where the product rotates each row back as it quantises
  * it, gives rope_tail's inverse then matmul_grouped bit for bit, in one
@@ -2508,7 +2439,6 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_prefetch),
     TEST_ENTRY(test_matvec_xs),
     TEST_ENTRY(test_rope_matmul_grouped),
-    TEST_ENTRY(test_matvec_deep),
     TEST_ENTRY(test_matvec_grouped_quantises_x),
     { 0 },
 };

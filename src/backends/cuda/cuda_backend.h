@@ -181,15 +181,6 @@ void ds4_cuda_backend_set_mv_pack(ds4_backend *be, int on);
 void ds4_cuda_backend_set_mv_xs(ds4_backend *be, int on);
 /* Matvec launches that packed rows so, since the backend was created. */
 int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be);
-/* One-activation-row products whose thread blocks leave each SM at most
- * two (o_a, o_b, q_a + kv, the shared experts, the F16 products) stream
- * through rings of 5 stages a warp instead of 3, so that twice the bytes
- * are in flight (the default; DS4_CUDA_MV_DEEP=0 makes off the default).
- * The results are the same either way, bit for bit. Takes effect at the
- * next op. */
-void ds4_cuda_backend_set_mv_deep(ds4_backend *be, int on);
-/* Matvec launches with the deep ring, since the backend was created. */
-int64_t ds4_cuda_backend_mv_deep_launches(const ds4_backend *be);
 /* head_norm_rope as one fused kernel (the default; DS4_CUDA_NORM_ROPE=0
  * makes off the default), or as the rmsnorm, rope_tail and rounding
  * kernels one after the other. The results are the same either way, bit

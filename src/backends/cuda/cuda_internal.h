@@ -179,9 +179,7 @@ typedef struct cuda_backend {
     bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
     bool mv_pack;   /* one-row products of short rows pack several rows per stage (DS4_CUDA_MV_PACK=0: off) */
     bool mv_xs;     /* one-row float-weight products read x from shared memory (off by default; DS4_CUDA_MV_XS=1: on) */
-    bool mv_deep;   /* one-row products of at most two blocks an SM keep MV_NST_DEEP stages a warp (DS4_CUDA_MV_DEEP=0: off) */
     int64_t mv_packed_launches; /* matvec launches that packed them (ds4_cuda_backend_mv_packed_launches) */
-    int64_t mv_deep_launches;   /* matvec launches with the deep ring (ds4_cuda_backend_mv_deep_launches) */
     bool moe_xq;    /* the MoE's SwiGLU and mid quantisation in one kernel (DS4_CUDA_MOE_XQ=0: off) */
     bool norm_rope; /* head_norm_rope as one fused kernel (on by default; DS4_CUDA_NORM_ROPE=0: the separate ops' kernels) */
     bool norm_rope2; /* head_norm_rope2's two row sets in one kernel (on by default; DS4_CUDA_NORM_ROPE2=0: a kernel each) */

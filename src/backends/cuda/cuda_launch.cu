@@ -832,10 +832,6 @@ extern "C" void ds4_cuda_backend_set_mv_xs(ds4_backend *be, int on) { cuda_impl(
 extern "C" int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->mv_packed_launches;
 }
-extern "C" void ds4_cuda_backend_set_mv_deep(ds4_backend *be, int on) { cuda_impl(be)->mv_deep = on != 0; }
-extern "C" int64_t ds4_cuda_backend_mv_deep_launches(const ds4_backend *be) {
-    return ((const cuda_backend *)be->impl)->mv_deep_launches;
-}
 
 extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
 extern "C" void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on) { cuda_impl(be)->hc_norm = on != 0; }
@@ -859,7 +855,6 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->mv_pack = cuda_env_flag("DS4_CUDA_MV_PACK", true);
     cb->mv_xs = cuda_env_flag("DS4_CUDA_MV_XS", false);
-    cb->mv_deep = cuda_env_flag("DS4_CUDA_MV_DEEP", true);
     cb->moe_xq = cuda_env_flag("DS4_CUDA_MOE_XQ", true);
     cb->norm_rope = cuda_env_flag("DS4_CUDA_NORM_ROPE", true);
     cb->norm_rope2 = cuda_env_flag("DS4_CUDA_NORM_ROPE2", true);

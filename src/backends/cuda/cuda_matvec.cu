@@ -56,10 +56,6 @@
 
 #define MV_STAGE 2176 /* bytes of one stage (64 Q8_0 blocks: two full warp steps) */
 #define MV_NST 3       /* stages per warp: one decoded while the others are in flight */
-/* stages per warp of the deep-ring kernels: one-row products whose grid
- * leaves each SM at most two blocks (o_a, o_b, q_a + kv, the shared
- * experts, the F16 products), which then keep twice the bytes in flight */
-#define MV_NST_DEEP 5
 #define MV_COPIES ((MV_STAGE / 16 + 31) / 32) /* 16-byte copies per lane for a stage */
 #define MV_WARPS 8
 /* split rows until this many warps are in flight (4096 -> 1024 measured:
@@ -871,7 +867,7 @@ static __device__ __forceinline__ void mv_rope_back(const mv_args &a, int r, int
  * to 64 registers: four blocks per SM, as their shared memory allows; so
  * are the XQ kernels of up to four rows (the RoPE tables' double sincos
  * would take them from 60 to 72 registers, three blocks per SM). */
-template <uint32_t T, int ROWS, bool XQ, int PACK = 0, int NST = MV_NST>
+template <uint32_t T, int ROWS, bool XQ, int PACK = 0>
 __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ && ROWS <= 4) ? 4 : 1) mv_kernel(mv_args a) {
     static_assert(!XQ || T == DS4_TYPE_Q8_0, "only the Q8_0 kernels quantise their activations");
     static_assert(!PACK || ROWS == 1, "packed stages: one activation row");
@@ -898,7 +894,7 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
      * once its first weight stages are in flight too */
     iq2_ref tab{ NULL, 0u };
     if constexpr (T == DS4_TYPE_IQ2_XXS) {
-        uint4 *dst = smem + n_warps * NST * (MV_STAGE / 16);
+        uint4 *dst = smem + n_warps * MV_NST * (MV_STAGE / 16);
         const uint4 *src = (const uint4 *)&g_iq2_tables;
         for (int i = threadIdx.x; i < (int)(sizeof(iq2_tables) / 16); i += blockDim.x) cp_async16(dst + i, src + i, true);
         cp_async_commit();
@@ -951,11 +947,11 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
     const int n_valid = !active || left <= 0 || u1 <= u0 ? 0 : left < rpw ? (int)left : rpw;
 
     /* The warp streams its rows' stages (stage k of row j is stage
-     * j * spr + k) through a ring of NST buffers with cp.async: stage s
-     * is decoded while stages s + 1 .. s + NST - 1 are in flight. Every
+     * j * spr + k) through a ring of MV_NST buffers with cp.async: stage s
+     * is decoded while stages s + 1 .. s + MV_NST - 1 are in flight. Every
      * issue commits a group (an empty one past the end), so the group count
-     * stays uniform and wait<NST - 2> always means "stage s is in". */
-    uint8_t *ring = (uint8_t *)(smem + warp * NST * (MV_STAGE / 16));
+     * stays uniform and wait<MV_NST - 2> always means "stage s is in". */
+    uint8_t *ring = (uint8_t *)(smem + warp * MV_NST * (MV_STAGE / 16));
     /* 32-bit counters, advanced step by step (no division in the loop): a
      * part has at most a few thousand units, a warp at most MV_MAX_RPW rows */
     const int n_units = (int)(u1 - u0);
@@ -995,15 +991,15 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
                     is_src += G::STAGE_UNITS * G::UNIT_BYTES;
                 }
             }
-            is_dst = is_dst == ring_lane + (NST - 1) * MV_STAGE ? ring_lane : is_dst + MV_STAGE;
+            is_dst = is_dst == ring_lane + (MV_NST - 1) * MV_STAGE ? ring_lane : is_dst + MV_STAGE;
         }
         is_s++;
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < NST - 1; s++) issue();
+    for (int s = 0; s < MV_NST - 1; s++) issue();
     if constexpr (T == DS4_TYPE_IQ2_XXS) {
-        cp_async_wait<NST - 1>(); /* the table's group: older than the NST - 1 stages just issued */
+        cp_async_wait<MV_NST - 1>(); /* the table's group: older than the MV_NST - 1 stages just issued */
         __syncthreads();
         tab.pos = tab.t->pos[0];
     }
@@ -1013,7 +1009,7 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
     float *rope_cs = NULL;
     if constexpr (XQ) {
         if (a.rope_pos) {
-            rope_cs = (float *)((uint8_t *)(smem + n_warps * NST * (MV_STAGE / 16)) +
+            rope_cs = (float *)((uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16)) +
                                 (size_t)a.n_rows * a.act_blocks * sizeof(mv_q8_0));
             for (int i = threadIdx.x; i < a.n_rows * (a.rope.n_rot / 2); i += blockDim.x)
                 cuda_rope_entry(a.rope, a.rope_pos, i, rope_cs);
@@ -1023,7 +1019,7 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
     if (early) cuda_grid_wait();
     if constexpr (mv_float(T) && ROWS == 1) {
         if (a.xs_floats) { /* XS: x once into shared memory, 16 bytes a thread at a time */
-            float4 *xs = (float4 *)(smem + n_warps * NST * (MV_STAGE / 16));
+            float4 *xs = (float4 *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
             const float4 *src = (const float4 *)act;
             for (int64_t i = threadIdx.x; i < a.xs_floats / 4; i += blockDim.x) xs[i] = src[i];
             __syncthreads();
@@ -1036,7 +1032,7 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
          * 16-byte aligned). Each thread takes half a block, 16 floats in four
          * 16-byte loads issued together (the rows fit one or two passes of the block's
          * threads); the two halves of a block are neighbouring lanes. */
-        uint8_t *xs = (uint8_t *)(smem + n_warps * NST * (MV_STAGE / 16));
+        uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16));
         const int nb = (int)a.act_blocks, row_elems = nb * 32, total = n_rows * row_elems;
         const float *xf = a.xf;
         if (a.group_rows) xf += ((int64_t)blockIdx.x * a.rpb * a.rpw / a.group_rows) * a.xf_group_stride;
@@ -1071,7 +1067,7 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
             /* XK (one token's gate/up): x quantised to Q8_K blocks, a warp
              * each, in shared memory after the rings (and the IQ2_XXS
              * tables), while the first stages are in flight */
-            uint8_t *xs = (uint8_t *)(smem + n_warps * NST * (MV_STAGE / 16)) +
+            uint8_t *xs = (uint8_t *)(smem + n_warps * MV_NST * (MV_STAGE / 16)) +
                           (T == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
             const int nb = (int)a.act_blocks;
             for (int ib = warp; ib < nb; ib += n_warps) mv_q8_K_warp(a.xf + (int64_t)ib * DS4_QK_K, xs, nb, ib);
@@ -1093,11 +1089,11 @@ __global__ void __launch_bounds__(256, (ROWS == 1 && mv_one_row<T>::ON) || (XQ &
         act_j = act + blk_j * act_unit;
     }
     for (int s = 0; s < total; s++) {
-        cp_async_wait<NST - 2>();
+        cp_async_wait<MV_NST - 2>();
         __syncwarp();
         issue();
         const uint8_t *sw = ring + slot * MV_STAGE;
-        if (++slot == NST) slot = 0;
+        if (++slot == MV_NST) slot = 0;
         if constexpr (PACK) { /* rows j .. j + here - 1, their sums straight to red */
             const int here = n_valid - j < PR ? n_valid - j : PR;
             float *sums = &red[warp * rpw + j][0];
@@ -1220,16 +1216,6 @@ static const mv_packed mv_packed_kernels[] = {
     { DS4_TYPE_Q8_0, 32, false, mv_kernel<DS4_TYPE_Q8_0, 1, false, 32> },
     { DS4_TYPE_Q8_0, 32, true, mv_kernel<DS4_TYPE_Q8_0, 1, true, 32> },
 };
-/* The deep-ring one-row kernels (MV_NST_DEEP stages a warp); NULL: none. */
-static mv_fn mv_deep_kernel(uint32_t type, bool xq) {
-    switch (type) {
-    case DS4_TYPE_F16: return mv_kernel<DS4_TYPE_F16, 1, false, 0, MV_NST_DEEP>;
-    case DS4_TYPE_Q8_0:
-        return xq ? mv_kernel<DS4_TYPE_Q8_0, 1, true, 0, MV_NST_DEEP> : mv_kernel<DS4_TYPE_Q8_0, 1, false, 0, MV_NST_DEEP>;
-    default: return NULL;
-    }
-}
-
 /* the packed kernel for rows of bpr blocks; NULL: none */
 static mv_fn mv_packed_kernel(uint32_t type, int bpr, bool xq) {
     for (size_t i = 0; i < sizeof mv_packed_kernels / sizeof mv_packed_kernels[0]; i++)
@@ -1263,10 +1249,6 @@ static_assert(MV_XQ_MAX_ONE + CUDA_MV_MAX_ROWS * 2 * CUDA_MV_ROPE_PAIRS * sizeof
  * IQ2_XXS tables or the quantised activations */
 #define MV_SMEM_EXTRA_ (sizeof(iq2_tables) > MV_XQ_MAX_ONE ? sizeof(iq2_tables) : MV_XQ_MAX_ONE)
 #define MV_SMEM_MAX ((size_t)MV_WARPS * MV_NST * MV_STAGE + (MV_SMEM_EXTRA_ > MV_XS_MAX ? MV_SMEM_EXTRA_ : MV_XS_MAX))
-/* ... and of the deep-ring kernels (two blocks of them fit an SM's 228 KB) */
-#define MV_SMEM_DEEP_MAX \
-    ((size_t)MV_WARPS * MV_NST_DEEP * MV_STAGE + (MV_SMEM_EXTRA_ > MV_XS_MAX ? MV_SMEM_EXTRA_ : MV_XS_MAX))
-static_assert(2 * (MV_SMEM_DEEP_MAX + 1024) <= 228 * 1024, "two deep-ring blocks an SM");
 
 /* Once per backend: every matvec kernel may use MV_SMEM_MAX bytes of
  * dynamic shared memory (more than the default without opting in). */
@@ -1283,12 +1265,6 @@ static bool mv_allow_smem(ds4_backend *be) {
     for (size_t i = 0; i < sizeof mv_packed_kernels / sizeof mv_packed_kernels[0]; i++)
         if (!cuda_allow_dynamic_smem(be, (const void *)mv_packed_kernels[i].fn, MV_SMEM_MAX, "matvec", 0))
             return false;
-    static const uint32_t deep[] = { DS4_TYPE_F16, DS4_TYPE_Q8_0 };
-    for (size_t t = 0; t < sizeof deep / sizeof deep[0]; t++)
-        for (int xq = 0; xq <= (deep[t] == DS4_TYPE_Q8_0 ? 1 : 0); xq++)
-            if (!cuda_allow_dynamic_smem(be, (const void *)mv_deep_kernel(deep[t], xq != 0), MV_SMEM_DEEP_MAX,
-                                         "matvec", 0))
-                return false;
     cb->mv_smem = true;
     return true;
 }
@@ -1321,23 +1297,10 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     for (int z = 0; xs && z < n_mats; z++) xs = (uintptr_t)a.act[z] % 16 == 0;
     a.xs_floats = xs ? row_floats : 0;
     const size_t rope_bytes = a.rope_pos ? (size_t)a.n_rows * (size_t)a.rope.n_rot * sizeof(float) : 0;
-    const size_t extra = (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) + xq_bytes + xk_bytes +
-                         (xs ? (size_t)row_floats * 4 : 0) + rope_bytes;
+    const size_t shm = (size_t)warps * MV_NST * MV_STAGE + (type == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0) +
+                       xq_bytes + xk_bytes + (xs ? (size_t)row_floats * 4 : 0) + rope_bytes;
     const int64_t per_block = (int64_t)a.rpb * a.rpw;
     int64_t nb = (a.n_out + per_block - 1) / per_block;
-    /* the deep ring: a plain one-row product (not packed) whose thread
-     * blocks with outputs, all matrices together, leave each SM at most two */
-    mv_fn deep_fn = NULL;
-    if (cuda_impl(be)->mv_deep && !packed_fn && a.n_rows == 1 && !a.sel && !a.groups && !a.experts_as_parts &&
-        (size_t)warps * MV_NST_DEEP * MV_STAGE + extra <= MV_SMEM_DEEP_MAX) {
-        int64_t active = 0;
-        for (int z = 0; z < n_mats; z++) {
-            const int64_t nz = a.n_out_z[z] ? a.n_out_z[z] : a.n_out;
-            active += (nz + per_block - 1) / per_block * n_slots;
-        }
-        if (active <= 2 * (int64_t)cuda_sm_count(cuda_impl(be))) deep_fn = mv_deep_kernel(type, xq);
-    }
-    const size_t shm = (size_t)warps * (deep_fn ? MV_NST_DEEP : MV_NST) * MV_STAGE + extra;
     if (nb > INT32_MAX - 1 || n_slots > 65535) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "matvec: %lld outputs x %d slots is too large a grid", (long long)a.n_out,
                   n_slots);
@@ -1365,7 +1328,7 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
                   a.n_rows, n_slots, (long long)a.act_blocks);
         return false;
     }
-    const mv_fn fn = packed_fn ? packed_fn : deep_fn ? deep_fn : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
+    const mv_fn fn = packed_fn ? packed_fn : mv_kernel_for(type, a.experts_as_parts ? 1 : a.n_rows, xq);
     if (act_kind_for(type) == CUDA_MV_Q8_K) {
         /* a row's codes start at its base (groups are whole 256-byte blocks
          * in): the bases, rows or expert slots (act_stride) and tokens
@@ -1398,7 +1361,6 @@ static bool mv_launch(ds4_backend *be, uint32_t type, mv_args a, int n_slots, in
     const dim3 grid((unsigned)nb, (unsigned)n_slots, (unsigned)n_mats);
     if (!cuda_launch(be, "matvec kernel", fn, grid, threads, shm, a)) return false;
     if (packed_fn) cuda_impl(be)->mv_packed_launches++;
-    if (deep_fn) cuda_impl(be)->mv_deep_launches++;
     return true;
 }
 
