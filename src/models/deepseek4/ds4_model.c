@@ -274,6 +274,8 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     if (!m) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
     m->file = file;
     m->be = be;
+    const char *ab = getenv("DS4_ATTN_BRANCH");
+    m->attn_branch = !(ab && !strcmp(ab, "0"));
     ds4_status st = ds4_config_from_gguf(file, &m->cfg, err);
     if (st) {
         free(m);
@@ -1043,7 +1045,17 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         prod[n_prod++] = (ds4_product){ .w = &W->idx_proj, .n_out = c->idx_n_head, .out = s->iw,
                                         .out_stride = c->idx_n_head };
     }
-    be->ops->matmul_multi(be, prod, n_prod, s->a, H, n, num);
+    /* the compressor and indexer projections (all but q_a and kv) may run
+     * on a side branch of a recorded step, beside q's chain up to the
+     * compressor pass: they read only the normed input and write only their
+     * own rows, which nothing reads before the join */
+    const bool side = ratio && !m->tap && m->attn_branch && be->ops->branch_begin;
+    be->ops->matmul_multi(be, prod, side ? 2 : n_prod, s->a, H, n, num);
+    if (side) {
+        be->ops->branch_begin(be);
+        be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
+        be->ops->branch_end(be);
+    }
     /* q: low rank, norm, up, per-head plain norm, RoPE */
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
@@ -1101,6 +1113,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
      * push, indexer and attention; the indexer queries of the rows from the
      * first that needs them on are made in one batch */
     bool iq_made = false;
+    if (side) be->ops->branch_join(be);
     if (ratio)
         compressor_pass(m, rs, l, false, ape_added ? NULL : &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow,
                         num, s->n_comp);

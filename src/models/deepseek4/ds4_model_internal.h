@@ -46,6 +46,9 @@ struct ds4_model {
     int idx_batch; /* selecting rows per batch (ds4_model_set_indexer_batches): 0 the scratch's, -1 row by row, n */
     int64_t eval_chunk; /* tokens per layer-major pass (ds4_model_set_eval_chunk) */
     bool no_state_batches; /* batches of states row by row (ds4_model_set_state_batches) */
+    /* the attention's compressor and indexer products on a side branch of a
+     * recorded step, beside q's chain (on; $DS4_ATTN_BRANCH=0: off) */
+    bool attn_branch;
     /* the scratch of evaluations of several rows (prefill chunks, batched
      * decode): one for the model, as its evaluations run one at a time,
      * instead of one of a chunk's size in every state that prefilled */
