@@ -1290,6 +1290,59 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
 }
 
 /*
+ * Top-k by rank, for rows of at most TOPK_RANK_MAX keys (a decoded token's
+ * indexer selection: 512 of about n / 4 compressed rows): every block of a
+ * row (grid x) loads the row's n keys into shared memory, and each thread
+ * counts, for the key it owns, the keys above it. Keys are distinct, so
+ * that count is the key's place in the descending order, and a key whose
+ * place is below size writes its index there: the sorted list without a
+ * sort, each slot written once, the blocks independent. Block 0 of the
+ * row writes the -1 of places size .. k. Rows: grid y (row_n, stride, as
+ * topk_select_kernel; NULL row_n: one row of n).
+ */
+#define TOPK_RANK_THREADS 64
+#define TOPK_RANK_MAX 4096
+
+static __global__ void __launch_bounds__(TOPK_RANK_THREADS)
+    topk_rank_kernel(const float *__restrict__ scores, int64_t n, int64_t k, int32_t *__restrict__ idx,
+                     const int64_t *__restrict__ row_n, int64_t stride) {
+    cuda_grid_wait();
+    if (row_n) {
+        const int64_t y = blockIdx.y;
+        n = row_n[y];
+        scores += y * stride;
+        idx += y * k;
+    }
+    const int shift = topk_shift(n);
+    const int64_t size = k < n ? k : n;
+    if (blockIdx.x == 0)
+        for (int64_t i = size + threadIdx.x; i < k; i += blockDim.x) idx[i] = -1;
+    const int64_t mine = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((int64_t)blockIdx.x * blockDim.x >= n) return; /* (a shorter row of the launch) */
+    extern __shared__ unsigned long long keys[]; /* the row's n keys, then a 0 to even them */
+    const int nn = (int)n, even = (nn + 1) & ~1;
+    for (int i = threadIdx.x; i < even; i += blockDim.x) keys[i] = i < nn ? topk_key(scores, i, n, shift) : 0ull;
+    __syncthreads();
+    if (mine >= n) return;
+    const unsigned long long key = keys[mine];
+    int above = 0;
+    const ulonglong2 *pairs = (const ulonglong2 *)keys;
+#pragma unroll 4
+    for (int i = 0; i < even / 2; i++) { /* every lane reads the same pair: a broadcast */
+        const ulonglong2 two = pairs[i];
+        above += (two.x > key) + (two.y > key);
+    }
+    if (above < size) idx[above] = (int32_t)(n - 1 - (int64_t)(key & ((1ull << shift) - 1ull)));
+}
+
+/* DS4_CUDA_TOPK_RANK=0: rows of up to TOPK_RANK_MAX keys through
+ * topk_select_kernel instead (A/B; tests compare the paths). */
+static bool topk_rank_on(void) {
+    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_RANK", true);
+    return on;
+}
+
+/*
  * k = 1 (the greedy token of a logits row): the largest key, idx[0] its
  * index (the first maximum, NaN as -inf, as the keys rank), idx[1..k) = -1
  * (n = 1 < k). Two launches: TOPK_MAX_BLOCKS blocks each find the largest
@@ -1380,6 +1433,13 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
                           (const unsigned long long *)part, (int)nb, n, shift, k, idx);
         return;
     }
+    if (n <= TOPK_RANK_MAX && topk_rank_on() && !topk_sort_forced()) {
+        const unsigned nb = (unsigned)((n + TOPK_RANK_THREADS - 1) / TOPK_RANK_THREADS);
+        (void)cuda_launch(be, "topk_rank_kernel", topk_rank_kernel, nb, TOPK_RANK_THREADS,
+                          (size_t)((n + 1) & ~1) * sizeof(unsigned long long), scores, n, k, idx,
+                          (const int64_t *)NULL, (int64_t)0);
+        return;
+    }
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
         const int wmax = topk_whole_max();
         const int pow2 = topk_pow2(n <= wmax ? n : size); /* (a row sorted whole, or the selected keys) */
@@ -1446,6 +1506,16 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
         return;
     }
     const int64_t size = k < most ? k : most;
+    if (most <= TOPK_RANK_MAX && most > 0 && n_rows <= 65535 && topk_rank_on()) {
+        const int64_t *d_n =
+            (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
+        if (!d_n) return;
+        const dim3 grid((unsigned)((most + TOPK_RANK_THREADS - 1) / TOPK_RANK_THREADS), (unsigned)n_rows);
+        (void)cuda_launch(be, "topk_rank_kernel", topk_rank_kernel, grid, TOPK_RANK_THREADS,
+                          (size_t)((most + 1) & ~1) * sizeof(unsigned long long), scores, most, k, idx, d_n,
+                          stride);
+        return;
+    }
     /* room for each row's selection and for the longest row sorted whole */
     const int wmax = topk_whole_max();
     int64_t whole = 0;
