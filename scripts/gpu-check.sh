@@ -27,7 +27,8 @@
 #                     unit      the CUDA unit test binaries
 #                     parity    `ds4server parity` cpu vs cuda on the tiny synthetic models
 #                               (every quant scheme, both numerics, greedy 32) and on the
-#                               oracle models of tests/oracle (reference numerics)
+#                               oracle models of tests/oracle (reference numerics); with OUT
+#                               the JSON reports go to $OUT/parity.tar.gz
 #                     sanitize  compute-sanitizer memcheck/racecheck/initcheck on the CUDA tests
 #                               (SAN_ONLY="BIN:FILTER ...", e.g. "test_cuda_matmul:test_moe_mma": only
 #                               the tests of BIN whose names contain FILTER)
@@ -177,6 +178,10 @@ parity_stage() {
         parity_step "oracle-$name-reference" -m "$d/m.gguf" --numerics reference --tokens "$toks" --decode 4 --greedy 32
     done
     parity_step "oracle-aligned-ds4" -m "$SHM/oracle-aligned/m.gguf" --numerics ds4 --n-tokens 64 --greedy 32
+    # the 13 reports as one file in $OUT ($OUT comes back as a few files)
+    if [ -n "${OUT:-}" ] && compgen -G "$OUT/parity-*.json" >/dev/null; then
+        (cd "$OUT" && tar -czf parity.tar.gz parity-*.json && rm -f parity-*.json)
+    fi
 }
 
 # The full-size q2 file in $SHM (generated once per machine); false if it cannot be made.
