@@ -793,3 +793,50 @@ def test_ncu_table(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_table.py"), str(mem), "--bandwidth", "0"],
                        capture_output=True)
     assert r.returncode != 0 and b"--bandwidth" in r.stderr
+
+
+def test_timeline(tmp_path):
+    """scripts/timeline.py cuts the kernel records of scripts/cupti_trace.c into
+    tokens at each embedding kernel and charges each instant to the running kernel
+    that started first (the head of the chain), an instant with none running to
+    the gap before the next kernel; one layer's kernels are listed in order."""
+    us = 1000  # the records are in ns
+    head = "start_ns,end_ns,graph_id,graph_node_id,stream,grid_x,grid_y,grid_z,block_x,registers,dynamic_smem,name\n"
+    rows = []
+
+    def k(start, end, name, grid="1,1,1"):
+        rows.append("%d,%d,1,0,7,%s,256,64,0,%s" % (start * us, end * us, grid, name))
+
+    for t0 in (0, 2000):  # two tokens of the same shape, 2000 us apart
+        k(t0 + 0, t0 + 100, "embed_float_kernel")
+        k(t0 + 150, t0 + 400, "hc_partial_kernel")      # 50 us gap before it
+        k(t0 + 300, t0 + 600, "mv_kernel", "128,1,2")   # overlaps: at the head from 400 to 600
+        k(t0 + 700, t0 + 800, "hc_partial_kernel")      # 100 us gap before it
+        k(t0 + 800, t0 + 900, "rmsnorm_kernel")
+        k(t0 + 900, t0 + 950, "hc_partial_kernel")
+    k(4000, 4100, "embed_float_kernel")  # the third token's start closes the second
+    trace = tmp_path / "trace.csv"
+    trace.write_text(head + "\n".join(reversed(rows)) + "\n")  # (records come in any order)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "timeline.py"), str(trace), "--layer", "0"],
+                       capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert "(kernel records, 2 tokens)" in out, out
+    assert "| kernels a token | 6.000 | 6.000 | 6.000 |" in out, out
+    assert "| first kernel start to last end (ms) | 0.950 | 0.950 | 0.950 |" in out, out
+    assert "| some kernel running (ms) | 0.800 | 0.800 | 0.800 |" in out, out
+    assert "| no kernel running (ms) | 0.150 | 0.150 | 0.150 |" in out, out
+    assert "| kernel durations summed (ms) | 0.900 | 0.900 | 0.900 |" in out, out
+    assert "(ms, includes the host between steps): 2.000, 2.000" in out, out
+    by = {l.split("|")[1].strip(): l for l in out.splitlines() if l.startswith("| `")}
+    # hc_partial: 3 launches, 250 + 100 + 50 us long, all of it at the head, the gaps of 50 and 100 us before two
+    assert by["`hc_partial_kernel`"] == "| `hc_partial_kernel` | 3.0 | 0.400 | 0.400 | 0.150 | 133.33 |", by
+    assert by["`mv_kernel`"] == "| `mv_kernel` | 1.0 | 0.300 | 0.200 | 0.000 | 200.00 |", by
+    layer = out.split("## One layer")[1]
+    assert "| 1 | `hc_partial_kernel` | 1x1x1 | 0.00 | 250.00 | 50.00 | 250.00 |" in layer, layer
+    assert "| 2 | `mv_kernel` | 128x1x2 | 150.00 | 300.00 | 0.00 | 200.00 |" in layer, layer
+    # a trace with fewer than two markers is refused with a message
+    one = tmp_path / "one.csv"
+    one.write_text(head + rows[0] + "\n")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "timeline.py"), str(one)], capture_output=True)
+    assert r.returncode != 0 and b"--marker" in r.stderr
