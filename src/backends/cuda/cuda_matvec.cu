@@ -1380,20 +1380,25 @@ static int rows_per_warp(bool whole_rows, int64_t n_warps, bool moe = false) {
     return r;
 }
 
-/* Parts per output for n_outputs warps' worth of rows of `units` units
- * (DS4_CUDA_MV_TARGET_WARPS sets the warps aimed at, for tuning). */
-static int split_for(int64_t n_outputs, int64_t units) {
+/* Parts per output for n_outputs warps' worth of rows of `units` units of
+ * a weight type (DS4_CUDA_MV_TARGET_WARPS sets the warps aimed at, for
+ * tuning; DS4_CUDA_MV_TARGET_WARPS_FLOAT that of the F32/F16/BF16 rows
+ * alone, the same by default: the kernel timeline had the F16 products
+ * faster at 4096 while the Q8_0 ones slowed). */
+static int split_for(int64_t n_outputs, int64_t units, uint32_t type) {
     static const long target = cuda_env_long("DS4_CUDA_MV_TARGET_WARPS", MV_TARGET_WARPS, 1, 1L << 20);
+    static const long target_float = cuda_env_long("DS4_CUDA_MV_TARGET_WARPS_FLOAT", target, 1, 1L << 20);
+    const long t = mv_float(type) ? target_float : target;
     int p = 1;
-    while (p < MV_WARPS && n_outputs * p < target && 2 * p <= units) p *= 2;
+    while (p < MV_WARPS && n_outputs * p < t && 2 * p <= units) p *= 2;
     return p;
 }
 
 /* The split, warp rows and rows per warp of a plain (or grouped, or
  * several-matrix, or with moe the routed experts') launch over n_out_total
  * outputs of `units` units. */
-static void plain_geometry(mv_args *a, int64_t n_out_total, bool moe = false) {
-    a->parts = split_for(n_out_total, a->units);
+static void plain_geometry(mv_args *a, uint32_t type, int64_t n_out_total, bool moe = false) {
+    a->parts = split_for(n_out_total, a->units, type);
     a->rpb = MV_WARPS / a->parts;
     a->rpw = rows_per_warp(a->parts == 1, n_out_total, moe);
 }
@@ -1404,7 +1409,7 @@ static int64_t q8_0_outputs_per_block(int64_t n, int64_t total) {
     mv_args a;
     memset(&a, 0, sizeof a);
     a.units = n / (8 * DS4_QK8_0);
-    plain_geometry(&a, total);
+    plain_geometry(&a, DS4_TYPE_Q8_0, total);
     return (int64_t)a.rpb * a.rpw;
 }
 
@@ -1468,7 +1473,7 @@ bool cuda_mv_run_grouped(ds4_backend *be, const cuda_mv_job *j, int64_t n_groups
         if (j->xf) a.xf_group_stride = act_group_stride; /* (floats: the kernel quantises each group's slice) */
         else a.act_group_stride = act_group_stride;
     }
-    plain_geometry(&a, a.n_out);
+    plain_geometry(&a, j->type, a.n_out);
     return mv_launch(be, j->type, a, 1, 1);
 }
 
@@ -1506,7 +1511,7 @@ bool cuda_mv_run_multi(ds4_backend *be, const cuda_mv_job *j, int n) {
     a.n_rows = j[0].n_rows;
     a.xf = j[0].xf;
     a.xf_stride = j[0].xf_stride;
-    plain_geometry(&a, total); /* the split and rows per warp of all the outputs together */
+    plain_geometry(&a, j[0].type, total); /* the split and rows per warp of all the outputs together */
     return mv_launch(be, j[0].type, a, 1, n);
 }
 
@@ -1557,7 +1562,7 @@ bool cuda_mv_moe_gate_up(ds4_backend *be, const ds4_weight *gate, const ds4_weig
         a.act_blocks = act_strides[m];
         a.n_rows = 1;
         a.xf = xf;
-        plain_geometry(&a, n_ff * slots * (shared ? 2 : 1), true);
+        plain_geometry(&a, w->type, n_ff * slots * (shared ? 2 : 1), true);
         if (!mv_launch(be, w->type, a, (int)slots, shared ? 2 : 1)) return false;
     }
     return true;
@@ -1607,7 +1612,7 @@ bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *co
     a.order = order;
     /* the split of the streaming path this stands for (its rows' sums in the
      * same order), or whole rows */
-    a.parts = split_outputs > 0 ? split_for(split_outputs, a.units) : 1;
+    a.parts = split_outputs > 0 ? split_for(split_outputs, a.units, w->type) : 1;
     a.rpb = MV_WARPS / a.parts;
     a.rpw = rows_per_warp(a.parts == 1, a.n_out * n_groups * n_mats, true);
     return mv_launch(be, w->type, a, (int)n_groups, n_mats);
