@@ -1125,6 +1125,7 @@ static void test_indexer_scores(void) {
     indexer_case(&p, 64, 128, 5000, 1.0f);
     indexer_case(&p, 64, 128, 0, 1.0f);   /* nothing to do */
     indexer_case(&p, 3, 40, 77, 0.3f);    /* partial register lanes */
+    indexer_case(&p, 13, 128, 50, 0.7f);  /* heads not a multiple of the kernel's batch of 8 */
     indexer_case(&p, 8, 512, 300, 1.0f);  /* key in 16 registers per lane */
     indexer_case(&p, 4, 600, 100, 2.5f);  /* key read from memory */
     indexer_case(&p, 128, 128, 500, model_scale); /* queries too large for shared memory */

@@ -67,6 +67,7 @@
 #define IDX_THREADS 256         /* indexer blocks: 8 warps, one key each at a time */
 #define IDX_WARPS (IDX_THREADS / 32)
 #define IDX_MAX_BLOCKS 1024     /* each block stages the queries once, then strides over keys */
+#define IDX_HEAD_BATCH 8        /* heads a warp's dots and reductions take side by side */
 #define TOPK_THREADS 256
 
 static_assert(ATT_THREADS % 32 == 0 && ATT_TILE <= ATT_THREADS, "one weight per thread of the tile");
@@ -359,14 +360,15 @@ struct att_rows {
 };
 
 /* Row r of the key/value sequence; NULL when it is a selected row whose
- * index is outside rows_b (reported once per row: by head 0's lane 0). */
-static __device__ __forceinline__ const float *att_row(const att_rows &rows, int64_t r) {
+ * index is outside rows_b (reported where `report`: once per row, by one
+ * thread of the blocks of head 0). */
+static __device__ __forceinline__ const float *att_row(const att_rows &rows, int64_t r, bool report) {
     if (r < rows.n_a) return rows.a + r * rows.dim;
     r -= rows.n_a;
     if (!rows.idx) return rows.b + r * rows.dim;
     const int32_t i = rows.idx[r];
     if (!cuda_index_ok(i, rows.n_rows_b)) {
-        if (blockIdx.x == 0 && (threadIdx.x & 31) == 0)
+        if (report)
             cuda_report_bad_index(rows.err, CUDA_CHECK_ATTENTION_ROW, rows.tag, i, rows.n_rows_b, r);
         return NULL;
     }
@@ -397,7 +399,7 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
         const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
         for (int j = warp; j < nt; j += ATT_WARPS) {
-            const float *row = att_row(rows, t0 + j); /* the same for the whole warp */
+            const float *row = att_row(rows, t0 + j, blockIdx.x == 0 && lane == 0); /* the same for the whole warp */
             float d = 0.0f;
             if (row) {
                 for (int64_t i = lane; i < dim; i += 32) d = fmaf(qs[i], row[i], d);
@@ -461,7 +463,19 @@ struct att_view {
     int64_t rps; /* rows per split: the row's own, as a single row's launch splits it (the grid has the most) */
 };
 
-static __global__ void __launch_bounds__(ATT_THREADS)
+/* MQA_STAGED: the block's query rows and each tile of key/value rows are
+ * copied into shared memory first (cp.async: the queries' 16 KB and the
+ * tile's 64 KB all in flight at once, the tile's row addresses, selected
+ * indices included, looked up by one warp beforehand), so a block waits
+ * for about two memory latencies instead of one per row and per stride of
+ * its accumulation; the float operations and their order are those of the
+ * kernel without it (the same partials bit for bit). Rows of 16-byte
+ * aligned starts only (mqa_staged_fits). */
+#define MQA_SMEM_PLAIN ((size_t)MQA_HG * MQA_DIM * sizeof(float))
+#define MQA_SMEM_STAGED ((size_t)(MQA_HG + ATT_TILE) * MQA_DIM * sizeof(float))
+
+template <bool STAGED>
+static __global__ void __launch_bounds__(ATT_THREADS, STAGED ? 2 : 1)
     attention_mqa_kernel(const float *__restrict__ q, att_rows rows, int64_t n, int64_t rows_per_split,
                          float kq_scale, float *__restrict__ part, const att_view *__restrict__ views) {
     cuda_grid_wait();
@@ -478,30 +492,52 @@ static __global__ void __launch_bounds__(ATT_THREADS)
         q += blockIdx.z * n_heads * MQA_DIM;
         part += blockIdx.z * n_heads * gridDim.y * (MQA_DIM + 2);
     }
-    __shared__ float qs[MQA_HG][MQA_DIM];
+    extern __shared__ float4 mqa_smem[];
+    float(*qs)[MQA_DIM] = (float(*)[MQA_DIM])mqa_smem;  /* [MQA_HG][MQA_DIM] */
+    float(*tile)[MQA_DIM] = qs + MQA_HG;                 /* STAGED: [ATT_TILE][MQA_DIM] */
     __shared__ float s_tile[MQA_HG][ATT_TILE];
     __shared__ float w_tile[MQA_HG][ATT_TILE];
     __shared__ float sh_m_new[MQA_HG], sh_rescale[MQA_HG];
     __shared__ const float *row_tile[ATT_TILE];
     const int64_t g = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int i = tid; i < MQA_HG * MQA_DIM; i += ATT_THREADS) qs[i / MQA_DIM][i % MQA_DIM] = q[g * MQA_HG * MQA_DIM + i];
+    const float *qg = q + g * MQA_HG * MQA_DIM;
+    if (STAGED) {
+        for (int i = tid; i < MQA_HG * MQA_DIM / 4; i += ATT_THREADS) cp_async16(mqa_smem + i, (const float4 *)qg + i, true);
+        cp_async_commit();
+    } else {
+        for (int i = tid; i < MQA_HG * MQA_DIM; i += ATT_THREADS) qs[i / MQA_DIM][i % MQA_DIM] = qg[i];
+    }
     float acc[MQA_HG][MQA_DPT];
 #pragma unroll
     for (int h = 0; h < MQA_HG; h++)
 #pragma unroll
         for (int d = 0; d < MQA_DPT; d++) acc[h][d] = 0.0f;
     float m = -INFINITY, den = 0.0f; /* head tid's, in threads tid < MQA_HG */
-    __syncthreads();
+    if (!STAGED) __syncthreads();
     const int64_t r0 = split * rows_per_split;
     const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
     for (int64_t t0 = r0; t0 < r1; t0 += ATT_TILE) {
         const int nt = (int)(r1 - t0 < ATT_TILE ? r1 - t0 : ATT_TILE);
+        if (STAGED) {
+            /* the tile's rows: addresses by warp 0 (one lane a row), then
+             * every row's 2 KB copied by 128 threads; a bad row is zeros */
+            if (warp == 0 && lane < nt) row_tile[lane] = att_row(rows, t0 + lane, blockIdx.x == 0);
+            __syncthreads();
+            for (int p = tid; p < nt * (MQA_DIM / 4); p += ATT_THREADS) {
+                const int j = p / (MQA_DIM / 4), c = p % (MQA_DIM / 4);
+                const float *row = row_tile[j];
+                cp_async16(&tile[j][4 * c], row ? row + 4 * c : qg, row != NULL);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+        }
         for (int j = warp; j < nt; j += ATT_WARPS) {
-            const float *row = att_row(rows, t0 + j); /* the same for the whole warp */
+            const float *row = STAGED ? row_tile[j] : att_row(rows, t0 + j, blockIdx.x == 0 && lane == 0);
             float rv[MQA_DIM / 32];
 #pragma unroll
-            for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? row[lane + 32 * k] : 0.0f;
+            for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? (STAGED ? tile[j] : row)[lane + 32 * k] : 0.0f;
 #pragma unroll
             for (int h = 0; h < MQA_HG; h++) {
                 float d = 0.0f;
@@ -512,7 +548,8 @@ static __global__ void __launch_bounds__(ATT_THREADS)
                 }
                 if (lane == 0) s_tile[h][j] = row ? d * kq_scale : -INFINITY;
             }
-            if (lane == 0) row_tile[j] = row ? row : qs[0]; /* a bad row weighs 0; it points in bounds */
+            /* a bad row weighs 0; it points in bounds (STAGED: its zeros) */
+            if (!STAGED && lane == 0) row_tile[j] = row ? row : qs[0];
         }
         __syncthreads();
         if (tid < MQA_HG) {
@@ -540,16 +577,26 @@ static __global__ void __launch_bounds__(ATT_THREADS)
             float a[MQA_HG];
 #pragma unroll
             for (int h = 0; h < MQA_HG; h++) a[h] = acc[h][d] * sh_rescale[h];
-            for (int j = 0; j < nt; j++) {
-                const float r = row_tile[j][i];
+            if (STAGED) {
+#pragma unroll 8
+                for (int j = 0; j < nt; j++) {
+                    const float r = tile[j][i];
 #pragma unroll
-                for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
+                    for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
+                }
+            } else {
+                for (int j = 0; j < nt; j++) {
+                    const float r = row_tile[j][i];
+#pragma unroll
+                    for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
+                }
             }
 #pragma unroll
             for (int h = 0; h < MQA_HG; h++) acc[h][d] = a[h];
         }
         __syncthreads(); /* the tile arrays are refilled next */
     }
+    if (STAGED) cp_async_wait<0>(); /* (an empty share never waited for its queries) */
 #pragma unroll
     for (int h = 0; h < MQA_HG; h++) {
         float *out = part + ((g * MQA_HG + h) * n_splits + split) * (MQA_DIM + 2);
@@ -562,31 +609,38 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     }
 }
 
+/* The combine takes the splits ATT_COMB_BATCH at a time, each thread's
+ * loads of a batch (both its dims') issued together before the sums. */
+#define ATT_COMB_BATCH 8
+
 static __global__ void __launch_bounds__(ATT_THREADS)
     attention_combine_kernel(const float *__restrict__ part, int64_t n_splits, int64_t dim, const void *sinks,
                              uint32_t sinks_type, float *__restrict__ out) {
     cuda_grid_wait();
-    extern __shared__ float att_factor[]; /* [n_splits] */
+    extern __shared__ float att_factor[]; /* [padded n_splits] factors, then [n_splits] denominators */
     __shared__ float sh_inv;
     const int64_t h = blockIdx.x;
     const int64_t stride = dim + 2;
     part += blockIdx.y * (int64_t)gridDim.x * n_splits * stride; /* query row y of attention_rows */
     out += blockIdx.y * (int64_t)gridDim.x * dim;
     const float *ph = part + h * n_splits * stride;
+    const int64_t padded = (n_splits + 3) & ~(int64_t)3;
+    float *att_den = att_factor + padded;
     __shared__ float red_m[32];
     const float sink = cuda_load_float(sinks, sinks_type, h);
     /* M over the splits, spread over the block (a max does not depend on
-     * the order) */
+     * the order); each split's denominator loaded beside its max */
     float M = sink;
-    for (int64_t s = threadIdx.x; s < n_splits; s += blockDim.x) M = fmaxf(M, ph[s * stride]);
+    for (int64_t s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        M = fmaxf(M, ph[s * stride]);
+        att_den[s] = ph[s * stride + 1];
+    }
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     if ((threadIdx.x & 31) == 0) red_m[threadIdx.x >> 5] = M;
     __syncthreads();
     M = red_m[0];
     for (int w = 1; w < (int)(blockDim.x >> 5); w++) M = fmaxf(M, red_m[w]);
-    /* the array is padded to a multiple of 4 (zeros): the weighted sum below
-     * may be compiled into 16-byte shared loads */
-    const int64_t padded = (n_splits + 3) & ~(int64_t)3;
+    /* the array is padded to a multiple of 4 (zeros) */
     for (int64_t s = threadIdx.x; s < padded; s += blockDim.x) {
         const float ms = s < n_splits ? ph[s * stride] : -INFINITY;
         att_factor[s] = ms == -INFINITY ? 0.0f : expf(ms - M);
@@ -594,18 +648,39 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     __syncthreads();
     if (threadIdx.x == 0) {
         float den = expf(sink - M);
-#pragma unroll 8
-        for (int64_t s = 0; s < n_splits; s++) den = fmaf(ph[s * stride + 1], att_factor[s], den);
+        for (int64_t s = 0; s < n_splits; s++) den = fmaf(att_den[s], att_factor[s], den);
         sh_inv = 1.0f / den;
     }
     __syncthreads();
     const float inv = sh_inv;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-        float o = 0.0f; /* in split order; unrolled so the loads are in flight together */
-#pragma unroll 8
-        for (int64_t s = 0; s < n_splits; s++) o = fmaf(ph[s * stride + 2 + i], att_factor[s], o);
+    /* in split order per element; a thread's two elements (dim 512) side by side */
+    for (int64_t i = threadIdx.x; i < dim; i += 2 * (int64_t)blockDim.x) {
+        const int64_t i2 = i + blockDim.x;
+        const bool two = i2 < dim;
+        float o = 0.0f, o2 = 0.0f;
+        for (int64_t s0 = 0; s0 < n_splits; s0 += ATT_COMB_BATCH) {
+            float v[ATT_COMB_BATCH], v2[ATT_COMB_BATCH];
+#pragma unroll
+            for (int b = 0; b < ATT_COMB_BATCH; b++) {
+                const bool in = s0 + b < n_splits;
+                v[b] = in ? ph[(s0 + b) * stride + 2 + i] : 0.0f;
+                v2[b] = in && two ? ph[(s0 + b) * stride + 2 + i2] : 0.0f;
+            }
+#pragma unroll
+            for (int b = 0; b < ATT_COMB_BATCH; b++)
+                if (s0 + b < n_splits) {
+                    o = fmaf(v[b], att_factor[s0 + b], o);
+                    o2 = fmaf(v2[b], att_factor[s0 + b], o2);
+                }
+        }
         out[h * dim + i] = o * inv;
+        if (two) out[h * dim + i2] = o2 * inv;
     }
+}
+
+/* The combine's shared memory: the padded factors and the denominators. */
+static size_t att_combine_smem(int64_t n_splits) {
+    return (size_t)(((n_splits + 3) & ~(int64_t)3) + n_splits) * sizeof(float);
 }
 
 /* As the CPU's cpu_has_dequant: a type with a dequantiser and whole blocks. */
@@ -618,6 +693,27 @@ static bool weight_has_dequant(const ds4_weight *w) {
 static bool mqa_shape(int64_t n_heads, int64_t dim) {
     static const bool on = cuda_env_flag("DS4_CUDA_ATT_MQA", true);
     return on && dim == MQA_DIM && n_heads > 0 && n_heads % MQA_HG == 0;
+}
+
+/* The staged shared-row kernel (DS4_CUDA_ATT_STAGE=0: the one reading rows
+ * from global memory) for queries and row bases of 16-byte aligned starts
+ * (the rows, of MQA_DIM floats, then are too). */
+static bool mqa_staged_on(void) {
+    static const bool on = cuda_env_flag("DS4_CUDA_ATT_STAGE", true);
+    return on;
+}
+static bool mqa_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* One launch of the shared-row kernel, staged or not. */
+static bool mqa_launch(ds4_backend *be, bool staged, dim3 grid, const float *q, const att_rows &rows, int64_t n,
+                       int64_t rows_per_split, float kq_scale, float *part, const att_view *views) {
+    if (!staged)
+        return cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel<false>, grid, ATT_THREADS, MQA_SMEM_PLAIN,
+                           q, rows, n, rows_per_split, kq_scale, part, views);
+    if (!cuda_allow_dynamic_smem(be, (const void *)attention_mqa_kernel<true>, MQA_SMEM_STAGED, "attention", MQA_DIM))
+        return false;
+    return cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel<true>, grid, ATT_THREADS, MQA_SMEM_STAGED, q,
+                       rows, n, rows_per_split, kq_scale, part, views);
 }
 
 /* The sink logits as the kernels read them: the weight itself when
@@ -717,8 +813,8 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
         if (mqa) {
             const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits);
-            if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, n,
-                             rows_per_split, kq_scale, scratch, (const att_view *)NULL))
+            const bool staged = mqa_staged_on() && mqa_aligned(q) && mqa_aligned(rows_a) && mqa_aligned(rows_b);
+            if (!mqa_launch(be, staged, grid, q, rows, n, rows_per_split, kq_scale, scratch, (const att_view *)NULL))
                 return;
         } else {
             const dim3 grid((unsigned)n_heads, (unsigned)n_splits);
@@ -728,7 +824,7 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
         }
     }
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, (unsigned)n_heads, ATT_THREADS,
-                      (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim, sink_ptr,
+                      att_combine_smem(n_splits), scratch, n_splits, dim, sink_ptr,
                       sink_type, out);
 }
 
@@ -779,12 +875,14 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
      * the grid has the most splits, a row's later ones are empty (exact zeros
      * in the combine) */
     int64_t n_splits = 1;
+    bool staged = mqa_staged_on() && mqa_aligned(q);
     for (int64_t r = 0; r < n; r++) {
         int64_t ns, rps;
         att_splits(a_n[r] + b_count(r), n_heads / MQA_HG, MQA_MIN_ROWS, &ns, &rps);
         if (ns < 1) rps = ATT_TILE; /* no rows: empty partials */
         if (ns > n_splits) n_splits = ns;
         hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r], rps };
+        staged = staged && mqa_aligned(hv[r].a) && mqa_aligned(hv[r].b);
     }
     const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
     free(hv);
@@ -807,11 +905,9 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
     const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits, (unsigned)n);
     /* (n 0: each view has its row's count; a constant keeps a recorded step's node unchanged) */
-    if (!cuda_launch(be, "attention_mqa_kernel", attention_mqa_kernel, grid, ATT_THREADS, 0, q, rows, (int64_t)0,
-                     rows_per_split, kq_scale, scratch, views))
-        return;
+    if (!mqa_launch(be, staged, grid, q, rows, (int64_t)0, rows_per_split, kq_scale, scratch, views)) return;
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
-                      ATT_THREADS, (size_t)((n_splits + 3) & ~(int64_t)3) * sizeof(float), scratch, n_splits, dim,
+                      ATT_THREADS, att_combine_smem(n_splits), scratch, n_splits, dim,
                       sink_ptr, sink_type, out);
 }
 
@@ -975,9 +1071,10 @@ template <int KPL, bool QSHARED>
 static __global__ void __launch_bounds__(IDX_THREADS)
     indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale,
                           int64_t n_heads, int64_t dim, const float *__restrict__ keys, int64_t n_keys,
-                          float *__restrict__ scores, const int64_t *__restrict__ row_keys, int64_t stride) {
+                          float *__restrict__ scores, const int64_t *__restrict__ row_keys, int64_t stride,
+                          bool q_vec) {
     cuda_grid_wait();
-    extern __shared__ float idx_smem[];
+    extern __shared__ float4 idx_smem[];
     if (row_keys) { /* query row blockIdx.y of indexer_scores_rows, its own key count */
         const int64_t y = blockIdx.y;
         n_keys = row_keys[y];
@@ -987,9 +1084,16 @@ static __global__ void __launch_bounds__(IDX_THREADS)
     }
     const float *qv = q, *wv = weights;
     if constexpr (QSHARED) {
-        float *qs = idx_smem, *ws = idx_smem + n_heads * dim;
-        for (int64_t i = threadIdx.x; i < n_heads * dim; i += IDX_THREADS) qs[i] = q[i];
+        float *qs = (float *)idx_smem, *ws = qs + n_heads * dim;
+        if (q_vec) { /* the queries' 16-byte pieces all in flight at once */
+            for (int64_t i = threadIdx.x; i < n_heads * dim / 4; i += IDX_THREADS)
+                cp_async16(idx_smem + i, (const float4 *)q + i, true);
+            cp_async_commit();
+        } else {
+            for (int64_t i = threadIdx.x; i < n_heads * dim; i += IDX_THREADS) qs[i] = q[i];
+        }
         for (int64_t i = threadIdx.x; i < n_heads; i += IDX_THREADS) ws[i] = weights[i];
+        if (q_vec) cp_async_wait<0>();
         __syncthreads();
         qv = qs;
         wv = ws;
@@ -1005,22 +1109,34 @@ static __global__ void __launch_bounds__(IDX_THREADS)
                 kr[j] = i < dim ? key[i] : 0.0f;
             }
         }
+        /* IDX_HEAD_BATCH heads' dots and warp trees side by side, then their
+         * terms added to s in head order */
         float s = 0.0f;
-        for (int64_t h = 0; h < n_heads; h++) {
-            const float *qh = qv + h * dim;
-            float d = 0.0f;
-            if constexpr (KPL > 0) {
+        for (int64_t h0 = 0; h0 < n_heads; h0 += IDX_HEAD_BATCH) {
+            float d[IDX_HEAD_BATCH];
 #pragma unroll
-                for (int j = 0; j < KPL; j++) {
-                    const int64_t i = lane + 32 * j;
-                    if (i < dim) d = fmaf(qh[i], kr[j], d);
+            for (int b = 0; b < IDX_HEAD_BATCH; b++) {
+                const int64_t h = h0 + b < n_heads ? h0 + b : n_heads - 1; /* (a repeat, not added) */
+                const float *qh = qv + h * dim;
+                d[b] = 0.0f;
+                if constexpr (KPL > 0) {
+#pragma unroll
+                    for (int j = 0; j < KPL; j++) {
+                        const int64_t i = lane + 32 * j;
+                        if (i < dim) d[b] = fmaf(qh[i], kr[j], d[b]);
+                    }
+                } else {
+                    for (int64_t i = lane; i < dim; i += 32) d[b] = fmaf(qh[i], key[i], d[b]);
                 }
-            } else {
-                for (int64_t i = lane; i < dim; i += 32) d = fmaf(qh[i], key[i], d);
             }
-            d = warp_sum(d);
-            if (d < 0.0f) d = 0.0f;
-            s = __fadd_rn(s, __fmul_rn(d, __fmul_rn(wv[h], weight_scale)));
+#pragma unroll
+            for (int b = 0; b < IDX_HEAD_BATCH; b++) d[b] = warp_sum(d[b]);
+#pragma unroll
+            for (int b = 0; b < IDX_HEAD_BATCH; b++)
+                if (h0 + b < n_heads) {
+                    const float t = d[b] < 0.0f ? 0.0f : d[b];
+                    s = __fadd_rn(s, __fmul_rn(t, __fmul_rn(wv[h0 + b], weight_scale)));
+                }
         }
         if (lane == 0) scores[c] = s;
     }
@@ -1033,13 +1149,15 @@ static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const 
                            int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores,
                            const int64_t *row_keys, int64_t n_rows, int64_t stride) {
     const dim3 grid(blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS), (unsigned)n_rows);
+    /* the queries staged in 16-byte pieces where every row's start is 16-byte aligned */
+    const bool q_vec = ((uintptr_t)q & 15) == 0 && (n_heads * dim) % 4 == 0;
     if (qshared) {
         const size_t smem = (size_t)(n_heads * dim + n_heads) * sizeof(float);
         (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, true>, grid, IDX_THREADS, smem, q,
-                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride);
+                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride, q_vec);
     } else {
         (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, false>, grid, IDX_THREADS, 0, q,
-                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride);
+                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride, false);
     }
 }
 
