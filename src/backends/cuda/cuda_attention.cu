@@ -443,15 +443,18 @@ static __global__ void __launch_bounds__(ATT_THREADS)
  * each row is read once for all of them (the kernel above reads it once per
  * head). Per head the float operations are those of attention_partial_kernel
  * in the same order (the dot over lanes then the warp tree, the running max,
- * the rescaled sums), so the partials are the same bit for bit. Thread h <
- * MQA_HG keeps head h's max and denominator; every thread keeps its dims of
- * the accumulators of all MQA_HG heads in registers. */
+ * the rescaled sums) except a tile's sum of weights, a warp tree here (warp
+ * h keeps head h's max and denominator, lane j weighs row j of the tile);
+ * every thread keeps its dims of the accumulators of all MQA_HG heads in
+ * registers. */
 #define MQA_DIM 512
 #define MQA_HG 8                       /* heads per block */
 #define MQA_DPT (MQA_DIM / ATT_THREADS) /* dims per thread */
 #define MQA_MIN_ROWS 32                 /* fewest rows worth a split of their own */
+#define MQA_RPW (ATT_TILE / ATT_WARPS)  /* a warp's rows of a tile */
 static_assert(MQA_DIM % ATT_THREADS == 0 && MQA_DIM % 32 == 0, "whole dims per thread and lane");
-static_assert(MQA_HG * ATT_TILE == ATT_THREADS, "one weight of the tile per thread");
+static_assert(MQA_HG == ATT_WARPS && ATT_TILE == 32, "a warp per head's softmax, a lane per row of the tile");
+static_assert(MQA_HG == 8 && ATT_TILE % ATT_WARPS == 0, "a row's weights in two float4; whole rows per warp");
 
 /* One query row's view for attention_rows: a_n window rows from a, the
  * first b_n rows of b (with a selection: b_n selected rows of b, each below
@@ -496,8 +499,8 @@ static __global__ void __launch_bounds__(ATT_THREADS, STAGED ? 2 : 1)
     float(*qs)[MQA_DIM] = (float(*)[MQA_DIM])mqa_smem;  /* [MQA_HG][MQA_DIM] */
     float(*tile)[MQA_DIM] = qs + MQA_HG;                 /* STAGED: [ATT_TILE][MQA_DIM] */
     __shared__ float s_tile[MQA_HG][ATT_TILE];
-    __shared__ float w_tile[MQA_HG][ATT_TILE];
-    __shared__ float sh_m_new[MQA_HG], sh_rescale[MQA_HG];
+    __shared__ __align__(16) float w_tile[ATT_TILE][MQA_HG]; /* a row's weights of the MQA_HG heads side by side */
+    __shared__ float sh_rescale[MQA_HG];
     __shared__ const float *row_tile[ATT_TILE];
     const int64_t g = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -513,7 +516,7 @@ static __global__ void __launch_bounds__(ATT_THREADS, STAGED ? 2 : 1)
     for (int h = 0; h < MQA_HG; h++)
 #pragma unroll
         for (int d = 0; d < MQA_DPT; d++) acc[h][d] = 0.0f;
-    float m = -INFINITY, den = 0.0f; /* head tid's, in threads tid < MQA_HG */
+    float m = -INFINITY, den = 0.0f; /* head `warp`'s, the same in all its lanes */
     if (!STAGED) __syncthreads();
     const int64_t r0 = split * rows_per_split;
     const int64_t r1 = r0 + rows_per_split < n ? r0 + rows_per_split : n;
@@ -532,78 +535,104 @@ static __global__ void __launch_bounds__(ATT_THREADS, STAGED ? 2 : 1)
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
-        }
-        for (int j = warp; j < nt; j += ATT_WARPS) {
-            const float *row = STAGED ? row_tile[j] : att_row(rows, t0 + j, blockIdx.x == 0 && lane == 0);
-            float rv[MQA_DIM / 32];
+            /* the scores: a warp's MQA_RPW rows at once, each query value
+             * loaded once for all of them (the dot of each (head, row) in
+             * the order of the kernel without staging) */
+            float rv[MQA_RPW][MQA_DIM / 32];
+            bool ok[MQA_RPW];
 #pragma unroll
-            for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? (STAGED ? tile[j] : row)[lane + 32 * k] : 0.0f;
+            for (int jj = 0; jj < MQA_RPW; jj++) {
+                const int j = warp + ATT_WARPS * jj;
+                ok[jj] = j < nt && row_tile[j] != NULL;
+#pragma unroll
+                for (int k = 0; k < MQA_DIM / 32; k++) rv[jj][k] = ok[jj] ? tile[j][lane + 32 * k] : 0.0f;
+            }
 #pragma unroll
             for (int h = 0; h < MQA_HG; h++) {
-                float d = 0.0f;
-                if (row) {
+                float d[MQA_RPW];
 #pragma unroll
-                    for (int k = 0; k < MQA_DIM / 32; k++) d = fmaf(qs[h][lane + 32 * k], rv[k], d);
-                    d = warp_sum(d);
+                for (int jj = 0; jj < MQA_RPW; jj++) d[jj] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < MQA_DIM / 32; k++) {
+                    const float qv = qs[h][lane + 32 * k];
+#pragma unroll
+                    for (int jj = 0; jj < MQA_RPW; jj++) d[jj] = fmaf(qv, rv[jj][k], d[jj]);
                 }
-                if (lane == 0) s_tile[h][j] = row ? d * kq_scale : -INFINITY;
+#pragma unroll
+                for (int jj = 0; jj < MQA_RPW; jj++) d[jj] = warp_sum(d[jj]);
+                if (lane == 0)
+#pragma unroll
+                    for (int jj = 0; jj < MQA_RPW; jj++)
+                        if (warp + ATT_WARPS * jj < nt) s_tile[h][warp + ATT_WARPS * jj] = ok[jj] ? d[jj] * kq_scale : -INFINITY;
             }
-            /* a bad row weighs 0; it points in bounds (STAGED: its zeros) */
-            if (!STAGED && lane == 0) row_tile[j] = row ? row : qs[0];
-        }
-        __syncthreads();
-        if (tid < MQA_HG) {
-            float tile_max = -INFINITY;
-            for (int j = 0; j < nt; j++) tile_max = fmaxf(tile_max, s_tile[tid][j]);
-            const float m_new = fmaxf(m, tile_max);
-            sh_m_new[tid] = m_new;
-            sh_rescale[tid] = m == -INFINITY ? 0.0f : expf(m - m_new);
+        } else {
+            for (int j = warp; j < nt; j += ATT_WARPS) {
+                const float *row = att_row(rows, t0 + j, blockIdx.x == 0 && lane == 0); /* the same for the whole warp */
+                float rv[MQA_DIM / 32];
+#pragma unroll
+                for (int k = 0; k < MQA_DIM / 32; k++) rv[k] = row ? row[lane + 32 * k] : 0.0f;
+#pragma unroll
+                for (int h = 0; h < MQA_HG; h++) {
+                    float d = 0.0f;
+                    if (row) {
+#pragma unroll
+                        for (int k = 0; k < MQA_DIM / 32; k++) d = fmaf(qs[h][lane + 32 * k], rv[k], d);
+                        d = warp_sum(d);
+                    }
+                    if (lane == 0) s_tile[h][j] = row ? d * kq_scale : -INFINITY;
+                }
+                if (lane == 0) row_tile[j] = row ? row : qs[0]; /* a bad row weighs 0; it points in bounds */
+            }
         }
         __syncthreads();
         {
-            const int h = tid / ATT_TILE, j = tid % ATT_TILE;
-            if (j < nt) w_tile[h][j] = s_tile[h][j] == -INFINITY ? 0.0f : expf(s_tile[h][j] - sh_m_new[h]);
+            /* warp h: head h's running max, the tile's weights, their sum
+             * (a warp tree) and the denominator */
+            const int h = warp;
+            const float sv = lane < nt ? s_tile[h][lane] : -INFINITY;
+            float tile_max = sv;
+            for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+            const float m_new = fmaxf(m, tile_max);
+            const float rescale = m == -INFINITY ? 0.0f : expf(m - m_new);
+            const float w = sv == -INFINITY ? 0.0f : expf(sv - m_new);
+            if (lane < nt) w_tile[lane][h] = w;
+            den = den * rescale + warp_sum(w);
+            m = m_new;
+            if (lane == 0) sh_rescale[h] = rescale;
         }
         __syncthreads();
-        if (tid < MQA_HG) {
-            float wsum = 0.0f;
-            for (int j = 0; j < nt; j++) wsum += w_tile[tid][j];
-            den = den * sh_rescale[tid] + wsum;
-            m = sh_m_new[tid];
-        }
+        float rs[MQA_HG];
 #pragma unroll
-        for (int d = 0; d < MQA_DPT; d++) {
-            const int i = tid + d * ATT_THREADS;
-            float a[MQA_HG];
+        for (int h = 0; h < MQA_HG; h++) rs[h] = sh_rescale[h];
 #pragma unroll
-            for (int h = 0; h < MQA_HG; h++) a[h] = acc[h][d] * sh_rescale[h];
-            if (STAGED) {
-#pragma unroll 8
-                for (int j = 0; j < nt; j++) {
-                    const float r = tile[j][i];
+        for (int d = 0; d < MQA_DPT; d++)
 #pragma unroll
-                    for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
-                }
-            } else {
-                for (int j = 0; j < nt; j++) {
-                    const float r = row_tile[j][i];
+            for (int h = 0; h < MQA_HG; h++) acc[h][d] *= rs[h];
+        /* the weighted rows, in row order; a row's MQA_HG weights in two
+         * 16-byte loads, every dim of the thread at once */
+#pragma unroll 4
+        for (int j = 0; j < nt; j++) {
+            float r[MQA_DPT];
 #pragma unroll
-                    for (int h = 0; h < MQA_HG; h++) a[h] = fmaf(w_tile[h][j], r, a[h]);
-                }
-            }
+            for (int d = 0; d < MQA_DPT; d++) r[d] = STAGED ? tile[j][tid + d * ATT_THREADS] : row_tile[j][tid + d * ATT_THREADS];
+            const float4 w0 = *(const float4 *)&w_tile[j][0], w1 = *(const float4 *)&w_tile[j][4];
+            const float wv[MQA_HG] = { w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w };
 #pragma unroll
-            for (int h = 0; h < MQA_HG; h++) acc[h][d] = a[h];
+            for (int d = 0; d < MQA_DPT; d++)
+#pragma unroll
+                for (int h = 0; h < MQA_HG; h++) acc[h][d] = fmaf(wv[h], r[d], acc[h][d]);
         }
         __syncthreads(); /* the tile arrays are refilled next */
     }
     if (STAGED) cp_async_wait<0>(); /* (an empty share never waited for its queries) */
+    if (lane == 0) {
+        float *out = part + ((g * MQA_HG + warp) * n_splits + split) * (MQA_DIM + 2);
+        out[0] = m;
+        out[1] = den;
+    }
 #pragma unroll
     for (int h = 0; h < MQA_HG; h++) {
         float *out = part + ((g * MQA_HG + h) * n_splits + split) * (MQA_DIM + 2);
-        if (tid == h) {
-            out[0] = m;
-            out[1] = den;
-        }
 #pragma unroll
         for (int d = 0; d < MQA_DPT; d++) out[2 + tid + d * ATT_THREADS] = acc[h][d];
     }
