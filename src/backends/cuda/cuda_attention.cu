@@ -107,11 +107,13 @@ static __device__ __forceinline__ void rope_table(const rope_params &rp, const i
 static __global__ void __launch_bounds__(ROPE_THREADS)
     rope_tail_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const int32_t *__restrict__ pos,
                      rope_params rp, int64_t heads_per_block) {
-    cuda_grid_wait();
     extern __shared__ float rope_cs[];
     const int64_t r = blockIdx.x;
     const int half = rp.n_rot / 2;
+    /* positions are control data, uploaded before the step's kernels: the
+     * table is made while the kernel before drains */
     rope_table(rp, pos + r, rope_cs);
+    cuda_grid_wait();
     const int64_t h0 = (int64_t)blockIdx.y * heads_per_block;
     const int64_t h1 = h0 + heads_per_block < n_heads ? h0 + heads_per_block : n_heads;
     const int count = (int)((h1 - h0) * half); /* the host keeps it below INT32_MAX - ROPE_THREADS */
@@ -186,20 +188,25 @@ void cuda_rope_tail(ds4_backend *be, float *x, int64_t n_rows, int64_t n_heads, 
  * amax by shuffles within the half-warp) rounded as round_blocks_kernel
  * rounds them, then every value through half precision as round_f16_kernel.
  * Each step's float operations are those of the kernel it stands for. */
+/* The row's cos / sin table into the kernel's shared memory (before the
+ * kernel's cuda_grid_wait: positions are control data, uploaded before the
+ * step's kernels, so the table is made while the kernel before drains). */
+static __device__ __forceinline__ void head_norm_rope_table(const rope_params &rp, const int32_t *pos) {
+    extern __shared__ float rope_cs[];
+    rope_table(rp, pos, rope_cs);
+}
+
 template <bool ROUND>
 static __device__ __forceinline__ void head_norm_rope_block(float *__restrict__ x, int64_t n_heads, int64_t head_dim,
                                                             const float *__restrict__ w, float eps,
-                                                            const int32_t *__restrict__ pos, const rope_params &rp,
-                                                            int64_t head) {
+                                                            const rope_params &rp, int64_t head) {
     __shared__ double part[NORM_THREADS / 32];
     extern __shared__ float rope_cs[];
-    const int64_t r = head / n_heads;
     float *xr = x + head * head_dim;
     float4 v[NORM_VEC];
     float wv[NORM_VEC][4];
     rms_load_row(xr, head_dim, v);
     rms_load_weight(w, head_dim, wv);
-    rope_table(rp, pos + r, rope_cs); /* while the row is in flight */
     const float scale = rms_loaded_scale(v, head_dim, eps, part);
     const int half = rp.n_rot / 2;
     const int64_t tail = head_dim - rp.n_rot; /* even */
@@ -249,8 +256,9 @@ template <bool ROUND>
 static __global__ void __launch_bounds__(NORM_THREADS)
     head_norm_rope_kernel(float *__restrict__ x, int64_t n_heads, int64_t head_dim, const float *__restrict__ w,
                           float eps, const int32_t *__restrict__ pos, rope_params rp) {
+    head_norm_rope_table(rp, pos + blockIdx.x / n_heads);
     cuda_grid_wait();
-    head_norm_rope_block<ROUND>(x, n_heads, head_dim, w, eps, pos, rp, blockIdx.x);
+    head_norm_rope_block<ROUND>(x, n_heads, head_dim, w, eps, rp, blockIdx.x);
 }
 
 /* Two row sets in one launch (head_norm_rope2): blocks below a.blocks take
@@ -266,11 +274,12 @@ template <bool ROUND_A, bool ROUND_B>
 static __global__ void __launch_bounds__(NORM_THREADS)
     head_norm_rope2_kernel(hnr_set a, hnr_set b, int64_t head_dim, float eps, const int32_t *__restrict__ pos,
                            rope_params rp) {
+    const bool in_a = (int64_t)blockIdx.x < a.blocks;
+    const int64_t head = in_a ? blockIdx.x : blockIdx.x - a.blocks;
+    head_norm_rope_table(rp, pos + head / (in_a ? a.n_heads : b.n_heads));
     cuda_grid_wait();
-    if ((int64_t)blockIdx.x < a.blocks)
-        head_norm_rope_block<ROUND_A>(a.x, a.n_heads, head_dim, a.w, eps, pos, rp, blockIdx.x);
-    else
-        head_norm_rope_block<ROUND_B>(b.x, b.n_heads, head_dim, b.w, eps, pos, rp, blockIdx.x - a.blocks);
+    if (in_a) head_norm_rope_block<ROUND_A>(a.x, a.n_heads, head_dim, a.w, eps, rp, head);
+    else head_norm_rope_block<ROUND_B>(b.x, b.n_heads, head_dim, b.w, eps, rp, head);
 }
 
 bool cuda_head_norm_rope_fits(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim) {
