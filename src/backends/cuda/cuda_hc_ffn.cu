@@ -371,16 +371,22 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
         out->ss = ss;
     }
     if constexpr (FUSE) {
-        /* the row's last block to finish (the others' partials and state
-         * values fenced before their count) makes the split and the
-         * weighted sum, as hc_finish_kernel would, and rearms the count */
+        /* the row's last block to finish makes the split and the weighted
+         * sum, as hc_finish_kernel would, and rearms the count. The block's
+         * writes (partials, state values) are ordered before its count by
+         * the barrier and one release fence of thread 0 (cumulative), and
+         * the last block's reads after the others' by its acquire fence and
+         * barrier: one gpu-scope fence a block (a fence in every thread,
+         * __threadfence's fence.sc, costs about 13 us a launch here) */
         __shared__ bool last;
-        __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(&count[row], 1u) == gridDim.y * gridDim.z - 1;
+        if (threadIdx.x == 0) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            last = atomicAdd(&count[row], 1u) == gridDim.y * gridDim.z - 1;
+            if (last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        }
         __syncthreads();
         if (!last) return;
-        __threadfence();
         hc_fused_finish<HC_PART_THREADS>(a, n_mix, n_chunks, row, part);
         if (threadIdx.x == 0) count[row] = 0;
     }
