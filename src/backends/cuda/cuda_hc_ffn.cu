@@ -419,9 +419,8 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
      * in double over all threads; each mix entry over one warp's lanes,
      * HC_FINISH_BATCH entries at once, kept unscaled until the squares are
      * summed */
-    /* (L2 loads: in the fused partial kernel other blocks wrote them) */
     double ss_part = 0.0;
-    for (int64_t c = threadIdx.x; c < n_chunks; c += BT) ss_part += __ldcg(&pr[c].ss);
+    for (int64_t c = threadIdx.x; c < n_chunks; c += BT) ss_part += pr[c].ss;
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         constexpr int NW = BT / 32;
@@ -432,7 +431,7 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
                 const int k = k0 + b * NW;
                 s[b] = 0.0f;
                 if (k < n_mix)
-                    for (int64_t c = lane; c < n_chunks; c += 32) s[b] += __ldcg(&pr[c].dot[k]);
+                    for (int64_t c = lane; c < n_chunks; c += 32) s[b] += pr[c].dot[k];
             }
 #pragma unroll
             for (int b = 0; b < HC_FINISH_BATCH; b++)
@@ -529,8 +528,9 @@ static __global__ void __launch_bounds__(HC_THREADS)
 /*
  * hc_fused_finish: hc_finish_kernel's work for a whole row on the BT
  * threads of the fused partial kernel's last block of the row (hc_pre in
- * decode: one launch instead of two). The state and the partials are read
- * from the L2 (other blocks of the launch wrote them); the weighted sum's
+ * decode: one launch instead of two). The state and the partials, which
+ * other blocks of the launch wrote, are read with plain loads after the
+ * acquire fence (which invalidates the L1); the weighted sum's
  * elements are hc_finish_kernel's (hc_weighted), HC_FUSE_BATCH of a
  * thread's float4 groups in flight at once. Rows of dim % 4 == 0, 16-byte
  * aligned X and out, at most HC_PREFETCH streams (the host checks).
@@ -557,7 +557,7 @@ static __device__ void hc_fused_finish(const hc_args &a, int n_mix, int64_t n_ch
             const int64_t j = j0 + (int64_t)b * BT;
 #pragma unroll
             for (int st = 0; st < HC_PREFETCH; st++)
-                xv[b][st] = st < n && j < d4 ? __ldcg(X + st * d4 + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                xv[b][st] = st < n && j < d4 ? X[st * d4 + j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     };
     load(threadIdx.x);
