@@ -559,115 +559,6 @@ static void test_hc_defer(void) {
     op_pair_close(&p);
 }
 
-/*
- * hc_pre's finish in the partial kernel's last block of a row (hc_fuse):
- * hc_pre and hc_post_pre_norm (the decode path: the residual step in the
- * partial kernel) fused and not, twice each fused (the block counts rearm),
- * every output the same bit for bit; the fused launches counted where the
- * shapes allow them (up to 64 rows of at most 4 streams), none past that.
- */
-static float *gpu_floats(op_pair *p, op_buf b, int64_t n) {
-    float *h = malloc((size_t)n * sizeof *h);
-    CHECK(h != NULL);
-    if (h) p->gpu->ops->download(p->gpu, h, b.g, n);
-    return h;
-}
-
-static void check_hc_fuse(op_pair *p, int n, int64_t dim, int64_t n_rows) {
-    const int64_t hc_dim = n * dim, n_mix = (2 + n) * n;
-    const ds4_hc hc = { n, dim, 20, 1e-6f, 1e-6f };
-    float *hfn = op_rand(hc_dim * n_mix, 1.0 / sqrt((double)hc_dim));
-    float *hscale = rand_uniform(3, 0.5, 1.5), *hbase = op_rand(n_mix, 0.5), *hnw = rand_uniform(dim, 0.5, 1.5);
-    float *hX = hc_states(n_rows, hc_dim), *hy = op_rand(n_rows * dim, 2.0), *hpost = rand_uniform(n_rows * n, 0.2, 1.8);
-    float *hcomb = rand_uniform(n_rows * n * n, 0.0, 0.5);
-    op_weight *fn = op_weight_floats(p, "hc_fn", DS4_TYPE_F16, hc_dim, n_mix, 1, hfn);
-    op_weight *scale = op_weight_floats(p, "hc_scale", DS4_TYPE_F32, 3, 1, 1, hscale);
-    op_weight *base = op_weight_floats(p, "hc_base", DS4_TYPE_F32, n_mix, 1, 1, hbase);
-    op_weight *nw = op_weight_floats(p, "attn_norm", DS4_TYPE_F32, dim, 1, 1, hnw);
-    op_buf X = op_buf_from(p, hX, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim);
-    op_buf post0 = op_buf_from(p, hpost, n_rows * n), comb0 = op_buf_from(p, hcomb, n_rows * n * n);
-    enum { RUNS = 3 }; /* unfused, fused, fused again */
-    op_buf xo[2][RUNS], po[2][RUNS], co[2][RUNS], Xo[RUNS], ao[RUNS];
-    ds4_backend *g = p->gpu;
-    const bool fits = n <= 4 && dim % 4 == 0 && n_rows <= 64;
-    for (int r = 0; r < RUNS; r++) {
-        for (int k = 0; k < 2; k++) {
-            xo[k][r] = op_buf_poisoned(p, n_rows * dim);
-            po[k][r] = op_buf_poisoned(p, n_rows * n);
-            co[k][r] = op_buf_poisoned(p, n_rows * n * n);
-        }
-        Xo[r] = op_buf_poisoned(p, n_rows * hc_dim);
-        ao[r] = op_buf_poisoned(p, n_rows * dim);
-        ds4_cuda_backend_set_hc_fuse(g, r != 0);
-        uint64_t f0 = 0, f1 = 0;
-        ds4_cuda_backend_hc_fuse_stats(g, &f0);
-        g->ops->hc_pre(g, &hc, X.g, &fn->g, &scale->g, &base->g, xo[0][r].g, po[0][r].g, co[0][r].g, n_rows);
-        g->ops->hc_post_pre_norm(g, &hc, y.g, NULL, X.g, post0.g, comb0.g, Xo[r].g, &fn->g, &scale->g, &base->g, &nw->g,
-                                 1e-6f, xo[1][r].g, po[1][r].g, co[1][r].g, ao[r].g, n_rows);
-        op_expect_ok(p);
-        ds4_cuda_backend_hc_fuse_stats(g, &f1);
-        /* hc_post_pre_norm fuses only where its residual step goes into the partial kernel (below 64 rows) */
-        const uint64_t want = r == 0 || !fits ? 0 : 1 + (n_rows < 64 && env_on_default("DS4_CUDA_HC_POST_PRE", true));
-        CHECK_MSG(f1 - f0 == want, "hc_fuse n %d dim %lld rows %lld run %d: %llu fused launches, want %llu", n,
-                  (long long)dim, (long long)n_rows, r, (unsigned long long)(f1 - f0), (unsigned long long)want);
-    }
-    ds4_cuda_backend_set_hc_fuse(g, env_on_default("DS4_CUDA_HC_FUSE", true));
-    const struct {
-        const char *name;
-        op_buf *b;
-        int64_t n;
-    } outs[] = { { "hc_pre x", xo[0], n_rows * dim },     { "hc_pre post", po[0], n_rows * n },
-                 { "hc_pre comb", co[0], n_rows * n * n }, { "post_pre x", xo[1], n_rows * dim },
-                 { "post_pre post", po[1], n_rows * n },   { "post_pre comb", co[1], n_rows * n * n },
-                 { "post_pre state", Xo, n_rows * hc_dim }, { "post_pre norm", ao, n_rows * dim } };
-    for (size_t o = 0; o < sizeof outs / sizeof outs[0]; o++) {
-        float *ref = gpu_floats(p, outs[o].b[0], outs[o].n);
-        for (int r = 1; r < RUNS && ref; r++) {
-            float *got = gpu_floats(p, outs[o].b[r], outs[o].n);
-            CHECK_MSG(got && memcmp(ref, got, (size_t)outs[o].n * sizeof *ref) == 0,
-                      "hc_fuse n %d dim %lld rows %lld: %s of run %d differs from the unfused", n, (long long)dim,
-                      (long long)n_rows, outs[o].name, r);
-            free(got);
-        }
-        free(ref);
-    }
-    for (int r = 0; r < RUNS; r++) {
-        for (int k = 0; k < 2; k++) op_buf_free(p, &xo[k][r]), op_buf_free(p, &po[k][r]), op_buf_free(p, &co[k][r]);
-        op_buf_free(p, &Xo[r]);
-        op_buf_free(p, &ao[r]);
-    }
-    op_buf_free(p, &X);
-    op_buf_free(p, &y);
-    op_buf_free(p, &post0);
-    op_buf_free(p, &comb0);
-    op_weight_free(p, fn);
-    op_weight_free(p, scale);
-    op_weight_free(p, base);
-    op_weight_free(p, nw);
-    free(hfn);
-    free(hscale);
-    free(hbase);
-    free(hnw);
-    free(hX);
-    free(hy);
-    free(hpost);
-    free(hcomb);
-}
-
-static void test_hc_fuse(void) {
-    op_pair p;
-    OPEN_OR_SKIP(&p);
-    check_hc_fuse(&p, 4, 4096, 1); /* the model's decode */
-    check_hc_fuse(&p, 4, 4096, 3);
-    check_hc_fuse(&p, 4, 4096, 9);  /* past the deferred Sinkhorn's 8 rows */
-    check_hc_fuse(&p, 4, 64, 64);   /* the most rows fused */
-    check_hc_fuse(&p, 4, 64, 65);   /* past them: the finishing kernel */
-    check_hc_fuse(&p, 2, 1000, 2);  /* two streams */
-    check_hc_fuse(&p, 4, 1002, 2);  /* dim % 4 != 0: not fused */
-    check_hc_fuse(&p, 6, 256, 2);   /* more streams than the fused finish holds: not fused */
-    op_pair_close(&p);
-}
-
 /* ------------------------------------------------------------------------ */
 /* hc_head                                                                   */
 /* ------------------------------------------------------------------------ */
@@ -1173,7 +1064,6 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_hc_pre_real),
     TEST_ENTRY(test_hc_pre_batch),
     TEST_ENTRY(test_hc_defer),
-    TEST_ENTRY(test_hc_fuse),
     TEST_ENTRY(test_hc_head),
     TEST_ENTRY(test_hc_post),
     TEST_ENTRY(test_router_topk),

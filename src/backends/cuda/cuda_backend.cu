@@ -1087,8 +1087,6 @@ extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4
     DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->dev_error, sizeof *cb->dev_error), err, fail);
     DS4_CUDA_TRY(st, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, cb->stream), err, fail);
     DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->dev_error_host, sizeof *cb->dev_error_host), err, fail);
-    DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->hc_count, CUDA_HC_COUNTS * sizeof *cb->hc_count), err, fail);
-    DS4_CUDA_TRY(st, cudaMemsetAsync(cb->hc_count, 0, CUDA_HC_COUNTS * sizeof *cb->hc_count, cb->stream), err, fail);
     if ((st = cuda_launch_init(cb, err)) != DS4_OK) goto fail;
     if ((st = cuda_prefetch_init(cb, err)) != DS4_OK) goto fail;
     memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
@@ -1127,7 +1125,6 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
     if (cb->ring_lap) cudaEventDestroy(cb->ring_lap);
     cudaFree(cb->dev_error);
     cudaFreeHost(cb->dev_error_host);
-    cudaFree(cb->hc_count);
     if (cb->dl_host) cudaFreeHost(cb->dl_host);
     if (cb->upload) cudaStreamDestroy(cb->upload);
     if (cb->stream) cudaStreamDestroy(cb->stream);

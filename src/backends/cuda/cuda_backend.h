@@ -135,13 +135,6 @@ void ds4_cuda_backend_set_moe_ids(ds4_backend *be, int on);
  * own runs them before anything reads comb. The results are the same
  * either way, bit for bit. Takes effect at the next hc_pre. */
 void ds4_cuda_backend_set_hc_defer(ds4_backend *be, int on, int64_t min_bytes);
-/* hc_pre of up to 64 rows finished by its partial kernel's last block of
- * each row instead of a kernel of its own (on by default; DS4_CUDA_HC_FUSE=0
- * makes off the default). The results are the same either way, bit for
- * bit. Takes effect at the next hc_pre; fused launches counts those made
- * since the backend was created. */
-void ds4_cuda_backend_set_hc_fuse(ds4_backend *be, int on);
-void ds4_cuda_backend_hc_fuse_stats(const ds4_backend *be, uint64_t *fused);
 /* Deferred Sinkhorn tasks run by weight products, and by their own kernel,
  * since the backend was created. */
 void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uint64_t *settled);

@@ -58,17 +58,16 @@ static bool ranges_overlap(const float *a, int64_t na, const float *b, int64_t n
     return a < b + nb && b < a + na;
 }
 
-/* Sum of a double over the block of BT threads (every thread gets the
- * result). `red` has BT / 32 entries. Fixed shape, so the result is
- * deterministic. */
-template <int BT = HC_THREADS> static __device__ double block_sum_double(double v, double *red) {
+/* Sum of a double over the block (every thread gets the result). `red` has
+ * HC_THREADS / 32 entries. Fixed shape, so the result is deterministic. */
+static __device__ double block_sum_double(double v, double *red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads(); /* red may still be read from a previous call */
     if (lane == 0) red[warp] = v;
     __syncthreads();
     double s = 0.0;
-    for (int w = 0; w < BT / 32; w++) s += red[w];
+    for (int w = 0; w < HC_THREADS / 32; w++) s += red[w];
     return s;
 }
 
@@ -253,12 +252,9 @@ struct hc_post_args {
  * step before it (hc_post_value; the blocks of group 0 write it to a.X),
  * so hc_post and the partial pass are one kernel.
  */
-template <int BT>
-static __device__ void hc_fused_finish(const hc_args &a, int n_mix, int64_t n_chunks, int64_t row, const hc_part *part);
-
-template <uint32_t T, bool VEC, bool POST, bool FUSE>
+template <uint32_t T, bool VEC, bool POST>
 static __global__ void __launch_bounds__(HC_PART_THREADS)
-    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa, unsigned *count) {
+    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
     __shared__ double red_d[HC_PART_THREADS / 32];
     __shared__ float red_f[HC_PART_THREADS / 32][HC_PART_K];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
@@ -370,26 +366,6 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
         for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[wi];
         out->ss = ss;
     }
-    if constexpr (FUSE) {
-        /* the row's last block to finish makes the split and the weighted
-         * sum, as hc_finish_kernel would, and rearms the count. The block's
-         * writes (partials, state values) are ordered before its count by
-         * the barrier and one release fence of thread 0 (cumulative), and
-         * the last block's reads after the others' by its acquire fence and
-         * barrier: one gpu-scope fence a block (a fence in every thread,
-         * __threadfence's fence.sc, costs about 13 us a launch here) */
-        __shared__ bool last;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
-            last = atomicAdd(&count[row], 1u) == gridDim.y * gridDim.z - 1;
-            if (last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        }
-        __syncthreads();
-        if (!last) return;
-        hc_fused_finish<HC_PART_THREADS>(a, n_mix, n_chunks, row, part);
-        if (threadIdx.x == 0) count[row] = 0;
-    }
 }
 
 /*
@@ -406,11 +382,11 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
  * post_s and C are in shared memory; block y 0 of a PRE row has written
  * the row's post and comb.
  */
-template <bool HEAD, int BT = HC_THREADS>
+template <bool HEAD>
 static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_mix, int64_t n_chunks, int64_t row,
                                                        const hc_part *part, const hc_split_consts &consts,
                                                        float *mix, float *w, float *post_s, float *C,
-                                                       double *red_d, bool write_split) {
+                                                       double *red_d) {
     const int n = a.n_hc;
     const int64_t hc_dim = (int64_t)n * a.dim;
     const hc_part *pr = part + row * n_chunks;
@@ -420,10 +396,10 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
      * HC_FINISH_BATCH entries at once, kept unscaled until the squares are
      * summed */
     double ss_part = 0.0;
-    for (int64_t c = threadIdx.x; c < n_chunks; c += BT) ss_part += pr[c].ss;
+    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        constexpr int NW = BT / 32;
+        constexpr int NW = HC_THREADS / 32;
         for (int k0 = warp; k0 < n_mix; k0 += NW * HC_FINISH_BATCH) {
             float s[HC_FINISH_BATCH];
 #pragma unroll
@@ -442,9 +418,9 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
                     if (k0 + b * NW < n_mix) mix[k0 + b * NW] = s[b];
         }
     }
-    const double ss = block_sum_double<BT>(ss_part, red_d); /* every thread has it; its barriers publish mix */
+    const double ss = block_sum_double(ss_part, red_d); /* every thread has it; its barriers publish mix */
     const float rms_scale = __frcp_rn(__fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
-    for (int k = threadIdx.x; k < n_mix; k += BT) mix[k] = __fmul_rn(mix[k], rms_scale);
+    for (int k = threadIdx.x; k < n_mix; k += HC_THREADS) mix[k] = __fmul_rn(mix[k], rms_scale);
     __syncthreads();
     if (!HEAD && n * n <= 32) {
         if (threadIdx.x < 32) {
@@ -462,9 +438,9 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
         }
     }
     __syncthreads();
-    if (!HEAD && write_split) {
+    if (!HEAD && blockIdx.y == 0) {
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
-        for (int j = threadIdx.x; j < n * n; j += BT) a.comb[row * n * n + j] = C[j];
+        for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
 }
 
@@ -511,7 +487,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
 #pragma unroll
         for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
     }
-    hc_finish_split<HEAD>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d, blockIdx.y == 0);
+    hc_finish_split<HEAD>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
     float *out = a.out + row * a.dim;
     if (prefetch) {
         const int64_t i = i0 + threadIdx.x;
@@ -522,60 +498,6 @@ static __global__ void __launch_bounds__(HC_THREADS)
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
         out[i] = acc;
-    }
-}
-
-/*
- * hc_fused_finish: hc_finish_kernel's work for a whole row on the BT
- * threads of the fused partial kernel's last block of the row (hc_pre in
- * decode: one launch instead of two). The state and the partials, which
- * other blocks of the launch wrote, are read with plain loads after the
- * acquire fence (which invalidates the L1); the weighted sum's
- * elements are hc_finish_kernel's (hc_weighted), HC_FUSE_BATCH of a
- * thread's float4 groups in flight at once. Rows of dim % 4 == 0, 16-byte
- * aligned X and out, at most HC_PREFETCH streams (the host checks).
- */
-#define HC_FUSE_BATCH 4
-template <int BT>
-static __device__ void hc_fused_finish(const hc_args &a, int n_mix, int64_t n_chunks, int64_t row, const hc_part *part) {
-    __shared__ float mix[HC_MAX_MIX];
-    __shared__ float w[HC_MAX_STREAMS];
-    __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
-    __shared__ float post_s[HC_MAX_STREAMS];
-    __shared__ double red_d[BT / 32];
-    const int n = a.n_hc;
-    const int64_t dim = a.dim;
-    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-    if (n * n <= 32 && threadIdx.x < 32) consts = hc_split_load(a, n);
-    const float4 *X = (const float4 *)(a.X + row * (int64_t)n * dim);
-    const int64_t d4 = dim / 4;
-    /* the first batch of state values in flight while the split is made */
-    float4 xv[HC_FUSE_BATCH][HC_PREFETCH];
-    const auto load = [&](int64_t j0) {
-#pragma unroll
-        for (int b = 0; b < HC_FUSE_BATCH; b++) {
-            const int64_t j = j0 + (int64_t)b * BT;
-#pragma unroll
-            for (int st = 0; st < HC_PREFETCH; st++)
-                xv[b][st] = st < n && j < d4 ? X[st * d4 + j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-    };
-    load(threadIdx.x);
-    hc_finish_split<false, BT>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d, true);
-    float4 *out = (float4 *)(a.out + row * dim);
-    for (int64_t j0 = threadIdx.x; j0 < d4; j0 += (int64_t)BT * HC_FUSE_BATCH) {
-        if (j0 != threadIdx.x) load(j0);
-#pragma unroll
-        for (int b = 0; b < HC_FUSE_BATCH; b++) {
-            const int64_t j = j0 + (int64_t)b * BT;
-            float e[4][HC_PREFETCH];
-#pragma unroll
-            for (int st = 0; st < HC_PREFETCH; st++)
-                e[0][st] = xv[b][st].x, e[1][st] = xv[b][st].y, e[2][st] = xv[b][st].z, e[3][st] = xv[b][st].w;
-            if (j < d4)
-                out[j] = make_float4(hc_weighted(e[0], w, n), hc_weighted(e[1], w, n), hc_weighted(e[2], w, n),
-                                     hc_weighted(e[3], w, n));
-        }
     }
 }
 
@@ -614,7 +536,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
 #pragma unroll
             for (int k = 0; k < NORM_VEC; k++) xs[s][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d, blockIdx.y == 0);
+    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
     float4 v[NORM_VEC];
     float *out = a.out + row * dim;
 #pragma unroll
@@ -631,7 +553,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
     rms_scale_store(v, wv, nw != NULL, dim, norm_eps, red_d, a_out + row * dim);
 }
 
-typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args, unsigned *);
+typedef void (*hc_partial_fn)(hc_args, int, hc_part *, hc_post_args);
 
 /* ------------------------------------------------------------------------ */
 /* The Sinkhorn off hc_pre's chain                                           */
@@ -702,33 +624,22 @@ extern "C" void ds4_cuda_backend_set_hc_defer(ds4_backend *be, int on, int64_t m
     cb->hc_defer = on != 0;
     cb->hc_defer_bytes = min_bytes > 0 ? min_bytes : hc_defer_bytes_default();
 }
-extern "C" void ds4_cuda_backend_set_hc_fuse(ds4_backend *be, int on) {
-    cuda_hc_settle(be);
-    cuda_impl(be)->hc_fuse = on != 0;
-}
-extern "C" void ds4_cuda_backend_hc_fuse_stats(const ds4_backend *be, uint64_t *fused) {
-    if (fused) *fused = ((const cuda_backend *)be->impl)->hc_fused;
-}
 extern "C" void ds4_cuda_backend_hc_defer_stats(const ds4_backend *be, uint64_t *taken, uint64_t *settled) {
     const cuda_backend *cb = (const cuda_backend *)be->impl;
     if (taken) *taken = cb->comb_taken;
     if (settled) *settled = cb->comb_settled;
 }
 void cuda_hc_defer_init(cuda_backend *cb) {
-    cb->hc_fuse = cuda_env_flag("DS4_CUDA_HC_FUSE", true);
     cb->hc_defer = cuda_env_flag("DS4_CUDA_HC_DEFER", true);
     cb->hc_defer_bytes = hc_defer_bytes_default();
 }
 
-template <bool VEC, bool POST, bool FUSE> static hc_partial_fn hc_partial_for(uint32_t type) {
+template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type) {
     switch (type) {
-    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC, POST, FUSE>;
-    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC, POST, FUSE>;
-    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC, POST, FUSE>;
+    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC, POST>;
+    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC, POST>;
+    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC, POST>;
     }
-}
-template <bool VEC, bool POST> static hc_partial_fn hc_partial_pick(uint32_t type, bool fuse) {
-    return fuse ? hc_partial_for<VEC, POST, true>(type) : hc_partial_for<VEC, POST, false>(type);
 }
 
 /* The norm that hc_finish_norm_kernel appends (hc_pre_norm): its weight
@@ -764,43 +675,29 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     hc_post_args pa;
     memset(&pa, 0, sizeof pa); /* (recorded steps compare argument bytes) */
     if (post) pa = *post;
+    const hc_partial_fn partial = post ? (vec ? hc_partial_for<true, true>(a.fn_type)
+                                              : hc_partial_for<false, true>(a.fn_type))
+                                       : (vec ? hc_partial_for<true, false>(a.fn_type)
+                                              : hc_partial_for<false, false>(a.fn_type));
+    const unsigned groups = (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
+    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
+                     n_mix, part, pa))
+        return;
+    /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
+    int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
+    if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
+    if (norm) {
+        (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part,
+                          norm->w, norm->eps, norm->out);
+        return;
+    }
     cuda_backend *cb = cuda_impl(be);
     hc_args af = a;
     /* (not on a side branch: a product or settle on the main chain would not wait for its logits) */
-    af.defer = !HEAD && !norm && cb->hc_defer && !cb->br_side && a.comb && a.n_hc * a.n_hc <= 32 &&
-               n_rows <= HC_DEFER_MAX_ROWS;
-    /* hc_pre of a few rows on the main chain: the partial kernel's last
-     * block of a row finishes it (hc_fused_finish's shapes; its counts are
-     * the backend's, so never on a side branch) */
-    const bool fuse = !HEAD && !norm && cb->hc_fuse && cb->hc_count && !cb->br_side && n_rows <= CUDA_HC_COUNTS &&
-                      a.n_hc <= HC_PREFETCH && a.dim % 4 == 0 && (uintptr_t)a.X % 16 == 0 &&
-                      (uintptr_t)a.out % 16 == 0 && a.post && a.comb;
-    const hc_partial_fn partial = post ? (vec ? hc_partial_pick<true, true>(a.fn_type, fuse)
-                                              : hc_partial_pick<false, true>(a.fn_type, fuse))
-                                       : (vec ? hc_partial_pick<true, false>(a.fn_type, fuse)
-                                              : hc_partial_pick<false, false>(a.fn_type, fuse));
-    const unsigned groups = (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
-    bool ok;
-    if (fuse) {
-        ok = cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, af,
-                         n_mix, part, pa, cb->hc_count);
-        if (ok) cb->hc_fused++;
-    } else {
-        if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
-                         n_mix, part, pa, (unsigned *)NULL))
-            return;
-        /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
-        int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
-        if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
-        if (norm) {
-            (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks,
-                              part, norm->w, norm->eps, norm->out);
-            return;
-        }
-        ok = cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, af,
-                         n_mix, n_chunks, part);
-    }
-    if (ok && af.defer) {
+    af.defer = !HEAD && cb->hc_defer && !cb->br_side && a.comb && a.n_hc * a.n_hc <= 32 && n_rows <= HC_DEFER_MAX_ROWS;
+    if (cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, af,
+                    n_mix, n_chunks, part) &&
+        af.defer) {
         cb->comb.comb = a.comb;
         cb->comb.n_hc = a.n_hc;
         cb->comb.iters = a.iters;

@@ -152,8 +152,6 @@ typedef struct cuda_comb_task {
     float eps;
 } cuda_comb_task;
 
-#define CUDA_HC_COUNTS 64 /* rows an hc_pre launch may fuse (the backend's block counts) */
-
 typedef struct cuda_backend {
     int device;
     int sm_count; /* the device's multiprocessors (0: not asked yet; cuda_sm_count) */
@@ -191,9 +189,6 @@ typedef struct cuda_backend {
      * runs the rounds in blocks of its own (cuda_hc_take_comb), or a kernel
      * of their own runs them before anything reads comb (cuda_hc_settle) */
     bool hc_defer;         /* on by default; DS4_CUDA_HC_DEFER=0: the split in the finishing kernel */
-    bool hc_fuse;          /* hc_pre's finish in its partial kernel's last block (on by default; DS4_CUDA_HC_FUSE=0: a kernel of its own) */
-    unsigned *hc_count;    /* [CUDA_HC_COUNTS] the fused partial kernel's blocks done per row (zero between launches) */
-    uint64_t hc_fused;     /* fused hc_pre launches made */
     int64_t hc_defer_bytes; /* the weight bytes of a product that takes them (DS4_CUDA_HC_DEFER_BYTES) */
     bool comb_pending;     /* a task waits for a product or a settle */
     bool comb_branch;      /* its kernel ran on a side branch not yet joined */
