@@ -276,6 +276,18 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     m->be = be;
     const char *ab = getenv("DS4_ATTN_BRANCH");
     m->attn_branch = !(ab && !strcmp(ab, "0"));
+    /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
+    const char *ec = getenv("DS4_EVAL_CHUNK");
+    if (ec && *ec) {
+        char *end = NULL;
+        const long long v = strtoll(ec, &end, 10);
+        if (*end || v < 1 || v > DS4_EVAL_CHUNK_MAX) {
+            free(m);
+            return ds4_error_set(err, DS4_ERR_INVALID, "DS4_EVAL_CHUNK must be a row count from 1 to %d, not '%s'",
+                                 DS4_EVAL_CHUNK_MAX, ec);
+        }
+        m->eval_chunk = (int64_t)v;
+    }
     ds4_status st = ds4_config_from_gguf(file, &m->cfg, err);
     if (st) {
         free(m);

@@ -108,9 +108,11 @@ void ds4_model_set_indexer_batches(ds4_model *m, int rows);
 /* Tokens of an evaluation that go through the layers together (a chunk:
  * each layer's products see this many rows at once; the scratch of a state
  * that evaluates that many holds them, about 0.56 MB per row for the
- * full-size model). n < 1 restores the default, DS4_EVAL_CHUNK. The
- * results do not depend on it on the CPU (bit for bit); on a GPU, rows of
- * chunks too small for its batched kernels are summed in another order. */
+ * full-size model). n < 1 restores the default, DS4_EVAL_CHUNK ($DS4_EVAL_CHUNK
+ * at model open sets another, 1 .. DS4_EVAL_CHUNK_MAX; anything else fails
+ * the open). The results do not depend on it on the CPU (bit for bit); on
+ * a GPU, rows of chunks too small for its batched kernels are summed in
+ * another order. */
 /* A batch of distinct states (ds4_model_eval_batch of up to 64) moves its
  * rows into their states, adds their position biases and attends the rows
  * without a selection in one call each (on, the default), or row by row
@@ -118,6 +120,7 @@ void ds4_model_set_indexer_batches(ds4_model *m, int rows);
  * measure it. */
 void ds4_model_set_state_batches(ds4_model *m, bool on);
 #define DS4_EVAL_CHUNK 1024
+#define DS4_EVAL_CHUNK_MAX 65536 /* the most that $DS4_EVAL_CHUNK may set */
 void ds4_model_set_eval_chunk(ds4_model *m, int64_t n);
 int64_t ds4_model_eval_chunk(const ds4_model *m);
 
