@@ -396,8 +396,10 @@ typedef struct ds4_backend_ops {
      * side reads or writes a buffer the other writes, between the begin and
      * the join (scratch of the backend's own is the backend's concern).
      * Semantics are unchanged: outside a recorded step, or on a backend
-     * that runs ops in call order, the calls do nothing. One branch at a
-     * time: begin, end, then join before the next begin. */
+     * that runs ops in call order, the calls do nothing. A branch begun
+     * after another's end and before any join may run beside it (both
+     * from the main chain; the caller's promise then holds between every
+     * two of them), and one join takes them all. */
     void (*branch_begin)(ds4_backend *be);
     void (*branch_end)(ds4_backend *be);
     void (*branch_join)(ds4_backend *be);

@@ -2076,6 +2076,93 @@ static void test_step_branch(void) {
     op_pair_close(&p);
 }
 
+/* Two branches beside each other (backend.h: a branch begun after
+ * another's end and before a join): both fork from the main chain, one
+ * join takes both, and every output is the direct launches' bit for bit.
+ * Case 0: an F16 product (no scratch) on the first, a Q8_0 one of 8 rows
+ * (its quantised x in a scratch slot) on the second; case 1: Q8_0 on both,
+ * so the second's product waits for the first's (the shared slot). The
+ * main chain runs an F16 product beside them; after the join, the sum of
+ * the three. */
+static void test_step_branch_beside(void) {
+    OPEN_PAIR(p);
+    const int64_t n = 1024, rows = 512, R = 8;
+    float *dq = NULL, *dq2 = NULL, *df = NULL;
+    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
+    uint8_t *bq2 = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq2);
+    uint8_t *bf = weight_bytes(DS4_TYPE_F16, n, rows, true, &df);
+    op_weight *wq = op_weight_make(&p, "blk.0.beside_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
+    op_weight *wq2 = op_weight_make(&p, "blk.0.beside_q2.weight", DS4_TYPE_Q8_0, n, rows, 1, bq2);
+    op_weight *wf = op_weight_make(&p, "blk.0.beside_f.weight", DS4_TYPE_F16, n, rows, 1, bf);
+    float *h1 = op_rand(R * n, 1.0), *h2 = op_rand(R * n, 1.0), *h3 = op_rand(R * n, 1.0);
+    op_buf x1 = op_buf_from(&p, h1, R * n), x2 = op_buf_from(&p, h2, R * n), x3 = op_buf_from(&p, h3, R * n);
+    enum { NOUT = 5 };
+    op_buf ref[NOUT], got[NOUT];
+    const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
+    ds4_cuda_backend_set_branches(p.gpu, 1);
+    for (int cs = 0; cs < 2; cs++) {
+        const op_weight *first = cs == 0 ? wf : wq, *second = cs == 0 ? wq : wq2;
+        for (int i = 0; i < NOUT; i++) ref[i] = op_buf_poisoned(&p, R * rows), got[i] = op_buf_poisoned(&p, R * rows);
+        for (int pass = 0; pass < 2; pass++) { /* pass 0 outside a step, pass 1 recorded */
+            op_buf *y = pass ? got : ref;
+            uint64_t b0 = 0, j0 = 0, s0 = 0, b1 = 0, j1 = 0, s1 = 0;
+            ds4_cuda_backend_branch_stats(p.gpu, &b0, &j0);
+            ds4_cuda_backend_branch_beside(p.gpu, &s0);
+            const ds4_backend_counters c0 = op_gpu_counters(&p);
+            if (pass) p.gpu->ops->step_begin(p.gpu);
+            p.gpu->ops->branch_begin(p.gpu);
+            p.gpu->ops->matmul(p.gpu, &first->g, 0, rows, x1.g, n, y[0].g, rows, R, DS4_NUMERICS_DS4);
+            p.gpu->ops->branch_end(p.gpu);
+            p.gpu->ops->branch_begin(p.gpu);
+            p.gpu->ops->matmul(p.gpu, &second->g, 0, rows, x2.g, n, y[1].g, rows, R, DS4_NUMERICS_DS4);
+            p.gpu->ops->branch_end(p.gpu);
+            p.gpu->ops->matmul(p.gpu, &wf->g, 0, rows, x3.g, n, y[2].g, rows, R, DS4_NUMERICS_DS4);
+            p.gpu->ops->branch_join(p.gpu);
+            p.gpu->ops->add(p.gpu, y[0].g, y[1].g, y[3].g, R * rows);
+            p.gpu->ops->add(p.gpu, y[3].g, y[2].g, y[4].g, R * rows);
+            if (pass) p.gpu->ops->step_end(p.gpu);
+            const ds4_backend_counters c1 = op_gpu_counters(&p);
+            op_expect_ok(&p);
+            ds4_cuda_backend_branch_stats(p.gpu, &b1, &j1);
+            ds4_cuda_backend_branch_beside(p.gpu, &s1);
+            if (pass && recorded) {
+                CHECK_MSG(c1.graphs > c0.graphs && c1.step_breaks == c0.step_breaks, "beside case %d: not one graph", cs);
+                CHECK_MSG(b1 - b0 == 2 && s1 - s0 == 1, "beside case %d: %llu branches, %llu beside", cs,
+                          (unsigned long long)(b1 - b0), (unsigned long long)(s1 - s0));
+                /* (the main chain's F16 product takes no slot unless DS4_CUDA_MATVEC=0 sends it to a GEMM) */
+                CHECK_MSG(j1 - j0 == (env_on("DS4_CUDA_MATVEC") ? 0u : 1u), "beside case %d: %llu joins forced", cs,
+                          (unsigned long long)(j1 - j0));
+            } else {
+                CHECK_MSG(b1 == b0 && s1 == s0, "beside case %d pass %d: branches outside a recorded step", cs, pass);
+            }
+        }
+        for (int i = 0; i < NOUT; i++) {
+            char what[96];
+            snprintf(what, sizeof what, "beside case %d, output %d", cs, i);
+            expect_same_rows(&p, what, got[i].g, ref[i].g, R, rows, rows);
+            op_buf_free(&p, &ref[i]);
+            op_buf_free(&p, &got[i]);
+        }
+    }
+    ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
+    op_buf_free(&p, &x1);
+    op_buf_free(&p, &x2);
+    op_buf_free(&p, &x3);
+    op_weight_free(&p, wq);
+    op_weight_free(&p, wq2);
+    op_weight_free(&p, wf);
+    free(h1);
+    free(h2);
+    free(h3);
+    free(bq);
+    free(bq2);
+    free(bf);
+    free(dq);
+    free(dq2);
+    free(df);
+    op_pair_close(&p);
+}
+
 /* The bytes the prefetch asks for of [dev, dev + bytes): its whole 16-byte
  * pieces (what the backend documents). */
 static uint64_t inner_bytes(const void *dev, uint64_t bytes) {
@@ -2436,6 +2523,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_bad_expert),
     TEST_ENTRY(test_matvec_pack),
     TEST_ENTRY(test_step_branch),
+    TEST_ENTRY(test_step_branch_beside),
     TEST_ENTRY(test_prefetch),
     TEST_ENTRY(test_matvec_xs),
     TEST_ENTRY(test_rope_matmul_grouped),

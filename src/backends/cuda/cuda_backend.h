@@ -157,6 +157,11 @@ void ds4_cuda_backend_prefetch_stats(const ds4_backend *be, uint64_t *launches, 
 /* Branches recorded, and joins forced by a scratch slot that both sides
  * took, since the backend was created. */
 void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins);
+/* Branches recorded beside a pending one (begun after the first's end,
+ * before any join was asked for: both fork from the main chain, the
+ * second's last op also waits for the first, so one join takes both) since
+ * the backend was created. */
+void ds4_cuda_backend_branch_beside(const ds4_backend *be, uint64_t *beside);
 /* The fused activation quantisation on or off (both on by default;
  * DS4_CUDA_MV_XQ=0 and DS4_CUDA_MOE_XQ=0 make off the defaults): mv_xq, the
  * Q8_0 decode products (plain, several of one input, grouped) that quantise

@@ -227,7 +227,16 @@ typedef struct cuda_backend {
     int br_pending;   /* a branch's last entry that the main chain has not joined (-1: none) */
     bool br_join_next; /* the next main entry joins br_pending */
     uint64_t br_slots; /* scratch slots the pending branch took (bit per slot) */
+    /* a branch begun while another is pending runs beside it (both fork
+     * from the main chain): the first's last entry and slots wait here
+     * until the second ends, whose last entry then also waits for the first
+     * (one join takes both); an entry of the second that takes a slot the
+     * first took waits for the first right there */
+    int br_prev;          /* the first branch's last entry (-1: none) */
+    uint64_t br_prev_slots;
+    bool br_wait_prev;    /* the second's next entry waits for br_prev */
     uint64_t br_count, br_auto_joins; /* branches recorded; joins forced by a scratch slot */
+    uint64_t br_beside;               /* branches recorded beside a pending one */
     bool rec_leaf;    /* the entry being recorded is a leaf off the chain (cuda_launch_leaf) */
     /* weights into the L2 ahead of their products (cuda_prefetch.cu) */
     int pf_mode;            /* 0 off (default), 1 the copy engine's L2 prefetch, 2 loads (DS4_CUDA_PREFETCH) */

@@ -87,6 +87,9 @@ static void step_log_clear(cuda_backend *cb, int seg = 0) {
     cb->br_pending = -1;
     cb->br_join_next = false;
     cb->br_slots = 0;
+    cb->br_prev = -1;
+    cb->br_prev_slots = 0;
+    cb->br_wait_prev = false;
 }
 
 /* Entry `e`, just pushed, linked to what it waits for: on a branch, the
@@ -103,12 +106,16 @@ static void link_entry(cuda_backend *cb, cuda_node *e) {
         e->pred = !cb->br_side ? cb->last_main : cb->br_last >= 0 ? cb->br_last : cb->br_fork;
     } else if (cb->br_side) {
         e->pred = cb->br_last >= 0 ? cb->br_last : cb->br_fork;
-        if (cb->br_last < 0 && cb->br_pending >= 0) { /* a second branch before the first was joined */
+        if (cb->br_last < 0 && cb->br_pending >= 0) { /* a second branch after a join was asked for */
             /* (a join the main chain asked for stays asked: it then waits
              * for this branch, which waits for the first) */
             e->join = cb->br_pending;
             cb->br_pending = -1;
+        } else if (cb->br_wait_prev && cb->br_prev >= 0) { /* a slot of the branch beside it */
+            e->join = cb->br_prev;
+            cb->br_prev = -1;
         }
+        cb->br_wait_prev = false;
         cb->br_last = i;
     } else {
         e->pred = cb->last_main;
@@ -130,6 +137,15 @@ void cuda_branch_begin(ds4_backend *be) {
     cb->br_fork = cb->last_main;
     cb->br_last = -1;
     cb->br_count++;
+    if (cb->br_pending >= 0 && !cb->br_join_next && cb->br_prev < 0) {
+        /* a branch pending and no join asked for: this one runs beside it */
+        cb->br_prev = cb->br_pending;
+        cb->br_prev_slots = cb->br_slots;
+        cb->br_pending = -1;
+        cb->br_slots = 0;
+        cb->br_wait_prev = false;
+        cb->br_beside++;
+    }
 }
 
 void cuda_branch_end(ds4_backend *be) {
@@ -137,6 +153,22 @@ void cuda_branch_end(ds4_backend *be) {
     if (!cb->br_side) return;
     cb->br_side = false;
     if (cb->recording && cb->br_last >= 0) cb->br_pending = cb->br_last;
+    if (cb->recording && cb->br_prev >= 0) {
+        /* the branch beside the first: its last entry also waits for the
+         * first's (free: an entry that waited for it cleared br_prev), so
+         * one join takes both; no entry: the first stays pending alone */
+        if (cb->br_last >= 0) {
+            cuda_node *e = &cb->log.nodes[cb->br_last];
+            e->join = cb->br_prev;
+            key_mix(&cb->log, 0xb5e1de0000000000ULL | (uint32_t)(cb->br_prev + 2));
+        } else {
+            cb->br_pending = cb->br_prev;
+        }
+        cb->br_slots |= cb->br_prev_slots;
+        cb->br_prev = -1;
+    }
+    cb->br_prev_slots = 0;
+    cb->br_wait_prev = false;
     cb->br_last = -1;
 }
 
@@ -154,8 +186,12 @@ void cuda_branch_force_join(cuda_backend *cb) {
 void cuda_branch_slot(cuda_backend *cb, int slot) {
     if (!cb->recording) return;
     const uint64_t bit = (uint64_t)1 << slot;
-    if (cb->br_side) cb->br_slots |= bit;
-    else if (cb->br_slots & bit) cuda_branch_force_join(cb);
+    if (cb->br_side) {
+        cb->br_slots |= bit;
+        if (cb->br_prev >= 0 && (cb->br_prev_slots & bit)) cb->br_wait_prev = true;
+    } else if (cb->br_slots & bit) {
+        cuda_branch_force_join(cb);
+    }
 }
 
 /* A new entry (zeroed), or NULL when memory ran out (error recorded). */
@@ -802,6 +838,9 @@ static void segment_submit(ds4_backend *be) {
 extern "C" void ds4_cuda_backend_set_graphs(ds4_backend *be, int on) { cuda_impl(be)->graphs_on = on != 0; }
 extern "C" void ds4_cuda_backend_set_segments(ds4_backend *be, int on) { cuda_impl(be)->segments = on != 0; }
 extern "C" void ds4_cuda_backend_set_branches(ds4_backend *be, int on) { cuda_impl(be)->branches = on != 0; }
+extern "C" void ds4_cuda_backend_branch_beside(const ds4_backend *be, uint64_t *beside) {
+    if (beside) *beside = ((const cuda_backend *)be->impl)->br_beside;
+}
 extern "C" void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *branches, uint64_t *auto_joins) {
     const cuda_backend *cb = (const cuda_backend *)be->impl;
     if (branches) *branches = cb->br_count;

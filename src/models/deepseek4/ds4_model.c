@@ -276,6 +276,8 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     m->be = be;
     const char *ab = getenv("DS4_ATTN_BRANCH");
     m->attn_branch = !(ab && !strcmp(ab, "0"));
+    const char *ib = getenv("DS4_IQ_BRANCH");
+    m->iq_branch = !(ib && !strcmp(ib, "0"));
     /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
     const char *ec = getenv("DS4_EVAL_CHUNK");
     if (ec && *ec) {
@@ -1072,6 +1074,18 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
     TAP("q_a_norm", l, -1, s->qr, n * qr);
+    /* one decoded token that will select (its compressed rows, this
+     * token's included, may pass top_k): its indexer queries, which read
+     * only the normed low-rank q, on a second branch beside the first and
+     * q's chain (attend_row finds them made); nothing reads them before the
+     * join */
+    bool iq_made = false;
+    if (side && direct && ratio == 4 && m->iq_branch && L0->attn.n_rows + 1 > c->idx_top_k) {
+        be->ops->branch_begin(be);
+        idx_queries(m, l, s, 0, n, pos, rope, num);
+        be->ops->branch_end(be);
+        iq_made = true;
+    }
     be->ops->matmul(be, &W->q_b, 0, nh * D, s->qr, qr, s->q, nh * D, n, num);
     TAP("q_b", l, -1, s->q, n * nh * D);
     { /* the output products' weights, beside the norms, compressors and attention */
@@ -1124,7 +1138,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     /* the compressors over the whole batch, then token by token: window
      * push, indexer and attention; the indexer queries of the rows from the
      * first that needs them on are made in one batch */
-    bool iq_made = false;
     if (side) be->ops->branch_join(be);
     if (ratio)
         compressor_pass(m, rs, l, false, ape_added ? NULL : &W->comp_ape, &W->comp_norm, ckv, csc, pos, n, s->crow,

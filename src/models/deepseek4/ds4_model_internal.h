@@ -49,6 +49,9 @@ struct ds4_model {
     /* the attention's compressor and indexer products on a side branch of a
      * recorded step, beside q's chain (on; $DS4_ATTN_BRANCH=0: off) */
     bool attn_branch;
+    /* one decoded token's indexer queries on a second branch beside the
+     * first and q's chain (on; $DS4_IQ_BRANCH=0: off) */
+    bool iq_branch;
     /* the scratch of evaluations of several rows (prefill chunks, batched
      * decode): one for the model, as its evaluations run one at a time,
      * instead of one of a chunk's size in every state that prefilled */
