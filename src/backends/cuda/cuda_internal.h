@@ -175,12 +175,6 @@ typedef struct cuda_backend {
      * to step. */
     bool graphs_on; /* steps are recorded (ds4_cuda_backend_set_graphs) */
     bool pdl;       /* kernels launched as programmatic dependents (DS4_CUDA_PDL=0: off) */
-    /* a step graph's main-chain kernels at the device's greatest priority,
-     * its side branches' at the default, so blocks of the chain are
-     * scheduled first where both wait for room (DS4_CUDA_PRIO=0: all at
-     * the default) */
-    bool prio;
-    int prio_main;  /* the priority they get (cudaDeviceGetStreamPriorityRange's greatest) */
     bool mv_smem;   /* the matvec kernels may use their shared memory (cuda_matvec.cu) */
     bool mv_xq;     /* Q8_0 decode products may quantise their own x (DS4_CUDA_MV_XQ=0: off) */
     bool mv_pack;   /* one-row products of short rows pack several rows per stage (DS4_CUDA_MV_PACK=0: off) */

@@ -618,12 +618,6 @@ static bool graph_build(ds4_backend *be, cuda_graph_rec *g, const cuda_node_log 
             void *params[CUDA_NODE_MAX_ARGS];
             const cudaKernelNodeParams p = kernel_params(&g->log, e, params);
             ok = CUDA_OK(be, cudaGraphAddKernelNode(&g->gnodes[i], g->graph, NULL, 0, &p));
-            if (ok && cb->prio && !e->side) { /* the chain's blocks before a branch's */
-                cudaKernelNodeAttrValue v;
-                memset(&v, 0, sizeof v);
-                v.priority = cb->prio_main;
-                ok = CUDA_OK(be, cudaGraphKernelNodeSetAttribute(g->gnodes[i], cudaKernelNodeAttributePriority, &v));
-            }
         } else if (e->kind == CUDA_NODE_COPY) {
             ok = CUDA_OK(be, cudaGraphAddMemcpyNode1D(&g->gnodes[i], g->graph, NULL, 0, e->dst, e->src, e->bytes,
                                                       e->dir));
@@ -896,13 +890,6 @@ extern "C" const char *ds4_cuda_backend_last_break(const ds4_backend *be) {
 ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->graphs_on = cuda_env_flag("DS4_CUDA_GRAPH", true);
     cb->pdl = cuda_env_flag("DS4_CUDA_PDL", true);
-    cb->prio = cuda_env_flag("DS4_CUDA_PRIO", true);
-    {
-        int least = 0, greatest = 0;
-        DS4_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), err);
-        cb->prio_main = greatest;
-        if (greatest == least) cb->prio = false; /* (the device has one priority) */
-    }
     cb->segments = cuda_env_flag("DS4_CUDA_SEGMENTS", true);
     cb->mv_xq = cuda_env_flag("DS4_CUDA_MV_XQ", true);
     cb->mv_pack = cuda_env_flag("DS4_CUDA_MV_PACK", true);
