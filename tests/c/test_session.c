@@ -399,6 +399,36 @@ static void test_compressor_chunks_match(void) {
     ds4_backend_destroy(cpu);
 }
 
+/* $DS4_EVAL_CHUNK at model open: a row count sets the chunk; anything else
+ * (not a number, trailing characters, 0, past DS4_EVAL_CHUNK_MAX) fails the
+ * open with a message naming the variable; unset, the default. */
+static void test_eval_chunk_env(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_backend *cpu = NULL;
+    static const char *bad[] = { "abc", "12x", "0", "-5", "65537" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        setenv("DS4_EVAL_CHUNK", bad[i], 1);
+        ds4_error err = { 0 };
+        ds4_model *m = NULL;
+        CHECK(ds4_backend_create("cpu", 1, &cpu, &err) == DS4_OK);
+        const ds4_status st = ds4_model_load((gguf_file *)ds4_engine_gguf(engine), cpu, &m, &err);
+        CHECK_MSG(st == DS4_ERR_INVALID && !m && strstr(err.message, "DS4_EVAL_CHUNK"), "'%s': status %d, '%s'",
+                  bad[i], (int)st, err.message);
+        if (m) ds4_model_free(m);
+        ds4_backend_destroy(cpu);
+    }
+    setenv("DS4_EVAL_CHUNK", "37", 1);
+    ds4_model *m = cpu_model(&cpu);
+    CHECK(m && ds4_model_eval_chunk(m) == 37);
+    if (m) ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+    unsetenv("DS4_EVAL_CHUNK");
+    m = cpu_model(&cpu);
+    CHECK(m && ds4_model_eval_chunk(m) == DS4_EVAL_CHUNK);
+    if (m) ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+}
+
 /* The layer-major chunk size (ds4_model_set_eval_chunk) does not change
  * anything: 300 tokens in one call as one chunk (the default), in chunks of
  * 7, 128 and 256 (and one after a prefix), the same logits and the same
@@ -764,6 +794,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
     TEST_ENTRY(test_compressor_chunks_match),
+    TEST_ENTRY(test_eval_chunk_env),
     TEST_ENTRY(test_eval_chunk_sizes_match),
     TEST_ENTRY(test_greedy_eval_matches_argmax),
     TEST_ENTRY(test_session_decode_greedy),

@@ -119,7 +119,7 @@ void ds4_model_set_indexer_batches(ds4_model *m, int rows);
  * (off): the same results; the switch is there to show that and to
  * measure it. */
 void ds4_model_set_state_batches(ds4_model *m, bool on);
-#define DS4_EVAL_CHUNK 1024
+#define DS4_EVAL_CHUNK 2048
 #define DS4_EVAL_CHUNK_MAX 65536 /* the most that $DS4_EVAL_CHUNK may set */
 void ds4_model_set_eval_chunk(ds4_model *m, int64_t n);
 int64_t ds4_model_eval_chunk(const ds4_model *m);
