@@ -278,6 +278,10 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     m->attn_branch = !(ab && !strcmp(ab, "0"));
     const char *ib = getenv("DS4_IQ_BRANCH");
     m->iq_branch = !(ib && !strcmp(ib, "0"));
+    const char *al = getenv("DS4_ATTN_BRANCH_LATE");
+    m->attn_branch_late = !(al && !strcmp(al, "0"));
+    const char *fl = getenv("DS4_FFN_BRANCH_LATE");
+    m->ffn_branch_late = !(fl && !strcmp(fl, "0"));
     /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
     const char *ec = getenv("DS4_EVAL_CHUNK");
     if (ec && *ec) {
@@ -1064,8 +1068,12 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
      * compressor pass: they read only the normed input and write only their
      * own rows, which nothing reads before the join */
     const bool side = ratio && !m->tap && m->attn_branch && be->ops->branch_begin;
+    /* the branch forks after q_a's norm (late, the default), so that norm,
+     * a one-block kernel, does not run beside the products, which slow it
+     * 2 -> 7 us; or right after q_a and kv */
+    const bool late = m->attn_branch_late;
     be->ops->matmul_multi(be, prod, side ? 2 : n_prod, s->a, H, n, num);
-    if (side) {
+    if (side && !late) {
         be->ops->branch_begin(be);
         be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
         be->ops->branch_end(be);
@@ -1074,6 +1082,11 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
     TAP("q_a_norm", l, -1, s->qr, n * qr);
+    if (side && late) {
+        be->ops->branch_begin(be);
+        be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
+        be->ops->branch_end(be);
+    }
     /* one decoded token that will select (its compressed rows, this
      * token's included, may pass top_k): its indexer queries, which read
      * only the normed low-rank q, on a second branch beside the first and
@@ -1224,26 +1237,14 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     sublayer_output(m, l, s, NULL, n);
 }
 
-static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens, int64_t n, ds4_numerics num) {
+/* The FFN's shared expert on a side branch (nothing when the backend has
+ * none): gate and up of s->a, SwiGLU, down into s->y. */
+static void ffn_shared_expert(ds4_model *m, int l, scratch *s, int64_t n, ds4_numerics num) {
     ds4_backend *be = m->be;
     const ds4_config *c = &m->cfg;
     const layer_weights *W = &m->layers[l];
-    const int64_t H = c->n_embd, I = c->n_ff, E = c->n_expert;
-    const int k = c->n_expert_used;
+    const int64_t H = c->n_embd, I = c->n_ff;
     const float limit = c->swiglu_limit[l];
-
-    { /* the shared expert's and the router's weights, beside the HC mix */
-        const ds4_weight *pw[4] = { &W->gate_sh, &W->up_sh, &W->gate_inp, &W->down_sh };
-        prefetch(m, pw, 4);
-    }
-    sublayer_input(m, s, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, &W->ffn_norm, n);
-    TAP("ffn_hc_x", l, -1, s->x, n * H);
-    TAP("ffn_hc_post", l, -1, s->post, n * c->n_hc);
-    TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
-    TAP("ffn_norm", l, -1, s->a, n * H);
-    /* the shared expert, a side branch of a recorded step: it reads s->a
-     * and writes s->g, s->u and s->y, which the routed experts' ops do not
-     * touch, so it may run beside them until the join before s->y is read */
     if (be->ops->branch_begin) be->ops->branch_begin(be);
     const ds4_product prod[2] = {
         { .w = &W->gate_sh, .n_out = I, .out = s->g, .out_stride = I },
@@ -1257,6 +1258,33 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
     TAP("shexp_down", l, -1, s->y, n * H);
     if (be->ops->branch_end) be->ops->branch_end(be);
+}
+
+static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens, int64_t n, ds4_numerics num) {
+    ds4_backend *be = m->be;
+    const ds4_config *c = &m->cfg;
+    const layer_weights *W = &m->layers[l];
+    const int64_t H = c->n_embd, E = c->n_expert;
+    const int k = c->n_expert_used;
+    const float limit = c->swiglu_limit[l];
+
+    { /* the shared expert's and the router's weights, beside the HC mix */
+        const ds4_weight *pw[4] = { &W->gate_sh, &W->up_sh, &W->gate_inp, &W->down_sh };
+        prefetch(m, pw, 4);
+    }
+    sublayer_input(m, s, &W->hc_ffn_fn, &W->hc_ffn_scale, &W->hc_ffn_base, &W->ffn_norm, n);
+    TAP("ffn_hc_x", l, -1, s->x, n * H);
+    TAP("ffn_hc_post", l, -1, s->post, n * c->n_hc);
+    TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
+    TAP("ffn_norm", l, -1, s->a, n * H);
+    /* the shared expert, a side branch of a recorded step: it reads s->a
+     * and writes s->g, s->u and s->y, which the router's and routed
+     * experts' ops do not touch, so it may run beside them until the join
+     * before s->y is read. It forks after the router (late, the default:
+     * the router's product and kernel then run alone, not slowed by the
+     * shared expert's products beside them) or before it */
+    const bool late = m->ffn_branch_late;
+    if (!late) ffn_shared_expert(m, l, s, n, num);
     be->ops->matmul(be, &W->gate_inp, 0, E, s->a, H, s->logits_e, E, n, num);
     TAP("router_logits", l, -1, s->logits_e, n * E);
     /* routed experts: each token routes on its own, but the whole batch is
@@ -1275,6 +1303,7 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
         tap_ints(m, "router_experts", l, t, s->sel + t * k, k);
         TAP("router_weights", l, t, s->sel_w + t * k, k);
     }
+    if (late) ffn_shared_expert(m, l, s, n, num);
     be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a, (const int32_t *)s->sel, s->sel_w, k, limit,
                  s->moe, n, num);
     for (int64_t t = 0; t < n; t++) TAP("moe", l, t, s->moe + t * H, H);
