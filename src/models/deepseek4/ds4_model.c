@@ -278,10 +278,6 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     m->attn_branch = !(ab && !strcmp(ab, "0"));
     const char *ib = getenv("DS4_IQ_BRANCH");
     m->iq_branch = !(ib && !strcmp(ib, "0"));
-    const char *al = getenv("DS4_ATTN_BRANCH_LATE");
-    m->attn_branch_late = !(al && !strcmp(al, "0"));
-    const char *fl = getenv("DS4_FFN_BRANCH_LATE");
-    m->ffn_branch_late = !(fl && !strcmp(fl, "0"));
     /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
     const char *ec = getenv("DS4_EVAL_CHUNK");
     if (ec && *ec) {
@@ -1068,12 +1064,8 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
      * compressor pass: they read only the normed input and write only their
      * own rows, which nothing reads before the join */
     const bool side = ratio && !m->tap && m->attn_branch && be->ops->branch_begin;
-    /* the branch forks after q_a's norm (late, the default), so that norm,
-     * a one-block kernel, does not run beside the products, which slow it
-     * 2 -> 7 us; or right after q_a and kv */
-    const bool late = m->attn_branch_late;
     be->ops->matmul_multi(be, prod, side ? 2 : n_prod, s->a, H, n, num);
-    if (side && !late) {
+    if (side) {
         be->ops->branch_begin(be);
         be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
         be->ops->branch_end(be);
@@ -1082,11 +1074,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
     TAP("q_a_norm", l, -1, s->qr, n * qr);
-    if (side && late) {
-        be->ops->branch_begin(be);
-        be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
-        be->ops->branch_end(be);
-    }
     /* one decoded token that will select (its compressed rows, this
      * token's included, may pass top_k): its indexer queries, which read
      * only the normed low-rank q, on a second branch beside the first and
@@ -1237,34 +1224,11 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     sublayer_output(m, l, s, NULL, n);
 }
 
-/* The FFN's shared expert on a side branch (nothing when the backend has
- * none): gate and up of s->a, SwiGLU, down into s->y. */
-static void ffn_shared_expert(ds4_model *m, int l, scratch *s, int64_t n, ds4_numerics num) {
-    ds4_backend *be = m->be;
-    const ds4_config *c = &m->cfg;
-    const layer_weights *W = &m->layers[l];
-    const int64_t H = c->n_embd, I = c->n_ff;
-    const float limit = c->swiglu_limit[l];
-    if (be->ops->branch_begin) be->ops->branch_begin(be);
-    const ds4_product prod[2] = {
-        { .w = &W->gate_sh, .n_out = I, .out = s->g, .out_stride = I },
-        { .w = &W->up_sh, .n_out = I, .out = s->u, .out_stride = I },
-    };
-    be->ops->matmul_multi(be, prod, 2, s->a, H, n, num);
-    TAP("shexp_gate", l, -1, s->g, n * I);
-    TAP("shexp_up", l, -1, s->u, n * I);
-    be->ops->swiglu(be, s->g, s->u, limit, 1.0f, s->g, n * I);
-    TAP("shexp_swiglu", l, -1, s->g, n * I);
-    be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
-    TAP("shexp_down", l, -1, s->y, n * H);
-    if (be->ops->branch_end) be->ops->branch_end(be);
-}
-
 static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens, int64_t n, ds4_numerics num) {
     ds4_backend *be = m->be;
     const ds4_config *c = &m->cfg;
     const layer_weights *W = &m->layers[l];
-    const int64_t H = c->n_embd, E = c->n_expert;
+    const int64_t H = c->n_embd, I = c->n_ff, E = c->n_expert;
     const int k = c->n_expert_used;
     const float limit = c->swiglu_limit[l];
 
@@ -1278,13 +1242,21 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
     TAP("ffn_hc_comb", l, -1, s->comb, n * c->n_hc * c->n_hc);
     TAP("ffn_norm", l, -1, s->a, n * H);
     /* the shared expert, a side branch of a recorded step: it reads s->a
-     * and writes s->g, s->u and s->y, which the router's and routed
-     * experts' ops do not touch, so it may run beside them until the join
-     * before s->y is read. It forks after the router (late, the default:
-     * the router's product and kernel then run alone, not slowed by the
-     * shared expert's products beside them) or before it */
-    const bool late = m->ffn_branch_late;
-    if (!late) ffn_shared_expert(m, l, s, n, num);
+     * and writes s->g, s->u and s->y, which the routed experts' ops do not
+     * touch, so it may run beside them until the join before s->y is read */
+    if (be->ops->branch_begin) be->ops->branch_begin(be);
+    const ds4_product prod[2] = {
+        { .w = &W->gate_sh, .n_out = I, .out = s->g, .out_stride = I },
+        { .w = &W->up_sh, .n_out = I, .out = s->u, .out_stride = I },
+    };
+    be->ops->matmul_multi(be, prod, 2, s->a, H, n, num);
+    TAP("shexp_gate", l, -1, s->g, n * I);
+    TAP("shexp_up", l, -1, s->u, n * I);
+    be->ops->swiglu(be, s->g, s->u, limit, 1.0f, s->g, n * I);
+    TAP("shexp_swiglu", l, -1, s->g, n * I);
+    be->ops->matmul(be, &W->down_sh, 0, H, s->g, I, s->y, H, n, num);
+    TAP("shexp_down", l, -1, s->y, n * H);
+    if (be->ops->branch_end) be->ops->branch_end(be);
     be->ops->matmul(be, &W->gate_inp, 0, E, s->a, H, s->logits_e, E, n, num);
     TAP("router_logits", l, -1, s->logits_e, n * E);
     /* routed experts: each token routes on its own, but the whole batch is
@@ -1303,7 +1275,6 @@ static void ffn_sublayer(ds4_model *m, int l, scratch *s, const int32_t *tokens,
         tap_ints(m, "router_experts", l, t, s->sel + t * k, k);
         TAP("router_weights", l, t, s->sel_w + t * k, k);
     }
-    if (late) ffn_shared_expert(m, l, s, n, num);
     be->ops->moe(be, &W->gate_exps, &W->up_exps, &W->down_exps, s->a, (const int32_t *)s->sel, s->sel_w, k, limit,
                  s->moe, n, num);
     for (int64_t t = 0; t < n; t++) TAP("moe", l, t, s->moe + t * H, H);

@@ -52,12 +52,6 @@ struct ds4_model {
     /* one decoded token's indexer queries on a second branch beside the
      * first and q's chain (on; $DS4_IQ_BRANCH=0: off) */
     bool iq_branch;
-    /* the attention's branch forks after q_a's norm (on; $DS4_ATTN_BRANCH_LATE=0:
-     * right after the q_a and kv products) */
-    bool attn_branch_late;
-    /* the FFN's shared-expert branch forks after the router (on;
-     * $DS4_FFN_BRANCH_LATE=0: before the router's product) */
-    bool ffn_branch_late;
     /* the scratch of evaluations of several rows (prefill chunks, batched
      * decode): one for the model, as its evaluations run one at a time,
      * instead of one of a chunk's size in every state that prefilled */
