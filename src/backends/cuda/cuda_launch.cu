@@ -164,9 +164,11 @@ void cuda_branch_end(ds4_backend *be) {
         } else {
             cb->br_pending = cb->br_prev;
         }
-        cb->br_slots |= cb->br_prev_slots;
         cb->br_prev = -1;
     }
+    /* (also when an entry of this branch already waited for the first:
+     * the pending branch holds the first's slots as well as its own) */
+    cb->br_slots |= cb->br_prev_slots;
     cb->br_prev_slots = 0;
     cb->br_wait_prev = false;
     cb->br_last = -1;
