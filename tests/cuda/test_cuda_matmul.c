@@ -2163,6 +2163,79 @@ static void test_step_branch_beside(void) {
     op_pair_close(&p);
 }
 
+/* Beside branches and scratch slots: the first takes the overlapping
+ * copy's slot and a Q8_0 product's (8 rows: its quantised x), the second
+ * the product's slot only (so it waits for the first there); the pending
+ * pair then holds both branches' slots, so a main-chain overlapping copy
+ * (the first's other slot) joins them before it runs (one forced join).
+ * Every output is the direct launches' bit for bit. */
+static void test_step_branch_beside_slots(void) {
+    OPEN_PAIR(p);
+    const int64_t n = 1024, rows = 512, R = 8, nc = 4096, shift = 16;
+    float *dq = NULL, *dq2 = NULL;
+    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
+    uint8_t *bq2 = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq2);
+    op_weight *wq = op_weight_make(&p, "blk.0.slots_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
+    op_weight *wq2 = op_weight_make(&p, "blk.0.slots_q2.weight", DS4_TYPE_Q8_0, n, rows, 1, bq2);
+    float *h1 = op_rand(R * n, 1.0), *h2 = op_rand(R * n, 1.0), *ha = op_rand(nc + shift, 1.0),
+          *hb = op_rand(nc + shift, 1.0);
+    op_buf x1 = op_buf_from(&p, h1, R * n), x2 = op_buf_from(&p, h2, R * n);
+    op_buf bufs[2][5]; /* per pass: y0, y1, y0 + y1, the two copies' buffers */
+    const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
+    ds4_cuda_backend_set_branches(p.gpu, 1);
+    for (int pass = 0; pass < 2; pass++) { /* pass 0 outside a step, pass 1 recorded */
+        op_buf *y = bufs[pass];
+        for (int i = 0; i < 3; i++) y[i] = op_buf_poisoned(&p, R * rows);
+        y[3] = op_buf_from(&p, ha, nc + shift);
+        y[4] = op_buf_from(&p, hb, nc + shift);
+        uint64_t b0 = 0, j0 = 0, s0 = 0, b1 = 0, j1 = 0, s1 = 0;
+        ds4_cuda_backend_branch_stats(p.gpu, &b0, &j0);
+        ds4_cuda_backend_branch_beside(p.gpu, &s0);
+        if (pass) p.gpu->ops->step_begin(p.gpu);
+        p.gpu->ops->branch_begin(p.gpu);
+        p.gpu->ops->copy(p.gpu, y[3].g + shift, y[3].g, nc); /* overlapping: through the copy slot */
+        p.gpu->ops->matmul(p.gpu, &wq->g, 0, rows, x1.g, n, y[0].g, rows, R, DS4_NUMERICS_DS4);
+        p.gpu->ops->branch_end(p.gpu);
+        p.gpu->ops->branch_begin(p.gpu);
+        p.gpu->ops->matmul(p.gpu, &wq2->g, 0, rows, x2.g, n, y[1].g, rows, R, DS4_NUMERICS_DS4);
+        p.gpu->ops->branch_end(p.gpu);
+        p.gpu->ops->copy(p.gpu, y[4].g + shift, y[4].g, nc); /* the first branch's copy slot */
+        p.gpu->ops->branch_join(p.gpu);
+        p.gpu->ops->add(p.gpu, y[0].g, y[1].g, y[2].g, R * rows);
+        if (pass) p.gpu->ops->step_end(p.gpu);
+        op_expect_ok(&p);
+        ds4_cuda_backend_branch_stats(p.gpu, &b1, &j1);
+        ds4_cuda_backend_branch_beside(p.gpu, &s1);
+        if (pass && recorded)
+            CHECK_MSG(b1 - b0 == 2 && s1 - s0 == 1 && j1 - j0 == 1,
+                      "slots: %llu branches (want 2), %llu beside (want 1), %llu joins forced (want 1)",
+                      (unsigned long long)(b1 - b0), (unsigned long long)(s1 - s0), (unsigned long long)(j1 - j0));
+        else
+            CHECK_MSG(b1 == b0 && s1 == s0 && j1 == j0, "slots pass %d: branches outside a recorded step", pass);
+    }
+    expect_same_rows(&p, "slots y0", bufs[1][0].g, bufs[0][0].g, R, rows, rows);
+    expect_same_rows(&p, "slots y1", bufs[1][1].g, bufs[0][1].g, R, rows, rows);
+    expect_same_rows(&p, "slots y0 + y1", bufs[1][2].g, bufs[0][2].g, R, rows, rows);
+    expect_same_rows(&p, "slots first copy", bufs[1][3].g, bufs[0][3].g, 1, nc + shift, nc + shift);
+    expect_same_rows(&p, "slots main copy", bufs[1][4].g, bufs[0][4].g, 1, nc + shift, nc + shift);
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < 5; i++) op_buf_free(&p, &bufs[pass][i]);
+    ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
+    op_buf_free(&p, &x1);
+    op_buf_free(&p, &x2);
+    op_weight_free(&p, wq);
+    op_weight_free(&p, wq2);
+    free(h1);
+    free(h2);
+    free(ha);
+    free(hb);
+    free(bq);
+    free(bq2);
+    free(dq);
+    free(dq2);
+    op_pair_close(&p);
+}
+
 /* The bytes the prefetch asks for of [dev, dev + bytes): its whole 16-byte
  * pieces (what the backend documents). */
 static uint64_t inner_bytes(const void *dev, uint64_t bytes) {
@@ -2524,6 +2597,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matvec_pack),
     TEST_ENTRY(test_step_branch),
     TEST_ENTRY(test_step_branch_beside),
+    TEST_ENTRY(test_step_branch_beside_slots),
     TEST_ENTRY(test_prefetch),
     TEST_ENTRY(test_matvec_xs),
     TEST_ENTRY(test_rope_matmul_grouped),
