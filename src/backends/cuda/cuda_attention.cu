@@ -36,7 +36,11 @@
  *     thread updates its own dims of the accumulator (shared memory). The
  *     selected-row indices are device memory (top_k's output); the warp that
  *     reads one checks it against n_rows_b, and a bad one is reported into
- *     the device error record and left out (score -inf).
+ *     the device error record and left out (score -inf). The model's shape
+ *     (heads of 512, MQA) takes attention_mqa_kernel: grid (group of 8
+ *     heads, split[, query row]); staged, the queries and each tile's rows
+ *     are copied into shared memory first, a warp scores its four rows of
+ *     the tile together and a warp per head keeps the softmax.
  *   compressor_pool: one thread per output dim.
  *   indexer_scores: one warp per key (key in registers for dims <= 512),
  *     the queries and head weights in shared memory when they fit.
