@@ -1996,6 +1996,44 @@ static void pack_moe_case(op_pair *p, int64_t dim, int64_t n_ff, int64_t n_rows)
     moe_fix_free(p, &f);
 }
 
+/* The branch tests' weights (two Q8_0, one F16: 512 rows of 1024) and
+ * three activations of 8 rows, on both sides. */
+typedef struct branch_fix {
+    op_weight *wq, *wq2, *wf;
+    op_buf x[3];
+    uint8_t *bytes[3];
+    float *deq[3], *host[3];
+} branch_fix;
+#define BRANCH_N 1024
+#define BRANCH_ROWS 512
+#define BRANCH_R 8
+
+static void branch_fix_make(op_pair *p, const char *tag, branch_fix *f) {
+    static const uint32_t types[3] = { DS4_TYPE_Q8_0, DS4_TYPE_Q8_0, DS4_TYPE_F16 };
+    static const char *const names[3] = { "q", "q2", "f" };
+    op_weight **ws[3] = { &f->wq, &f->wq2, &f->wf };
+    for (int i = 0; i < 3; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "blk.0.%s_%s.weight", tag, names[i]);
+        f->deq[i] = NULL;
+        f->bytes[i] = weight_bytes(types[i], BRANCH_N, BRANCH_ROWS, true, &f->deq[i]);
+        *ws[i] = op_weight_make(p, name, types[i], BRANCH_N, BRANCH_ROWS, 1, f->bytes[i]);
+        f->host[i] = op_rand(BRANCH_R * BRANCH_N, 1.0);
+        f->x[i] = op_buf_from(p, f->host[i], BRANCH_R * BRANCH_N);
+    }
+}
+
+static void branch_fix_free(op_pair *p, branch_fix *f) {
+    op_weight *ws[3] = { f->wq, f->wq2, f->wf };
+    for (int i = 0; i < 3; i++) {
+        op_buf_free(p, &f->x[i]);
+        op_weight_free(p, ws[i]);
+        free(f->bytes[i]);
+        free(f->deq[i]);
+        free(f->host[i]);
+    }
+}
+
 /* Side branches of a recorded step (backend.h's branch_begin / _end /
  * _join): a branch's products and the main chain's after it give the
  * results of direct launches bit for bit, and outside a step the branch
@@ -2006,16 +2044,11 @@ static void pack_moe_case(op_pair *p, int64_t dim, int64_t n_ff, int64_t n_rows)
  * DS4_CUDA_GRAPH=0 (no recorded steps) only the results are compared. */
 static void test_step_branch(void) {
     OPEN_PAIR(p);
-    const int64_t n = 1024, rows = 512, R = 8;
-    float *dq = NULL, *dq2 = NULL, *df = NULL;
-    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
-    uint8_t *bq2 = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq2);
-    uint8_t *bf = weight_bytes(DS4_TYPE_F16, n, rows, true, &df);
-    op_weight *wq = op_weight_make(&p, "blk.0.branch_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
-    op_weight *wq2 = op_weight_make(&p, "blk.0.branch_q2.weight", DS4_TYPE_Q8_0, n, rows, 1, bq2);
-    op_weight *wf = op_weight_make(&p, "blk.0.branch_f.weight", DS4_TYPE_F16, n, rows, 1, bf);
-    float *h1 = op_rand(R * n, 1.0), *h2 = op_rand(R * n, 1.0);
-    op_buf x1 = op_buf_from(&p, h1, R * n), x2 = op_buf_from(&p, h2, R * n);
+    const int64_t n = BRANCH_N, rows = BRANCH_ROWS, R = BRANCH_R;
+    branch_fix f;
+    branch_fix_make(&p, "branch", &f);
+    const op_weight *wq = f.wq, *wq2 = f.wq2, *wf = f.wf;
+    const op_buf x1 = f.x[0], x2 = f.x[1];
     op_buf ref[3], got[3];
     const op_weight *side_w[2] = { wq, wf }; /* case 0: a shared slot; case 1: none */
     const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
@@ -2060,19 +2093,7 @@ static void test_step_branch(void) {
         }
     }
     ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
-    op_buf_free(&p, &x1);
-    op_buf_free(&p, &x2);
-    op_weight_free(&p, wq);
-    op_weight_free(&p, wq2);
-    op_weight_free(&p, wf);
-    free(h1);
-    free(h2);
-    free(bq);
-    free(bq2);
-    free(bf);
-    free(dq);
-    free(dq2);
-    free(df);
+    branch_fix_free(&p, &f);
     op_pair_close(&p);
 }
 
@@ -2086,16 +2107,11 @@ static void test_step_branch(void) {
  * the three. */
 static void test_step_branch_beside(void) {
     OPEN_PAIR(p);
-    const int64_t n = 1024, rows = 512, R = 8;
-    float *dq = NULL, *dq2 = NULL, *df = NULL;
-    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
-    uint8_t *bq2 = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq2);
-    uint8_t *bf = weight_bytes(DS4_TYPE_F16, n, rows, true, &df);
-    op_weight *wq = op_weight_make(&p, "blk.0.beside_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
-    op_weight *wq2 = op_weight_make(&p, "blk.0.beside_q2.weight", DS4_TYPE_Q8_0, n, rows, 1, bq2);
-    op_weight *wf = op_weight_make(&p, "blk.0.beside_f.weight", DS4_TYPE_F16, n, rows, 1, bf);
-    float *h1 = op_rand(R * n, 1.0), *h2 = op_rand(R * n, 1.0), *h3 = op_rand(R * n, 1.0);
-    op_buf x1 = op_buf_from(&p, h1, R * n), x2 = op_buf_from(&p, h2, R * n), x3 = op_buf_from(&p, h3, R * n);
+    const int64_t n = BRANCH_N, rows = BRANCH_ROWS, R = BRANCH_R;
+    branch_fix f;
+    branch_fix_make(&p, "beside", &f);
+    const op_weight *wq = f.wq, *wq2 = f.wq2, *wf = f.wf;
+    const op_buf x1 = f.x[0], x2 = f.x[1], x3 = f.x[2];
     enum { NOUT = 5 };
     op_buf ref[NOUT], got[NOUT];
     const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
@@ -2145,21 +2161,7 @@ static void test_step_branch_beside(void) {
         }
     }
     ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
-    op_buf_free(&p, &x1);
-    op_buf_free(&p, &x2);
-    op_buf_free(&p, &x3);
-    op_weight_free(&p, wq);
-    op_weight_free(&p, wq2);
-    op_weight_free(&p, wf);
-    free(h1);
-    free(h2);
-    free(h3);
-    free(bq);
-    free(bq2);
-    free(bf);
-    free(dq);
-    free(dq2);
-    free(df);
+    branch_fix_free(&p, &f);
     op_pair_close(&p);
 }
 
@@ -2171,15 +2173,12 @@ static void test_step_branch_beside(void) {
  * Every output is the direct launches' bit for bit. */
 static void test_step_branch_beside_slots(void) {
     OPEN_PAIR(p);
-    const int64_t n = 1024, rows = 512, R = 8, nc = 4096, shift = 16;
-    float *dq = NULL, *dq2 = NULL;
-    uint8_t *bq = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq);
-    uint8_t *bq2 = weight_bytes(DS4_TYPE_Q8_0, n, rows, true, &dq2);
-    op_weight *wq = op_weight_make(&p, "blk.0.slots_q.weight", DS4_TYPE_Q8_0, n, rows, 1, bq);
-    op_weight *wq2 = op_weight_make(&p, "blk.0.slots_q2.weight", DS4_TYPE_Q8_0, n, rows, 1, bq2);
-    float *h1 = op_rand(R * n, 1.0), *h2 = op_rand(R * n, 1.0), *ha = op_rand(nc + shift, 1.0),
-          *hb = op_rand(nc + shift, 1.0);
-    op_buf x1 = op_buf_from(&p, h1, R * n), x2 = op_buf_from(&p, h2, R * n);
+    const int64_t n = BRANCH_N, rows = BRANCH_ROWS, R = BRANCH_R, nc = 4096, shift = 16;
+    branch_fix f;
+    branch_fix_make(&p, "slots", &f);
+    const op_weight *wq = f.wq, *wq2 = f.wq2;
+    const op_buf x1 = f.x[0], x2 = f.x[1];
+    float *ha = op_rand(nc + shift, 1.0), *hb = op_rand(nc + shift, 1.0);
     op_buf bufs[2][5]; /* per pass: y0, y1, y0 + y1, the two copies' buffers */
     const bool recorded = env_on("DS4_CUDA_GRAPH") && !env_on_default("DS4_CUDA_PROFILE", false);
     ds4_cuda_backend_set_branches(p.gpu, 1);
@@ -2221,18 +2220,9 @@ static void test_step_branch_beside_slots(void) {
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < 5; i++) op_buf_free(&p, &bufs[pass][i]);
     ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
-    op_buf_free(&p, &x1);
-    op_buf_free(&p, &x2);
-    op_weight_free(&p, wq);
-    op_weight_free(&p, wq2);
-    free(h1);
-    free(h2);
+    branch_fix_free(&p, &f);
     free(ha);
     free(hb);
-    free(bq);
-    free(bq2);
-    free(dq);
-    free(dq2);
     op_pair_close(&p);
 }
 
