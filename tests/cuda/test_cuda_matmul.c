@@ -2034,6 +2034,18 @@ static void branch_fix_free(op_pair *p, branch_fix *f) {
     }
 }
 
+/* The outputs of a branch test's recorded pass (got) against its direct
+ * pass (ref), row by row, then freed. */
+static void branch_outputs_check(op_pair *p, const char *tag, int cs, op_buf *got, op_buf *ref, int n) {
+    for (int i = 0; i < n; i++) {
+        char what[96];
+        snprintf(what, sizeof what, "%s case %d, output %d", tag, cs, i);
+        expect_same_rows(p, what, got[i].g, ref[i].g, BRANCH_R, BRANCH_ROWS, BRANCH_ROWS);
+        op_buf_free(p, &ref[i]);
+        op_buf_free(p, &got[i]);
+    }
+}
+
 /* Side branches of a recorded step (backend.h's branch_begin / _end /
  * _join): a branch's products and the main chain's after it give the
  * results of direct launches bit for bit, and outside a step the branch
@@ -2084,13 +2096,7 @@ static void test_step_branch(void) {
                 CHECK_MSG(b1 == b0 && j1 == j0, "case %d pass %d: branches outside a recorded step", cs, pass);
             }
         }
-        for (int i = 0; i < 3; i++) {
-            char what[96];
-            snprintf(what, sizeof what, "branch case %d, output %d", cs, i);
-            expect_same_rows(&p, what, got[i].g, ref[i].g, R, rows, rows);
-            op_buf_free(&p, &ref[i]);
-            op_buf_free(&p, &got[i]);
-        }
+        branch_outputs_check(&p, "branch", cs, got, ref, 3);
     }
     ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
     branch_fix_free(&p, &f);
@@ -2152,13 +2158,7 @@ static void test_step_branch_beside(void) {
                 CHECK_MSG(b1 == b0 && s1 == s0, "beside case %d pass %d: branches outside a recorded step", cs, pass);
             }
         }
-        for (int i = 0; i < NOUT; i++) {
-            char what[96];
-            snprintf(what, sizeof what, "beside case %d, output %d", cs, i);
-            expect_same_rows(&p, what, got[i].g, ref[i].g, R, rows, rows);
-            op_buf_free(&p, &ref[i]);
-            op_buf_free(&p, &got[i]);
-        }
+        branch_outputs_check(&p, "beside", cs, got, ref, NOUT);
     }
     ds4_cuda_backend_set_branches(p.gpu, env_on("DS4_CUDA_BRANCH"));
     branch_fix_free(&p, &f);
