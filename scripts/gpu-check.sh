@@ -74,6 +74,9 @@
 #                               gaps, each kernel's time at the head of the chain, one layer in order);
 #                               TL_AB="VAR=V ..." once more per setting (timeline-VAR.md)
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
+#   PACK_OUT=0      keep the files under $OUT loose (by default everything but summary.txt is
+#                   packed into $OUT/results.tar.gz when the script ends: the device tool brings
+#                   back few files; a run cut short by an outer timeout leaves them loose)
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
 #                   than the files it runs: before a run, `git rev-parse --short HEAD > .ds4-commit`
@@ -680,9 +683,25 @@ main() {
     return 0
 }
 
+# Everything under $OUT but summary.txt into $OUT/results.tar.gz (the
+# device tool brings back only a few files; PACK_OUT=0 keeps them loose).
+pack_out() {
+    [ -n "${OUT:-}" ] && [ "${PACK_OUT:-1}" = 1 ] || return 0
+    local tmp
+    tmp=$(mktemp "${TMPDIR:-/tmp}/gpu-check-results.XXXXXX") || return 0
+    if tar -czf "$tmp" -C "$OUT" --exclude=./summary.txt --exclude=./results.tar.gz . 2>/dev/null; then
+        find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name results.tar.gz -exec rm -rf {} +
+        mv "$tmp" "$OUT/results.tar.gz"
+    else
+        rm -f "$tmp"
+    fi
+}
+
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     main 2>&1 | tee "$OUT/gpu-check.log"
-    exit "${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    pack_out
+    exit "$rc"
 fi
 main
