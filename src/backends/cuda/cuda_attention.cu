@@ -485,8 +485,8 @@ struct att_view {
  * indices included, looked up by one warp beforehand), so a block waits
  * for about two memory latencies instead of one per row and per stride of
  * its accumulation; the float operations and their order are those of the
- * kernel without it (the same partials bit for bit). Rows of 16-byte
- * aligned starts only (mqa_staged_fits). */
+ * kernel without it (the same partials bit for bit). Queries and row
+ * bases of 16-byte aligned starts only (the callers check mqa_aligned). */
 #define MQA_SMEM_PLAIN ((size_t)MQA_HG * MQA_DIM * sizeof(float))
 #define MQA_SMEM_STAGED ((size_t)(MQA_HG + ATT_TILE) * MQA_DIM * sizeof(float))
 
@@ -655,6 +655,11 @@ static __global__ void __launch_bounds__(ATT_THREADS, STAGED ? 2 : 1)
  * loads of a batch (both its dims') issued together before the sums. */
 #define ATT_COMB_BATCH 8
 
+/* The combine's factor array: n_splits padded to a multiple of 4. */
+static __host__ __device__ __forceinline__ int64_t att_padded_splits(int64_t n_splits) {
+    return (n_splits + 3) & ~(int64_t)3;
+}
+
 static __global__ void __launch_bounds__(ATT_THREADS)
     attention_combine_kernel(const float *__restrict__ part, int64_t n_splits, int64_t dim, const void *sinks,
                              uint32_t sinks_type, float *__restrict__ out) {
@@ -666,7 +671,7 @@ static __global__ void __launch_bounds__(ATT_THREADS)
     part += blockIdx.y * (int64_t)gridDim.x * n_splits * stride; /* query row y of attention_rows */
     out += blockIdx.y * (int64_t)gridDim.x * dim;
     const float *ph = part + h * n_splits * stride;
-    const int64_t padded = (n_splits + 3) & ~(int64_t)3;
+    const int64_t padded = att_padded_splits(n_splits);
     float *att_den = att_factor + padded;
     __shared__ float red_m[32];
     const float sink = cuda_load_float(sinks, sinks_type, h);
@@ -722,7 +727,7 @@ static __global__ void __launch_bounds__(ATT_THREADS)
 
 /* The combine's shared memory: the padded factors and the denominators. */
 static size_t att_combine_smem(int64_t n_splits) {
-    return (size_t)(((n_splits + 3) & ~(int64_t)3) + n_splits) * sizeof(float);
+    return (size_t)(att_padded_splits(n_splits) + n_splits) * sizeof(float);
 }
 
 /* As the CPU's cpu_has_dequant: a type with a dequantiser and whole blocks. */

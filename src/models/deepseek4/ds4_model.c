@@ -217,6 +217,12 @@ static ds4_status bind_one(ds4_model *m, const ds4_tensor_spec *spec, int64_t in
     return DS4_OK;
 }
 
+/* A model switch: on unless the variable is "0". */
+static bool env_not_zero(const char *name) {
+    const char *v = getenv(name);
+    return !(v && !strcmp(v, "0"));
+}
+
 ds4_status ds4_model_load(gguf_file *file, ds4_backend *be, ds4_model **out, ds4_error *err) {
     return ds4_model_load_progress(file, be, NULL, NULL, out, err);
 }
@@ -274,10 +280,8 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     if (!m) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
     m->file = file;
     m->be = be;
-    const char *ab = getenv("DS4_ATTN_BRANCH");
-    m->attn_branch = !(ab && !strcmp(ab, "0"));
-    const char *ib = getenv("DS4_IQ_BRANCH");
-    m->iq_branch = !(ib && !strcmp(ib, "0"));
+    m->attn_branch = env_not_zero("DS4_ATTN_BRANCH");
+    m->iq_branch = env_not_zero("DS4_IQ_BRANCH");
     /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
     const char *ec = getenv("DS4_EVAL_CHUNK");
     if (ec && *ec) {

@@ -105,6 +105,12 @@ void ds4_model_set_compressor_chunks(ds4_model *m, bool on);
  * many as the scratch holds (the default), 0 row by row, else at most that
  * many per batch. The same results bit for bit. */
 void ds4_model_set_indexer_batches(ds4_model *m, int rows);
+/* A batch of distinct states (ds4_model_eval_batch of up to 64) moves its
+ * rows into their states, adds their position biases and attends the rows
+ * without a selection in one call each (on, the default), or row by row
+ * (off): the same results; the switch is there to show that and to
+ * measure it. */
+void ds4_model_set_state_batches(ds4_model *m, bool on);
 /* Tokens of an evaluation that go through the layers together (a chunk:
  * each layer's products see this many rows at once; the scratch of a state
  * that evaluates that many holds them, about 0.56 MB per row for the
@@ -113,12 +119,6 @@ void ds4_model_set_indexer_batches(ds4_model *m, int rows);
  * the open). The results do not depend on it on the CPU (bit for bit); on
  * a GPU, rows of chunks too small for its batched kernels are summed in
  * another order. */
-/* A batch of distinct states (ds4_model_eval_batch of up to 64) moves its
- * rows into their states, adds their position biases and attends the rows
- * without a selection in one call each (on, the default), or row by row
- * (off): the same results; the switch is there to show that and to
- * measure it. */
-void ds4_model_set_state_batches(ds4_model *m, bool on);
 #define DS4_EVAL_CHUNK 2048
 #define DS4_EVAL_CHUNK_MAX 65536 /* the most that $DS4_EVAL_CHUNK may set */
 void ds4_model_set_eval_chunk(ds4_model *m, int64_t n);
