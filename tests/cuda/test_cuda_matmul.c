@@ -826,6 +826,8 @@ static void default_moe_grouped(op_pair *p) {
     const long rows = sg && *sg ? strtol(sg, &end, 10) : 0;
     ds4_cuda_backend_set_moe_step_group(p->gpu, end && !*end ? (int)rows : 0);
     ds4_cuda_backend_set_moe_mma(p->gpu, env_on("DS4_CUDA_MOE_MMA"));
+    const char *mr = getenv("DS4_CUDA_MOE_MMA_ROWS");
+    ds4_cuda_backend_set_moe_mma_rows(p->gpu, mr && strcmp(mr, "32") == 0 ? 32 : 64);
 }
 
 /* n_rows tokens in one call, each row with its own experts and weights:
@@ -1259,8 +1261,76 @@ static void test_moe_mma(void) {
         moe_case_on(&p, tg, td, 1024, 2048, 16, 6, 0.0f, 7, true);
         moe_case_on(&p, tg, td, 1024, 1024, 8, 6, 0.7f, 45, true); /* about 34 tokens per expert */
         moe_case_on(&p, tg, td, 2048, 1024, 12, 8, 0.7f, 5, true);
+        moe_case_on(&p, tg, td, 512, 512, 8, 6, 0.7f, 100, true); /* about 75: groups of 64 and the rest */
     }
     moe_case_on(&p, IQ2, Q2, 1024, 1024, 8, 6, 0.7f, 1, true); /* one token: not grouped */
+    op_pair_close(&p);
+}
+
+/* The tensor-core MoE with groups of up to 32 tokens (four token tiles a
+ * block) and of up to 64 (eight, on twice the warps) gives the same outputs
+ * bit for bit: every product is the CPU's block terms in its order either
+ * way. Token counts that fill the groups of 32 exactly, spill past them,
+ * fill a 64-group partly, and pass 64. */
+static void moe_rows_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
+                          int n_used, int64_t n_rows) {
+    moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
+    int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
+    float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
+    for (int64_t r = 0; r < n_rows; r++) moe_route(n_expert, n_used, sel + r * n_used, wts + r * n_used);
+    float *hx = op_rand(n_rows * dim, 1.0);
+    op_buf x = op_buf_from(p, hx, n_rows * dim);
+    op_buf dsel = op_ints_from(p, sel, n_rows * n_used), dw = op_buf_from(p, wts, n_rows * n_used);
+    op_buf y[2] = { op_buf_poisoned(p, n_rows * dim), op_buf_poisoned(p, n_rows * dim) };
+    ds4_cuda_backend_set_moe_grouped(p->gpu, 1);
+    ds4_cuda_backend_set_moe_mma(p->gpu, 1);
+    char what[160];
+    snprintf(what, sizeof what, "moe %s/%s dim %lld n_ff %lld, %d of %lld experts, %lld rows: groups of 32 and 64",
+             ds4_type_name(tg), ds4_type_name(td), (long long)dim, (long long)n_ff, n_used, (long long)n_expert,
+             (long long)n_rows);
+    for (int i = 0; i < 2; i++) {
+        ds4_cuda_backend_set_moe_mma_rows(p->gpu, i ? 64 : 32);
+        const int64_t mma0 = ds4_cuda_backend_moe_mma_calls(p->gpu);
+        p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.7f,
+                         y[i].g, n_rows, DS4_NUMERICS_DS4);
+        op_expect_ok(p);
+        CHECK_MSG(ds4_cuda_backend_moe_mma_calls(p->gpu) - mma0 == 1, "%s: not on the tensor cores", what);
+    }
+    float *h[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = malloc((size_t)(n_rows * dim) * sizeof *h[i]);
+        p->gpu->ops->download(p->gpu, h[i], y[i].g, n_rows * dim);
+    }
+    op_expect_ok(p);
+    int64_t differ = 0, nonfinite = 0;
+    for (int64_t o = 0; o < n_rows * dim; o++) {
+        differ += memcmp(&h[0][o], &h[1][o], sizeof(float)) != 0;
+        nonfinite += !isfinite(h[1][o]);
+    }
+    CHECK_MSG(differ == 0 && nonfinite == 0, "%s: %lld outputs differ, %lld not finite", what, (long long)differ,
+              (long long)nonfinite);
+    for (int i = 0; i < 2; i++) {
+        free(h[i]);
+        op_buf_free(p, &y[i]);
+    }
+    op_buf_free(p, &dsel);
+    op_buf_free(p, &dw);
+    op_buf_free(p, &x);
+    free(hx);
+    free(sel);
+    free(wts);
+    moe_free(p, &m);
+    default_moe_grouped(p);
+}
+
+static void test_moe_mma_rows(void) {
+    OPEN_PAIR(p);
+    const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K, Q4 = DS4_TYPE_Q4_K;
+    moe_rows_case(&p, IQ2, Q2, 1024, 512, 4, 2, 64);   /* 32 per expert on average */
+    moe_rows_case(&p, IQ2, Q2, 1024, 512, 8, 6, 60);   /* about 45 */
+    moe_rows_case(&p, IQ2, IQ2, 512, 1024, 8, 6, 120); /* about 90: past 64 */
+    moe_rows_case(&p, Q2, Q2, 768, 512, 8, 6, 70);
+    moe_rows_case(&p, Q4, Q4, 512, 768, 8, 6, 50);
     op_pair_close(&p);
 }
 
@@ -2582,6 +2652,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_launches),
     TEST_ENTRY(test_moe_grouped),
     TEST_ENTRY(test_moe_mma),
+    TEST_ENTRY(test_moe_mma_rows),
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
     TEST_ENTRY(test_matvec_pack),

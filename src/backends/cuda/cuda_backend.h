@@ -219,10 +219,16 @@ void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on);
 void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on);
 /* The grouped MoE's products on the int8 tensor cores (on by default;
  * DS4_CUDA_MOE_MMA=0 makes off the default) where gate/up and down are
- * IQ2_XXS, Q2_K or Q4_K: up to 32 tokens of an expert per pass, each
+ * IQ2_XXS, Q2_K or Q4_K: up to 64 tokens of an expert per pass, each
  * product the CPU's Q8_K dot bit for bit (its block terms in its order).
  * Off, the grouped path uses the multi-row matvec kernels. */
 void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
+/* The most tokens of an expert one pass of the tensor-core MoE takes: 32
+ * (an expert of more tokens is split into passes of 32, each decoding its
+ * weights again) or 64 (the default; anything but 32 sets it;
+ * DS4_CUDA_MOE_MMA_ROWS=32 makes 32 the default). The results are the same
+ * either way, bit for bit. Takes effect at the next op. */
+void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows);
 /* The grouping inside recorded steps too, in groups of up to max_rows
  * tokens (1, 2, 4 or 8; anything else: off, the default;
  * DS4_CUDA_MOE_STEP_GROUP=N sets the default; needs moe_grouped): a batched

@@ -850,6 +850,11 @@ extern "C" void ds4_cuda_backend_branch_stats(const ds4_backend *be, uint64_t *b
 }
 extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda_impl(be)->moe_grouped = on != 0; }
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
+/* 32 for 32, anything else the default, 64 */
+static int moe_mma_rows_of(long r) { return r == 32 ? 32 : CUDA_MOE_MMA_ROWS; }
+extern "C" void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows) {
+    cuda_impl(be)->moe_mma_rows = moe_mma_rows_of(max_rows);
+}
 extern "C" void ds4_cuda_backend_set_moe_ids(ds4_backend *be, int on) { cuda_impl(be)->moe_ids = on != 0; }
 /* A group size the grouped matvec kernels have, else 0 (off). */
 static int step_group_rows(long r) { return cuda_mv_rows_built(r) ? (int)r : 0; }
@@ -904,6 +909,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
+    cb->moe_mma_rows = moe_mma_rows_of(cuda_env_long("DS4_CUDA_MOE_MMA_ROWS", CUDA_MOE_MMA_ROWS, 32, CUDA_MOE_MMA_ROWS));
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);

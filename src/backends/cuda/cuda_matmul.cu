@@ -1293,7 +1293,7 @@ __global__ void __launch_bounds__(MOE_DEV_THREADS) moe_group_kernel(const int32_
  * back (one wait), sorted, the groups and the slot order uploaded; NULL
  * with the error recorded when that failed. */
 static const int32_t *moe_sort_on_host(ds4_backend *be, const int32_t *d_sel, int64_t slots, int n_used,
-                                       int64_t n_expert, int64_t max_rows, int64_t *n_groups_out) {
+                                       int64_t n_expert, int64_t max_rows, int64_t *n_groups_out, int *largest_out) {
     /* the checked ids (one wait), sorted on the host */
     int32_t *h = (int32_t *)calloc((size_t)(7 * slots), sizeof(int32_t)); /* ids, 4 per group, order, tokens */
     int64_t *count = (int64_t *)malloc((size_t)n_expert * sizeof(int64_t));
@@ -1308,6 +1308,8 @@ static const int32_t *moe_sort_on_host(ds4_backend *be, const int32_t *d_sel, in
     bool ok = !cuda_failed(be);
     for (int64_t s = 0; ok && s < slots; s++) ok = h[s] >= 0 && h[s] < n_expert; /* moe_route_kernel's output */
     const int64_t n_groups = ok ? moe_group_slots(h, slots, n_used, n_expert, max_rows, order, tok, groups, count) : 0;
+    int largest = 0;
+    for (int64_t i = 0; i < n_groups; i++) largest = groups[4 * i + 2] > largest ? groups[4 * i + 2] : largest;
     /* the groups (int4 each: 16-byte aligned at the upload's start), then the
      * slot order and the tokens (the upload covers every group slot there
      * could be, so the order's offset does not depend on the group count) */
@@ -1321,6 +1323,7 @@ static const int32_t *moe_sort_on_host(ds4_backend *be, const int32_t *d_sel, in
         return NULL;
     }
     *n_groups_out = n_groups;
+    *largest_out = largest;
     return dev;
 }
 
@@ -1351,7 +1354,7 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
     const ds4_weight *gu[2] = { gate, up };
     float *const gu_out[2] = { g, u };
     /* gate and up share the streaming launch (same type and rows): its split over n_ff x slots x 2 outputs */
-    if (mma ? !cuda_mv_moe_mma(be, gu, gu_out, 2, sorted, nbx, xpitch, d_groups, d_order, n_groups, n_ff)
+    if (mma ? !cuda_mv_moe_mma(be, gu, gu_out, 2, sorted, nbx, xpitch, d_groups, d_order, n_groups, max_rows, n_ff)
             : !cuda_mv_moe_grouped(be, gu, gu_out, 2, CUDA_MV_Q8_K, sorted, nbx, d_groups, d_order, n_groups,
                                    max_rows, n_ff, n_ff * slots * 2))
         return true;
@@ -1362,7 +1365,7 @@ static bool moe_grouped_run(ds4_backend *be, const ds4_weight *gate, const ds4_w
         return true;
     const ds4_weight *dn[1] = { down };
     float *const dn_out[1] = { u }; /* per-slot partials [slots][dim] */
-    if (mma ? !cuda_mv_moe_mma(be, dn, dn_out, 1, sorted, nbm, mpitch, d_groups, d_order, n_groups, dim)
+    if (mma ? !cuda_mv_moe_mma(be, dn, dn_out, 1, sorted, nbm, mpitch, d_groups, d_order, n_groups, max_rows, dim)
             : !cuda_mv_moe_grouped(be, dn, dn_out, 1, CUDA_MV_Q8_K, sorted, nbm, d_groups, d_order, n_groups,
                                    max_rows, dim, 0))
         return true;
@@ -1397,14 +1400,16 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
     if (on_device && (!cb->moe_step_rows || !mv_suits || n_rows < MOE_DEV_MIN_ROWS || slots > MOE_DEV_MAX_SLOTS ||
                       n_expert > MOE_DEV_MAX_EXPERTS))
         return false;
-    /* the tensor cores take up to 32 tokens of an expert at a time (any
-     * whole 256-blocks), the matvec kernels 8 (rows of their units) */
+    /* the tensor cores take up to moe_mma_rows (32 or 64) tokens of an
+     * expert at a time (any whole 256-blocks), the matvec kernels 8 (rows
+     * of their units) */
     const bool mma = !on_device && cb->moe_mma && cuda_mv_moe_mma_fits(gate->type, gate->row_bytes, dim) &&
                      cuda_mv_moe_mma_fits(down->type, down->row_bytes, n_ff);
     if (!mma && !mv_suits) return false;
     /* the matvec kernels read the sorted Q8_K rows in whole 16-byte pieces */
     if (!mma && (act_bytes(MM_Q8_K, dim, 1) % 16 || act_bytes(MM_Q8_K, n_ff, 1) % 16)) return false;
-    const int64_t max_rows = mma ? CUDA_MOE_MMA_ROWS : on_device ? cb->moe_step_rows : CUDA_MV_MAX_ROWS;
+    const int64_t max_rows = mma ? cb->moe_mma_rows : on_device ? cb->moe_step_rows : CUDA_MV_MAX_ROWS;
+    int group_rows = (int)max_rows;
     const int32_t *dev;
     int64_t n_groups;
     if (on_device) {
@@ -1415,10 +1420,12 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
         dev = d;
         n_groups = slots; /* the bound: the groups past the last have no rows */
     } else {
-        dev = moe_sort_on_host(be, d_sel, slots, n_used, n_expert, max_rows, &n_groups);
+        int largest = 0;
+        dev = moe_sort_on_host(be, d_sel, slots, n_used, n_expert, max_rows, &n_groups, &largest);
         if (!dev) return true;
+        if (mma) group_rows = largest; /* the tensor cores' kernel: the one whose tiles hold the largest group */
     }
-    return moe_grouped_run(be, gate, up, down, mg, md, x, d_w, n_used, limit, out, n_rows, mma, (int)max_rows, dev,
+    return moe_grouped_run(be, gate, up, down, mg, md, x, d_w, n_used, limit, out, n_rows, mma, group_rows, dev,
                            n_groups);
 }
 

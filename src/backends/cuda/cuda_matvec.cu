@@ -1667,19 +1667,28 @@ bool cuda_mv_moe_down(ds4_backend *be, const ds4_weight *down, cuda_mv_act kind,
  * the row's sum block after block in order: the CPU's ds4_dot_q8_K_* sums,
  * bit for bit.
  *
- * Tiling: a thread block is 64 weight rows (4 warps of 16) x the group's
- * tokens (up to 32: four 8-token MMA tiles, the empty ones skipped); per
- * 256-block stage the weights are decoded into shared memory (rows 272
- * bytes apart: the fragment reads of 8 rows x 4 threads hit 32 banks) and
- * the tokens' codes copied beside them. The stages are pipelined: while
- * stage st is decoded (from its raw blocks in shared memory) and
- * multiplied, stage st + 1's raw blocks are in flight to registers and its
- * activation codes to the other of two buffers (cp.async).
+ * Tiling: a thread block is 64 weight rows x the group's tokens, up to
+ * 8 NT of them in NT 8-token MMA tiles (the empty ones skipped): NT = 4
+ * (4 warps, one per 16 rows) for groups of up to 32 tokens, NT = 8 (8
+ * warps: warps w and w + 4 share rows, each taking 4 of the tiles) for up
+ * to 64, so an expert's weights are decoded once for up to 64 of its
+ * tokens, the decode spread over twice the threads. Per 256-block stage
+ * the weights are decoded into shared memory (rows 272 bytes apart: the
+ * fragment reads of 8 rows x 4 threads hit 32 banks) and the tokens' codes
+ * copied beside them. The stages are pipelined: while stage st is decoded
+ * (from its raw blocks in shared memory) and multiplied, stage st + 1's raw
+ * blocks are in flight to registers and its activation codes to the other
+ * of two buffers (cp.async).
  */
 #define MOE_MMA_BM 64
-#define MOE_MMA_THREADS 128
 #define MOE_MMA_PITCH 272
-static_assert(CUDA_MOE_MMA_ROWS == 32, "four 8-token tiles per block");
+static_assert(CUDA_MOE_MMA_ROWS == 64, "at most eight 8-token tiles per block");
+/* threads of a block of NT token tiles: a warp per 16 rows per 4 tiles */
+template <int NT> struct moe_tiles {
+    static_assert(NT == 4 || NT == 8, "four or eight token tiles");
+    static constexpr int TOKENS = 8 * NT, THREADS = 32 * (MOE_MMA_BM / 16) * (NT / 4);
+    static constexpr int PER_ROW = THREADS / MOE_MMA_BM; /* threads fetching one row's raw block */
+};
 
 struct moe_mma_args {
     const uint8_t *w[2]; /* the matrices (gate and up share a launch) */
@@ -1703,22 +1712,22 @@ template <uint32_t T> struct moe_raw {
     static constexpr int PIECES = (BB % CH == 0 ? BB : BB + 2 + CH - 1) / CH; /* pieces a row's block may span */
     static constexpr int PITCH = (CH * PIECES + 15) / 16 * 16;                /* bytes per row in shared memory */
 };
-static_assert(MOE_MMA_THREADS == 2 * MOE_MMA_BM, "two threads per weight row in moe_raw_fetch");
 
 /* The cp.asyncs of stage st's raw blocks (rows n0..; rows past n_rows read
- * nothing and are zero-filled); no copy reads past the block. */
-template <uint32_t T>
+ * nothing and are zero-filled), PER threads a row; no copy reads past the
+ * block. */
+template <uint32_t T, int PER>
 static __device__ __forceinline__ void moe_raw_fetch(uint8_t *s_raw, const uint8_t *wexp, int64_t row_bytes,
                                                      int64_t n_rows, int64_t n0, int64_t st) {
     typedef moe_raw<T> R;
-    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int r = threadIdx.x / PER, part = threadIdx.x % PER;
     const bool ok = n0 + r < n_rows;
     const uint8_t *blk = wexp + (ok ? (n0 + r) * row_bytes + st * R::BB : 0);
     const int shift = (int)((uintptr_t)blk & (R::CH - 1));
     const uint8_t *src = blk - shift;
     uint8_t *dst = s_raw + r * R::PITCH;
 #pragma unroll
-    for (int j = half; j < R::PIECES; j += 2) {
+    for (int j = part; j < R::PIECES; j += PER) {
         const int left = shift + R::BB - R::CH * j; /* the block's bytes from this piece on */
         const int n = !ok ? 0 : left >= R::CH ? R::CH : left;
         if constexpr (R::CH == 16) {
@@ -1737,66 +1746,69 @@ static __device__ __forceinline__ int moe_raw_shift(const uint8_t *wexp, int64_t
     return (int)((uintptr_t)(wexp + n * row_bytes + st * moe_raw<T>::BB) & (moe_raw<T>::CH - 1));
 }
 
-/* Shared memory of moe_mma_kernel<T> (dynamic: Q4_K's passes 48 KB), in order. */
-template <uint32_t T> struct moe_smem {
+/* Shared memory of moe_mma_kernel<T, NT> (dynamic: past 48 KB), in order. */
+template <uint32_t T, int NT> struct moe_smem {
     static constexpr bool FOLD = T == DS4_TYPE_Q2_K, HAS_MIN = mvq<T>::HAS_MIN;
     static constexpr int HALVES = T == DS4_TYPE_Q2_K ? 2 : 1; /* distinct mins per sub-block */
     static constexpr size_t W = 0;                                                  /* decoded codes */
     static constexpr size_t X = W + MOE_MMA_BM * MOE_MMA_PITCH;                     /* 2 stages of activation codes */
-    static constexpr size_t RAW = X + 2 * CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH;       /* 2 stages of raw blocks */
+    static constexpr size_t RAW = X + 2 * moe_tiles<NT>::TOKENS * MOE_MMA_PITCH;   /* 2 stages of raw blocks */
     /* (rows of the scale tables padded by a word: the fragment reads of rows g = 0..7 hit 8 banks) */
     static constexpr int MUL_PITCH = 9, MIN_PITCH = 8 * HALVES + 1;
     static constexpr size_t MUL = RAW + 2 * MOE_MMA_BM * moe_raw<T>::PITCH;                /* int [64][9] */
     static constexpr size_t MIN = MUL + (FOLD ? 0 : (MOE_MMA_BM * MUL_PITCH * 4 + 15) / 16 * 16); /* u32 [64][..] */
     static constexpr size_t D = MIN + (HAS_MIN ? (MOE_MMA_BM * MIN_PITCH * 4 + 15) / 16 * 16 : 0); /* d[64], dm[64] */
-    static constexpr size_t XD = D + 2 * MOE_MMA_BM * 4;                            /* float [2][32] */
-    static constexpr size_t TAB = XD + 2 * CUDA_MOE_MMA_ROWS * 4;                   /* IQ2_XXS tables */
+    static constexpr size_t XD = D + 2 * MOE_MMA_BM * 4;                            /* float [2][8 NT] */
+    static constexpr size_t TAB = XD + 2 * moe_tiles<NT>::TOKENS * 4;               /* IQ2_XXS tables */
     static constexpr size_t BYTES = TAB + (T == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
 };
 
 /* Stage st's activation codes of the group's first 8 n_tiles rows into s_x
  * (cp.async; rows past the group's zero-filled), and this thread's scale
- * (tid < 32) for s_xd. */
+ * (tid < 8 NT) for s_xd. */
+template <int NT>
 static __device__ __forceinline__ void moe_x_fetch(uint8_t *s_x, const uint8_t *x0, int64_t xrow, int rows,
                                                    int n_tiles, int64_t act_blocks, int64_t st, float *xd) {
+    typedef moe_tiles<NT> N;
     const int tid = threadIdx.x;
 #pragma unroll
-    for (int it = 0; it < CUDA_MOE_MMA_ROWS * 16 / MOE_MMA_THREADS; it++) {
-        const int i = tid + it * MOE_MMA_THREADS, t = i >> 4, c = i & 15;
+    for (int it = 0; it < N::TOKENS * 16 / N::THREADS; it++) {
+        const int i = tid + it * N::THREADS, t = i >> 4, c = i & 15;
         if (t < 8 * n_tiles)
             cp_async16(s_x + t * MOE_MMA_PITCH + 16 * c, x0 + (t < rows ? t * xrow + st * DS4_QK_K + 16 * c : 0),
                        t < rows);
     }
     cp_async_commit();
-    if (tid < CUDA_MOE_MMA_ROWS) *xd = tid < rows ? ((const float *)(x0 + tid * xrow + act_blocks * DS4_QK_K))[st] : 0.0f;
+    if (tid < N::TOKENS) *xd = tid < rows ? ((const float *)(x0 + tid * xrow + act_blocks * DS4_QK_K))[st] : 0.0f;
 }
 
-template <uint32_t T>
-__global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a) {
+template <uint32_t T, int NT>
+__global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma_args a) {
     typedef mvq<T> K;
     typedef moe_raw<T> R;
-    typedef moe_smem<T> L;
+    typedef moe_smem<T, NT> L;
+    typedef moe_tiles<NT> N;
     constexpr bool FOLD = L::FOLD; /* scales folded into the codes */
     constexpr int HALVES = L::HALVES;
     extern __shared__ __align__(16) uint8_t moe_sm[];
     uint8_t *s_w = moe_sm + L::W;
-    uint8_t(*s_x)[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH] = (uint8_t(*)[CUDA_MOE_MMA_ROWS * MOE_MMA_PITCH])(moe_sm + L::X);
+    uint8_t(*s_x)[N::TOKENS * MOE_MMA_PITCH] = (uint8_t(*)[N::TOKENS * MOE_MMA_PITCH])(moe_sm + L::X);
     uint8_t(*s_raw)[MOE_MMA_BM * R::PITCH] = (uint8_t(*)[MOE_MMA_BM * R::PITCH])(moe_sm + L::RAW);
     int *s_mul = (int *)(moe_sm + L::MUL);             /* [row * MUL_PITCH + sub] */
     uint32_t *s_min = (uint32_t *)(moe_sm + L::MIN); /* [row * MIN_PITCH + sub * HALVES + half]: mins, in each byte */
     float *s_d = (float *)(moe_sm + L::D), *s_dm = s_d + MOE_MMA_BM;
-    float(*s_xd)[CUDA_MOE_MMA_ROWS] = (float(*)[CUDA_MOE_MMA_ROWS])(moe_sm + L::XD);
+    float(*s_xd)[N::TOKENS] = (float(*)[N::TOKENS])(moe_sm + L::XD);
     iq2_tables *s_tab = (iq2_tables *)(moe_sm + L::TAB); /* IQ2_XXS only */
     const iq2_ref tab{ s_tab, IQ2_POS };
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     if constexpr (T == DS4_TYPE_IQ2_XXS) /* constant data: before the wait */
-        for (int i = tid; i < (int)(sizeof(iq2_tables) / 16); i += MOE_MMA_THREADS)
+        for (int i = tid; i < (int)(sizeof(iq2_tables) / 16); i += N::THREADS)
             ((uint4 *)s_tab)[i] = ((const uint4 *)&g_iq2_tables)[i];
     cuda_grid_wait();
     const int z = blockIdx.z;
     const int4 grp = a.groups[blockIdx.y];
     const int rows = grp.z;
-    if (grp.x < 0 || grp.x >= a.n_expert || rows < 1 || rows > CUDA_MOE_MMA_ROWS) return; /* the whole block */
+    if (grp.x < 0 || grp.x >= a.n_expert || rows < 1 || rows > N::TOKENS) return; /* the whole block */
     const int64_t n0 = (int64_t)blockIdx.x * MOE_MMA_BM;
     /* (not a.w[z]: a parameter array indexed at run time is copied to local memory) */
     const uint8_t *wexp = (z ? a.w[1] : a.w[0]) + (int64_t)grp.x * a.rows_per_expert * a.row_bytes;
@@ -1814,22 +1826,23 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
     /* the pipeline: stage st + 1's raw weights (registers) and activations
      * (cp.async) are in flight while stage st is decoded and multiplied */
     float xd_next = 0.0f;
-    moe_raw_fetch<T>(s_raw[0], wexp, a.row_bytes, a.rows_per_expert, n0, 0);
-    moe_x_fetch(s_x[0], x0, xrow, rows, n_tiles, a.act_blocks, 0, &xd_next); /* (commits both) */
-    if (tid < CUDA_MOE_MMA_ROWS) s_xd[0][tid] = xd_next;
+    moe_raw_fetch<T, N::PER_ROW>(s_raw[0], wexp, a.row_bytes, a.rows_per_expert, n0, 0);
+    moe_x_fetch<NT>(s_x[0], x0, xrow, rows, n_tiles, a.act_blocks, 0, &xd_next); /* (commits both) */
+    if (tid < N::TOKENS) s_xd[0][tid] = xd_next;
     cp_async_wait<0>();
 
-    const int ra = 16 * warp + g, rb = ra + 8; /* this thread's two weight rows in the tile */
+    const int ra = 16 * (warp & 3) + g, rb = ra + 8; /* this thread's two weight rows in the tile */
+    const int j0 = NT == 8 ? 4 * (warp >> 2) : 0;     /* its first token tile */
     for (int64_t st = 0; st < a.act_blocks; st++) {
         __syncthreads(); /* stage st's raw blocks and activations are in; the previous MMAs are done */
         const bool more = st + 1 < a.act_blocks;
         if (more) {
-            moe_raw_fetch<T>(s_raw[(st + 1) & 1], wexp, a.row_bytes, a.rows_per_expert, n0, st + 1);
-            moe_x_fetch(s_x[(st + 1) & 1], x0, xrow, rows, n_tiles, a.act_blocks, st + 1, &xd_next);
+            moe_raw_fetch<T, N::PER_ROW>(s_raw[(st + 1) & 1], wexp, a.row_bytes, a.rows_per_expert, n0, st + 1);
+            moe_x_fetch<NT>(s_x[(st + 1) & 1], x0, xrow, rows, n_tiles, a.act_blocks, st + 1, &xd_next);
         }
 #pragma unroll 2
-        for (int it = 0; it < MOE_MMA_BM * 8 / MOE_MMA_THREADS; it++) {
-            const int i = tid + it * MOE_MMA_THREADS, r = i >> 3, sub = i & 7;
+        for (int it = 0; it < MOE_MMA_BM * 8 / N::THREADS; it++) {
+            const int i = tid + it * N::THREADS, r = i >> 3, sub = i & 7;
             int w[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, mul[2] = { 0, 0 }, mmul[2] = { 0, 0 };
             float d = 0.0f, dm = 0.0f;
             if (n0 + r < a.rows_per_expert) {
@@ -1879,8 +1892,8 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
             if constexpr (!FOLD) l0 = s_mul[ra * L::MUL_PITCH + sub], l1 = s_mul[rb * L::MUL_PITCH + sub];
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                if (j < n_tiles) { /* the same for the whole block */
-                    const uint8_t *xb = sx + (8 * j + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
+                if (j0 + j < n_tiles) { /* the same for the whole warp */
+                    const uint8_t *xb = sx + (8 * (j0 + j) + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
                     const int b0 = *(const int *)xb, b1 = *(const int *)(xb + 16);
                     if constexpr (FOLD) {
                         cuda_mma_s8(isum[j], af, b0, b1);
@@ -1898,26 +1911,26 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
         const float d0 = s_d[ra], d1 = s_d[rb], m0 = s_dm[ra], m1 = s_dm[rb];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            if (j < n_tiles) {
+            if (j0 + j < n_tiles) {
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    const float yd = sxd[8 * j + 2 * tq + (k & 1)];
+                    const float yd = sxd[8 * (j0 + j) + 2 * tq + (k & 1)];
                     acc[j][k] = __fadd_rn(acc[j][k], K::term_of(k < 2 ? d0 : d1, k < 2 ? m0 : m1, yd, isum[j][k],
                                                                 summs[j][k]));
                 }
             }
         }
         if (more) { /* the next stage's copies land here, behind this stage's work */
-            if (tid < CUDA_MOE_MMA_ROWS) s_xd[(st + 1) & 1][tid] = xd_next;
+            if (tid < N::TOKENS) s_xd[(st + 1) & 1][tid] = xd_next;
             cp_async_wait<0>();
         }
     }
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        if (j < n_tiles) {
+        if (j0 + j < n_tiles) {
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                const int t = 8 * j + 2 * tq + (k & 1);
+                const int t = 8 * (j0 + j) + 2 * tq + (k & 1);
                 const int64_t n = n0 + (k < 2 ? ra : rb);
                 if (t < rows && n < a.rows_per_expert)
                     out[(int64_t)a.order[grp.y + t] * a.out_stride + n] = mv_finish<T>(acc[j][k]);
@@ -1926,11 +1939,19 @@ __global__ void __launch_bounds__(MOE_MMA_THREADS) moe_mma_kernel(moe_mma_args a
     }
 }
 
-template <uint32_t T> static bool moe_mma_launch(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a) {
+template <uint32_t T, int NT>
+static bool moe_mma_launch_nt(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a) {
     /* per call: the attribute belongs to the current device */
-    const size_t smem = moe_smem<T>::BYTES;
-    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T>, smem, "moe (tensor cores)", a.act_blocks) &&
-           cuda_launch(be, name, moe_mma_kernel<T>, grid, MOE_MMA_THREADS, smem, a);
+    const size_t smem = moe_smem<T, NT>::BYTES;
+    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T, NT>, smem, "moe (tensor cores)", a.act_blocks) &&
+           cuda_launch(be, name, moe_mma_kernel<T, NT>, grid, moe_tiles<NT>::THREADS, smem, a);
+}
+
+/* the kernel of four token tiles while every group fits it, else of eight */
+template <uint32_t T>
+static bool moe_mma_launch(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a, int max_rows) {
+    return max_rows <= moe_tiles<4>::TOKENS ? moe_mma_launch_nt<T, 4>(be, name, grid, a)
+                                            : moe_mma_launch_nt<T, 8>(be, name, grid, a);
 }
 
 bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in) {
@@ -1941,17 +1962,18 @@ bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in) {
 
 bool cuda_mv_moe_mma(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, const void *act,
                      int64_t act_blocks, int64_t act_pitch, const int32_t *groups, const int32_t *order, int64_t n_groups,
-                     int64_t out_stride) {
+                     int max_rows, int64_t out_stride) {
     const ds4_weight *w = ws[0];
-    bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 && act_blocks * DS4_QK_K == w->ne[0] &&
+    bool ok = n_mats >= 1 && n_mats <= 2 && n_groups >= 1 && n_groups <= 65535 && max_rows >= 1 &&
+              max_rows <= CUDA_MOE_MMA_ROWS && act_blocks * DS4_QK_K == w->ne[0] &&
               act_pitch % 16 == 0 && act_pitch >= act_blocks * (int64_t)sizeof(ds4_block_q8_K) &&
               cuda_mv_moe_mma_fits(w->type, w->row_bytes, w->ne[0]) && w->ne[1] >= 1 && w->ne[1] <= INT32_MAX;
     for (int z = 1; ok && z < n_mats; z++)
         ok = ws[z]->type == w->type && ws[z]->row_bytes == w->row_bytes && ws[z]->ne[1] == w->ne[1] &&
              ws[z]->ne[2] == w->ne[2];
     if (!ok) {
-        cuda_fail(be, DS4_ERR_INVALID, "moe: %lld expert groups of %s do not suit the tensor-core products",
-                  (long long)n_groups, cuda_wname(w));
+        cuda_fail(be, DS4_ERR_INVALID, "moe: %lld expert groups of up to %d rows of %s do not suit the tensor-core products",
+                  (long long)n_groups, max_rows, cuda_wname(w));
         return false;
     }
     moe_mma_args a;
@@ -1971,8 +1993,8 @@ bool cuda_mv_moe_mma(ds4_backend *be, const ds4_weight *const *ws, float *const 
     a.out_stride = out_stride;
     const dim3 grid((unsigned)((w->ne[1] + MOE_MMA_BM - 1) / MOE_MMA_BM), (unsigned)n_groups, (unsigned)n_mats);
     switch (w->type) {
-    case DS4_TYPE_IQ2_XXS: return moe_mma_launch<DS4_TYPE_IQ2_XXS>(be, "moe_mma_kernel<IQ2_XXS>", grid, a);
-    case DS4_TYPE_Q2_K: return moe_mma_launch<DS4_TYPE_Q2_K>(be, "moe_mma_kernel<Q2_K>", grid, a);
-    default: return moe_mma_launch<DS4_TYPE_Q4_K>(be, "moe_mma_kernel<Q4_K>", grid, a);
+    case DS4_TYPE_IQ2_XXS: return moe_mma_launch<DS4_TYPE_IQ2_XXS>(be, "moe_mma_kernel<IQ2_XXS>", grid, a, max_rows);
+    case DS4_TYPE_Q2_K: return moe_mma_launch<DS4_TYPE_Q2_K>(be, "moe_mma_kernel<Q2_K>", grid, a, max_rows);
+    default: return moe_mma_launch<DS4_TYPE_Q4_K>(be, "moe_mma_kernel<Q4_K>", grid, a, max_rows);
     }
 }

@@ -145,14 +145,17 @@ bool cuda_mv_moe_grouped(ds4_backend *be, const ds4_weight *const *ws, float *co
 
 /* The same products on the int8 tensor cores (IQ2_XXS, Q2_K and Q4_K
  * weights, Q8_K activations in the split layout, act_blocks = n_in / 256
- * per row, rows act_pitch bytes apart: a multiple of 16), with groups of up to CUDA_MOE_MMA_ROWS rows: each output is the
- * CPU's ds4_dot_q8_K_* of its row, bit for bit. cuda_mv_moe_mma_fits says
- * whether a weight of n_in-element rows (row_bytes each) can take them. */
-#define CUDA_MOE_MMA_ROWS 32
+ * per row, rows act_pitch bytes apart: a multiple of 16), with groups of
+ * up to max_rows <= CUDA_MOE_MMA_ROWS rows (a group of more is left out;
+ * groups of up to 32 rows run on the kernel of four token tiles, larger
+ * ones on that of eight): each output is the CPU's ds4_dot_q8_K_* of its
+ * row, bit for bit, whatever the kernel. cuda_mv_moe_mma_fits says whether
+ * a weight of n_in-element rows (row_bytes each) can take them. */
+#define CUDA_MOE_MMA_ROWS 64
 bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in);
 bool cuda_mv_moe_mma(ds4_backend *be, const ds4_weight *const *ws, float *const *outs, int n_mats, const void *act,
                      int64_t act_blocks, int64_t act_pitch, const int32_t *groups, const int32_t *order, int64_t n_groups,
-                     int64_t out_stride);
+                     int max_rows, int64_t out_stride);
 
 /* A grouped product (the matmul_grouped op) of up to CUDA_MV_MAX_ROWS rows:
  * out[r][g * n_out + o] = W[g * n_out + o] . act[r][group g], where group g
