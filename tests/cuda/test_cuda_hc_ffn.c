@@ -143,6 +143,15 @@ static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint3
     check_hc_pre_norm(p, &hc, fn, scale, base, X, n_rows, n == 4 || n_rows % 2 == 0, n_rows == 3, what);
     check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, true, what);
     if (n_rows == 1) check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, false, what);
+    /* the partial blocks taking every mix row (set_hc_all 2), then one group each (0): the same bits */
+    for (int mode = 2; mode >= 0; mode -= 2) {
+        ds4_cuda_backend_set_hc_all(p->gpu, mode);
+        char m[160];
+        snprintf(m, sizeof m, "%s, hc_all %d", what, mode);
+        check_hc_all_same(p, &hc, fn, scale, base, X, n_rows, mode, m);
+        check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, true, m);
+    }
+    ds4_cuda_backend_set_hc_all(p->gpu, (int)env_long_default("DS4_CUDA_HC_ALL", 1));
 
     op_buf_free(p, &X);
     op_buf_free(p, &x_out);
@@ -155,6 +164,47 @@ static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint3
     free(hscale);
     free(hbase);
     free(hX);
+}
+
+/* An integer setting from the environment (dflt when unset or not a number). */
+static long env_long_default(const char *name, long dflt) {
+    const char *e = getenv(name);
+    char *end = NULL;
+    const long v = e && *e ? strtol(e, &end, 10) : dflt;
+    return end && *end ? dflt : v;
+}
+
+static void check_gpu_same(const char *what, op_pair *p, op_buf a, op_buf b, int64_t n);
+
+/* hc_pre under hc_all `mode` against hc_pre with the partial blocks one
+ * mix group each (set_hc_all 0), bit for bit in every output; mode is set
+ * again on return. */
+static void check_hc_all_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
+                              op_buf X, int64_t n_rows, int mode, const char *what) {
+    const int n = hc->n_hc;
+    const int64_t dim = hc->dim;
+    op_buf x[2], post[2], comb[2];
+    for (int v = 0; v < 2; v++) {
+        x[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
+        post[v] = op_buf_poisoned(p, (n_rows + 1) * n);
+        comb[v] = op_buf_poisoned(p, (n_rows + 1) * n * n);
+    }
+    for (int v = 0; v < 2; v++) {
+        ds4_cuda_backend_set_hc_all(p->gpu, v ? 0 : mode);
+        p->gpu->ops->hc_pre(p->gpu, hc, X.g, &fn->g, &scale->g, &base->g, x[v].g, post[v].g, comb[v].g, n_rows);
+        op_expect_ok(p);
+    }
+    ds4_cuda_backend_set_hc_all(p->gpu, mode);
+    char name[200];
+    snprintf(name, sizeof name, "hc_pre (%s) against one mix group a block", what);
+    check_gpu_same(name, p, x[0], x[1], (n_rows + 1) * dim);
+    check_gpu_same(name, p, post[0], post[1], (n_rows + 1) * n);
+    check_gpu_same(name, p, comb[0], comb[1], (n_rows + 1) * n * n);
+    for (int v = 0; v < 2; v++) {
+        op_buf_free(p, &x[v]);
+        op_buf_free(p, &post[v]);
+        op_buf_free(p, &comb[v]);
+    }
 }
 
 /* The GPU sides of a and b hold the same n floats, bit for bit. */

@@ -198,6 +198,7 @@ static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_
 #define HC_PER_THREAD 8     /* consecutive state values per partial thread */
 #define HC_CHUNK (HC_PART_THREADS * HC_PER_THREAD) /* values of the flattened state per partial block */
 #define HC_PART_K 4         /* mix rows per partial block */
+#define HC_ALL_MIN_BLOCKS 1024 /* (rows x chunks) from which a partial block takes all the mix rows */
 #define HC_FINISH_SLICES 32 /* finishing blocks per row, at most */
 #define HC_FINISH_BATCH 4   /* mix entries per warp whose partial loads are in flight together */
 
@@ -251,26 +252,19 @@ struct hc_post_args {
  * memory latency. POST: X[r] is not read but made from pa, the residual
  * step before it (hc_post_value; the blocks of group 0 write it to a.X),
  * so hc_post and the partial pass are one kernel.
+ * ALL (many rows: a prefill's): the block takes every mix group in turn,
+ * so X[r] is read (with POST: made) once instead of once per group; each
+ * dot is formed exactly as in a block of its group (the same values).
  */
-template <uint32_t T, bool VEC, bool POST>
-static __global__ void __launch_bounds__(HC_PART_THREADS)
-    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
-    __shared__ double red_d[HC_PART_THREADS / 32];
-    __shared__ float red_f[HC_PART_THREADS / 32][HC_PART_K];
-    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
-    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
-    const int k0 = (int)blockIdx.z * HC_PART_K;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
-    const bool in = i0 < hc_dim;
-    const float *X = a.X + row * hc_dim;
-    float x[HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
-    /* the mix weights first: constant during a step, so their loads are in
-     * flight before the wait for the kernel before (which wrote X) */
+/* mix rows k0 .. k0 + HC_PART_K - 1 of fn at this thread's values i0 .. (0 past n_mix or the state) */
+template <uint32_t T, bool VEC>
+static __device__ __forceinline__ void hc_mix_rows(const hc_args &a, int n_mix, int k0, int64_t i0, int64_t hc_dim,
+                                                   float (&f)[HC_PART_K][HC_PER_THREAD]) {
     if (VEC) {
 #pragma unroll
         for (int k = 0; k < HC_PART_K; k++)
-            if (in && k0 + k < n_mix) hc_load8<T>((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, i0, f[k]);
+            if (i0 < hc_dim && k0 + k < n_mix)
+                hc_load8<T>((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, i0, f[k]);
     } else {
 #pragma unroll
         for (int k = 0; k < HC_PART_K; k++)
@@ -280,6 +274,25 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
                               ? cuda_load_float((const uint8_t *)a.fn + (int64_t)(k0 + k) * a.fn_row_bytes, T, i0 + j)
                               : 0.0f;
     }
+}
+
+template <uint32_t T, bool VEC, bool POST, bool ALL>
+static __global__ void __launch_bounds__(HC_PART_THREADS)
+    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
+    constexpr int NK = ALL ? HC_MAX_MIX : HC_PART_K; /* dots a block keeps */
+    __shared__ double red_d[HC_PART_THREADS / 32];
+    __shared__ float red_f[HC_PART_THREADS / 32][NK];
+    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
+    const int k0 = ALL ? 0 : (int)blockIdx.z * HC_PART_K;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
+    const bool in = i0 < hc_dim;
+    const float *X = a.X + row * hc_dim;
+    float x[HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
+    /* the mix weights first: constant during a step, so their loads are in
+     * flight before the wait for the kernel before (which wrote X) */
+    hc_mix_rows<T, VEC>(a, n_mix, k0, i0, hc_dim, f);
     cuda_grid_wait();
     if (POST) {
         const int n = a.n_hc;
@@ -338,14 +351,17 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
 #pragma unroll
         for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
     }
+    for (int g0 = k0; g0 < (ALL ? n_mix : k0 + 1); g0 += HC_PART_K) {
+        if (ALL && g0 > k0) hc_mix_rows<T, VEC>(a, n_mix, g0, i0, hc_dim, f);
 #pragma unroll
-    for (int k = 0; k < HC_PART_K; k++) {
-        float d = 0.0f;
-        if (!VEC || (in && k0 + k < n_mix))
+        for (int k = 0; k < HC_PART_K; k++) {
+            float d = 0.0f;
+            if (!VEC || (in && g0 + k < n_mix))
 #pragma unroll
-            for (int j = 0; j < HC_PER_THREAD; j++) d = fmaf(f[k][j], x[j], d);
-        for (int o = 16; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffffu, d, o);
-        if (lane == 0) red_f[warp][k] = d;
+                for (int j = 0; j < HC_PER_THREAD; j++) d = fmaf(f[k][j], x[j], d);
+            for (int o = 16; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffffu, d, o);
+            if (lane == 0 && g0 - k0 + k < NK) red_f[warp][g0 - k0 + k] = d;
+        }
     }
     if (blockIdx.z == 0) {
         double sq = 0.0;
@@ -356,10 +372,10 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
     }
     __syncthreads();
     hc_part *out = part + row * n_chunks + chunk;
-    if (threadIdx.x < HC_PART_K && k0 + (int)threadIdx.x < n_mix) {
+    for (int k = threadIdx.x; k < NK && k0 + k < n_mix; k += HC_PART_THREADS) {
         float t = 0.0f;
-        for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) t += red_f[wi][threadIdx.x];
-        out->dot[k0 + threadIdx.x] = t;
+        for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) t += red_f[wi][k];
+        out->dot[k0 + k] = t;
     }
     if (blockIdx.z == 0 && threadIdx.x == 0) {
         double ss = 0.0;
@@ -634,12 +650,24 @@ void cuda_hc_defer_init(cuda_backend *cb) {
     cb->hc_defer_bytes = hc_defer_bytes_default();
 }
 
-template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type) {
+template <bool VEC, bool POST, bool ALL> static hc_partial_fn hc_partial_typed(uint32_t type) {
     switch (type) {
-    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC, POST>;
-    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC, POST>;
-    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC, POST>;
+    case DS4_TYPE_F32: return hc_partial_kernel<DS4_TYPE_F32, VEC, POST, ALL>;
+    case DS4_TYPE_F16: return hc_partial_kernel<DS4_TYPE_F16, VEC, POST, ALL>;
+    default: return hc_partial_kernel<DS4_TYPE_BF16, VEC, POST, ALL>;
     }
+}
+template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type, bool all) {
+    return all ? hc_partial_typed<VEC, POST, true>(type) : hc_partial_typed<VEC, POST, false>(type);
+}
+
+/* Whether the partial pass of n_rows rows of n_chunks chunks takes every mix
+ * group in one block (hc_partial_kernel's ALL): with enough blocks to fill
+ * the device without the groups' (a prefill's rows), unless the backend's
+ * setting says always or never. */
+static bool hc_all_groups(const cuda_backend *cb, int64_t n_rows, int64_t n_chunks, int n_mix) {
+    if (n_mix > HC_MAX_MIX || cb->hc_all == 0) return false;
+    return cb->hc_all == 2 || n_rows * n_chunks >= HC_ALL_MIN_BLOCKS;
 }
 
 /* The norm that hc_finish_norm_kernel appends (hc_pre_norm): its weight
@@ -675,11 +703,12 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     hc_post_args pa;
     memset(&pa, 0, sizeof pa); /* (recorded steps compare argument bytes) */
     if (post) pa = *post;
-    const hc_partial_fn partial = post ? (vec ? hc_partial_for<true, true>(a.fn_type)
-                                              : hc_partial_for<false, true>(a.fn_type))
-                                       : (vec ? hc_partial_for<true, false>(a.fn_type)
-                                              : hc_partial_for<false, false>(a.fn_type));
-    const unsigned groups = (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
+    const bool all = hc_all_groups(cuda_impl(be), n_rows, n_chunks, n_mix);
+    const hc_partial_fn partial = post ? (vec ? hc_partial_for<true, true>(a.fn_type, all)
+                                              : hc_partial_for<false, true>(a.fn_type, all))
+                                       : (vec ? hc_partial_for<true, false>(a.fn_type, all)
+                                              : hc_partial_for<false, false>(a.fn_type, all));
+    const unsigned groups = all ? 1u : (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
     if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
                      n_mix, part, pa))
         return;

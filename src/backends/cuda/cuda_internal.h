@@ -194,6 +194,7 @@ typedef struct cuda_backend {
     bool comb_branch;      /* its kernel ran on a side branch not yet joined */
     cuda_comb_task comb;
     uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
+    int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
     bool router_reg;  /* the router's keys and probabilities on chip (router_reg_kernel; off by default, DS4_CUDA_ROUTER_REG=1 turns it on: measured slower in decode) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
