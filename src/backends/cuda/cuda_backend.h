@@ -205,8 +205,10 @@ void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on);
 /* hc_pre's partial pass (hc_pre, hc_pre_norm, hc_post_pre_norm) with each
  * block taking every mix row of its chunk, so a row's state is read (or
  * made from the residual step) once instead of once per group of four mix
- * rows: mode 0 never, 2 always, anything else (the default) when rows x
- * 1,024-value chunks reach 1,024 (a prefill chunk's rows);
+ * rows, and hc_pre's finishing pass with one block a row, which makes the
+ * row's split once instead of once per slice of the output: mode 0 never,
+ * 2 always, anything else (the default) when rows x 1,024-value chunks
+ * reach 1,024 (a prefill chunk's rows);
  * DS4_CUDA_HC_ALL=0/2 sets the default. The results are the same either
  * way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode);

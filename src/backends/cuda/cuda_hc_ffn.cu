@@ -510,6 +510,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
         if (i < i1) out[i] = hc_weighted(xv, w, n);
         return;
     }
+#pragma unroll 4
     for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
@@ -662,9 +663,10 @@ template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type
 }
 
 /* Whether the partial pass of n_rows rows of n_chunks chunks takes every mix
- * group in one block (hc_partial_kernel's ALL): with enough blocks to fill
- * the device without the groups' (a prefill's rows), unless the backend's
- * setting says always or never. */
+ * group in one block (hc_partial_kernel's ALL), and the finishing pass a
+ * whole row in one block: with enough blocks to fill the device without
+ * the groups' and slices' (a prefill's rows), unless the backend's setting
+ * says always or never. */
 static bool hc_all_groups(const cuda_backend *cb, int64_t n_rows, int64_t n_chunks, int n_mix) {
     if (n_mix > HC_MAX_MIX || cb->hc_all == 0) return false;
     return cb->hc_all == 2 || n_rows * n_chunks >= HC_ALL_MIN_BLOCKS;
@@ -712,9 +714,12 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
                      n_mix, part, pa))
         return;
-    /* one output element per thread of the finishing blocks, at most HC_FINISH_SLICES of them per row */
+    /* one output element per thread of the finishing blocks, at most
+     * HC_FINISH_SLICES of them per row; with many rows (all) one block a
+     * row, which makes the split once instead of once per slice */
     int64_t slices = (a.dim + HC_THREADS - 1) / HC_THREADS;
     if (slices > HC_FINISH_SLICES) slices = HC_FINISH_SLICES;
+    if (all) slices = 1;
     if (norm) {
         (void)cuda_launch(be, what, hc_finish_norm_kernel, (unsigned)n_rows, HC_THREADS, 0, a, n_mix, n_chunks, part,
                           norm->w, norm->eps, norm->out);
