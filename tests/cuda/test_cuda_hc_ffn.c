@@ -102,6 +102,9 @@ static void check_hc_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_we
                               op_buf X, int64_t n_rows, bool weighted, bool in_place, const char *what);
 static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
                                    int64_t n_rows, bool with_y2, const char *what);
+static void check_hc_all_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
+                              op_buf X, int64_t n_rows, int mode, const char *what);
+static long env_long_default(const char *name, long dflt);
 
 /* n streams: up to 5 (the model's 4 among them) the split runs on one
  * warp, past that on one thread; every case runs hc_pre_norm too. */
