@@ -927,10 +927,12 @@ void cuda_hc_post(ds4_backend *be, const ds4_hc *hc, const float *y, const float
 
 /* hc_post (y + y2) and hc_pre_norm of its state: where the backend's
  * setting and the shapes allow, the residual step is made inside hc_pre's
- * partial kernel (two kernels in all instead of three). Each of a row's
- * mix groups makes the step again, which pays in decode (one row: 1.005x
- * to 1.009x) but not once the rows fill the GPU (128 rows: prefill
- * 0.988x), so from HC_POST_PRE_MAX_ROWS rows hc_post's kernel runs first. */
+ * partial kernel (two kernels in all instead of three). With a block per
+ * mix group each group makes the step again, which pays in decode (one
+ * row: 1.005x to 1.009x) but not once the rows fill the GPU (128 rows:
+ * prefill 0.988x), so from HC_POST_PRE_MAX_ROWS rows hc_post's kernel runs
+ * first, unless the partial blocks take every mix group (hc_all_groups:
+ * the step is then made once). */
 #define HC_POST_PRE_MAX_ROWS 64
 void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, const float *y2, const float *X,
                            const float *post, const float *comb, float *X_out, const ds4_weight *fn,
@@ -949,7 +951,9 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
         return;
     }
     const cuda_backend *cb = cuda_impl(be);
-    if (!cb->hc_post_pre || n_rows >= HC_POST_PRE_MAX_ROWS) {
+    const int64_t n_chunks = (hc->n_hc * hc->dim + HC_CHUNK - 1) / HC_CHUNK;
+    const int n_mix = (2 + hc->n_hc) * hc->n_hc;
+    if (!cb->hc_post_pre || (n_rows >= HC_POST_PRE_MAX_ROWS && !hc_all_groups(cb, n_rows, n_chunks, n_mix))) {
         hc_post_launch(be, hc, y, y2, X, post, comb, X_out, total);
         cuda_hc_pre_norm(be, hc, X_out, fn, scale, base, norm, eps, x_out, post_out, comb_out, a_out, n_rows);
         return;
@@ -958,10 +962,10 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
     const hc_post_args pa = { y, y2, X, post, comb };
     if (cb->hc_norm && hc_norm_fits(hc, X_out, x_out, a_out, n_rows)) {
         const hc_norm nm = { wv, eps, a_out };
-        hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", &nm, &pa);
+        hc_launch<false>(be, a, n_mix, n_rows, "hc_post_pre_norm kernels", &nm, &pa);
         return;
     }
-    hc_launch<false>(be, a, (2 + hc->n_hc) * hc->n_hc, n_rows, "hc_post_pre_norm kernels", NULL, &pa);
+    hc_launch<false>(be, a, n_mix, n_rows, "hc_post_pre_norm kernels", NULL, &pa);
     be->ops->rmsnorm(be, x_out, norm, eps, a_out, n_rows, hc->dim);
 }
 
