@@ -299,6 +299,16 @@ typedef struct ds4_backend_ops {
                                const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                                const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
                                float *out);
+    /* attention_rows_sel (idx NULL and k 0: attention_rows, b_rows[r] then
+     * the count of rows_b row r reads) for key/value rows whose every value
+     * is a binary16 value (DS4 numerics stores them F16-rounded), which
+     * the backend may then read at binary16 (the CUDA backend: on the
+     * tensor cores); the results within float rounding of the op it
+     * replaces. Optional: NULL (the CPU), the model calls those ops. */
+    void (*attention_rows_f16)(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                               const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                               const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                               float *out);
 
     /* ---- compressor (spec 3.5) ---------------------------------------- */
     /* Per-dimension softmax-gated pooling over the compressor state.

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "cuda_op_test.h"
+#include "core/rounding.h"
 
 #define OPEN_OR_SKIP(p)                                                           \
     do {                                                                          \
@@ -781,6 +782,114 @@ static void attention_rows_long_case(op_pair *p, int64_t nh) {
     free(hs);
 }
 
+/*
+ * attention_rows_f16 (the rows F16-rounded, as DS4 numerics stores them):
+ * 64 heads of 512 take the tensor-core kernel in one launch (queries and
+ * weights in two binary16 parts, the MMAs' float sums), against the CPU's
+ * attention_rows / attention_rows_sel within 4 times test_attention's bound
+ * (the parts keep 22 bits, the MMAs sum 16 products a step); rows longer
+ * than a split (three splits of 512), a row with no rows at all, one with
+ * only compressed rows. With the tensor cores off (or 8 heads) the op is
+ * the op it replaces, bit for bit. An index past a row's count is
+ * reported.
+ */
+static void attention_rows_f16_case(op_pair *p, int64_t nh, bool sel) {
+    enum { N = 7, K = 24 };
+    const int64_t dim = 512, n_win = 140, n_comp = sel ? 90 : 1300;
+    int64_t a_off[N], a_n[N], b_rows[N];
+    int32_t idx[N * K];
+    for (int r = 0; r < N; r++) {
+        a_off[r] = r;
+        a_n[r] = r == 0 || r == 3 ? 0 : rand_range(1, n_win - r);
+        b_rows[r] = sel ? 40 + 5 * r : r == 0 ? 0 : r == 2 ? n_comp : rand_range(0, n_comp);
+        for (int j = 0; sel && j < K; j++) {
+            bool dup;
+            do {
+                idx[r * K + j] = (int32_t)rand_range(0, b_rows[r] - 1);
+                dup = false;
+                for (int i = 0; i < j; i++) dup |= idx[r * K + i] == idx[r * K + j];
+            } while (dup);
+        }
+    }
+    float *hq = op_rand(N * nh * dim, 1.0), *ha = op_rand(n_win * dim, 1.0), *hb = op_rand(n_comp * dim, 1.0);
+    for (int64_t i = 0; i < n_win * dim; i++) ha[i] = ds4_round_f16(ha[i]);
+    for (int64_t i = 0; i < n_comp * dim; i++) hb[i] = ds4_round_f16(hb[i]);
+    float *hs = op_rand(nh, 1.0);
+    op_weight *sinks = op_weight_floats(p, "attn_sinks", DS4_TYPE_F32, nh, 1, 1, hs);
+    op_buf q = op_buf_from(p, hq, N * nh * dim), ra = op_buf_from(p, ha, n_win * dim);
+    op_buf rb = op_buf_from(p, hb, n_comp * dim), ids = op_ints_from(p, idx, sel ? N * K : 1);
+    const int32_t *ic = sel ? (const int32_t *)ids.c : NULL, *ig = sel ? (const int32_t *)ids.g : NULL;
+    const int64_t k = sel ? K : 0;
+    op_buf out = op_buf_poisoned(p, N * nh * dim + GUARD), ref = op_buf_poisoned(p, N * nh * dim + GUARD);
+    if (sel) p->cpu->ops->attention_rows_sel(p->cpu, q.c, N, nh, dim, ra.c, a_off, a_n, rb.c, b_rows, ic, K, &sinks->c, out.c);
+    else p->cpu->ops->attention_rows(p->cpu, q.c, N, nh, dim, ra.c, a_off, a_n, rb.c, b_rows, &sinks->c, out.c);
+    const int64_t calls0 = ds4_cuda_backend_att_tc_calls(p->gpu);
+    p->gpu->ops->attention_rows_f16(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, ig, k, &sinks->g, out.g);
+    op_expect_ok(p);
+    const bool tc = nh == 64 && env_on_default("DS4_CUDA_ATT_TC", true);
+    char what[128];
+    snprintf(what, sizeof what, "attention_rows_f16 (%d rows%s, %lld heads of 512)", N, sel ? " selecting 24" : "",
+             (long long)nh);
+    CHECK_MSG(ds4_cuda_backend_att_tc_calls(p->gpu) - calls0 == (tc ? 1 : 0), "%s: %lld launches on the tensor cores",
+              what, (long long)(ds4_cuda_backend_att_tc_calls(p->gpu) - calls0));
+    double *tol = malloc((size_t)(N * nh * dim) * sizeof *tol);
+    for (int r = 0; r < N; r++) {
+        const int64_t nb = sel ? K : b_rows[r];
+        const att_case ac = { "row", nh, dim, a_n[r], nb, b_rows[r], sel ? SEL_DISTINCT : SEL_NONE, 1.0, 0.0, 1.0,
+                              DS4_TYPE_F32, 0 };
+        attention_tolerance(&ac, hq + r * nh * dim, ha + a_off[r] * dim, hb, sel ? idx + r * K : NULL, hs,
+                            tol + r * nh * dim);
+    }
+    for (int64_t i = 0; i < N * nh * dim; i++) tol[i] *= 4.0;
+    compare_each(what, p, out, N * nh * dim, tol);
+    expect_untouched(what, p, out, N * nh * dim, GUARD);
+    /* the tensor cores off: the op it replaces, bit for bit */
+    ds4_cuda_backend_set_att_tc(p->gpu, 0);
+    p->gpu->ops->attention_rows_f16(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, ig, k, &sinks->g, out.g);
+    ds4_cuda_backend_set_att_tc(p->gpu, env_on_default("DS4_CUDA_ATT_TC", true));
+    if (sel) p->gpu->ops->attention_rows_sel(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, ig, K, &sinks->g, ref.g);
+    else p->gpu->ops->attention_rows(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, &sinks->g, ref.g);
+    op_expect_ok(p);
+    {
+        float *h1 = malloc((size_t)(N * nh * dim) * sizeof *h1), *h2 = malloc((size_t)(N * nh * dim) * sizeof *h2);
+        p->gpu->ops->download(p->gpu, h1, out.g, N * nh * dim);
+        p->gpu->ops->download(p->gpu, h2, ref.g, N * nh * dim);
+        CHECK_MSG(memcmp(h1, h2, (size_t)(N * nh * dim) * sizeof *h1) == 0, "%s, tensor cores off: not the float op's",
+                  what);
+        free(h1);
+        free(h2);
+    }
+    if (sel) { /* an index at row 4's count: reported */
+        idx[4 * K + 3] = (int32_t)b_rows[4];
+        op_buf bad = op_ints_from(p, idx, N * K);
+        p->gpu->ops->attention_rows_f16(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, (const int32_t *)bad.g,
+                                        K, &sinks->g, out.g);
+        op_expect_error(p, DS4_ERR_INVALID);
+        op_buf_free(p, &bad);
+    }
+    free(tol);
+    op_buf_free(p, &q);
+    op_buf_free(p, &ra);
+    op_buf_free(p, &rb);
+    op_buf_free(p, &ids);
+    op_buf_free(p, &out);
+    op_buf_free(p, &ref);
+    op_weight_free(p, sinks);
+    free(hq);
+    free(ha);
+    free(hb);
+    free(hs);
+}
+
+static void test_attention_rows_f16(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    attention_rows_f16_case(&p, 64, false);
+    attention_rows_f16_case(&p, 64, true);
+    attention_rows_f16_case(&p, 8, true);
+    op_pair_close(&p);
+}
+
 static void test_attention_rows(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
@@ -1428,6 +1537,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_head_norm_rope2),
     TEST_ENTRY(test_attention),
     TEST_ENTRY(test_attention_rows),
+    TEST_ENTRY(test_attention_rows_f16),
     TEST_ENTRY(test_compressor_pool),
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_indexer_rows),

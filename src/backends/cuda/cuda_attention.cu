@@ -875,6 +875,281 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
                       sink_type, out);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Prefill attention on the f16 tensor cores (attention_rows_f16)            */
+/* ------------------------------------------------------------------------ */
+/*
+ * The rows of a prefill run (n > 1) under DS4 numerics, whose key/value rows
+ * hold binary16 values (stored F16-rounded), for the model's shape (64 heads
+ * of 512, MQA): a block takes one query row z and one split of its rows,
+ * all 64 heads at once, so each key/value row is read once per query row
+ * (the shared-row kernel reads it once per group of 8 heads) and its
+ * products run on the tensor cores (mma m16n8k16, f16 x f16 -> f32):
+ *   scores S = Q K^T (64 heads x 32 rows per tile, K = 512): the queries
+ *     scaled by a power of two 2^s (their largest |q| in [2^14, 2^15), as
+ *     split_f16_kernel scales) and split into two binary16 parts, hi =
+ *     f16(q 2^s), lo = f16(q 2^s - hi) (22 of float's 24 bits); the rows
+ *     are exact in binary16; each K = 32 stage summed from zero by the MMAs
+ *     and added (rounded) to a float sum, then times 2^-s and the scale;
+ *   the softmax of each head over the tile in float, as the shared-row
+ *     kernel keeps it (running max, rescale, denominator; a warp per head,
+ *     a lane per row, expf);
+ *   O += P V (64 heads x 512, K = 32 rows of the tile): the weights split
+ *     into hi and lo binary16 parts the same way (weights are in [0, 1]),
+ *     the rows as above; each (head, 8 dims) tile's products of the tile
+ *     summed from zero and added (rounded) to its float accumulator.
+ * The partials (m, den, acc) of each (row, head, split) go to the combine
+ * kernel as the shared-row kernel's do. Same precision class as the float
+ * kernels (float sums in another order; the parts' 22 bits); test_cuda_
+ * attention bounds it against the CPU.
+ */
+#define TC_HEADS 64
+#define TC_DIM 512
+#define TC_TILE 32                    /* key/value rows a tile */
+#define TC_THREADS 256                /* 8 warps */
+#define TC_RPS 512                    /* rows a split takes (16 tiles) */
+#define TC_QP (TC_DIM + 8)            /* halves between rows of Q and of the tile (ldmatrix: 8 rows, 8 banks apart) */
+#define TC_PP (TC_TILE + 8)           /* halves between rows of P */
+#define TC_SP (TC_TILE + 1)           /* floats between rows of S */
+static_assert(TC_HEADS == 64 && TC_TILE == 32 && TC_THREADS == 256, "4 head tiles x 2 row halves of 8 warps; a lane a row");
+
+struct tc_smem {
+    static constexpr size_t QH = 0;                                   /* half [64][TC_QP] */
+    static constexpr size_t QL = QH + (size_t)TC_HEADS * TC_QP * 2;   /* half [64][TC_QP] */
+    static constexpr size_t KV = QL + (size_t)TC_HEADS * TC_QP * 2;   /* half [32][TC_QP] */
+    static constexpr size_t S = KV + (size_t)TC_TILE * TC_QP * 2;     /* float [64][TC_SP] */
+    static constexpr size_t PH = S + (size_t)TC_HEADS * TC_SP * 4;    /* half [64][TC_PP] */
+    static constexpr size_t PL = PH + (size_t)TC_HEADS * TC_PP * 2;   /* half [64][TC_PP] */
+    static constexpr size_t RES = PL + (size_t)TC_HEADS * TC_PP * 2;  /* float [64]: the tile's rescale per head */
+    static constexpr size_t OK = RES + TC_HEADS * 4;                  /* int [32]: row j of the tile weighs */
+    static constexpr size_t RED = OK + TC_TILE * 4;                   /* float [8]: the queries' max |q| per warp */
+    static constexpr size_t BYTES = RED + 8 * 4;
+};
+static_assert(tc_smem::KV % 16 == 0 && tc_smem::PH % 16 == 0 && tc_smem::PL % 16 == 0, "ldmatrix rows 16-byte aligned");
+
+static __device__ __forceinline__ void tc_ldsm_x4(uint32_t (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+static __device__ __forceinline__ void tc_ldsm_x4_t(uint32_t (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+static __device__ __forceinline__ void tc_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* v as two binary16 parts hi + lo (lo = f16(v - hi), exact where v - hi is; a NaN or infinity stays in hi) */
+static __device__ __forceinline__ void tc_split(float v, __half &hi, __half &lo) {
+    hi = __float2half_rn(v);
+    const float rest = v - __half2float(hi);
+    lo = __float2half_rn(rest == rest ? rest : 0.0f);
+}
+
+static __global__ void __launch_bounds__(TC_THREADS, 1)
+    attention_tc_kernel(const float *__restrict__ q, att_rows rows, float kq_scale, float *__restrict__ part,
+                        const att_view *__restrict__ views) {
+    extern __shared__ __align__(16) uint8_t tc_sm[];
+    __half *qh = (__half *)(tc_sm + tc_smem::QH), *ql = (__half *)(tc_sm + tc_smem::QL);
+    __half *kv = (__half *)(tc_sm + tc_smem::KV);
+    float *S = (float *)(tc_sm + tc_smem::S), *res = (float *)(tc_sm + tc_smem::RES), *red = (float *)(tc_sm + tc_smem::RED);
+    __half *ph = (__half *)(tc_sm + tc_smem::PH), *pl = (__half *)(tc_sm + tc_smem::PL);
+    int *ok = (int *)(tc_sm + tc_smem::OK);
+    __shared__ const float *row_tile[TC_TILE];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int64_t split = blockIdx.x, n_splits = gridDim.x, z = blockIdx.y;
+    cuda_grid_wait();
+    const att_view v = views[z];
+    rows.a = v.a;
+    rows.b = v.b;
+    rows.n_a = v.a_n;
+    rows.n_rows_b = rows.idx ? v.b_bound : v.b_n;
+    if (rows.idx) rows.idx += z * rows.idx_stride;
+    const int64_t n = v.a_n + v.b_n;
+    const int64_t r0 = split * v.rps, r1 = r0 + v.rps < n ? r0 + v.rps : n;
+    const float *qz = q + z * TC_HEADS * TC_DIM;
+
+    /* the queries: their largest |q|, the power of two, the two parts */
+    float mx = 0.0f;
+    for (int i = tid; i < TC_HEADS * TC_DIM / 4; i += TC_THREADS) {
+        const float4 x = ((const float4 *)qz)[i];
+        mx = fmaxf(mx, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)))); /* (drops NaNs) */
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = 0.0f;
+    for (int w = 0; w < TC_THREADS / 32; w++) mx = fmaxf(mx, red[w]);
+    int sc = 0;
+    if (mx > 0.0f && mx <= 3.4e38f) {
+        int e;
+        frexpf(mx, &e);
+        sc = 15 - e;
+        sc = sc > 120 ? 120 : sc < -120 ? -120 : sc;
+    }
+    const float unscale = ldexpf(1.0f, -sc);
+    for (int i = tid; i < TC_HEADS * TC_DIM / 4; i += TC_THREADS) {
+        const float4 x = ((const float4 *)qz)[i];
+        const int h = i / (TC_DIM / 4), d = 4 * (i % (TC_DIM / 4));
+        const float xv[4] = { ldexpf(x.x, sc), ldexpf(x.y, sc), ldexpf(x.z, sc), ldexpf(x.w, sc) };
+#pragma unroll
+        for (int e = 0; e < 4; e++) tc_split(xv[e], qh[h * TC_QP + d + e], ql[h * TC_QP + d + e]);
+    }
+
+    /* warp w: scores of heads 16 (w & 3) .. + 15 x rows 16 (w >> 2) .. + 15
+     * of the tile; the softmax of heads 8 w .. 8 w + 7; the outputs of dims
+     * 64 w .. 64 w + 63 of every head */
+    const int mt = warp & 3, nh = warp >> 2;
+    float m_h[8], den_h[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) m_h[i] = -INFINITY, den_h[i] = 0.0f;
+    float acc[4][8][4];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][b][c] = 0.0f;
+    const unsigned s_qh = cuda_smem_addr(qh), s_ql = cuda_smem_addr(ql), s_kv = cuda_smem_addr(kv);
+    const unsigned s_ph = cuda_smem_addr(ph), s_pl = cuda_smem_addr(pl);
+    /* ldmatrix lanes: A rows (lane & 15) at k + (lane >> 4) 8; B (rows of the tile as n) rows
+     * ((lane >> 4) << 3) + (lane & 7) at k + ((lane >> 3) & 1) 8; B transposed (V: k = rows of the
+     * tile) rows ((lane >> 3) & 1) 8 + (lane & 7) at n + (lane >> 4) 8 */
+    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_k = ((lane >> 3) & 1) * 8;
+    const int t_row = ((lane >> 3) & 1) * 8 + (lane & 7), t_n = (lane >> 4) * 8;
+
+    for (int64_t t0 = r0; t0 < r1; t0 += TC_TILE) {
+        const int nt = (int)(r1 - t0 < TC_TILE ? r1 - t0 : TC_TILE);
+        __syncthreads(); /* the previous tile's rows and weights are used up (and the queries are in) */
+        if (warp == 0) {
+            const float *row = lane < nt ? att_row(rows, t0 + lane, true) : NULL;
+            row_tile[lane] = row;
+            ok[lane] = row != NULL;
+        }
+        __syncthreads();
+        /* the tile's rows as binary16 (exact: DS4 numerics stores them so); a missing row is zeros */
+#pragma unroll 4
+        for (int p = tid; p < TC_TILE * (TC_DIM / 4); p += TC_THREADS) {
+            const int j = p / (TC_DIM / 4), c = 4 * (p % (TC_DIM / 4));
+            const float *row = row_tile[j];
+            const float4 x = row ? *(const float4 *)(row + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            __half2 *dst = (__half2 *)(kv + j * TC_QP + c);
+            dst[0] = __floats2half2_rn(x.x, x.y);
+            dst[1] = __floats2half2_rn(x.z, x.w);
+        }
+        __syncthreads();
+        /* scores */
+        {
+            float s[2][4] = { { 0.0f, 0.0f, 0.0f, 0.0f }, { 0.0f, 0.0f, 0.0f, 0.0f } };
+            for (int k0 = 0; k0 < TC_DIM; k0 += 32) {
+                float c[2][4] = { { 0.0f, 0.0f, 0.0f, 0.0f }, { 0.0f, 0.0f, 0.0f, 0.0f } };
+#pragma unroll
+                for (int kk = 0; kk < 32; kk += 16) {
+                    uint32_t ah[4], al[4], b[4];
+                    const unsigned qa = 2u * (unsigned)((16 * mt + a_row) * TC_QP + k0 + kk + a_k);
+                    tc_ldsm_x4(ah, s_qh + qa);
+                    tc_ldsm_x4(al, s_ql + qa);
+                    tc_ldsm_x4(b, s_kv + 2u * (unsigned)((16 * nh + b_row) * TC_QP + k0 + kk + b_k));
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        tc_mma(c[j], ah, b[2 * j], b[2 * j + 1]);
+                        tc_mma(c[j], al, b[2 * j], b[2 * j + 1]);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[j][e] = __fadd_rn(s[j][e], c[j][e]);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = 16 * mt + g + (e >= 2 ? 8 : 0), r = 16 * nh + 8 * j + 2 * tq + (e & 1);
+                    S[h * TC_SP + r] = s[j][e] * unscale * kq_scale;
+                }
+        }
+        __syncthreads();
+        /* the softmax: warp w's heads, lane j row j */
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int h = 8 * warp + i;
+            const float sv = lane < nt && ok[lane] ? S[h * TC_SP + lane] : -INFINITY;
+            float tile_max = sv;
+            for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+            const float m_new = fmaxf(m_h[i], tile_max);
+            const float rescale = m_h[i] == -INFINITY ? 0.0f : expf(m_h[i] - m_new);
+            const float w = sv == -INFINITY ? 0.0f : expf(sv - m_new);
+            den_h[i] = den_h[i] * rescale + warp_sum(w);
+            m_h[i] = m_new;
+            tc_split(w, ph[h * TC_PP + lane], pl[h * TC_PP + lane]);
+            if (lane == 0) res[h] = rescale;
+        }
+        __syncthreads();
+        /* O = O rescale + P V over the tile's rows */
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            const float ra = res[16 * a + g], rb = res[16 * a + g + 8];
+#pragma unroll
+            for (int b = 0; b < 8; b++) {
+                acc[a][b][0] *= ra, acc[a][b][1] *= ra;
+                acc[a][b][2] *= rb, acc[a][b][3] *= rb;
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            uint32_t ah[2][4], al[2][4];
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const unsigned pa = 2u * (unsigned)((16 * a + a_row) * TC_PP + 16 * kk + a_k);
+                tc_ldsm_x4(ah[kk], s_ph + pa);
+                tc_ldsm_x4(al[kk], s_pl + pa);
+            }
+#pragma unroll
+            for (int b2 = 0; b2 < 4; b2++) { /* two 8-dim tiles a load */
+                uint32_t bv[2][4];
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++)
+                    tc_ldsm_x4_t(bv[kk], s_kv + 2u * (unsigned)((16 * kk + t_row) * TC_QP + 64 * warp + 16 * b2 + t_n));
+#pragma unroll
+                for (int jj = 0; jj < 2; jj++) {
+                    float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+#pragma unroll
+                    for (int kk = 0; kk < 2; kk++) {
+                        tc_mma(c, ah[kk], bv[kk][2 * jj], bv[kk][2 * jj + 1]);
+                        tc_mma(c, al[kk], bv[kk][2 * jj], bv[kk][2 * jj + 1]);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[a][2 * b2 + jj][e] = __fadd_rn(acc[a][2 * b2 + jj][e], c[e]);
+                }
+            }
+        }
+    }
+    /* the partials: (m, den) of warp w's heads, every thread's outputs */
+    float *pz = part + z * TC_HEADS * n_splits * (TC_DIM + 2);
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float *o = pz + ((int64_t)(8 * warp + i) * n_splits + split) * (TC_DIM + 2);
+            o[0] = m_h[i];
+            o[1] = den_h[i];
+        }
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = 16 * a + g + (e >= 2 ? 8 : 0), d = 64 * warp + 8 * b + 2 * tq + (e & 1);
+                pz[((int64_t)h * n_splits + split) * (TC_DIM + 2) + 2 + d] = acc[a][b][e];
+            }
+}
+
 /* The rows of a run: for the model's shape (dim 512, heads in groups of
  * 8) and more than one row, one launch of the shared-row kernel over all of
  * them (grid z = query row, each row's view uploaded as control data; every
@@ -895,9 +1170,12 @@ struct att_bases {
     const float *b(int64_t r) const { return b_of ? b_of[r] : rows_b; }
 };
 
+/* f16_rows: the rows hold binary16 values (attention_rows_f16), so the
+ * tensor-core kernel may take a batch of the model's shape (64 heads of
+ * 512; the backend's att_tc setting on). */
 static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                                 const att_bases &base, const int64_t *a_n, const int64_t *b_rows, const int32_t *idx,
-                                int64_t k, const ds4_weight *sinks, float *out) {
+                                int64_t k, const ds4_weight *sinks, float *out, bool f16_rows = false) {
     if (cuda_failed(be)) return;
     const auto b_count = [&](int64_t r) { return idx ? k : b_rows[r]; }; /* the rows row r reads from rows_b */
     bool have = true; /* every row's rows where it reads any */
@@ -923,6 +1201,8 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
      * in the combine) */
     int64_t n_splits = 1;
     bool staged = mqa_staged_on() && mqa_aligned(q);
+    /* the tensor-core kernel: splits of TC_RPS rows (a row's own count decides them) */
+    bool tc = f16_rows && cuda_impl(be)->att_tc && n_heads == TC_HEADS && dim == TC_DIM && mqa_aligned(q);
     for (int64_t r = 0; r < n; r++) {
         int64_t ns, rps;
         att_splits(a_n[r] + b_count(r), n_heads / MQA_HG, MQA_MIN_ROWS, &ns, &rps);
@@ -930,6 +1210,15 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
         if (ns > n_splits) n_splits = ns;
         hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r], rps };
         staged = staged && mqa_aligned(hv[r].a) && mqa_aligned(hv[r].b);
+    }
+    tc = tc && staged; /* (row bases 16-byte aligned) */
+    if (tc) {
+        n_splits = 1;
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t ns = (a_n[r] + b_count(r) + TC_RPS - 1) / TC_RPS;
+            hv[r].rps = TC_RPS;
+            if (ns > n_splits) n_splits = ns;
+        }
     }
     const att_view *views = (const att_view *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_ROWS, hv, (size_t)n * sizeof *hv);
     free(hv);
@@ -950,9 +1239,18 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     rows.err = cuda_dev_error_of(be);
     rows.tag = rows.idx ? cuda_check_tag(be, sinks->name) : -1;
     const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
-    const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits, (unsigned)n);
-    /* (n 0: each view has its row's count; a constant keeps a recorded step's node unchanged) */
-    if (!mqa_launch(be, staged, grid, q, rows, (int64_t)0, rows_per_split, kq_scale, scratch, views)) return;
+    if (tc) {
+        if (!cuda_allow_dynamic_smem(be, (const void *)attention_tc_kernel, tc_smem::BYTES, "attention (tensor cores)",
+                                     dim) ||
+            !cuda_launch(be, "attention_tc_kernel", attention_tc_kernel, dim3((unsigned)n_splits, (unsigned)n),
+                         TC_THREADS, tc_smem::BYTES, q, rows, kq_scale, scratch, views))
+            return;
+        cuda_impl(be)->att_tc_calls++;
+    } else {
+        const dim3 grid((unsigned)(n_heads / MQA_HG), (unsigned)n_splits, (unsigned)n);
+        /* (n 0: each view has its row's count; a constant keeps a recorded step's node unchanged) */
+        if (!mqa_launch(be, staged, grid, q, rows, (int64_t)0, rows_per_split, kq_scale, scratch, views)) return;
+    }
     (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
                       ATT_THREADS, att_combine_smem(n_splits), scratch, n_splits, dim,
                       sink_ptr, sink_type, out);
@@ -1693,4 +1991,18 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
                       (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
                       wmax);
+}
+
+
+void cuda_attention_rows_f16(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                             float *out) {
+    att_bases base;
+    if (!rows_bases(be, n, q, out, rows_a, a_off, a_n, rows_b, b_rows, dim, &base)) return;
+    if (k < 0 || (!idx && k > 0 && n > 0)) {
+        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_f16: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
+        return;
+    }
+    attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_rows, idx, idx ? k : 0, sinks, out, true);
 }

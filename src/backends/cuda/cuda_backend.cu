@@ -1032,6 +1032,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .attention_rows = cuda_attention_rows,
     .attention_states = cuda_attention_states,
     .attention_rows_sel = cuda_attention_rows_sel,
+    .attention_rows_f16 = cuda_attention_rows_f16,
     .compressor_pool = cuda_compressor_pool,
     .compressor_pool_states = cuda_compressor_pool_states,
     .indexer_scores = cuda_indexer_scores,

@@ -257,6 +257,14 @@ void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_rows);
  * within float rounding, summed in another order. Off, the matmul kernels'
  * tiles of 8 tokens. */
 void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on);
+/* attention_rows_f16's batches of the model's shape (64 heads of 512) on
+ * the f16 tensor cores (attention_tc_kernel: all heads of a query row in a
+ * block, the queries and weights split into two binary16 parts, the rows
+ * read at binary16; on by default, DS4_CUDA_ATT_TC=0 makes off the
+ * default), or the shared-row float kernel. Takes effect at the next op. */
+void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on);
+/* How many attention launches have run on the tensor cores. */
+int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */
 int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be);
 /* How many MoE calls have run their products on the tensor cores. */

@@ -205,6 +205,8 @@ typedef struct cuda_backend {
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */
     bool moe_ids;     /* one token's streaming MoE reads the router's ids itself (DS4_CUDA_MOE_IDS=0: the check kernel first) */
     bool fgemm;       /* F16-weight products of many tokens on the tensor cores (DS4_CUDA_FGEMM=0: off) */
+    bool att_tc;      /* attention_rows_f16's batches on the f16 tensor cores (DS4_CUDA_ATT_TC=0: off) */
+    int64_t att_tc_calls; /* launches that ran there (ds4_cuda_backend_att_tc_calls) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
@@ -700,6 +702,10 @@ void cuda_attention_states(ds4_backend *be, const float *q, int64_t n, int64_t n
                            const float *const *rows_a, const int64_t *a_n, const float *const *rows_b, const int64_t *b_n,
                            const ds4_weight *sinks, float *out);
 void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                             float *out);
+void cuda_attention_rows_f16(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                              const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                              const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
                              float *out);

@@ -862,6 +862,10 @@ extern "C" void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_row
     cuda_impl(be)->moe_step_rows = step_group_rows(max_rows);
 }
 extern "C" void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on) { cuda_impl(be)->fgemm = on != 0; }
+extern "C" void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on) { cuda_impl(be)->att_tc = on != 0; }
+extern "C" int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->att_tc_calls;
+}
 extern "C" int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->fgemm_calls;
 }
@@ -916,6 +920,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_mma_rows = moe_mma_rows_of(cuda_env_long("DS4_CUDA_MOE_MMA_ROWS", CUDA_MOE_MMA_ROWS, 32, CUDA_MOE_MMA_ROWS));
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
+    cb->att_tc = cuda_env_flag("DS4_CUDA_ATT_TC", true);
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
     cb->moe_ids = cuda_env_flag("DS4_CUDA_MOE_IDS", true);
     cuda_hc_defer_init(cb);

@@ -899,9 +899,11 @@ static void attend_rows_selected(ds4_model *m, int l, scratch *s, layer_state *L
         be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
                                      s->n_index + u0, cnt, s->iscores, s->score_stride);
         be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
-        be->ops->attention_rows_sel(be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0, s->win_n + u0,
-                                    Lr->attn.rows, s->n_comp + u0, (const int32_t *)s->topk, k, &W->sinks,
-                                    s->attn + u0 * nh * D);
+        /* under DS4 numerics the rows are F16-rounded: the backend may read them so */
+        (num == DS4_NUMERICS_DS4 && be->ops->attention_rows_f16 ? be->ops->attention_rows_f16
+                                                                 : be->ops->attention_rows_sel)(
+            be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0, s->win_n + u0, Lr->attn.rows,
+            s->n_comp + u0, (const int32_t *)s->topk, k, &W->sinks, s->attn + u0 * nh * D);
     }
 }
 
@@ -1194,9 +1196,14 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         if (tb > t0 && own) { /* (a run of one row) */
             plain[t0] = true;
         } else if (tb > t0) {
-            be->ops->attention_rows(be, s->q + t0 * nh * D, tb - t0, nh, D, Lr->window, s->win_off + t0,
-                                    s->win_n + t0, ratio ? Lr->attn.rows : NULL, s->n_comp + t0, &W->sinks,
-                                    s->attn + t0 * nh * D);
+            if (num == DS4_NUMERICS_DS4 && be->ops->attention_rows_f16) /* rows F16-rounded */
+                be->ops->attention_rows_f16(be, s->q + t0 * nh * D, tb - t0, nh, D, Lr->window, s->win_off + t0,
+                                            s->win_n + t0, ratio ? Lr->attn.rows : NULL, s->n_comp + t0, NULL, 0,
+                                            &W->sinks, s->attn + t0 * nh * D);
+            else
+                be->ops->attention_rows(be, s->q + t0 * nh * D, tb - t0, nh, D, Lr->window, s->win_off + t0,
+                                        s->win_n + t0, ratio ? Lr->attn.rows : NULL, s->n_comp + t0, &W->sinks,
+                                        s->attn + t0 * nh * D);
             TAP_ROWS("attention", l, t0, tb - t0, s->attn + t0 * nh * D, nh * D);
         }
         /* rows tb .. t1 - 1 all select (a later row of the run sees at least
