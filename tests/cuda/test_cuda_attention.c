@@ -639,6 +639,18 @@ static void attention_rows_case(op_pair *p, int64_t nh, int64_t dim) {
     free(hs);
 }
 
+/* k distinct random indices below n (n >= k), in random order. */
+static void distinct_indices(int32_t *idx, int k, int64_t n) {
+    for (int j = 0; j < k; j++) {
+        bool dup;
+        do {
+            idx[j] = (int32_t)rand_range(0, n - 1);
+            dup = false;
+            for (int i = 0; i < j; i++) dup |= idx[i] == idx[j];
+        } while (dup);
+    }
+}
+
 /* attention_rows_sel: each row with its window view and its own selection
  * of K compressed rows (distinct, below its own count of compressed rows;
  * the counts grow along the run as a prefill's do), against the CPU with
@@ -654,14 +666,7 @@ static void attention_rows_sel_case(op_pair *p, int64_t nh, int64_t dim) {
         a_off[r] = r;
         a_n[r] = rand_range(1, n_win - r);
         b_rows[r] = 40 + 5 * r; /* >= K */
-        for (int j = 0; j < K; j++) {
-            bool dup;
-            do {
-                idx[r * K + j] = (int32_t)rand_range(0, b_rows[r] - 1);
-                dup = false;
-                for (int i = 0; i < j; i++) dup |= idx[r * K + i] == idx[r * K + j];
-            } while (dup);
-        }
+        distinct_indices(idx + r * K, K, b_rows[r]);
     }
     float *hq = op_rand(N * nh * dim, 1.0), *ha = op_rand(n_win * dim, 1.0), *hb = op_rand(n_comp * dim, 1.0);
     float *hs = op_rand(nh, 1.0);
@@ -802,14 +807,7 @@ static void attention_rows_f16_case(op_pair *p, int64_t nh, bool sel) {
         a_off[r] = r;
         a_n[r] = r == 0 || r == 3 ? 0 : rand_range(1, n_win - r);
         b_rows[r] = sel ? 40 + 5 * r : r == 0 ? 0 : r == 2 ? n_comp : rand_range(0, n_comp);
-        for (int j = 0; sel && j < K; j++) {
-            bool dup;
-            do {
-                idx[r * K + j] = (int32_t)rand_range(0, b_rows[r] - 1);
-                dup = false;
-                for (int i = 0; i < j; i++) dup |= idx[r * K + i] == idx[r * K + j];
-            } while (dup);
-        }
+        if (sel) distinct_indices(idx + r * K, K, b_rows[r]);
     }
     float *hq = op_rand(N * nh * dim, 1.0), *ha = op_rand(n_win * dim, 1.0), *hb = op_rand(n_comp * dim, 1.0);
     for (int64_t i = 0; i < n_win * dim; i++) ha[i] = ds4_round_f16(ha[i]);

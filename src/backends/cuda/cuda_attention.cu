@@ -927,22 +927,6 @@ struct tc_smem {
 };
 static_assert(tc_smem::KV % 16 == 0 && tc_smem::PH % 16 == 0 && tc_smem::PL % 16 == 0, "ldmatrix rows 16-byte aligned");
 
-static __device__ __forceinline__ void tc_ldsm_x4(uint32_t (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-static __device__ __forceinline__ void tc_ldsm_x4_t(uint32_t (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-static __device__ __forceinline__ void tc_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 /* v as two binary16 parts hi + lo (lo = f16(v - hi), exact where v - hi is; a NaN or infinity stays in hi) */
 static __device__ __forceinline__ void tc_split(float v, __half &hi, __half &lo) {
     hi = __float2half_rn(v);
@@ -1052,13 +1036,13 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
                 for (int kk = 0; kk < 32; kk += 16) {
                     uint32_t ah[4], al[4], b[4];
                     const unsigned qa = 2u * (unsigned)((16 * mt + a_row) * TC_QP + k0 + kk + a_k);
-                    tc_ldsm_x4(ah, s_qh + qa);
-                    tc_ldsm_x4(al, s_ql + qa);
-                    tc_ldsm_x4(b, s_kv + 2u * (unsigned)((16 * nh + b_row) * TC_QP + k0 + kk + b_k));
+                    cuda_ldsm_x4(ah, s_qh + qa);
+                    cuda_ldsm_x4(al, s_ql + qa);
+                    cuda_ldsm_x4(b, s_kv + 2u * (unsigned)((16 * nh + b_row) * TC_QP + k0 + kk + b_k));
 #pragma unroll
                     for (int j = 0; j < 2; j++) {
-                        tc_mma(c[j], ah, b[2 * j], b[2 * j + 1]);
-                        tc_mma(c[j], al, b[2 * j], b[2 * j + 1]);
+                        cuda_mma_f16(c[j], ah, b[2 * j], b[2 * j + 1]);
+                        cuda_mma_f16(c[j], al, b[2 * j], b[2 * j + 1]);
                     }
                 }
 #pragma unroll
@@ -1107,22 +1091,22 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
 #pragma unroll
             for (int kk = 0; kk < 2; kk++) {
                 const unsigned pa = 2u * (unsigned)((16 * a + a_row) * TC_PP + 16 * kk + a_k);
-                tc_ldsm_x4(ah[kk], s_ph + pa);
-                tc_ldsm_x4(al[kk], s_pl + pa);
+                cuda_ldsm_x4(ah[kk], s_ph + pa);
+                cuda_ldsm_x4(al[kk], s_pl + pa);
             }
 #pragma unroll
             for (int b2 = 0; b2 < 4; b2++) { /* two 8-dim tiles a load */
                 uint32_t bv[2][4];
 #pragma unroll
                 for (int kk = 0; kk < 2; kk++)
-                    tc_ldsm_x4_t(bv[kk], s_kv + 2u * (unsigned)((16 * kk + t_row) * TC_QP + 64 * warp + 16 * b2 + t_n));
+                    cuda_ldsm_x4_trans(bv[kk], s_kv + 2u * (unsigned)((16 * kk + t_row) * TC_QP + 64 * warp + 16 * b2 + t_n));
 #pragma unroll
                 for (int jj = 0; jj < 2; jj++) {
                     float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
 #pragma unroll
                     for (int kk = 0; kk < 2; kk++) {
-                        tc_mma(c, ah[kk], bv[kk][2 * jj], bv[kk][2 * jj + 1]);
-                        tc_mma(c, al[kk], bv[kk][2 * jj], bv[kk][2 * jj + 1]);
+                        cuda_mma_f16(c, ah[kk], bv[kk][2 * jj], bv[kk][2 * jj + 1]);
+                        cuda_mma_f16(c, al[kk], bv[kk][2 * jj], bv[kk][2 * jj + 1]);
                     }
 #pragma unroll
                     for (int e = 0; e < 4; e++) acc[a][2 * b2 + jj][e] = __fadd_rn(acc[a][2 * b2 + jj][e], c[e]);
@@ -1293,17 +1277,26 @@ void cuda_attention_states(ds4_backend *be, const float *q, int64_t n, int64_t n
     attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_n, NULL, 0, sinks, out);
 }
 
+/* attention_rows_sel and attention_rows_f16: the arguments checked (op names the op), then the rows */
+static void attention_rows_sel_op(ds4_backend *be, const char *op, const float *q, int64_t n, int64_t n_heads,
+                                  int64_t dim, const float *rows_a, const int64_t *a_off, const int64_t *a_n,
+                                  const float *rows_b, const int64_t *b_rows, const int32_t *idx, int64_t k,
+                                  const ds4_weight *sinks, float *out, bool f16_rows) {
+    att_bases base;
+    if (!rows_bases(be, n, q, out, rows_a, a_off, a_n, rows_b, b_rows, dim, &base)) return;
+    if (k < 0 || (!idx && k > 0 && n > 0)) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: %lld selected rows%s", op, (long long)k, k > 0 ? ", NULL" : "");
+        return;
+    }
+    attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_rows, idx, idx ? k : 0, sinks, out, f16_rows);
+}
+
 void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
                              const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                              const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
                              float *out) {
-    att_bases base;
-    if (!rows_bases(be, n, q, out, rows_a, a_off, a_n, rows_b, b_rows, dim, &base)) return;
-    if (k < 0 || (!idx && k > 0 && n > 0)) {
-        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_sel: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
-        return;
-    }
-    attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_rows, idx, idx ? k : 0, sinks, out);
+    attention_rows_sel_op(be, "attention_rows_sel", q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, k,
+                          sinks, out, false);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1998,11 +1991,6 @@ void cuda_attention_rows_f16(ds4_backend *be, const float *q, int64_t n, int64_t
                              const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
                              const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
                              float *out) {
-    att_bases base;
-    if (!rows_bases(be, n, q, out, rows_a, a_off, a_n, rows_b, b_rows, dim, &base)) return;
-    if (k < 0 || (!idx && k > 0 && n > 0)) {
-        cuda_fail(be, DS4_ERR_INVALID, "attention_rows_f16: %lld selected rows%s", (long long)k, k > 0 ? ", NULL" : "");
-        return;
-    }
-    attention_rows_impl(be, q, n, n_heads, dim, base, a_n, b_rows, idx, idx ? k : 0, sinks, out, true);
+    attention_rows_sel_op(be, "attention_rows_f16", q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, k,
+                          sinks, out, true);
 }

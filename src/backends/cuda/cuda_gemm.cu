@@ -366,18 +366,6 @@ __global__ void __launch_bounds__(256) split_f16_kernel(const float *x, int64_t 
     if (threadIdx.x == 0) unscale[r] = ldexpf(1.0f, -s);
 }
 
-static __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-static __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 static __device__ __forceinline__ void hgemm_load(const hgemm_args &a, uint16_t *st, int64_t n0, int64_t m0,
                                                   int64_t k0) {
@@ -438,19 +426,19 @@ __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
             uint32_t af[2][4], bh[2][4], bl[2][4];
 #pragma unroll
             for (int i = 0; i < 2; i++)
-                ldmatrix_x4(af[i], sw + 2u * (unsigned)((wm + 16 * i + a_row) * H_PITCH + kk + a_k));
+                cuda_ldsm_x4(af[i], sw + 2u * (unsigned)((wm + 16 * i + a_row) * H_PITCH + kk + a_k));
 #pragma unroll
             for (int jj = 0; jj < 2; jj++) { /* two 8-token tiles per ldmatrix */
                 const int tok = wn + 16 * jj + b_tok;
-                ldmatrix_x4(bh[jj], sx + 2u * (unsigned)(tok * H_PITCH + kk + b_k));
-                ldmatrix_x4(bl[jj], sx + 2u * (unsigned)((H_BN + tok) * H_PITCH + kk + b_k));
+                cuda_ldsm_x4(bh[jj], sx + 2u * (unsigned)(tok * H_PITCH + kk + b_k));
+                cuda_ldsm_x4(bl[jj], sx + 2u * (unsigned)((H_BN + tok) * H_PITCH + kk + b_k));
             }
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    mma_f16(c[i][j], af[i], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
-                    mma_f16(c[i][j], af[i], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
+                    cuda_mma_f16(c[i][j], af[i], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
+                    cuda_mma_f16(c[i][j], af[i], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
                 }
         }
 #pragma unroll

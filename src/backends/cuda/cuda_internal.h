@@ -598,6 +598,28 @@ static __device__ __forceinline__ void cuda_mma_s8(int (&c)[4], const int (&a)[4
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* c += a . b on the f16 tensor cores (mma m16n8k16, f16 x f16 -> f32, A
+ * row-major, B column-major): the fragments of one warp. */
+static __device__ __forceinline__ void cuda_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* Four 8x8 matrices of 16-bit values from shared memory (ldmatrix .x4:
+ * lanes 8 i .. 8 i + 7 give the row addresses of matrix i), as MMA
+ * fragments; _trans: each matrix transposed. */
+static __device__ __forceinline__ void cuda_ldsm_x4(uint32_t (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+static __device__ __forceinline__ void cuda_ldsm_x4_trans(uint32_t (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 /* binary16 -> float by the hardware conversion alone: exact for finite
  * values and infinities, a NaN becomes the canonical NaN. For scales that
  * are only multiplied (a product of a NaN is the canonical NaN anyway). */
