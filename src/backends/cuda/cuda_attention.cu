@@ -1184,18 +1184,19 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
      * the grid has the most splits, a row's later ones are empty (exact zeros
      * in the combine) */
     int64_t n_splits = 1;
-    bool staged = mqa_staged_on() && mqa_aligned(q);
+    bool aligned = mqa_aligned(q); /* queries and every row base at 16-byte aligned starts */
     /* the tensor-core kernel: splits of TC_RPS rows (a row's own count decides them) */
-    bool tc = f16_rows && cuda_impl(be)->att_tc && n_heads == TC_HEADS && dim == TC_DIM && mqa_aligned(q);
+    bool tc = f16_rows && cuda_impl(be)->att_tc && n_heads == TC_HEADS && dim == TC_DIM;
     for (int64_t r = 0; r < n; r++) {
         int64_t ns, rps;
         att_splits(a_n[r] + b_count(r), n_heads / MQA_HG, MQA_MIN_ROWS, &ns, &rps);
         if (ns < 1) rps = ATT_TILE; /* no rows: empty partials */
         if (ns > n_splits) n_splits = ns;
         hv[r] = att_view{ base.a(r), base.b(r), a_n[r], b_count(r), b_rows[r], rps };
-        staged = staged && mqa_aligned(hv[r].a) && mqa_aligned(hv[r].b);
+        aligned = aligned && mqa_aligned(hv[r].a) && mqa_aligned(hv[r].b);
     }
-    tc = tc && staged; /* (row bases 16-byte aligned) */
+    const bool staged = mqa_staged_on() && aligned;
+    tc = tc && aligned;
     if (tc) {
         n_splits = 1;
         for (int64_t r = 0; r < n; r++) {
