@@ -53,7 +53,8 @@
 #                               at context AB_CTX, default 256, and prefill of AB_PREFILL, default 128; e.g. DS4_CUDA_GRAPH=0,
 #                               DS4_CUDA_MATVEC=0, DS4_CUDA_GEMM=0), and an nsys per-kernel table;
 #                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
-#                               device in about a second) instead of writing and loading the file
+#                               device in about a second) instead of writing and loading the file, with
+#                               BENCH_LAYERS=N only its first N layers (an H100's 80 GB: N <= about 38)
 #                     kernels   ncu (Nsight Compute) times each kernel of one decoded token of the
 #                               synthetic full-size q2 model at context KERN_CTX (default 2048), table
 #                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py); KERN_PREFILL=N also
@@ -239,6 +240,8 @@ perf_stage() {
     local model=(-m "$m")
     if [ "${BENCH_SYNTHETIC:-0}" = 1 ]; then
         model=(--synthetic deepseek4-full-q2) # weights made on the device: no file to write or read
+        # BENCH_LAYERS=N: only its first N layers (the real shapes on a card too small for all 43)
+        if [ -n "${BENCH_LAYERS:-}" ]; then model+=(--layers "$BENCH_LAYERS"); fi
     else
         full_model || return
     fi

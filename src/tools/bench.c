@@ -161,6 +161,7 @@ static const char *const AB_KEYS[] = { "", "backend", "numerics", "threads", "co
 typedef struct opts {
     const char *model, *json, *md;
     const char *synthetic; /* --synthetic NAME: weights made by the backend, no file */
+    int64_t syn_layers;    /* --layers N: only the first N layers of its layout (0: all) */
     ds4_scale syn_scale;
     ds4_quant_scheme syn_quant;
     char syn_path[512];    /* the weightless GGUF written for it (removed once open) */
@@ -203,6 +204,8 @@ static void print_help(void) {
            "  bytes and syncs per token, peak device memory and the roofline ratio.\n"
            "  --synthetic NAME  no weight file: the backend makes seeded weights (--seed) of the layout\n"
            "                    NAME = deepseek4-tiny|small|full-f32|q8_0|q2|q4 (as `synth` writes it)\n"
+           "  --layers N        with --synthetic: only the first N layers of the layout (a full-size model's\n"
+           "                    layers on a device too small for all of them; per-layer figures and A/B)\n"
            "  --repeat N        timed samples per figure (default 5); --warmup N untimed runs (default 1;\n"
            "                    decode: N x min(--gen, 8) untimed steps at each frontier)\n"
            "  --batch LIST      batched decode: for each count N, N streams (each prefilled with its own\n"
@@ -332,6 +335,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 !bench_parse_i64(comma + 1, 1, 100000, &o->profile_layers[1]))
                 return usage_error("--profile-layers takes FIRST,COUNT (a layer and a positive count), not '%s'", v);
             o->n_profile_layers = 2;
+        } else if (!strcmp(a, "--layers")) {
+            if (!bench_parse_i64(v, 1, 1000, &o->syn_layers))
+                return usage_error("--layers must be a positive layer count, not '%s'", v);
         } else if (!strcmp(a, "--seed")) {
             if (!bench_parse_u64(v, &o->seed)) return usage_error("--seed must be a non-negative integer, not '%s'", v);
         } else if (!strcmp(a, "--bandwidth")) {
@@ -371,6 +377,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
         }
     }
     if (!o->model == !o->synthetic) return usage_error("give a model: -m FILE or --synthetic NAME (one of them)%s", NULL);
+    if (o->syn_layers && !o->synthetic) return usage_error("--layers takes a --synthetic model%s", "");
     if (o->compare && o->ab)
         return usage_error("--compare and --ab are two A/B modes: give one of them%s", NULL);
     if (o->compare && (o->n_batch || o->ttft_given || o->bandwidth > 0 || o->bw_mib_given))
@@ -1165,18 +1172,20 @@ static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
     char *line = NULL;
     int rc = 0;
     if (model && qjs && qlog) {
-        const char *fmt = "%s bench %s %s --backend %s --numerics %s --threads %lld --seed %llu --chunk %lld "
+        const char *fmt = "%s bench %s %s%s --backend %s --numerics %s --threads %lld --seed %llu --chunk %lld "
                           "--ctx %lld --prefill %lld --gen %lld --repeat 1 --warmup %lld --ttft 0 --bandwidth 1 "
                           "--json %s >/dev/null 2>%s";
         const char *margs[2] = { o->synthetic ? "--synthetic" : "-m", model };
-        const int len = snprintf(NULL, 0, fmt, b->cmd[k], margs[0], margs[1], o->backend, numerics_name(o->num),
+        char layers[32] = "";
+        if (o->syn_layers) snprintf(layers, sizeof layers, " --layers %lld", (long long)o->syn_layers);
+        const int len = snprintf(NULL, 0, fmt, b->cmd[k], margs[0], margs[1], layers, o->backend, numerics_name(o->num),
                                  (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk,
                                  (long long)dsz, (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
         line = len > 0 ? malloc((size_t)len + 1) : NULL;
         if (line)
-            snprintf(line, (size_t)len + 1, fmt, b->cmd[k], margs[0], margs[1], o->backend, numerics_name(o->num),
-                     (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk, (long long)dsz,
-                     (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
+            snprintf(line, (size_t)len + 1, fmt, b->cmd[k], margs[0], margs[1], layers, o->backend,
+                     numerics_name(o->num), (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk,
+                     (long long)dsz, (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
     }
     free(model);
     free(qjs);
@@ -1947,11 +1956,16 @@ static int write_synthetic(opts *o) {
     const int fd = mkstemp(o->syn_path);
     if (fd < 0) return tool_fail(CMD, "%s: %s", o->syn_path, strerror(errno));
     close(fd);
-    snprintf(o->model_label, sizeof o->model_label, "synthetic %s, seed %llu", o->synthetic,
-             (unsigned long long)o->seed);
+    if (o->syn_layers)
+        snprintf(o->model_label, sizeof o->model_label, "synthetic %s (first %lld layers), seed %llu", o->synthetic,
+                 (long long)o->syn_layers, (unsigned long long)o->seed);
+    else
+        snprintf(o->model_label, sizeof o->model_label, "synthetic %s, seed %llu", o->synthetic,
+                 (unsigned long long)o->seed);
     ds4_error err = { 0 };
     fprintf(stderr, "ds4server bench: %s: layout in %s\n", o->model_label, o->syn_path);
-    if (ds4_synth_write(o->syn_path, o->syn_scale, o->syn_quant, o->seed, NULL, true, &err)) {
+    if (ds4_synth_write_layers(o->syn_path, o->syn_scale, o->syn_quant, o->seed, NULL, true, (int)o->syn_layers,
+                               &err)) {
         unlink(o->syn_path);
         return tool_fail(CMD, "%s", err.message);
     }

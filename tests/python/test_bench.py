@@ -706,6 +706,26 @@ def test_synthetic_model(tmp_path):
     assert b"one of them" in r.stderr
 
 
+def test_synthetic_layers(tmp_path):
+    """--layers N: only the first N layers of the synthetic layout (a
+    full-size model's layers on a smaller device); the report names them
+    and the model has N layers. More layers than the layout has fails the
+    run; --layers without --synthetic is a usage error."""
+    js = tmp_path / "l.json"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    base = [str(ROOT / "build" / "ds4server"), "bench", "--synthetic", "deepseek4-tiny-q2", "--ctx", "8",
+            "--prefill", "2", "--gen", "2", "--repeat", "1", "--ttft", "0", "--bandwidth", "10", "--seed", "3"]
+    r = subprocess.run(base + ["--layers", "3", "--json", str(js)], capture_output=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    m = json.loads(js.read_text())["provenance"]["model"]
+    assert m["n_layer"] == 3 and m["path"] == "synthetic deepseek4-tiny-q2 (first 3 layers), seed 3"
+    r = subprocess.run(base + ["--layers", "9"], capture_output=True, timeout=300, env=env)
+    assert r.returncode != 0 and b"9 layers" in r.stderr, r.stderr.decode()
+    for args in (["-m", str(js), "--layers", "2"], ["--synthetic", "deepseek4-tiny-q2", "--layers", "0"]):
+        r = ds4("bench", *args, "--ctx", "8")
+        assert r.returncode == 2, (args, r.stderr.decode())
+
+
 def test_ncu_source(tmp_path):
     """scripts/ncu_source.py sums ncu's per-instruction counters by opcode (loads
     keep their width, other opcodes lose their modifiers, predicates are not

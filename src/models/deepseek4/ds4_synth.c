@@ -291,9 +291,18 @@ static ds4_status write_tensor(gguf_writer *w, const ds4_tensor_spec *t, uint64_
 
 ds4_status ds4_synth_write(const char *out, ds4_scale scale, ds4_quant_scheme quant, uint64_t seed,
                            const char *tokenizer, bool zero, ds4_error *err) {
+    return ds4_synth_write_layers(out, scale, quant, seed, tokenizer, zero, 0, err);
+}
+
+ds4_status ds4_synth_write_layers(const char *out, ds4_scale scale, ds4_quant_scheme quant, uint64_t seed,
+                                  const char *tokenizer, bool zero, int n_layers, ds4_error *err) {
     const char *scale_s = scale == DS4_SCALE_FULL ? "full" : scale == DS4_SCALE_SMALL ? "small" : "tiny";
     ds4_config cfg;
     ds4_config_preset(scale, &cfg);
+    if (n_layers < 0 || n_layers > cfg.n_layer)
+        return ds4_error_set(err, DS4_ERR_INVALID, "%d layers: the %s layout has 1 to %d", n_layers, scale_s,
+                             cfg.n_layer);
+    if (n_layers > 0) cfg.n_layer = n_layers; /* the first layers of the preset (their ratios, hash layers) */
     hf_vocab hv = { 0 };
     char **vocab = NULL;
     if (tokenizer) {

@@ -14,6 +14,11 @@
  * `zero` writes no weight data (a sparse file of zeros). */
 ds4_status ds4_synth_write(const char *path, ds4_scale scale, ds4_quant_scheme quant, uint64_t seed,
                            const char *tokenizer, bool zero, ds4_error *err);
+/* The same with only the first n_layers layers of the preset (0: all of
+ * them; more than it has: DS4_ERR_INVALID): a model of the real shapes
+ * that fits a smaller device, for measuring per-layer speed. */
+ds4_status ds4_synth_write_layers(const char *path, ds4_scale scale, ds4_quant_scheme quant, uint64_t seed,
+                                  const char *tokenizer, bool zero, int n_layers, ds4_error *err);
 
 /* How a backend fills tensor t (stored as `type`, entry `index` of the
  * layout) of a synthetic model drawn from `seed` (see core/synth_fill.h):
