@@ -70,15 +70,6 @@ static __device__ __forceinline__ void zero_tile(float (&t)[2][4][4]) {
             for (int k = 0; k < 4; k++) t[i][j][k] = 0.0f;
 }
 
-/* A block's int8 dot c as a float, exactly: |c| <= 32 * 128 * 128 = 2^19,
- * so 1.5 * 2^23 + c is the float whose mantissa holds 2^22 + c, and taking
- * 1.5 * 2^23 off again is exact. An integer add and a float subtract (both
- * at the full rate) in place of I2F (a quarter of it), which bounded the
- * kernel: four conversions per MMA. */
-template <bool I2F> static __device__ __forceinline__ float block_dot_float(int c) {
-    return I2F ? __int2float_rn(c) : __fsub_rn(__int_as_float(0x4B400000 + c), 12582912.0f);
-}
-
 /* Four int8 codes at a 2-byte aligned shared address. */
 static __device__ __forceinline__ int lds_s8x4(const uint8_t *p) {
     const uint16_t *h = (const uint16_t *)p;
@@ -103,10 +94,8 @@ static __device__ __forceinline__ void load_stage(const gemm_args &a, uint8_t *s
 }
 
 /* three blocks per SM (the 73.7 KB of shared memory allow no more): up to
- * 168 registers, so the split's and group's bases do not spill. I2F: the
- * block dots converted by I2F (DS4_CUDA_GEMM_I2F=1, for measuring; the
- * same values) */
-template <bool I2F> __global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
+ * 168 registers, so the split's and group's bases do not spill */
+__global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
     cuda_grid_wait();
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -159,10 +148,10 @@ template <bool I2F> __global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_ke
                 for (int i = 0; i < 2; i++) {
                     int c[4] = { 0, 0, 0, 0 };
                     cuda_mma_s8(c, af[i], bf[0], bf[1]);
-                    acc[i][j][0] = __fadd_rn(acc[i][j][0], __fmul_rn(__fmul_rn(wd[i][0], xd0), block_dot_float<I2F>(c[0])));
-                    acc[i][j][1] = __fadd_rn(acc[i][j][1], __fmul_rn(__fmul_rn(wd[i][0], xd1), block_dot_float<I2F>(c[1])));
-                    acc[i][j][2] = __fadd_rn(acc[i][j][2], __fmul_rn(__fmul_rn(wd[i][1], xd0), block_dot_float<I2F>(c[2])));
-                    acc[i][j][3] = __fadd_rn(acc[i][j][3], __fmul_rn(__fmul_rn(wd[i][1], xd1), block_dot_float<I2F>(c[3])));
+                    acc[i][j][0] = __fadd_rn(acc[i][j][0], __fmul_rn(__fmul_rn(wd[i][0], xd0), __int2float_rn(c[0])));
+                    acc[i][j][1] = __fadd_rn(acc[i][j][1], __fmul_rn(__fmul_rn(wd[i][0], xd1), __int2float_rn(c[1])));
+                    acc[i][j][2] = __fadd_rn(acc[i][j][2], __fmul_rn(__fmul_rn(wd[i][1], xd0), __int2float_rn(c[2])));
+                    acc[i][j][3] = __fadd_rn(acc[i][j][3], __fmul_rn(__fmul_rn(wd[i][1], xd1), __int2float_rn(c[3])));
                 }
             }
         }
@@ -259,10 +248,7 @@ bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, i
                             int64_t out_stride) {
     /* per call: the attribute belongs to the current device, and a process
      * may drive several */
-    static const bool i2f = cuda_env_flag("DS4_CUDA_GEMM_I2F", false);
-    if (!cuda_allow_dynamic_smem(be, i2f ? (const void *)gemm_q8_0_kernel<true> : (const void *)gemm_q8_0_kernel<false>,
-                                 G_SMEM, "matmul (int8 GEMM)", n_in))
-        return false;
+    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel, G_SMEM, "matmul (int8 GEMM)", n_in)) return false;
     gemm_args a;
     a.w = (const uint8_t *)w;
     a.row_bytes = row_bytes;
@@ -284,8 +270,7 @@ bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, i
     a.splits = gemm_splits(be, (int64_t)grid.x * grid.y * n_groups, a.n_stages, 2);
     grid.z = (unsigned)(a.splits * n_groups);
     if (a.splits > 1 && !(a.part = gemm_parts(be, a.splits, n_groups, n_tok, n_out))) return false;
-    return (i2f ? cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel<true>, grid, G_THREADS, G_SMEM, a)
-                : cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel<false>, grid, G_THREADS, G_SMEM, a)) &&
+    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, grid, G_THREADS, G_SMEM, a) &&
            (a.splits == 1 || gemm_reduce(be, a.part, a.splits, n_groups, n_tok, n_out, NULL, out, out_stride));
 }
 
