@@ -28,7 +28,9 @@
 #                     parity    `ds4server parity` cpu vs cuda on the tiny synthetic models
 #                               (every quant scheme, both numerics, greedy 32) and on the
 #                               oracle models of tests/oracle (reference numerics); with OUT
-#                               the JSON reports go to $OUT/parity.tar.gz
+#                               the JSON reports go to $OUT/parity.tar.gz; PARITY_FULL_LAYERS=N adds
+#                               the full-size q2 layout's first N layers (real shapes: the tensor-core
+#                               prefill attention), 24 prompt tokens, DS4 numerics
 #                     sanitize  compute-sanitizer memcheck/racecheck/initcheck on the CUDA tests
 #                               (SAN_ONLY="BIN:FILTER ...", e.g. "test_cuda_matmul:test_moe_mma": only
 #                               the tests of BIN whose names contain FILTER)
@@ -182,6 +184,19 @@ parity_stage() {
         parity_step "oracle-$name-reference" -m "$d/m.gguf" --numerics reference --tokens "$toks" --decode 4 --greedy 32
     done
     parity_step "oracle-aligned-ds4" -m "$SHM/oracle-aligned/m.gguf" --numerics ds4 --n-tokens 64 --greedy 32
+    # PARITY_FULL_LAYERS=N: the full-size q2 layout's first N layers (synth --layers; about 1.9 GB a layer),
+    # the whole model run (head and logits too) on the real shapes: 64 heads of 512 take the
+    # tensor-core prefill attention, which the tiny and oracle models never reach
+    if [ -n "${PARITY_FULL_LAYERS:-}" ]; then
+        local fl="$SHM/full-q2-l${PARITY_FULL_LAYERS}.gguf"
+        if build/cuda/ds4server synth --arch deepseek4 --scale full --quant q2 --seed 7 --layers "$PARITY_FULL_LAYERS" \
+            --out "$fl"; then
+            parity_step "full-q2-l${PARITY_FULL_LAYERS}-ds4" -m "$fl" --numerics ds4 --n-tokens 24 --decode 2 --greedy 4
+        else
+            record "synth full q2, ${PARITY_FULL_LAYERS} layers" FAIL
+        fi
+        rm -f "$fl"
+    fi
     # the 13 reports as one file in $OUT ($OUT comes back as a few files)
     if [ -n "${OUT:-}" ] && compgen -G "$OUT/parity-*.json" >/dev/null; then
         (cd "$OUT" && tar -czf parity.tar.gz parity-*.json && rm -f parity-*.json)

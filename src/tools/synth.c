@@ -11,7 +11,8 @@
 
 static int usage(void) {
     fprintf(stderr, "usage: ds4server synth --arch deepseek4 --scale tiny|small|full --quant f32|q8_0|q2|q4 "
-                    "--seed N --out FILE [--tokenizer tokenizer.json] [--zero]\n");
+                    "--seed N --out FILE [--tokenizer tokenizer.json] [--zero] [--layers N]\n"
+                    "  --layers N  only the first N layers of the scale's layout (the real shapes in a smaller file)\n");
     return 1;
 }
 
@@ -19,6 +20,7 @@ int tool_synth(int argc, char **argv) {
     const char *arch = "deepseek4", *scale_s = "tiny", *quant_s = "q2", *out = NULL, *tokenizer = NULL;
     uint64_t seed = 1;
     bool zero = false;
+    long layers = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -30,6 +32,13 @@ int tool_synth(int argc, char **argv) {
         else if (!strcmp(a, "--quant")) quant_s = v;
         else if (!strcmp(a, "--out") || !strcmp(a, "-o")) out = v;
         else if (!strcmp(a, "--tokenizer")) tokenizer = v;
+        else if (!strcmp(a, "--layers")) {
+            char *end;
+            errno = 0;
+            layers = strtol(v, &end, 10);
+            if (errno || *end || !*v || layers < 1 || layers > 1000)
+                return tool_fail("synth", "--layers '%s' is not a positive layer count", v);
+        }
         else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
@@ -50,7 +59,7 @@ int tool_synth(int argc, char **argv) {
 
 
     ds4_error err = { 0 };
-    if (ds4_synth_write(out, scale, (ds4_quant_scheme)quant, seed, tokenizer, zero, &err))
+    if (ds4_synth_write_layers(out, scale, (ds4_quant_scheme)quant, seed, tokenizer, zero, (int)layers, &err))
         return tool_fail("synth", "%s", err.message);
     return 0;
 }

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "core/quant.h"
+#include "models/deepseek4/ds4_config.h"
 #include "models/deepseek4/ds4_model.h"
 #include "models/deepseek4/ds4_synth.h"
 #include "test.h"
@@ -156,6 +157,35 @@ static void test_fill_errors(void) {
     ds4_backend_destroy(be);
 }
 
+/* The first layers of a layout (ds4_synth_write_layers): block_count and
+ * the per-layer arrays are the preset's first N, and the file opens as a
+ * model of N layers whose tensors are the full layout's for those layers;
+ * 0 layers is all of them, more than the preset has is refused. */
+static void test_synth_layers(void) {
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/ds4_test_synth_layers_%d.gguf", (int)getpid());
+    ds4_error err = { 0 };
+    int64_t counts[2] = { 0, 0 };
+    const int layers[2] = { 3, 0 };
+    for (int k = 0; k < 2; k++) {
+        CHECK(ds4_synth_write_layers(path, DS4_SCALE_TINY, DS4_QUANT_Q2, 5, NULL, true, layers[k], &err) == DS4_OK);
+        gguf_file *file = NULL;
+        CHECK(gguf_open(path, &file, &err) == DS4_OK);
+        if (!file) continue;
+        ds4_config cfg;
+        CHECK_MSG(ds4_config_from_gguf(file, &cfg, &err) == DS4_OK, "%s", err.message);
+        CHECK(cfg.n_layer == (k ? 5 : 3));
+        CHECK(cfg.compress_ratio[2] == 4 && cfg.hash_layer[0]);
+        counts[k] = (int64_t)file->n_tensors;
+        gguf_close(file);
+    }
+    unlink(path);
+    CHECK(counts[0] > 0 && counts[0] < counts[1]);
+    CHECK(ds4_synth_write_layers(path, DS4_SCALE_TINY, DS4_QUANT_Q2, 5, NULL, true, 6, &err) == DS4_ERR_INVALID);
+    CHECK(strstr(err.message, "6 layers") != NULL);
+    CHECK(access(path, F_OK) != 0); /* nothing written */
+}
+
 /* A model without a file of weights: the tiny q2 layout written with no
  * weight data, its weights made by the CPU backend. The same seed gives the
  * same logits, another seed others; all finite. */
@@ -205,6 +235,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_fill_values),
     TEST_ENTRY(test_fill_errors),
     TEST_ENTRY(test_synthetic_model),
+    TEST_ENTRY(test_synth_layers),
     { 0 },
 };
 

@@ -133,3 +133,20 @@ def test_ctrl_c_stops_a_chat_generation_not_the_program(model):
     assert p.returncode == 0, err
     assert b"(interrupted)" in err
     assert b"context:" in out
+
+
+def test_synth_layers(tmp_path, ds4server):
+    """synth --layers N writes the first N layers of the layout (the model
+    then has N layers and runs); a count past the layout's, or not a count,
+    fails with a message and leaves no file."""
+    path = tmp_path / "l2.gguf"
+    r = ds4("synth", "--scale", "tiny", "--quant", "q2", "--seed", "4", "--layers", "2", "--out", path)
+    assert r.returncode == 0, r.stderr.decode()
+    r = ds4("inspect", path)
+    assert r.returncode == 0 and re.search(rb"block_count\s+u32\s+2\b", r.stdout), r.stdout[:2000]
+    r = ds4("run", "-m", path, "-p", "Hello", "-n", "2", "--seed", "5", "--ctx", "64")
+    assert r.returncode == 0, r.stderr.decode()
+    for bad in ("6", "0", "two"):
+        out = tmp_path / f"bad-{bad}.gguf"
+        r = ds4("synth", "--scale", "tiny", "--layers", bad, "--out", out)
+        assert r.returncode != 0 and b"layers" in r.stderr and not out.exists(), (bad, r.stderr.decode())
