@@ -927,13 +927,6 @@ struct tc_smem {
 };
 static_assert(tc_smem::KV % 16 == 0 && tc_smem::PH % 16 == 0 && tc_smem::PL % 16 == 0, "ldmatrix rows 16-byte aligned");
 
-/* v as two binary16 parts hi + lo (lo = f16(v - hi), exact where v - hi is; a NaN or infinity stays in hi) */
-static __device__ __forceinline__ void tc_split(float v, __half &hi, __half &lo) {
-    hi = __float2half_rn(v);
-    const float rest = v - __half2float(hi);
-    lo = __float2half_rn(rest == rest ? rest : 0.0f);
-}
-
 static __global__ void __launch_bounds__(TC_THREADS, 1)
     attention_tc_kernel(const float *__restrict__ q, att_rows rows, float kq_scale, float *__restrict__ part,
                         const att_view *__restrict__ views) {
@@ -968,20 +961,14 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     __syncthreads();
     mx = 0.0f;
     for (int w = 0; w < TC_THREADS / 32; w++) mx = fmaxf(mx, red[w]);
-    int sc = 0;
-    if (mx > 0.0f && mx <= 3.4e38f) {
-        int e;
-        frexpf(mx, &e);
-        sc = 15 - e;
-        sc = sc > 120 ? 120 : sc < -120 ? -120 : sc;
-    }
+    const int sc = cuda_f16_split_scale(mx);
     const float unscale = ldexpf(1.0f, -sc);
     for (int i = tid; i < TC_HEADS * TC_DIM / 4; i += TC_THREADS) {
         const float4 x = ((const float4 *)qz)[i];
         const int h = i / (TC_DIM / 4), d = 4 * (i % (TC_DIM / 4));
         const float xv[4] = { ldexpf(x.x, sc), ldexpf(x.y, sc), ldexpf(x.z, sc), ldexpf(x.w, sc) };
 #pragma unroll
-        for (int e = 0; e < 4; e++) tc_split(xv[e], qh[h * TC_QP + d + e], ql[h * TC_QP + d + e]);
+        for (int e = 0; e < 4; e++) cuda_f16_split(xv[e], qh[h * TC_QP + d + e], ql[h * TC_QP + d + e]);
     }
 
     /* warp w: scores of heads 16 (w & 3) .. + 15 x rows 16 (w >> 2) .. + 15
@@ -1071,7 +1058,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
             const float w = sv == -INFINITY ? 0.0f : expf(sv - m_new);
             den_h[i] = den_h[i] * rescale + warp_sum(w);
             m_h[i] = m_new;
-            tc_split(w, ph[h * TC_PP + lane], pl[h * TC_PP + lane]);
+            cuda_f16_split(w, ph[h * TC_PP + lane], pl[h * TC_PP + lane]);
             if (lane == 0) res[h] = rescale;
         }
         __syncthreads();
@@ -1298,6 +1285,14 @@ void cuda_attention_rows_sel(ds4_backend *be, const float *q, int64_t n, int64_t
                              float *out) {
     attention_rows_sel_op(be, "attention_rows_sel", q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, k,
                           sinks, out, false);
+}
+
+void cuda_attention_rows_f16(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
+                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
+                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
+                             float *out) {
+    attention_rows_sel_op(be, "attention_rows_f16", q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, k,
+                          sinks, out, true);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1985,13 +1980,4 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
                       (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
                       wmax);
-}
-
-
-void cuda_attention_rows_f16(ds4_backend *be, const float *q, int64_t n, int64_t n_heads, int64_t dim,
-                             const float *rows_a, const int64_t *a_off, const int64_t *a_n, const float *rows_b,
-                             const int64_t *b_rows, const int32_t *idx, int64_t k, const ds4_weight *sinks,
-                             float *out) {
-    attention_rows_sel_op(be, "attention_rows_f16", q, n, n_heads, dim, rows_a, a_off, a_n, rows_b, b_rows, idx, k,
-                          sinks, out, true);
 }

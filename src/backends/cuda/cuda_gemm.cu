@@ -332,25 +332,16 @@ __global__ void __launch_bounds__(256) split_f16_kernel(const float *x, int64_t 
     __syncthreads();
     m = 0.0f;
     for (int i = 0; i < (int)(blockDim.x >> 5); i++) m = fmaxf(m, s_max[i]);
-    int s = 0;
-    if (m > 0.0f && m <= 3.4e38f) { /* finite: max |x| 2^s in [2^14, 2^15), s within float's normal range */
-        int e;
-        frexpf(m, &e); /* m = f 2^e, f in [0.5, 1) */
-        s = 15 - e;
-        s = s > 120 ? 120 : s < -120 ? -120 : s;
-    }
+    const int s = cuda_f16_split_scale(m);
     uint16_t *hi = xs + r * 2 * n, *lo = hi + n;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = ldexpf(xr[i], s);
-        const __half h = __float2half_rn(v);
-        const float rest = v - __half2float(h); /* exact; NaN only when v is not finite (then hi carries it) */
-        const __half l = __float2half_rn(rest == rest ? rest : 0.0f);
+        __half h, l;
+        cuda_f16_split(ldexpf(xr[i], s), h, l);
         hi[i] = __half_as_ushort(h);
         lo[i] = __half_as_ushort(l);
     }
     if (threadIdx.x == 0) unscale[r] = ldexpf(1.0f, -s);
 }
-
 
 static __device__ __forceinline__ void hgemm_load(const hgemm_args &a, uint16_t *st, int64_t n0, int64_t m0,
                                                   int64_t k0) {

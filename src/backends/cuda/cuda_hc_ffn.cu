@@ -199,6 +199,8 @@ static __device__ __forceinline__ void hc_split_warp(const hc_args &a, const hc_
 #define HC_CHUNK (HC_PART_THREADS * HC_PER_THREAD) /* values of the flattened state per partial block */
 #define HC_PART_K 4         /* mix rows per partial block */
 #define HC_ALL_MIN_BLOCKS 1024 /* (rows x chunks) from which a partial block takes all the mix rows */
+/* partial blocks a row of hc_dim state values takes */
+static int64_t hc_chunks(int64_t hc_dim) { return (hc_dim + HC_CHUNK - 1) / HC_CHUNK; }
 #define HC_FINISH_SLICES 32 /* finishing blocks per row, at most */
 #define HC_FINISH_BATCH 4   /* mix entries per warp whose partial loads are in flight together */
 
@@ -691,7 +693,7 @@ template <bool HEAD>
 static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_rows, const char *what,
                       const hc_norm *norm = NULL, const hc_post_args *post = NULL) {
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
-    const int64_t n_chunks = (hc_dim + HC_CHUNK - 1) / HC_CHUNK;
+    const int64_t n_chunks = hc_chunks(hc_dim);
     if (n_chunks > 65535) {
         cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: a state of %lld values is too wide", what, (long long)hc_dim);
         return;
@@ -951,7 +953,7 @@ void cuda_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float *y, co
         return;
     }
     const cuda_backend *cb = cuda_impl(be);
-    const int64_t n_chunks = (hc->n_hc * hc->dim + HC_CHUNK - 1) / HC_CHUNK;
+    const int64_t n_chunks = hc_chunks((int64_t)hc->n_hc * hc->dim);
     const int n_mix = (2 + hc->n_hc) * hc->n_hc;
     if (!cb->hc_post_pre || (n_rows >= HC_POST_PRE_MAX_ROWS && !hc_all_groups(cb, n_rows, n_chunks, n_mix))) {
         hc_post_launch(be, hc, y, y2, X, post, comb, X_out, total);

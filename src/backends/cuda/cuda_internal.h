@@ -30,6 +30,7 @@
 #ifndef DS4_BACKENDS_CUDA_INTERNAL_H
 #define DS4_BACKENDS_CUDA_INTERNAL_H
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -618,6 +619,29 @@ static __device__ __forceinline__ void cuda_ldsm_x4_trans(uint32_t (&r)[4], unsi
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
+}
+
+/* The power of two s that puts a largest |x| of m (>= 0; NaNs dropped)
+ * in [2^14, 2^15) (s within float's normal range; 0 for m 0 or not
+ * finite), so x 2^s splits into two binary16 parts (cuda_f16_split) clear
+ * of binary16's overflow and mostly of its subnormals. */
+static __device__ __forceinline__ int cuda_f16_split_scale(float m) {
+    int s = 0;
+    if (m > 0.0f && m <= 3.4e38f) {
+        int e;
+        frexpf(m, &e); /* m = f 2^e, f in [0.5, 1) */
+        s = 15 - e;
+        s = s > 120 ? 120 : s < -120 ? -120 : s;
+    }
+    return s;
+}
+/* v as two binary16 parts, hi = f16(v) and lo = f16(v - hi) (v - hi is
+ * exact; hi + lo carries 22 of v's 24 bits); a v that is not finite stays
+ * in hi, lo 0. */
+static __device__ __forceinline__ void cuda_f16_split(float v, __half &hi, __half &lo) {
+    hi = __float2half_rn(v);
+    const float rest = v - __half2float(hi);
+    lo = __float2half_rn(rest == rest ? rest : 0.0f);
 }
 
 /* binary16 -> float by the hardware conversion alone: exact for finite

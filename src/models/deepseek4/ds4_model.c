@@ -878,6 +878,13 @@ static void attend_row(ds4_model *m, int l, scratch *s, layer_state *Lr, int64_t
     TAP("attention", l, t, s->attn + t * nh * D, nh * D);
 }
 
+/* Whether a prefill's rows attend through attention_rows_f16: under DS4
+ * numerics the key/value rows are F16-rounded, so a backend that has the
+ * op may read them so. */
+static bool rows_f16(const ds4_backend *be, ds4_numerics num) {
+    return num == DS4_NUMERICS_DS4 && be->ops->attention_rows_f16;
+}
+
 /* Rows tb .. t1 - 1 of one state (layer Lr), which all select: their
  * scores, selections and attention for batches of rows at once
  * (m->idx_batch: 0 the scratch's batch, else at most that many rows; no
@@ -899,9 +906,7 @@ static void attend_rows_selected(ds4_model *m, int l, scratch *s, layer_state *L
         be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
                                      s->n_index + u0, cnt, s->iscores, s->score_stride);
         be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
-        /* under DS4 numerics the rows are F16-rounded: the backend may read them so */
-        (num == DS4_NUMERICS_DS4 && be->ops->attention_rows_f16 ? be->ops->attention_rows_f16
-                                                                 : be->ops->attention_rows_sel)(
+        (rows_f16(be, num) ? be->ops->attention_rows_f16 : be->ops->attention_rows_sel)(
             be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0, s->win_n + u0, Lr->attn.rows,
             s->n_comp + u0, (const int32_t *)s->topk, k, &W->sinks, s->attn + u0 * nh * D);
     }
@@ -1196,7 +1201,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         if (tb > t0 && own) { /* (a run of one row) */
             plain[t0] = true;
         } else if (tb > t0) {
-            if (num == DS4_NUMERICS_DS4 && be->ops->attention_rows_f16) /* rows F16-rounded */
+            if (rows_f16(be, num))
                 be->ops->attention_rows_f16(be, s->q + t0 * nh * D, tb - t0, nh, D, Lr->window, s->win_off + t0,
                                             s->win_n + t0, ratio ? Lr->attn.rows : NULL, s->n_comp + t0, NULL, 0,
                                             &W->sinks, s->attn + t0 * nh * D);
