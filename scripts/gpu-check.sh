@@ -56,7 +56,8 @@
 #                               DS4_CUDA_MATVEC=0, DS4_CUDA_GEMM=0), and an nsys per-kernel table;
 #                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
 #                               device in about a second) instead of writing and loading the file, with
-#                               BENCH_LAYERS=N only its first N layers (an H100's 80 GB: N <= about 38)
+#                               BENCH_LAYERS=N only its first N layers (an H100's 80 GB: N <= about 38;
+#                               also for the kernels and timeline stages)
 #                     kernels   ncu (Nsight Compute) times each kernel of one decoded token of the
 #                               synthetic full-size q2 model at context KERN_CTX (default 2048), table
 #                               by kernel to $OUT/ncu-token.md (scripts/ncu_table.py); KERN_PREFILL=N also
@@ -95,6 +96,10 @@ ALLOW_SKIP=${ALLOW_SKIP:-0}
 STAGES=${STAGES:-build,unit,parity,sanitize}
 SHM=${SHM:-/dev/shm/ds4-gpu-check}
 has_stage() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+# BENCH_LAYERS=N: the synthetic full-size model of the perf, kernels and timeline stages has only
+# its first N layers (the real shapes on a card too small for all 43)
+SYNTH_LAYERS=()
+if [ -n "${BENCH_LAYERS:-}" ]; then SYNTH_LAYERS=(--layers "$BENCH_LAYERS"); fi
 export DS4_TEST_SEED=${DS4_TEST_SEED:-$(date +%s)}
 if [ -z "${DS4_BENCH_COMMIT:-}" ] && [ -s .ds4-commit ]; then
     DS4_BENCH_COMMIT=$(head -c 64 .ds4-commit | tr -cd '0-9a-f')
@@ -254,9 +259,7 @@ perf_stage() {
     local m="$SHM/full-q2.gguf" out="${OUT:-$TMP}"
     local model=(-m "$m")
     if [ "${BENCH_SYNTHETIC:-0}" = 1 ]; then
-        model=(--synthetic deepseek4-full-q2) # weights made on the device: no file to write or read
-        # BENCH_LAYERS=N: only its first N layers (the real shapes on a card too small for all 43)
-        if [ -n "${BENCH_LAYERS:-}" ]; then model+=(--layers "$BENCH_LAYERS"); fi
+        model=(--synthetic deepseek4-full-q2 "${SYNTH_LAYERS[@]}") # weights made on the device: no file to write or read
     else
         full_model || return
     fi
@@ -329,7 +332,7 @@ ncu_table() { # ncu_table NAME LABEL BENCH_ARGS...
     section "ncu: $label"
     if env "${ncu_env[@]}" timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --clock-control none --cache-control none \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$TMP/$name" \
-        build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda "$@" >"$TMP/ncu-$name.log" 2>&1 &&
+        build/cuda/ds4server bench --synthetic deepseek4-full-q2 "${SYNTH_LAYERS[@]}" --backend cuda "$@" >"$TMP/ncu-$name.log" 2>&1 &&
         "$ncu" -i "$TMP/$name.ncu-rep" --csv --page raw >"$out/ncu-$name.csv" &&
         python3 scripts/ncu_table.py "$out/ncu-$name.csv" "${bw[@]}" >"$out/ncu-$name.md"; then
         head -n 45 "$out/ncu-$name.md"
@@ -357,7 +360,7 @@ ncu_details() { # ncu_details LABEL REGEXES BENCH_ARGS...
         kn=$pre${k//[^A-Za-z0-9_]/_}
         if timeout "$STEP_TIMEOUT" "$ncu" --profile-from-start off --set full --kernel-name-base "$base" \
             -k "regex:$k" --launch-count 1 \
-            -f -o "$TMP/detail-$kn" build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda \
+            -f -o "$TMP/detail-$kn" build/cuda/ds4server bench --synthetic deepseek4-full-q2 "${SYNTH_LAYERS[@]}" --backend cuda \
             "$@" >"$TMP/ncu-detail-$kn.log" 2>&1 &&
             "$ncu" -i "$TMP/detail-$kn.ncu-rep" --page details >"$out/ncu-detail-$kn.txt" 2>&1 &&
             [ -s "$out/ncu-detail-$kn.txt" ]; then
@@ -440,7 +443,7 @@ timeline_stage() {
         local tag=${v:+-${v//[^A-Za-z0-9_]/_}}
         section "kernel timeline${v:+ ($v)}"
         if env "${envs[@]}" CUDA_INJECTION64_PATH="$so" DS4_TRACE_OUT="$TMP/trace$tag.csv" timeout "$STEP_TIMEOUT" \
-            build/cuda/ds4server bench --synthetic deepseek4-full-q2 --backend cuda "${targs[@]}" \
+            build/cuda/ds4server bench --synthetic deepseek4-full-q2 "${SYNTH_LAYERS[@]}" --backend cuda "${targs[@]}" \
             >"$TMP/timeline$tag.log" 2>&1 &&
             python3 scripts/timeline.py "$TMP/trace$tag.csv" >"$out/timeline$tag.md"; then
             grep -h "cupti_trace" "$TMP/timeline$tag.log"
