@@ -219,6 +219,12 @@ static void test_head_norm_rope(void) {
                                    cases[ci].round_kv);
         const ds4_backend_counters c2 = op_gpu_counters(&p);
         ds4_cuda_backend_set_norm_rope(p.gpu, env_on_default("DS4_CUDA_NORM_ROPE", true));
+        /* the fused kernel's block per head (set_wide_rows 0) against its warp per head (heads of <= 512) */
+        op_buf x3 = op_buf_from(&p, hx, n);
+        ds4_cuda_backend_set_wide_rows(p.gpu, !env_on_default("DS4_CUDA_WIDE_ROWS", true));
+        p.gpu->ops->head_norm_rope(p.gpu, x3.g, rows, heads, hd, w ? &w->g : NULL, 1e-6f, pos, &rope,
+                                   cases[ci].round_kv);
+        ds4_cuda_backend_set_wide_rows(p.gpu, env_on_default("DS4_CUDA_WIDE_ROWS", true));
         op_expect_ok(&p);
         /* (a weight other than F32 is dequantised by a kernel of its own each call) */
         const uint64_t ops_n = c1.launches - c0.launches, fused_n = c2.launches - c1.launches;
@@ -231,6 +237,10 @@ static void test_head_norm_rope(void) {
         p.gpu->ops->download(p.gpu, hb, x2.g, n);
         CHECK_MSG(memcmp(ha, hb, (size_t)n * sizeof *ha) == 0, "%s: the fused kernel differs from the ops' kernels",
                   what);
+        p.gpu->ops->download(p.gpu, hb, x3.g, n);
+        CHECK_MSG(memcmp(ha, hb, (size_t)n * sizeof *ha) == 0,
+                  "%s: the fused kernel's warp and block forms differ", what);
+        op_buf_free(&p, &x3);
         /* the norm: a few roundings of |y| <= sqrt(hd) max|w|; RoPE: 4u max|y|
          * more; FP8: one step of E4M3 (2^-3 relative, or its subnormal quantum) */
         const double ymax = sqrt((double)hd) * (w ? max_abs(hw, hd) : 1.0);
@@ -590,6 +600,22 @@ static void attention_rows_case(op_pair *p, int64_t nh, int64_t dim) {
     snprintf(what, sizeof what, "attention_rows (13 rows, %lld heads of %lld)", (long long)nh, (long long)dim);
     compare_each(what, p, out, N * nh * dim, tol);
     expect_untouched(what, p, out, N * nh * dim, GUARD);
+    /* the combine with a block per (head, row) (set_wide_rows 0) against its warp form: the same bits */
+    {
+        op_buf o0 = op_buf_poisoned(p, N * nh * dim);
+        ds4_cuda_backend_set_wide_rows(p->gpu, 0);
+        p->gpu->ops->attention_rows(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_n, &sinks->g, o0.g);
+        ds4_cuda_backend_set_wide_rows(p->gpu, env_on_default("DS4_CUDA_WIDE_ROWS", true));
+        op_expect_ok(p);
+        float *h0 = malloc((size_t)(N * nh * dim) * sizeof *h0), *h1 = malloc((size_t)(N * nh * dim) * sizeof *h1);
+        p->gpu->ops->download(p->gpu, h0, o0.g, N * nh * dim);
+        p->gpu->ops->download(p->gpu, h1, out.g, N * nh * dim);
+        CHECK_MSG(memcmp(h0, h1, (size_t)(N * nh * dim) * sizeof *h0) == 0,
+                  "%s: the combine's block and warp forms differ", what);
+        free(h0);
+        free(h1);
+        op_buf_free(p, &o0);
+    }
     /* attention_states: the same rows as rows of different states, odd rows reading the compressed rows of
      * another buffer (another allocation, other values) */
     {

@@ -403,6 +403,7 @@ static void test_hc_pre_small(void) {
     check_hc_pre(&p, 64, 1, DS4_TYPE_F16);
     check_hc_pre(&p, 64, 37, DS4_TYPE_F16);
     check_hc_pre(&p, 64, 5, DS4_TYPE_BF16);
+    check_hc_pre(&p, 64, 11, DS4_TYPE_BF16); /* two blocks of hc_partial_rows_kernel's rows, the second partial */
     check_hc_pre(&p, 3, 9, DS4_TYPE_F32); /* a state narrower than the block */
     check_hc_pre(&p, 36, 3, DS4_TYPE_F16); /* 144 values: the last thread's eight straddle no row end, rows 8-aligned */
     check_hc_pre(&p, 33, 3, DS4_TYPE_F16); /* 132 values, not a multiple of 8: element-wise loads */

@@ -1273,7 +1273,7 @@ static void test_moe_mma(void) {
  * way. Token counts that fill the groups of 32 exactly, spill past them,
  * fill a 64-group partly, and pass 64. */
 static void moe_rows_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int64_t n_ff, int64_t n_expert,
-                          int n_used, int64_t n_rows) {
+                          int n_used, int64_t n_rows, bool wide) {
     moe_weights m = moe_make(p, tg, td, dim, n_ff, n_expert);
     int32_t *sel = malloc((size_t)(n_rows * n_used) * sizeof *sel);
     float *wts = malloc((size_t)(n_rows * n_used) * sizeof *wts);
@@ -1285,11 +1285,12 @@ static void moe_rows_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int
     ds4_cuda_backend_set_moe_grouped(p->gpu, 1);
     ds4_cuda_backend_set_moe_mma(p->gpu, 1);
     char what[160];
-    snprintf(what, sizeof what, "moe %s/%s dim %lld n_ff %lld, %d of %lld experts, %lld rows: groups of 32 and 64",
+    snprintf(what, sizeof what, "moe %s/%s dim %lld n_ff %lld, %d of %lld experts, %lld rows: %s",
              ds4_type_name(tg), ds4_type_name(td), (long long)dim, (long long)n_ff, n_used, (long long)n_expert,
-             (long long)n_rows);
+             (long long)n_rows, wide ? "the quantisers' block and warp forms" : "groups of 32 and 64");
     for (int i = 0; i < 2; i++) {
-        ds4_cuda_backend_set_moe_mma_rows(p->gpu, i ? 64 : 32);
+        if (wide) ds4_cuda_backend_set_wide_rows(p->gpu, i);
+        else ds4_cuda_backend_set_moe_mma_rows(p->gpu, i ? 64 : 32);
         const int64_t mma0 = ds4_cuda_backend_moe_mma_calls(p->gpu);
         p->gpu->ops->moe(p->gpu, &m.gate->g, &m.up->g, &m.down->g, x.g, (const int32_t *)dsel.g, dw.g, n_used, 0.7f,
                          y[i].g, n_rows, DS4_NUMERICS_DS4);
@@ -1321,16 +1322,27 @@ static void moe_rows_case(op_pair *p, uint32_t tg, uint32_t td, int64_t dim, int
     free(wts);
     moe_free(p, &m);
     default_moe_grouped(p);
+    ds4_cuda_backend_set_wide_rows(p->gpu, env_on("DS4_CUDA_WIDE_ROWS"));
 }
 
 static void test_moe_mma_rows(void) {
     OPEN_PAIR(p);
     const uint32_t IQ2 = DS4_TYPE_IQ2_XXS, Q2 = DS4_TYPE_Q2_K, Q4 = DS4_TYPE_Q4_K;
-    moe_rows_case(&p, IQ2, Q2, 1024, 512, 4, 2, 64);   /* 32 per expert on average */
-    moe_rows_case(&p, IQ2, Q2, 1024, 512, 8, 6, 60);   /* about 45 */
-    moe_rows_case(&p, IQ2, IQ2, 512, 1024, 8, 6, 120); /* about 90: past 64 */
-    moe_rows_case(&p, Q2, Q2, 768, 512, 8, 6, 70);
-    moe_rows_case(&p, Q4, Q4, 512, 768, 8, 6, 50);
+    moe_rows_case(&p, IQ2, Q2, 1024, 512, 4, 2, 64, false);   /* 32 per expert on average */
+    moe_rows_case(&p, IQ2, Q2, 1024, 512, 8, 6, 60, false);   /* about 45 */
+    moe_rows_case(&p, IQ2, IQ2, 512, 1024, 8, 6, 120, false); /* about 90: past 64 */
+    moe_rows_case(&p, Q2, Q2, 768, 512, 8, 6, 70, false);
+    moe_rows_case(&p, Q4, Q4, 512, 768, 8, 6, 50, false);
+    op_pair_close(&p);
+}
+
+/* The Q8_K quantisers of the MoE's inputs and mids (the SwiGLU's) with a
+ * warp per block (ds4_cuda_backend_set_wide_rows 1) against a block per
+ * block (0): the same outputs bit for bit. */
+static void test_moe_wide_rows(void) {
+    OPEN_PAIR(p);
+    moe_rows_case(&p, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 1024, 512, 8, 6, 60, true);
+    moe_rows_case(&p, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 512, 768, 8, 6, 9, true);
     op_pair_close(&p);
 }
 
@@ -2653,6 +2665,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_moe_grouped),
     TEST_ENTRY(test_moe_mma),
     TEST_ENTRY(test_moe_mma_rows),
+    TEST_ENTRY(test_moe_wide_rows),
     TEST_ENTRY(test_moe_errors),
     TEST_ENTRY(test_moe_bad_expert),
     TEST_ENTRY(test_matvec_pack),

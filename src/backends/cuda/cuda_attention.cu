@@ -286,6 +286,131 @@ static __global__ void __launch_bounds__(NORM_THREADS)
     else head_norm_rope_block<ROUND_B>(b.x, b.n_heads, head_dim, b.w, eps, rp, head);
 }
 
+/*
+ * Heads of at most HNR_WARP_DIM values take a warp each (HNR_WARPS heads a
+ * block, the two sets' heads one flat list): a prefill's 2,048 rows x 65
+ * heads were that many blocks of NORM_THREADS threads, half of them idle
+ * for heads of 512, each with its barriers. Lane l holds the float4s that
+ * threads l, 32 + l, 64 + l and 96 + l of head_norm_rope_block hold (its
+ * "virtual warps" k = 0..3), and every operation is that block's, so the
+ * results are the same bits:
+ *   the squares: each virtual warp's shuffle tree as rms_scale_of's first
+ *     stage; its second stage over 8 warp sums, of which warps 4..7 are
+ *     exact zeros here (threads past 128 hold nothing of a head of <= 512),
+ *     adds (p0 + p2) + (p1 + p3) (the zeros' additions are exact);
+ *   the FP8 blocks: 16 consecutive threads of one virtual warp, the same
+ *     half-warp shuffles;
+ *   the table: each warp's own (its lanes' pairs), before the wait.
+ * (ds4_cuda_backend_set_wide_rows 0: the block per head.)
+ */
+#define HNR_WARP_DIM 512
+#define HNR_WARPS 8
+static_assert(HNR_WARP_DIM == 4 * 32 * 4 && NORM_THREADS >= 4 * 32, "four virtual warps of a block's first 128 threads");
+
+template <bool ROUND>
+static __device__ __forceinline__ void head_norm_rope_warp(float *__restrict__ x, int64_t head_dim,
+                                                           const float *__restrict__ w, float eps, const rope_params &rp,
+                                                           int64_t head, const float *cs) {
+    const int lane = threadIdx.x & 31;
+    float *xr = x + head * head_dim;
+    float4 v[4];
+    float wv[4][4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int64_t i = 4 * (32 * k + lane);
+        v[k] = i < head_dim ? *(const float4 *)(xr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int c = 0; c < 4; c++) wv[k][c] = w && i < head_dim ? w[i + c] : 1.0f;
+    }
+    double p[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        p[k] = 0.0;
+        p[k] += (double)v[k].x * (double)v[k].x + (double)v[k].y * (double)v[k].y +
+                (double)v[k].z * (double)v[k].z + (double)v[k].w * (double)v[k].w;
+    }
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < 4; k++) p[k] += __shfl_down_sync(0xffffffffu, p[k], o);
+    const double ss = __shfl_sync(0xffffffffu, (p[0] + p[2]) + (p[1] + p[3]), 0);
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / (double)head_dim), eps)));
+    const int half = rp.n_rot / 2;
+    const int64_t tail = head_dim - rp.n_rot; /* even */
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int64_t i = 4 * (32 * k + lane);
+        float y[4] = { __fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
+                       __fmul_rn(v[k].w, scale) };
+        if (w && i < head_dim)
+#pragma unroll
+            for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], wv[k][c]);
+#pragma unroll
+        for (int c = 0; c < 4; c += 2) {
+            if (i + c >= tail && i + c < head_dim) {
+                const int pk = (int)((i + c - tail) / 2);
+                cuda_rope_rotate(y[c], y[c + 1], cs[pk], cs[half + pk]);
+            }
+        }
+        if (ROUND) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const float a = fabsf(y[c]);
+                if (i + c < tail && a > amax) amax = a;
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) {
+                const float other = __shfl_xor_sync(0xffffffffu, amax, o);
+                if (other > amax) amax = other;
+            }
+            const float bs = block_scale_of(amax, KV_FP8_FLOOR, KV_FP8_MAX);
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                if (i + c < tail) y[c] = round_block_value<0>(y[c], bs, KV_FP8_MAX);
+                y[c] = round_f16_value(y[c]);
+            }
+        }
+        if (i < head_dim) *(float4 *)(xr + i) = make_float4(y[0], y[1], y[2], y[3]);
+    }
+}
+
+/* Warp (item): a's heads first, then b's (b.blocks 0: one set). */
+template <bool ROUND_A, bool ROUND_B>
+static __global__ void __launch_bounds__(32 * HNR_WARPS)
+    head_norm_rope_warp_kernel(hnr_set a, hnr_set b, int64_t head_dim, float eps, const int32_t *__restrict__ pos,
+                               rope_params rp) {
+    extern __shared__ float hnr_cs[]; /* [HNR_WARPS][n_rot] */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t item = (int64_t)blockIdx.x * HNR_WARPS + warp;
+    if (item >= a.blocks + b.blocks) return; /* the whole warp (no block barrier follows) */
+    const bool in_a = item < a.blocks;
+    const int64_t head = in_a ? item : item - a.blocks;
+    float *cs = hnr_cs + warp * rp.n_rot;
+    const int32_t *p = pos + head / (in_a ? a.n_heads : b.n_heads);
+    for (int k = lane; k < rp.n_rot / 2; k += 32) cuda_rope_entry(rp, p, k, cs);
+    __syncwarp();
+    cuda_grid_wait();
+    if (in_a) head_norm_rope_warp<ROUND_A>(a.x, head_dim, a.w, eps, rp, head, cs);
+    else head_norm_rope_warp<ROUND_B>(b.x, head_dim, b.w, eps, rp, head, cs);
+}
+
+static bool hnr_warp_on(ds4_backend *be, int64_t head_dim) {
+    return cuda_impl(be)->wide_rows && head_dim <= HNR_WARP_DIM;
+}
+
+/* The warp kernel for sets a and b (b.blocks may be 0). */
+static void hnr_warp_launch(ds4_backend *be, const hnr_set &a, const hnr_set &b, bool round_a, bool round_b,
+                            int64_t head_dim, float eps, const int32_t *d_pos, const rope_params &rp) {
+    typedef void (*fn_t)(hnr_set, hnr_set, int64_t, float, const int32_t *, rope_params);
+    const fn_t fn = round_a ? (round_b ? head_norm_rope_warp_kernel<true, true> : head_norm_rope_warp_kernel<true, false>)
+                            : (round_b ? head_norm_rope_warp_kernel<false, true> : head_norm_rope_warp_kernel<false, false>);
+    const size_t smem = (size_t)HNR_WARPS * rp.n_rot * sizeof(float);
+    if (!cuda_allow_dynamic_smem(be, (const void *)fn, smem, "head_norm_rope (warps)", rp.n_rot)) return;
+    const int64_t items = a.blocks + b.blocks;
+    (void)cuda_launch(be, "head_norm_rope_warp_kernel", fn, (unsigned)((items + HNR_WARPS - 1) / HNR_WARPS),
+                      32 * HNR_WARPS, smem, a, b, head_dim, eps, d_pos, rp);
+}
+
 bool cuda_head_norm_rope_fits(const float *x, int64_t n_rows, int64_t n_heads, int64_t head_dim) {
     return n_rows * n_heads <= INT32_MAX && head_dim % 4 == 0 && head_dim <= NORM_CACHED && (uintptr_t)x % 16 == 0;
 }
@@ -306,6 +431,15 @@ void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_
         (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
     if (!d_pos) return;
     const rope_params rp = rope_params_of(rope, false);
+    if (hnr_warp_on(be, head_dim)) {
+        hnr_set a, b;
+        memset(&a, 0, sizeof a); /* (recorded steps compare argument bytes) */
+        memset(&b, 0, sizeof b);
+        a.x = x, a.w = w, a.n_heads = n_heads, a.blocks = blocks;
+        b.n_heads = 1;
+        hnr_warp_launch(be, a, b, round_kv, false, head_dim, eps, d_pos, rp);
+        return;
+    }
     if (round_kv)
         (void)cuda_launch(be, "head_norm_rope_kernel<round>", head_norm_rope_kernel<true>, (unsigned)blocks,
                           NORM_THREADS, smem, x, n_heads, head_dim, w, eps, d_pos, rp);
@@ -339,6 +473,10 @@ void cuda_head_norm_rope2_fused(ds4_backend *be, float *xa, int64_t heads_a, con
     memset(&b, 0, sizeof b);
     a.x = xa, a.w = wa, a.n_heads = heads_a, a.blocks = n_rows * heads_a;
     b.x = xb, b.w = wb, b.n_heads = heads_b, b.blocks = n_rows * heads_b;
+    if (hnr_warp_on(be, head_dim)) {
+        hnr_warp_launch(be, a, b, round_a, round_b, head_dim, eps, d_pos, rp);
+        return;
+    }
     (void)cuda_launch(be, "head_norm_rope2_kernel", fn, (unsigned)blocks, NORM_THREADS, smem, a, b, head_dim, eps,
                       d_pos, rp);
 }
@@ -723,6 +861,65 @@ static __global__ void __launch_bounds__(ATT_THREADS)
         out[h * dim + i] = o * inv;
         if (two) out[h * dim + i2] = o2 * inv;
     }
+}
+
+/* The combine for few splits (<= ATT_COMB_WARP_SPLITS, a prefill's rows):
+ * a warp per (row, head), 8 heads a block, every lane forming the factors
+ * and the denominator itself, with attention_combine_kernel's operations
+ * in its order (the max does not depend on the order; the denominator's
+ * and each output's FMA chains run in split order): the same bits, without
+ * a block's barriers for 2 or 3 splits of 514 floats. */
+#define ATT_COMB_WARP_SPLITS 16
+#define ATT_COMB_WARP_HEADS 8
+static __global__ void __launch_bounds__(32 * ATT_COMB_WARP_HEADS)
+    attention_combine_warp_kernel(const float *__restrict__ part, int64_t n_heads, int64_t n_splits, int64_t dim,
+                                  const void *sinks, uint32_t sinks_type, float *__restrict__ out) {
+    const int lane = threadIdx.x & 31;
+    const int64_t h = (int64_t)blockIdx.x * ATT_COMB_WARP_HEADS + (threadIdx.x >> 5);
+    if (h >= n_heads) return; /* the whole warp */
+    const float sink = cuda_load_float(sinks, sinks_type, h);
+    cuda_grid_wait();
+    const int64_t stride = dim + 2;
+    const float *ph = part + (blockIdx.y * n_heads + h) * n_splits * stride;
+    out += (blockIdx.y * n_heads + h) * dim;
+    float f[ATT_COMB_WARP_SPLITS], dn[ATT_COMB_WARP_SPLITS];
+    float M = sink;
+#pragma unroll
+    for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++) {
+        f[s] = s < n_splits ? ph[s * stride] : -INFINITY;
+        dn[s] = s < n_splits ? ph[s * stride + 1] : 0.0f;
+        M = fmaxf(M, f[s]);
+    }
+#pragma unroll
+    for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++) f[s] = f[s] == -INFINITY ? 0.0f : expf(f[s] - M);
+    float den = expf(sink - M);
+#pragma unroll
+    for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++)
+        if (s < n_splits) den = fmaf(dn[s], f[s], den);
+    const float inv = 1.0f / den;
+    for (int64_t i = lane; i < dim; i += 32) {
+        float o = 0.0f;
+#pragma unroll
+        for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++)
+            if (s < n_splits) o = fmaf(ph[s * stride + 2 + i], f[s], o);
+        out[i] = o * inv;
+    }
+}
+
+static size_t att_combine_smem(int64_t n_splits);
+
+/* The combine of n rows' partials (attention_rows): the warp form for few
+ * splits (ds4_cuda_backend_set_wide_rows), else a block per (head, row). */
+static void att_combine_rows(ds4_backend *be, const float *part, int64_t n, int64_t n_heads, int64_t n_splits,
+                             int64_t dim, const void *sinks, uint32_t sinks_type, float *out) {
+    if (cuda_impl(be)->wide_rows && n_splits <= ATT_COMB_WARP_SPLITS) {
+        (void)cuda_launch(be, "attention_combine_warp_kernel", attention_combine_warp_kernel,
+                          dim3((unsigned)((n_heads + ATT_COMB_WARP_HEADS - 1) / ATT_COMB_WARP_HEADS), (unsigned)n),
+                          32 * ATT_COMB_WARP_HEADS, 0, part, n_heads, n_splits, dim, sinks, sinks_type, out);
+        return;
+    }
+    (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
+                      ATT_THREADS, att_combine_smem(n_splits), part, n_splits, dim, sinks, sinks_type, out);
 }
 
 /* The combine's shared memory: the padded factors and the denominators. */
@@ -1223,9 +1420,7 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
         /* (n 0: each view has its row's count; a constant keeps a recorded step's node unchanged) */
         if (!mqa_launch(be, staged, grid, q, rows, (int64_t)0, rows_per_split, kq_scale, scratch, views)) return;
     }
-    (void)cuda_launch(be, "attention_combine_kernel", attention_combine_kernel, dim3((unsigned)n_heads, (unsigned)n),
-                      ATT_THREADS, att_combine_smem(n_splits), scratch, n_splits, dim,
-                      sink_ptr, sink_type, out);
+    att_combine_rows(be, scratch, n, n_heads, n_splits, dim, sink_ptr, sink_type, out);
 }
 
 /* attention_rows' and attention_rows_sel's arguments checked, their bases */

@@ -212,6 +212,15 @@ void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on);
  * DS4_CUDA_HC_ALL=0/2 sets the default. The results are the same either
  * way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode);
+/* The row kernels' warp and several-row forms (on by default;
+ * DS4_CUDA_WIDE_ROWS=0 makes off the default): head_norm_rope(2) with a
+ * warp per head of up to 512 values, hc_pre's partial pass with 8 rows a
+ * block where it takes every mix row, the Q8_0 / Q8_K activation
+ * quantisers (and the MoE's SwiGLU + Q8_K) with a lane pair / warp per
+ * block, the attention combine with a warp per (row, head) for few
+ * splits; off: a block per head, row, block. The results are the same
+ * either way, bit for bit. Takes effect at the next op. */
+void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on);
 /* The router's selection with its keys in registers and its probabilities
  * in shared memory (for up to 1,024 experts and 64 choices a row; off by
  * default, DS4_CUDA_ROUTER_REG=1 makes on the default), or through global

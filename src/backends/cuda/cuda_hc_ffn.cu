@@ -278,24 +278,15 @@ static __device__ __forceinline__ void hc_mix_rows(const hc_args &a, int n_mix, 
     }
 }
 
-template <uint32_t T, bool VEC, bool POST, bool ALL>
-static __global__ void __launch_bounds__(HC_PART_THREADS)
-    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
-    constexpr int NK = ALL ? HC_MAX_MIX : HC_PART_K; /* dots a block keeps */
-    __shared__ double red_d[HC_PART_THREADS / 32];
-    __shared__ float red_f[HC_PART_THREADS / 32][NK];
+/* The eight state values i0 .. i0 + 7 of row `row` (zeros past the state):
+ * read from a.X, or with POST made from the residual step pa (and, with
+ * write, stored to a.X). */
+template <bool VEC, bool POST>
+static __device__ __forceinline__ void hc_state8(const hc_args &a, const hc_post_args &pa, int64_t row, int64_t i0,
+                                                 bool write, float (&x)[HC_PER_THREAD]) {
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
-    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
-    const int k0 = ALL ? 0 : (int)blockIdx.z * HC_PART_K;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
     const bool in = i0 < hc_dim;
     const float *X = a.X + row * hc_dim;
-    float x[HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
-    /* the mix weights first: constant during a step, so their loads are in
-     * flight before the wait for the kernel before (which wrote X) */
-    hc_mix_rows<T, VEC>(a, n_mix, k0, i0, hc_dim, f);
-    cuda_grid_wait();
     if (POST) {
         const int n = a.n_hc;
         const int64_t dim = a.dim;
@@ -332,7 +323,7 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
                 if (++i == dim) i = 0, d++;
             }
         }
-        if (blockIdx.z == 0) {
+        if (write) {
             float *Xo = (float *)X;
             if (VEC && in) {
                 *(float4 *)(Xo + i0) = make_float4(x[0], x[1], x[2], x[3]);
@@ -353,6 +344,26 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
 #pragma unroll
         for (int j = 0; j < HC_PER_THREAD; j++) x[j] = 0.0f;
     }
+}
+
+template <uint32_t T, bool VEC, bool POST, bool ALL>
+static __global__ void __launch_bounds__(HC_PART_THREADS)
+    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
+    constexpr int NK = ALL ? HC_MAX_MIX : HC_PART_K; /* dots a block keeps */
+    __shared__ double red_d[HC_PART_THREADS / 32];
+    __shared__ float red_f[HC_PART_THREADS / 32][NK];
+    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+    const int64_t row = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
+    const int k0 = ALL ? 0 : (int)blockIdx.z * HC_PART_K;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
+    const bool in = i0 < hc_dim;
+    float x[HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
+    /* the mix weights first: constant during a step, so their loads are in
+     * flight before the wait for the kernel before (which wrote X) */
+    hc_mix_rows<T, VEC>(a, n_mix, k0, i0, hc_dim, f);
+    cuda_grid_wait();
+    hc_state8<VEC, POST>(a, pa, row, i0, blockIdx.z == 0, x);
     for (int g0 = k0; g0 < (ALL ? n_mix : k0 + 1); g0 += HC_PART_K) {
         if (ALL && g0 > k0) hc_mix_rows<T, VEC>(a, n_mix, g0, i0, hc_dim, f);
 #pragma unroll
@@ -383,6 +394,76 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
         double ss = 0.0;
         for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[wi];
         out->ss = ss;
+    }
+}
+
+/*
+ * hc_partial_rows_kernel: hc_partial_kernel<T, true, POST, true> for
+ * HC_ROWS rows a block (block (row group, chunk)). A prefill's rows each
+ * read the whole fn (16384 x 24 F16 values, 786 KB at real size) from the
+ * L2 in the one-row kernel, 1.6 GB for 2,048 rows; here each 4-row piece of
+ * fn is loaded once for HC_ROWS rows. Every dot and square sum of a
+ * (row, chunk) is formed by the same thread mapping, FMA chains, shuffle
+ * trees and in-order warp sums as in the one-row kernel: the same bits.
+ */
+#define HC_ROWS 8
+template <uint32_t T, bool POST>
+static __global__ void __launch_bounds__(HC_PART_THREADS)
+    hc_partial_rows_kernel(hc_args a, int n_mix, int64_t n_rows, hc_part *part, hc_post_args pa) {
+    __shared__ double red_d[HC_ROWS][HC_PART_THREADS / 32];
+    __shared__ float red_f[HC_ROWS][HC_PART_THREADS / 32][HC_MAX_MIX];
+    const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
+    const int64_t row0 = (int64_t)blockIdx.x * HC_ROWS, chunk = blockIdx.y, n_chunks = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
+    const bool in = i0 < hc_dim;
+    const int rows = n_rows - row0 < HC_ROWS ? (int)(n_rows - row0) : HC_ROWS;
+    float x[HC_ROWS][HC_PER_THREAD], f[HC_PART_K][HC_PER_THREAD];
+    hc_mix_rows<T, true>(a, n_mix, 0, i0, hc_dim, f);
+    cuda_grid_wait();
+#pragma unroll
+    for (int r = 0; r < HC_ROWS; r++) {
+        if (r < rows) {
+            hc_state8<true, POST>(a, pa, row0 + r, i0, true, x[r]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < HC_PER_THREAD; j++) x[r][j] = 0.0f;
+        }
+    }
+    for (int g0 = 0; g0 < n_mix; g0 += HC_PART_K) {
+        if (g0 > 0) hc_mix_rows<T, true>(a, n_mix, g0, i0, hc_dim, f);
+#pragma unroll
+        for (int r = 0; r < HC_ROWS; r++) {
+#pragma unroll
+            for (int k = 0; k < HC_PART_K; k++) {
+                float d = 0.0f;
+                if (in && g0 + k < n_mix)
+#pragma unroll
+                    for (int j = 0; j < HC_PER_THREAD; j++) d = fmaf(f[k][j], x[r][j], d);
+                for (int o = 16; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffffu, d, o);
+                if (lane == 0 && g0 + k < HC_MAX_MIX) red_f[r][warp][g0 + k] = d;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < HC_ROWS; r++) {
+        double sq = 0.0;
+#pragma unroll
+        for (int j = 0; j < HC_PER_THREAD; j++) sq += (double)x[r][j] * (double)x[r][j];
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
+        if (lane == 0) red_d[r][warp] = sq;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * n_mix; e += HC_PART_THREADS) {
+        const int r = e / n_mix, k = e - r * n_mix;
+        float t = 0.0f;
+        for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) t += red_f[r][wi][k];
+        part[(row0 + r) * n_chunks + chunk].dot[k] = t;
+    }
+    if (threadIdx.x < rows) {
+        double ss = 0.0;
+        for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[threadIdx.x][wi];
+        part[(row0 + threadIdx.x) * n_chunks + chunk].ss = ss;
     }
 }
 
@@ -713,9 +794,20 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
                                        : (vec ? hc_partial_for<true, false>(a.fn_type, all)
                                               : hc_partial_for<false, false>(a.fn_type, all));
     const unsigned groups = all ? 1u : (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
-    if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0, a,
-                     n_mix, part, pa))
+    if (all && vec && cuda_impl(be)->wide_rows && n_rows >= HC_ROWS) { /* HC_ROWS rows a block */
+        typedef void (*rows_fn)(hc_args, int, int64_t, hc_part *, hc_post_args);
+        const rows_fn fn = a.fn_type == DS4_TYPE_F32
+                               ? (post ? hc_partial_rows_kernel<DS4_TYPE_F32, true> : hc_partial_rows_kernel<DS4_TYPE_F32, false>)
+                           : a.fn_type == DS4_TYPE_F16
+                               ? (post ? hc_partial_rows_kernel<DS4_TYPE_F16, true> : hc_partial_rows_kernel<DS4_TYPE_F16, false>)
+                               : (post ? hc_partial_rows_kernel<DS4_TYPE_BF16, true> : hc_partial_rows_kernel<DS4_TYPE_BF16, false>);
+        if (!cuda_launch(be, what, fn, dim3((unsigned)((n_rows + HC_ROWS - 1) / HC_ROWS), (unsigned)n_chunks),
+                         HC_PART_THREADS, 0, a, n_mix, n_rows, part, pa))
+            return;
+    } else if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0,
+                            a, n_mix, part, pa)) {
         return;
+    }
     /* one output element per thread of the finishing blocks, at most
      * HC_FINISH_SLICES of them per row; with many rows (all) one block a
      * row, which makes the split once instead of once per slice */

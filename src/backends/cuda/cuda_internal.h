@@ -197,6 +197,9 @@ typedef struct cuda_backend {
     uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
     int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
+    bool wide_rows;   /* the row kernels' warp and several-row forms: head_norm_rope's warp a head, hc_pre's partial pass of
+                       * HC_ROWS rows a block, the quantisers' warp / lane-pair kernels, the attention combine's warp
+                       * a head (on by default; DS4_CUDA_WIDE_ROWS=0: the block forms; the same bits either way) */
     bool router_reg;  /* the router's keys and probabilities on chip (router_reg_kernel; off by default, DS4_CUDA_ROUTER_REG=1 turns it on: measured slower in decode) */
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */

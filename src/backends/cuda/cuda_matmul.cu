@@ -191,6 +191,98 @@ __global__ void __launch_bounds__(256) moe_swiglu_q8_K_kernel(const float *__res
     q8_K_block(cuda_swiglu1(g[i], u[i], limit, weights[row]), q8_K_place(out, row, ib, nb, true));
 }
 
+/*
+ * Q8_K with a warp per 256-block, lane l holding elements 8l .. 8l + 7 (v):
+ * q8_K_block's operations. m, the first element of largest |x|, is the
+ * least of the order (|x| descending, index ascending) whatever the
+ * reduction's shape, so it is q8_K_block's m; the codes and d are formed
+ * from it as there, and a bsum (16 elements: a lane pair) is an exact
+ * integer sum. The same bits, without a block's barriers (a prefill's
+ * thousands of 256-thread blocks were latency-bound).
+ */
+static __device__ __forceinline__ void q8_K_warp(const float (&v)[8], q8_K_dst dst) {
+    const int lane = threadIdx.x & 31;
+    float ba = fabsf(v[0]);
+    if (!(ba == ba)) ba = -1.0f;
+    int bi = 8 * lane;
+#pragma unroll
+    for (int j = 1; j < 8; j++) {
+        float a = fabsf(v[j]);
+        if (!(a == a)) a = -1.0f;
+        if (a > ba) ba = a, bi = 8 * lane + j; /* (ties keep the first) */
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float oa = __shfl_xor_sync(FULL_MASK, ba, off);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+        if (oa > ba || (oa == ba && oi < bi)) ba = oa, bi = oi;
+    }
+    float mine = v[0];
+#pragma unroll
+    for (int j = 1; j < 8; j++)
+        if ((bi & 7) == j) mine = v[j];
+    const float mv = __shfl_sync(FULL_MASK, mine, bi >> 3);
+    const float m = ba > 0.0f ? mv : 0.0f;
+    uint32_t *qs = (uint32_t *)(dst.qs + 8 * lane); /* (4-byte aligned in both layouts) */
+    if (m == 0.0f) {
+        qs[0] = qs[1] = 0u;
+        if ((lane & 1) == 0) dst.bsums[lane >> 1] = 0;
+        if (lane == 0) *dst.dp = 0.0f;
+        return;
+    }
+    const float iscale = __fdiv_rn(-127.0f, m);
+    uint32_t w[2] = { 0u, 0u };
+    int s = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int q = __float2int_rn(__fmul_rn(iscale, v[j]));
+        q = q > 127 ? 127 : q < -128 ? -128 : q;
+        s += q;
+        w[j >> 2] |= (uint32_t)(uint8_t)(int8_t)q << (8 * (j & 3));
+    }
+    s += __shfl_xor_sync(FULL_MASK, s, 1);
+    qs[0] = w[0], qs[1] = w[1];
+    if ((lane & 1) == 0) dst.bsums[lane >> 1] = (int16_t)s;
+    if (lane == 0) *dst.dp = __fdiv_rn(1.0f, iscale);
+}
+
+/* quant_q8_K_kernel with a warp per (row, 256-block), 8 warps a block
+ * (rows 16-byte aligned). */
+__global__ void __launch_bounds__(256) quant_q8_K_warp_kernel(const float *__restrict__ x, int64_t x_stride,
+                                                              int64_t nb, int64_t total, ds4_block_q8_K *__restrict__ out,
+                                                              int split) {
+    cuda_grid_wait();
+    const int64_t gw = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gw >= total) return; /* the whole warp */
+    const int64_t row = gw / nb, ib = gw % nb;
+    const float4 *src = (const float4 *)(x + row * x_stride + ib * DS4_QK_K) + 2 * (threadIdx.x & 31);
+    const float4 a = src[0], b = src[1];
+    const float v[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+    q8_K_warp(v, q8_K_place(out, row, ib, nb, split != 0));
+}
+
+/* moe_swiglu_q8_K_kernel with a warp per (slot, 256-block), 8 warps a block
+ * (g and u 16-byte aligned). */
+__global__ void __launch_bounds__(256) moe_swiglu_q8_K_warp_kernel(const float *__restrict__ g,
+                                                                   const float *__restrict__ u,
+                                                                   const float *__restrict__ weights, int64_t n_ff,
+                                                                   int64_t total, float limit,
+                                                                   ds4_block_q8_K *__restrict__ out) {
+    cuda_grid_wait();
+    const int64_t gw = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gw >= total) return; /* the whole warp */
+    const int64_t nb = n_ff / DS4_QK_K, row = gw / nb, ib = gw % nb;
+    const int64_t i = row * n_ff + ib * DS4_QK_K + 8 * (threadIdx.x & 31);
+    const float4 g0 = *(const float4 *)(g + i), g1 = *(const float4 *)(g + i + 4);
+    const float4 u0 = *(const float4 *)(u + i), u1 = *(const float4 *)(u + i + 4);
+    const float wr = weights[row];
+    const float v[8] = { cuda_swiglu1(g0.x, u0.x, limit, wr), cuda_swiglu1(g0.y, u0.y, limit, wr),
+                         cuda_swiglu1(g0.z, u0.z, limit, wr), cuda_swiglu1(g0.w, u0.w, limit, wr),
+                         cuda_swiglu1(g1.x, u1.x, limit, wr), cuda_swiglu1(g1.y, u1.y, limit, wr),
+                         cuda_swiglu1(g1.z, u1.z, limit, wr), cuda_swiglu1(g1.w, u1.w, limit, wr) };
+    q8_K_warp(v, q8_K_place(out, row, ib, nb, true));
+}
+
 /* DS4's Q8_0 activations, one warp per 32-block: d = amax / 127 (float),
  * id = 1/d (0 when d == 0), q = round-half-even(x * id) clamped. Layout:
  * interleaved act_q8_0 blocks (the general kernels and the GEMM), or, when
@@ -213,6 +305,33 @@ __global__ void __launch_bounds__(256) quant_q8_0_kernel(const float *__restrict
         out[gw].q[lane] = q;
         if (lane == 0) out[gw].d = d;
     }
+}
+
+/* quant_q8_0_kernel with two lanes a block (cuda_q8_0_quant_half: 16
+ * values each, the same d and codes), 128 blocks a thread block, rows
+ * 16-byte aligned: 16-byte loads instead of one float a lane. */
+__global__ void __launch_bounds__(256) quant_q8_0_pair_kernel(const float *__restrict__ x, int64_t x_stride, int64_t nb,
+                                                              int64_t total, act_q8_0 *__restrict__ out, int split) {
+    cuda_grid_wait();
+    const int64_t gb = ((int64_t)blockIdx.x * 256 + threadIdx.x) >> 1;
+    const int half = threadIdx.x & 1;
+    const int64_t b = gb < total ? gb : total - 1; /* (both lanes of a pair take the shuffle) */
+    const int64_t row = b / nb, ib = b % nb;
+    const float4 *src = (const float4 *)(x + row * x_stride + ib * DS4_QK8_0) + 4 * half;
+    const float4 v[4] = { src[0], src[1], src[2], src[3] };
+    uint4 codes;
+    const float d = cuda_q8_0_quant_half(v, &codes);
+    if (gb >= total) return;
+    uint32_t *q;
+    if (split) {
+        uint8_t *r = (uint8_t *)out + row * nb * (int64_t)sizeof(act_q8_0);
+        q = (uint32_t *)(r + ib * DS4_QK8_0 + 16 * half);
+        if (half == 0) ((float *)(r + nb * DS4_QK8_0))[ib] = d;
+    } else {
+        q = (uint32_t *)(out[gb].q + 16 * half);
+        if (half == 0) out[gb].d = d;
+    }
+    q[0] = codes.x, q[1] = codes.y, q[2] = codes.z, q[3] = codes.w;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -636,18 +755,30 @@ static size_t act_bytes(mm_mode mode, int64_t n, int64_t n_rows) {
 
 static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
 
+/* The quantisers' warp and lane-pair kernels (ds4_cuda_backend_set_wide_rows
+ * 0: a thread a value; the same bits either way). */
+static bool quant_vec_on(ds4_backend *be) { return cuda_impl(be)->wide_rows; }
+
 /* Quantise n_rows rows of n floats (x_stride apart) into dst for `mode`,
  * n / block elements per row; Q8_0 and Q8_K in the matvec kernels' split
  * layouts when for_mv. Float kinds: nothing to do (act = x). */
 static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t x_stride, int64_t n, int64_t n_rows,
                           void *dst, bool for_mv) {
+    /* rows 16-byte aligned: the warp (Q8_K) and lane-pair (Q8_0) kernels, the same bits */
+    const bool vec = quant_vec_on(be) && (uintptr_t)x % 16 == 0 && x_stride % 4 == 0;
     if (mode == MM_Q8_K) {
         const int64_t nb = n / DS4_QK_K;
+        if (vec)
+            return cuda_launch(be, "quant_q8_K_warp_kernel", quant_q8_K_warp_kernel, (unsigned)cdiv(nb * n_rows, 8),
+                               256, 0, x, x_stride, nb, nb * n_rows, (ds4_block_q8_K *)dst, for_mv ? 1 : 0);
         return cuda_launch(be, "quant_q8_K_kernel", quant_q8_K_kernel, (unsigned)(nb * n_rows), 256, 0, x, x_stride,
                            nb, (ds4_block_q8_K *)dst, for_mv ? 1 : 0);
     }
     if (mode == MM_Q8_0) {
         const int64_t nb = n / DS4_QK8_0, total = nb * n_rows;
+        if (vec)
+            return cuda_launch(be, "quant_q8_0_pair_kernel", quant_q8_0_pair_kernel, (unsigned)cdiv(total, 128), 256,
+                               0, x, x_stride, nb, total, (act_q8_0 *)dst, for_mv ? 1 : 0);
         return cuda_launch(be, "quant_q8_0_kernel", quant_q8_0_kernel, (unsigned)cdiv(total, 8), 256, 0, x, x_stride,
                            nb, total, (act_q8_0 *)dst, for_mv ? 1 : 0);
     }
@@ -1192,10 +1323,16 @@ static const void *moe_mids(ds4_backend *be, mm_mode md, float *g, const float *
                             int64_t slots, float limit) {
     if (cuda_impl(be)->moe_xq && md == MM_Q8_K && n_ff % DS4_QK_K == 0) {
         void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, act_bytes(md, n_ff, slots));
-        if (!q || !cuda_launch(be, "moe_swiglu_q8_K_kernel", moe_swiglu_q8_K_kernel,
-                               (unsigned)(slots * (n_ff / DS4_QK_K)), 256, 0, g, u, d_w, n_ff, limit,
-                               (ds4_block_q8_K *)q))
+        if (!q) return NULL;
+        const int64_t total = slots * (n_ff / DS4_QK_K);
+        if (quant_vec_on(be) && (uintptr_t)g % 16 == 0 && (uintptr_t)u % 16 == 0) {
+            if (!cuda_launch(be, "moe_swiglu_q8_K_warp_kernel", moe_swiglu_q8_K_warp_kernel, (unsigned)cdiv(total, 8),
+                             256, 0, (const float *)g, u, d_w, n_ff, total, limit, (ds4_block_q8_K *)q))
+                return NULL;
+        } else if (!cuda_launch(be, "moe_swiglu_q8_K_kernel", moe_swiglu_q8_K_kernel, (unsigned)total, 256, 0, g, u,
+                                d_w, n_ff, limit, (ds4_block_q8_K *)q)) {
             return NULL;
+        }
         return q;
     }
     const int64_t n_mid = slots * n_ff;
