@@ -185,7 +185,10 @@ static void test_head_norm_rope(void) {
         bool round_kv, fused;
     } cases[] = {
         { 5, 64, 512, 64, 1.0f, 0, false, true },
+        { 9, 64, 512, 64, 1.0f, 0, false, true }, /* rows enough for the warp a head (CUDA_WIDE_MIN_ROWS) */
         { 3, 1, 512, 64, 16.0f, DS4_TYPE_F32, true, true },
+        { 12, 1, 512, 64, 16.0f, DS4_TYPE_F32, true, true },
+        { 8, 2, 352, 18, 1.0f, DS4_TYPE_F32, true, true },
         { 4, 1, 512, 64, 16.0f, DS4_TYPE_F16, true, true },
         { 2, 64, 128, 64, 16.0f, 0, false, true },
         { 3, 2, 352, 16, 1.0f, DS4_TYPE_F32, true, true },
@@ -291,6 +294,7 @@ static void test_head_norm_rope2(void) {
     } cases[] = {
         { 1, 64, 512, 64, DS4_TYPE_F32, 0, true }, /* the model's decode */
         { 5, 64, 512, 64, DS4_TYPE_F32, 0, true },
+        { 10, 64, 512, 64, DS4_TYPE_F32, 0, true }, /* the warp a head (rows >= CUDA_WIDE_MIN_ROWS) */
         { 3, 2, 352, 18, DS4_TYPE_F16, 0, true },
         { 3, 2, 352, 18, DS4_TYPE_F16, DS4_TYPE_F32, true },
         { 3, 2, 352, 18, DS4_TYPE_F16, DS4_TYPE_F16, false }, /* two converted weights: the two calls */
@@ -867,6 +871,21 @@ static void attention_rows_f16_case(op_pair *p, int64_t nh, bool sel) {
     for (int64_t i = 0; i < N * nh * dim; i++) tol[i] *= 4.0;
     compare_each(what, p, out, N * nh * dim, tol);
     expect_untouched(what, p, out, N * nh * dim, GUARD);
+    /* the combine (1 to 3 splits here) with a block per (head, row) against its warp form: the same bits */
+    {
+        ds4_cuda_backend_set_wide_rows(p->gpu, 0);
+        p->gpu->ops->attention_rows_f16(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, ig, k, &sinks->g,
+                                        ref.g);
+        ds4_cuda_backend_set_wide_rows(p->gpu, env_on_default("DS4_CUDA_WIDE_ROWS", true));
+        op_expect_ok(p);
+        float *h1 = malloc((size_t)(N * nh * dim) * sizeof *h1), *h2 = malloc((size_t)(N * nh * dim) * sizeof *h2);
+        p->gpu->ops->download(p->gpu, h1, out.g, N * nh * dim);
+        p->gpu->ops->download(p->gpu, h2, ref.g, N * nh * dim);
+        CHECK_MSG(memcmp(h1, h2, (size_t)(N * nh * dim) * sizeof *h1) == 0, "%s: the combine's block and warp forms differ",
+                  what);
+        free(h1);
+        free(h2);
+    }
     /* the tensor cores off: the op it replaces, bit for bit */
     ds4_cuda_backend_set_att_tc(p->gpu, 0);
     p->gpu->ops->attention_rows_f16(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, ig, k, &sinks->g, out.g);

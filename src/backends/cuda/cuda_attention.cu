@@ -394,8 +394,10 @@ static __global__ void __launch_bounds__(32 * HNR_WARPS)
     else head_norm_rope_warp<ROUND_B>(b.x, head_dim, b.w, eps, rp, head, cs);
 }
 
-static bool hnr_warp_on(ds4_backend *be, int64_t head_dim) {
-    return cuda_impl(be)->wide_rows && head_dim <= HNR_WARP_DIM;
+/* (rows >= CUDA_WIDE_MIN_ROWS: a decoded token's 65 heads are faster as
+ * 65 blocks, each head's loads and sums spread over more threads) */
+static bool hnr_warp_on(ds4_backend *be, int64_t n_rows, int64_t head_dim) {
+    return cuda_impl(be)->wide_rows && n_rows >= CUDA_WIDE_MIN_ROWS && head_dim <= HNR_WARP_DIM;
 }
 
 /* The warp kernel for sets a and b (b.blocks may be 0). */
@@ -431,7 +433,7 @@ void cuda_head_norm_rope_fused(ds4_backend *be, float *x, int64_t n_rows, int64_
         (const int32_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_ATTN_CTRL, pos, (size_t)n_rows * sizeof(int32_t));
     if (!d_pos) return;
     const rope_params rp = rope_params_of(rope, false);
-    if (hnr_warp_on(be, head_dim)) {
+    if (hnr_warp_on(be, n_rows, head_dim)) {
         hnr_set a, b;
         memset(&a, 0, sizeof a); /* (recorded steps compare argument bytes) */
         memset(&b, 0, sizeof b);
@@ -473,7 +475,7 @@ void cuda_head_norm_rope2_fused(ds4_backend *be, float *xa, int64_t heads_a, con
     memset(&b, 0, sizeof b);
     a.x = xa, a.w = wa, a.n_heads = heads_a, a.blocks = n_rows * heads_a;
     b.x = xb, b.w = wb, b.n_heads = heads_b, b.blocks = n_rows * heads_b;
-    if (hnr_warp_on(be, head_dim)) {
+    if (hnr_warp_on(be, n_rows, head_dim)) {
         hnr_warp_launch(be, a, b, round_a, round_b, head_dim, eps, d_pos, rp);
         return;
     }
@@ -867,13 +869,18 @@ static __global__ void __launch_bounds__(ATT_THREADS)
  * a warp per (row, head), 8 heads a block, every lane forming the factors
  * and the denominator itself, with attention_combine_kernel's operations
  * in its order (the max does not depend on the order; the denominator's
- * and each output's FMA chains run in split order): the same bits, without
- * a block's barriers for 2 or 3 splits of 514 floats. */
+ * and each output's FMA chains run in split order): the same bits. A lane
+ * takes EL of its elements (i = lane + 32 k) at a time with every split's
+ * loads of them in flight together (NS x EL = 64: for 2 or 3 splits all of
+ * a 512-wide head at once), where one element at a time left a lane
+ * waiting on a load round trip per element. */
 #define ATT_COMB_WARP_SPLITS 16
 #define ATT_COMB_WARP_HEADS 8
+template <int NS>
 static __global__ void __launch_bounds__(32 * ATT_COMB_WARP_HEADS)
     attention_combine_warp_kernel(const float *__restrict__ part, int64_t n_heads, int64_t n_splits, int64_t dim,
                                   const void *sinks, uint32_t sinks_type, float *__restrict__ out) {
+    constexpr int EL = 64 / NS;
     const int lane = threadIdx.x & 31;
     const int64_t h = (int64_t)blockIdx.x * ATT_COMB_WARP_HEADS + (threadIdx.x >> 5);
     if (h >= n_heads) return; /* the whole warp */
@@ -882,27 +889,36 @@ static __global__ void __launch_bounds__(32 * ATT_COMB_WARP_HEADS)
     const int64_t stride = dim + 2;
     const float *ph = part + (blockIdx.y * n_heads + h) * n_splits * stride;
     out += (blockIdx.y * n_heads + h) * dim;
-    float f[ATT_COMB_WARP_SPLITS], dn[ATT_COMB_WARP_SPLITS];
+    float f[NS], dn[NS];
     float M = sink;
 #pragma unroll
-    for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++) {
+    for (int s = 0; s < NS; s++) {
         f[s] = s < n_splits ? ph[s * stride] : -INFINITY;
         dn[s] = s < n_splits ? ph[s * stride + 1] : 0.0f;
         M = fmaxf(M, f[s]);
     }
 #pragma unroll
-    for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++) f[s] = f[s] == -INFINITY ? 0.0f : expf(f[s] - M);
+    for (int s = 0; s < NS; s++) f[s] = f[s] == -INFINITY ? 0.0f : expf(f[s] - M);
     float den = expf(sink - M);
 #pragma unroll
-    for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++)
+    for (int s = 0; s < NS; s++)
         if (s < n_splits) den = fmaf(dn[s], f[s], den);
     const float inv = 1.0f / den;
-    for (int64_t i = lane; i < dim; i += 32) {
-        float o = 0.0f;
+    for (int64_t i0 = lane; i0 < dim; i0 += 32 * EL) {
+        float v[EL][NS];
 #pragma unroll
-        for (int s = 0; s < ATT_COMB_WARP_SPLITS; s++)
-            if (s < n_splits) o = fmaf(ph[s * stride + 2 + i], f[s], o);
-        out[i] = o * inv;
+        for (int k = 0; k < EL; k++)
+#pragma unroll
+            for (int s = 0; s < NS; s++)
+                v[k][s] = s < n_splits && i0 + 32 * k < dim ? ph[s * stride + 2 + i0 + 32 * k] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < EL; k++) {
+            float o = 0.0f;
+#pragma unroll
+            for (int s = 0; s < NS; s++)
+                if (s < n_splits) o = fmaf(v[k][s], f[s], o);
+            if (i0 + 32 * k < dim) out[i0 + 32 * k] = o * inv;
+        }
     }
 }
 
@@ -913,7 +929,9 @@ static size_t att_combine_smem(int64_t n_splits);
 static void att_combine_rows(ds4_backend *be, const float *part, int64_t n, int64_t n_heads, int64_t n_splits,
                              int64_t dim, const void *sinks, uint32_t sinks_type, float *out) {
     if (cuda_impl(be)->wide_rows && n_splits <= ATT_COMB_WARP_SPLITS) {
-        (void)cuda_launch(be, "attention_combine_warp_kernel", attention_combine_warp_kernel,
+        typedef void (*fn_t)(const float *, int64_t, int64_t, int64_t, const void *, uint32_t, float *);
+        const fn_t fn = n_splits <= 4 ? attention_combine_warp_kernel<4> : attention_combine_warp_kernel<ATT_COMB_WARP_SPLITS>;
+        (void)cuda_launch(be, "attention_combine_warp_kernel", fn,
                           dim3((unsigned)((n_heads + ATT_COMB_WARP_HEADS - 1) / ATT_COMB_WARP_HEADS), (unsigned)n),
                           32 * ATT_COMB_WARP_HEADS, 0, part, n_heads, n_splits, dim, sinks, sinks_type, out);
         return;

@@ -399,7 +399,7 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
 
 /*
  * hc_partial_rows_kernel: hc_partial_kernel<T, true, POST, true> for
- * HC_ROWS rows a block (block (row group, chunk)). A prefill's rows each
+ * HC_ROWS rows a block (block (chunk, row group)). A prefill's rows each
  * read the whole fn (16384 x 24 F16 values, 786 KB at real size) from the
  * L2 in the one-row kernel, 1.6 GB for 2,048 rows; here each 4-row piece of
  * fn is loaded once for HC_ROWS rows. Every dot and square sum of a
@@ -413,7 +413,10 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
     __shared__ double red_d[HC_ROWS][HC_PART_THREADS / 32];
     __shared__ float red_f[HC_ROWS][HC_PART_THREADS / 32][HC_MAX_MIX];
     const int64_t hc_dim = (int64_t)a.n_hc * a.dim;
-    const int64_t row0 = (int64_t)blockIdx.x * HC_ROWS, chunk = blockIdx.y, n_chunks = gridDim.y;
+    /* (chunks fastest: the blocks of one row group's chunks run together, so
+     * hc_post's state before, read by the chunks of all four streams at one
+     * position, is still in the L2 when the next stream's chunk reads it) */
+    const int64_t row0 = (int64_t)blockIdx.y * HC_ROWS, chunk = blockIdx.x, n_chunks = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t i0 = chunk * HC_CHUNK + (int64_t)threadIdx.x * HC_PER_THREAD;
     const bool in = i0 < hc_dim;
@@ -794,14 +797,14 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
                                        : (vec ? hc_partial_for<true, false>(a.fn_type, all)
                                               : hc_partial_for<false, false>(a.fn_type, all));
     const unsigned groups = all ? 1u : (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
-    if (all && vec && cuda_impl(be)->wide_rows && n_rows >= HC_ROWS) { /* HC_ROWS rows a block */
+    if (all && vec && cuda_impl(be)->wide_rows && n_rows >= HC_ROWS && (n_rows + HC_ROWS - 1) / HC_ROWS <= 65535) {
         typedef void (*rows_fn)(hc_args, int, int64_t, hc_part *, hc_post_args);
         const rows_fn fn = a.fn_type == DS4_TYPE_F32
                                ? (post ? hc_partial_rows_kernel<DS4_TYPE_F32, true> : hc_partial_rows_kernel<DS4_TYPE_F32, false>)
                            : a.fn_type == DS4_TYPE_F16
                                ? (post ? hc_partial_rows_kernel<DS4_TYPE_F16, true> : hc_partial_rows_kernel<DS4_TYPE_F16, false>)
                                : (post ? hc_partial_rows_kernel<DS4_TYPE_BF16, true> : hc_partial_rows_kernel<DS4_TYPE_BF16, false>);
-        if (!cuda_launch(be, what, fn, dim3((unsigned)((n_rows + HC_ROWS - 1) / HC_ROWS), (unsigned)n_chunks),
+        if (!cuda_launch(be, what, fn, dim3((unsigned)n_chunks, (unsigned)((n_rows + HC_ROWS - 1) / HC_ROWS)),
                          HC_PART_THREADS, 0, a, n_mix, n_rows, part, pa))
             return;
     } else if (!cuda_launch(be, what, partial, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0,

@@ -96,6 +96,10 @@ typedef enum cuda_check_code {
 
 /* executable graphs kept: one per segment of each step shape (which
  * compressors emit a row), see cuda_launch.cu */
+/* Rows from which the row kernels take their warp and several-row forms
+ * (wide_rows): below it (a decoded token's few rows) the block forms,
+ * whose more threads a row are faster for so little work. */
+#define CUDA_WIDE_MIN_ROWS 8
 #define CUDA_GRAPH_CACHE 48
 
 /* One recorded launch of a step (cuda_launch.cu): a kernel with its
@@ -197,7 +201,7 @@ typedef struct cuda_backend {
     uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
     int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
-    bool wide_rows;   /* the row kernels' warp and several-row forms: head_norm_rope's warp a head, hc_pre's partial pass of
+    bool wide_rows;   /* the row kernels' warp and several-row forms (for at least CUDA_WIDE_MIN_ROWS rows): head_norm_rope's warp a head, hc_pre's partial pass of
                        * HC_ROWS rows a block, the quantisers' warp / lane-pair kernels, the attention combine's warp
                        * a head (on by default; DS4_CUDA_WIDE_ROWS=0: the block forms; the same bits either way) */
     bool router_reg;  /* the router's keys and probabilities on chip (router_reg_kernel; off by default, DS4_CUDA_ROUTER_REG=1 turns it on: measured slower in decode) */

@@ -765,7 +765,7 @@ static bool quant_vec_on(ds4_backend *be) { return cuda_impl(be)->wide_rows; }
 static bool quantize_acts(ds4_backend *be, mm_mode mode, const float *x, int64_t x_stride, int64_t n, int64_t n_rows,
                           void *dst, bool for_mv) {
     /* rows 16-byte aligned: the warp (Q8_K) and lane-pair (Q8_0) kernels, the same bits */
-    const bool vec = quant_vec_on(be) && (uintptr_t)x % 16 == 0 && x_stride % 4 == 0;
+    const bool vec = quant_vec_on(be) && n_rows >= CUDA_WIDE_MIN_ROWS && (uintptr_t)x % 16 == 0 && x_stride % 4 == 0;
     if (mode == MM_Q8_K) {
         const int64_t nb = n / DS4_QK_K;
         if (vec)
@@ -1325,7 +1325,7 @@ static const void *moe_mids(ds4_backend *be, mm_mode md, float *g, const float *
         void *q = cuda_scratch(be, CUDA_SCRATCH_MOE_ACT, act_bytes(md, n_ff, slots));
         if (!q) return NULL;
         const int64_t total = slots * (n_ff / DS4_QK_K);
-        if (quant_vec_on(be) && (uintptr_t)g % 16 == 0 && (uintptr_t)u % 16 == 0) {
+        if (quant_vec_on(be) && slots >= CUDA_WIDE_MIN_ROWS && (uintptr_t)g % 16 == 0 && (uintptr_t)u % 16 == 0) {
             if (!cuda_launch(be, "moe_swiglu_q8_K_warp_kernel", moe_swiglu_q8_K_warp_kernel, (unsigned)cdiv(total, 8),
                              256, 0, (const float *)g, u, d_w, n_ff, total, limit, (ds4_block_q8_K *)q))
                 return NULL;
