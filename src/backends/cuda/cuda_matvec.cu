@@ -1705,21 +1705,29 @@ struct moe_mma_args {
  * CH bytes (16 where the block size allows, else 4): a block of BB bytes
  * starts `shift` = (its address & (CH - 1)) bytes into its first piece
  * (IQ2_XXS's 66-byte blocks: 0 or 2; Q2_K's 84 and Q4_K's 144: 0) and sits
- * so in its row of shared memory. Two threads share a row. */
-template <uint32_t T> struct moe_raw {
+ * so in its row of shared memory. W16 (rows of a multiple of 16 bytes from
+ * a 16-byte aligned base: the real model's experts): the 16-byte pieces of
+ * the aligned window around the block (IQ2_XXS: 5 of them, its shift 0 ..
+ * 14; Q2_K: 6, shift 0 .. 12), which never leave the block's row, instead
+ * of 17 or 22 pieces of 4 bytes: fewer copies and address sums a stage. */
+template <uint32_t T, bool W16 = false> struct moe_raw {
     static constexpr int BB = mvt<T>::BLOCK_BYTES;
-    static constexpr int CH = BB % 16 == 0 ? 16 : 4;
-    static constexpr int PIECES = (BB % CH == 0 ? BB : BB + 2 + CH - 1) / CH; /* pieces a row's block may span */
-    static constexpr int PITCH = (CH * PIECES + 15) / 16 * 16;                /* bytes per row in shared memory */
+    static constexpr int CH = BB % 16 == 0 || W16 ? 16 : 4;
+    static constexpr int GCD16 = BB % 16 == 0 ? 16 : BB % 8 == 0 ? 8 : BB % 4 == 0 ? 4 : BB % 2 == 0 ? 2 : 1;
+    static constexpr int PIECES = BB % 16 == 0 ? BB / 16
+                                  : W16        ? (BB + (16 - GCD16) + 15) / 16 /* the largest shift is 16 - gcd */
+                                               : (BB + 2 + CH - 1) / CH;     /* pieces a row's block may span */
+    static constexpr int PITCH = (CH * PIECES + 15) / 16 * 16; /* bytes per row in shared memory */
+    static_assert(W16 || BB % 16 == 0 || BB % 2 == 0, "4-byte pieces: blocks 2-byte aligned");
 };
 
 /* The cp.asyncs of stage st's raw blocks (rows n0..; rows past n_rows read
  * nothing and are zero-filled), PER threads a row; no copy reads past the
  * block. */
-template <uint32_t T, int PER>
+template <uint32_t T, int PER, bool W16>
 static __device__ __forceinline__ void moe_raw_fetch(uint8_t *s_raw, const uint8_t *wexp, int64_t row_bytes,
                                                      int64_t n_rows, int64_t n0, int64_t st) {
-    typedef moe_raw<T> R;
+    typedef moe_raw<T, W16> R;
     const int r = threadIdx.x / PER, part = threadIdx.x % PER;
     const bool ok = n0 + r < n_rows;
     const uint8_t *blk = wexp + (ok ? (n0 + r) * row_bytes + st * R::BB : 0);
@@ -1731,7 +1739,8 @@ static __device__ __forceinline__ void moe_raw_fetch(uint8_t *s_raw, const uint8
         const int left = shift + R::BB - R::CH * j; /* the block's bytes from this piece on */
         const int n = !ok ? 0 : left >= R::CH ? R::CH : left;
         if constexpr (R::CH == 16) {
-            cp_async16(dst + 16 * j, src + 16 * j, ok);
+            /* (W16: a piece that starts inside the block lies inside its row; later ones read nothing) */
+            cp_async16(dst + 16 * j, src + 16 * j, ok && left > 0);
         } else {
             const unsigned d = cuda_smem_addr(dst + 4 * j);
             asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src + 4 * j), "r"(n)
@@ -1741,13 +1750,15 @@ static __device__ __forceinline__ void moe_raw_fetch(uint8_t *s_raw, const uint8
 }
 
 /* Where the block of row n at stage st starts in its row of shared memory. */
-template <uint32_t T>
+template <uint32_t T, bool W16>
 static __device__ __forceinline__ int moe_raw_shift(const uint8_t *wexp, int64_t row_bytes, int64_t n, int64_t st) {
-    return (int)((uintptr_t)(wexp + n * row_bytes + st * moe_raw<T>::BB) & (moe_raw<T>::CH - 1));
+    typedef moe_raw<T, W16> R;
+    if constexpr (W16) return (int)((st * R::BB) & 15); /* (the row starts 16-byte aligned) */
+    return (int)((uintptr_t)(wexp + n * row_bytes + st * R::BB) & (R::CH - 1));
 }
 
-/* Shared memory of moe_mma_kernel<T, NT> (dynamic: past 48 KB), in order. */
-template <uint32_t T, int NT> struct moe_smem {
+/* Shared memory of moe_mma_kernel<T, NT, W16> (dynamic: past 48 KB), in order. */
+template <uint32_t T, int NT, bool W16> struct moe_smem {
     static constexpr bool FOLD = T == DS4_TYPE_Q2_K, HAS_MIN = mvq<T>::HAS_MIN;
     static constexpr int HALVES = T == DS4_TYPE_Q2_K ? 2 : 1; /* distinct mins per sub-block */
     static constexpr size_t W = 0;                                                  /* decoded codes */
@@ -1755,7 +1766,7 @@ template <uint32_t T, int NT> struct moe_smem {
     static constexpr size_t RAW = X + 2 * moe_tiles<NT>::TOKENS * MOE_MMA_PITCH;   /* 2 stages of raw blocks */
     /* (rows of the scale tables padded by a word: the fragment reads of rows g = 0..7 hit 8 banks) */
     static constexpr int MUL_PITCH = 9, MIN_PITCH = 8 * HALVES + 1;
-    static constexpr size_t MUL = RAW + 2 * MOE_MMA_BM * moe_raw<T>::PITCH;                /* int [64][9] */
+    static constexpr size_t MUL = RAW + 2 * MOE_MMA_BM * moe_raw<T, W16>::PITCH;           /* int [64][9] */
     static constexpr size_t MIN = MUL + (FOLD ? 0 : (MOE_MMA_BM * MUL_PITCH * 4 + 15) / 16 * 16); /* u32 [64][..] */
     static constexpr size_t D = MIN + (HAS_MIN ? (MOE_MMA_BM * MIN_PITCH * 4 + 15) / 16 * 16 : 0); /* d[64], dm[64] */
     static constexpr size_t XD = D + 2 * MOE_MMA_BM * 4;                            /* float [2][8 NT] */
@@ -1763,30 +1774,54 @@ template <uint32_t T, int NT> struct moe_smem {
     static constexpr size_t BYTES = TAB + (T == DS4_TYPE_IQ2_XXS ? sizeof(iq2_tables) : 0);
 };
 
+/* This thread's pieces of a stage's activation codes (moe_x_fetch): piece
+ * it is 16 bytes of token t = i / 16 (i = tid + it THREADS), its source
+ * row's start for stage 0 (src; st * 256 bytes on for stage st), its place
+ * in s_x (dst) and whether it copies (t < 8 n_tiles) and reads (t < rows):
+ * made once, so a stage's copies take no address arithmetic. */
+template <int NT> struct moe_x_pieces {
+    static constexpr int IT = moe_tiles<NT>::TOKENS * 16 / moe_tiles<NT>::THREADS;
+    const uint8_t *src[IT];
+    int dst[IT];
+    bool use[IT], ok[IT];
+    const float *xd; /* tid < 8 NT: its token's scales (NULL past the group's rows) */
+};
+template <int NT>
+static __device__ __forceinline__ moe_x_pieces<NT> moe_x_plan(const uint8_t *x0, int64_t xrow, int rows, int n_tiles,
+                                                              int64_t act_blocks) {
+    typedef moe_tiles<NT> N;
+    moe_x_pieces<NT> p;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int it = 0; it < p.IT; it++) {
+        const int i = tid + it * N::THREADS, t = i >> 4, c = i & 15;
+        p.use[it] = t < 8 * n_tiles;
+        p.ok[it] = t < rows;
+        p.src[it] = x0 + (t < rows ? t * xrow + 16 * c : 0);
+        p.dst[it] = t * MOE_MMA_PITCH + 16 * c;
+    }
+    p.xd = tid < N::TOKENS && tid < rows ? (const float *)(x0 + tid * xrow + act_blocks * DS4_QK_K) : NULL;
+    return p;
+}
+
 /* Stage st's activation codes of the group's first 8 n_tiles rows into s_x
  * (cp.async; rows past the group's zero-filled), and this thread's scale
  * (tid < 8 NT) for s_xd. */
 template <int NT>
-static __device__ __forceinline__ void moe_x_fetch(uint8_t *s_x, const uint8_t *x0, int64_t xrow, int rows,
-                                                   int n_tiles, int64_t act_blocks, int64_t st, float *xd) {
+static __device__ __forceinline__ void moe_x_fetch(uint8_t *s_x, const moe_x_pieces<NT> &p, int64_t st, float *xd) {
     typedef moe_tiles<NT> N;
-    const int tid = threadIdx.x;
 #pragma unroll
-    for (int it = 0; it < N::TOKENS * 16 / N::THREADS; it++) {
-        const int i = tid + it * N::THREADS, t = i >> 4, c = i & 15;
-        if (t < 8 * n_tiles)
-            cp_async16(s_x + t * MOE_MMA_PITCH + 16 * c, x0 + (t < rows ? t * xrow + st * DS4_QK_K + 16 * c : 0),
-                       t < rows);
-    }
+    for (int it = 0; it < p.IT; it++)
+        if (p.use[it]) cp_async16(s_x + p.dst[it], p.src[it] + (p.ok[it] ? st * DS4_QK_K : 0), p.ok[it]);
     cp_async_commit();
-    if (tid < N::TOKENS) *xd = tid < rows ? ((const float *)(x0 + tid * xrow + act_blocks * DS4_QK_K))[st] : 0.0f;
+    if (threadIdx.x < N::TOKENS) *xd = p.xd ? p.xd[st] : 0.0f;
 }
 
-template <uint32_t T, int NT>
+template <uint32_t T, int NT, bool W16>
 __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma_args a) {
     typedef mvq<T> K;
-    typedef moe_raw<T> R;
-    typedef moe_smem<T, NT> L;
+    typedef moe_raw<T, W16> R;
+    typedef moe_smem<T, NT, W16> L;
     typedef moe_tiles<NT> N;
     constexpr bool FOLD = L::FOLD; /* scales folded into the codes */
     constexpr int HALVES = L::HALVES;
@@ -1826,8 +1861,9 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
     /* the pipeline: stage st + 1's raw weights (registers) and activations
      * (cp.async) are in flight while stage st is decoded and multiplied */
     float xd_next = 0.0f;
-    moe_raw_fetch<T, N::PER_ROW>(s_raw[0], wexp, a.row_bytes, a.rows_per_expert, n0, 0);
-    moe_x_fetch<NT>(s_x[0], x0, xrow, rows, n_tiles, a.act_blocks, 0, &xd_next); /* (commits both) */
+    const moe_x_pieces<NT> xp = moe_x_plan<NT>(x0, xrow, rows, n_tiles, a.act_blocks);
+    moe_raw_fetch<T, N::PER_ROW, W16>(s_raw[0], wexp, a.row_bytes, a.rows_per_expert, n0, 0);
+    moe_x_fetch<NT>(s_x[0], xp, 0, &xd_next); /* (commits both) */
     if (tid < N::TOKENS) s_xd[0][tid] = xd_next;
     cp_async_wait<0>();
 
@@ -1837,8 +1873,8 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
         __syncthreads(); /* stage st's raw blocks and activations are in; the previous MMAs are done */
         const bool more = st + 1 < a.act_blocks;
         if (more) {
-            moe_raw_fetch<T, N::PER_ROW>(s_raw[(st + 1) & 1], wexp, a.row_bytes, a.rows_per_expert, n0, st + 1);
-            moe_x_fetch<NT>(s_x[(st + 1) & 1], x0, xrow, rows, n_tiles, a.act_blocks, st + 1, &xd_next);
+            moe_raw_fetch<T, N::PER_ROW, W16>(s_raw[(st + 1) & 1], wexp, a.row_bytes, a.rows_per_expert, n0, st + 1);
+            moe_x_fetch<NT>(s_x[(st + 1) & 1], xp, st + 1, &xd_next);
         }
 #pragma unroll 2
         for (int it = 0; it < MOE_MMA_BM * 8 / N::THREADS; it++) {
@@ -1846,7 +1882,7 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
             int w[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, mul[2] = { 0, 0 }, mmul[2] = { 0, 0 };
             float d = 0.0f, dm = 0.0f;
             if (n0 + r < a.rows_per_expert) {
-                const uint8_t *blk = s_raw[st & 1] + r * R::PITCH + moe_raw_shift<T>(wexp, a.row_bytes, n0 + r, st);
+                const uint8_t *blk = s_raw[st & 1] + r * R::PITCH + moe_raw_shift<T, W16>(wexp, a.row_bytes, n0 + r, st);
                 K::codes(blk, sub, tab, w, mul, mmul);
                 if (sub == 0) K::scales(blk, d, dm);
             }
@@ -1939,19 +1975,27 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
     }
 }
 
-template <uint32_t T, int NT>
+template <uint32_t T, int NT, bool W16>
 static bool moe_mma_launch_nt(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a) {
     /* per call: the attribute belongs to the current device */
-    const size_t smem = moe_smem<T, NT>::BYTES;
-    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T, NT>, smem, "moe (tensor cores)", a.act_blocks) &&
-           cuda_launch(be, name, moe_mma_kernel<T, NT>, grid, moe_tiles<NT>::THREADS, smem, a);
+    const size_t smem = moe_smem<T, NT, W16>::BYTES;
+    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T, NT, W16>, smem, "moe (tensor cores)",
+                                   a.act_blocks) &&
+           cuda_launch(be, name, moe_mma_kernel<T, NT, W16>, grid, moe_tiles<NT>::THREADS, smem, a);
 }
 
-/* the kernel of four token tiles while every group fits it, else of eight */
+/* the kernel of four token tiles while every group fits it, else of eight;
+ * with 16-byte pieces of the raw blocks where every row starts 16-byte
+ * aligned (moe_raw's W16; DS4_CUDA_MOE_W16=0: never) */
 template <uint32_t T>
 static bool moe_mma_launch(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a, int max_rows) {
-    return max_rows <= moe_tiles<4>::TOKENS ? moe_mma_launch_nt<T, 4>(be, name, grid, a)
-                                            : moe_mma_launch_nt<T, 8>(be, name, grid, a);
+    static const bool w16_on = cuda_env_flag("DS4_CUDA_MOE_W16", true);
+    constexpr bool SPLIT = mvt<T>::BLOCK_BYTES % 16 != 0; /* (blocks of 16-byte multiples always take whole pieces) */
+    const bool w16 = SPLIT && w16_on && a.row_bytes % 16 == 0 && (uintptr_t)a.w[0] % 16 == 0 &&
+                     (uintptr_t)a.w[1] % 16 == 0;
+    if (max_rows <= moe_tiles<4>::TOKENS)
+        return w16 ? moe_mma_launch_nt<T, 4, SPLIT>(be, name, grid, a) : moe_mma_launch_nt<T, 4, false>(be, name, grid, a);
+    return w16 ? moe_mma_launch_nt<T, 8, SPLIT>(be, name, grid, a) : moe_mma_launch_nt<T, 8, false>(be, name, grid, a);
 }
 
 bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in) {
