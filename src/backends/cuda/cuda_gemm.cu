@@ -76,21 +76,56 @@ static __device__ __forceinline__ int lds_s8x4(const uint8_t *p) {
     return (int)((uint32_t)h[0] | ((uint32_t)h[1] << 16));
 }
 
-static __device__ __forceinline__ void load_stage(const gemm_args &a, uint8_t *sw, uint8_t *sx, int64_t n0, int64_t m0,
-                                                  int64_t st) {
+/* A thread's cp.async pieces of a stage, the same for every stage: piece k
+ * of the weights is 16 bytes of row r = i / 17 (i = tid + 128 k) at column
+ * piece c = i % 17, from w_off[k] bytes past the stage's row base, to byte
+ * 16 i of the weight stage; of the activations, row r = i / 18, c = i % 18,
+ * from x_off[k], to x_dst[k]. Rows past the tile's end read nothing (the
+ * ok masks; offset 0) and are zero-filled. Made once, so a stage's copies
+ * cost an address add each instead of a division and 64-bit products. */
+#define G_WPIECES ((G_BM * (G_WROW / 16) + G_THREADS - 1) / G_THREADS)
+#define G_XPIECES ((G_BN * (G_XROW / 16) + G_THREADS - 1) / G_THREADS)
+static_assert(G_WPIECES <= 32 && G_XPIECES <= 32, "a bit per piece");
+struct gemm_plan {
+    uint32_t w_off[G_WPIECES], x_off[G_XPIECES], x_dst[G_XPIECES];
+    uint32_t w_in, w_ok, x_in, x_ok; /* bit k: piece k exists / reads */
+};
+
+static __device__ __forceinline__ gemm_plan gemm_plan_of(const gemm_args &a, int64_t n0, int64_t m0) {
+    gemm_plan p;
+    p.w_in = p.w_ok = p.x_in = p.x_ok = 0u;
     const int t = threadIdx.x;
-    for (int i = t; i < G_BM * (G_WROW / 16); i += G_THREADS) {
-        const int r = i / (G_WROW / 16), c = i % (G_WROW / 16);
-        const bool ok = n0 + r < a.n_out;
-        const uint8_t *src = a.w + (ok ? (n0 + r) * a.row_bytes + st * G_WROW + 16 * c : 0);
-        cp_async16(sw + r * G_WROW + 16 * c, src, ok);
+#pragma unroll
+    for (int k = 0; k < G_WPIECES; k++) {
+        const int i = t + k * G_THREADS, r = i / (G_WROW / 16), c = i % (G_WROW / 16);
+        const bool in = i < G_BM * (G_WROW / 16), ok = in && n0 + r < a.n_out;
+        p.w_off[k] = ok ? (uint32_t)(r * a.row_bytes + 16 * c) : 0u;
+        p.w_in |= (uint32_t)in << k;
+        p.w_ok |= (uint32_t)ok << k;
     }
-    for (int i = t; i < G_BN * (G_XROW / 16); i += G_THREADS) {
-        const int r = i / (G_XROW / 16), c = i % (G_XROW / 16);
-        const bool ok = m0 + r < a.n_tok;
-        const uint8_t *src = a.x + (ok ? (m0 + r) * a.x_row_bytes + st * G_XROW + 16 * c : 0);
-        cp_async16(sx + r * G_XPAD + 16 * c, src, ok);
+#pragma unroll
+    for (int k = 0; k < G_XPIECES; k++) {
+        const int i = t + k * G_THREADS, r = i / (G_XROW / 16), c = i % (G_XROW / 16);
+        const bool in = i < G_BN * (G_XROW / 16), ok = in && m0 + r < a.n_tok;
+        p.x_off[k] = ok ? (uint32_t)(r * a.x_row_bytes + 16 * c) : 0u;
+        p.x_dst[k] = (uint32_t)(r * G_XPAD + 16 * c);
+        p.x_in |= (uint32_t)in << k;
+        p.x_ok |= (uint32_t)ok << k;
     }
+    return p;
+}
+
+/* Stage st's pieces (wb, xb: the tile's first weight and activation rows). */
+static __device__ __forceinline__ void load_stage(const gemm_plan &p, const uint8_t *wb, const uint8_t *xb, uint8_t *sw,
+                                                  uint8_t *sx, int64_t st) {
+    const uint8_t *ws = wb + st * G_WROW, *xs = xb + st * G_XROW;
+#pragma unroll
+    for (int k = 0; k < G_WPIECES; k++)
+        if ((p.w_in >> k) & 1u)
+            cp_async16(sw + 16 * (threadIdx.x + k * G_THREADS), ws + p.w_off[k], (p.w_ok >> k) & 1u);
+#pragma unroll
+    for (int k = 0; k < G_XPIECES; k++)
+        if ((p.x_in >> k) & 1u) cp_async16(sx + p.x_dst[k], xs + p.x_off[k], (p.x_ok >> k) & 1u);
 }
 
 /* three blocks per SM (the 73.7 KB of shared memory allow no more): up to
@@ -111,29 +146,39 @@ __global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
     float acc[2][4][4];
     zero_tile(acc);
 
-    load_stage(a, smem, smem + G_WSTAGE, n0, m0, st0);
+    /* (the tile's first rows: offsets of up to 64 rows fit 32 bits, cuda_gemm_q8_0_fits checks) */
+    const gemm_plan plan = gemm_plan_of(a, n0, m0);
+    const uint8_t *wb = a.w + n0 * a.row_bytes, *xb = a.x + m0 * a.x_row_bytes;
+    load_stage(plan, wb, xb, smem, smem + G_WSTAGE, st0);
     cp_async_commit();
     for (int64_t st = st0; st < st1; st++) {
         uint8_t *cur = smem + ((st - st0) & 1) * G_STAGE;
         if (st + 1 < st1) {
             uint8_t *nxt = smem + ((st - st0 + 1) & 1) * G_STAGE;
-            load_stage(a, nxt, nxt + G_WSTAGE, n0, m0, st + 1);
+            load_stage(plan, wb, xb, nxt, nxt + G_WSTAGE, st + 1);
         }
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
         const uint8_t *sw = cur, *sx = cur + G_WSTAGE;
-#pragma unroll 2
+#pragma unroll 2 /* (an even and an odd block: the parity known in each body) */
         for (int b = 0; b < G_KB; b++) {
             int af[2][4];
             float wd[2][2];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const uint8_t *r0 = sw + (wm + 16 * i + g) * G_WROW + 34 * b, *r1 = r0 + 8 * G_WROW;
-                af[i][0] = lds_s8x4(r0 + 2 + 4 * tq);
-                af[i][1] = lds_s8x4(r1 + 2 + 4 * tq);
-                af[i][2] = lds_s8x4(r0 + 2 + 16 + 4 * tq);
-                af[i][3] = lds_s8x4(r1 + 2 + 16 + 4 * tq);
+                if (b & 1) { /* an odd block's codes start 4-byte aligned (34 b + 2 = 68 k + 36) */
+                    af[i][0] = *(const int *)(r0 + 2 + 4 * tq);
+                    af[i][1] = *(const int *)(r1 + 2 + 4 * tq);
+                    af[i][2] = *(const int *)(r0 + 2 + 16 + 4 * tq);
+                    af[i][3] = *(const int *)(r1 + 2 + 16 + 4 * tq);
+                } else {
+                    af[i][0] = lds_s8x4(r0 + 2 + 4 * tq);
+                    af[i][1] = lds_s8x4(r1 + 2 + 4 * tq);
+                    af[i][2] = lds_s8x4(r0 + 2 + 16 + 4 * tq);
+                    af[i][3] = lds_s8x4(r1 + 2 + 16 + 4 * tq);
+                }
                 wd[i][0] = cuda_f16_to_f32(*(const uint16_t *)r0);
                 wd[i][1] = cuda_f16_to_f32(*(const uint16_t *)r1);
             }
@@ -235,7 +280,9 @@ static bool gemm_grid(ds4_backend *be, int64_t n_out, int64_t n_tok, int bm, int
 }
 
 bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, int64_t n_tok) {
-    return n_tok >= CUDA_GEMM_MIN_TOKENS && n_in % 256 == 0 && row_bytes % 16 == 0 && x_row_bytes % 16 == 0;
+    /* (rows of at most 32 MiB: a tile's 64 rows' offsets fit gemm_plan's 32 bits) */
+    return n_tok >= CUDA_GEMM_MIN_TOKENS && n_in % 256 == 0 && row_bytes % 16 == 0 && x_row_bytes % 16 == 0 &&
+           row_bytes <= ((int64_t)1 << 25) && x_row_bytes <= ((int64_t)1 << 25);
 }
 
 bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
@@ -246,6 +293,11 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
 bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
                             int64_t n_groups, const void *xq, int64_t x_row_bytes, int64_t n_tok, float *out,
                             int64_t out_stride) {
+    if (!cuda_gemm_q8_0_fits(n_in, row_bytes, x_row_bytes, n_tok)) {
+        cuda_fail(be, DS4_ERR_INVALID, "gemm: %lld tokens of rows of %lld bytes do not suit the int8 GEMM",
+                  (long long)n_tok, (long long)row_bytes);
+        return false;
+    }
     /* per call: the attribute belongs to the current device, and a process
      * may drive several */
     if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel, G_SMEM, "matmul (int8 GEMM)", n_in)) return false;
