@@ -224,6 +224,18 @@ static int64_t op_compare(const char *what, op_pair *p, op_buf b, int64_t n, dou
     return bad;
 }
 
+/* How many of the n floats of the GPU sides of a and b differ, bit for bit. */
+static inline int64_t op_gpu_differ(op_pair *p, op_buf a, op_buf b, int64_t n) {
+    float *ha = malloc((size_t)(n > 0 ? n : 1) * sizeof *ha), *hb = malloc((size_t)(n > 0 ? n : 1) * sizeof *hb);
+    p->gpu->ops->download(p->gpu, ha, a.g, n);
+    p->gpu->ops->download(p->gpu, hb, b.g, n);
+    int64_t diff = 0;
+    for (int64_t i = 0; i < n; i++) diff += memcmp(&ha[i], &hb[i], sizeof *ha) != 0;
+    free(ha);
+    free(hb);
+    return diff;
+}
+
 /* Bind the same raw weight bytes on both backends. ne1, ne2 >= 1. */
 static op_weight *op_weight_make(op_pair *p, const char *name, uint32_t type, int64_t ne0, int64_t ne1, int64_t ne2,
                                  const void *bytes) {

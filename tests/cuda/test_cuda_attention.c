@@ -570,17 +570,6 @@ static void test_attention(void) {
     op_pair_close(&p);
 }
 
-/* The GPU sides of a and b hold the same n floats, bit for bit. */
-static bool gpu_same_bits(op_pair *p, op_buf a, op_buf b, int64_t n) {
-    float *ha = malloc((size_t)n * sizeof *ha), *hb = malloc((size_t)n * sizeof *hb);
-    p->gpu->ops->download(p->gpu, ha, a.g, n);
-    p->gpu->ops->download(p->gpu, hb, b.g, n);
-    const bool same = memcmp(ha, hb, (size_t)n * sizeof *ha) == 0;
-    free(ha);
-    free(hb);
-    return same;
-}
-
 /* attention_rows: the rows of a prefill run, each with its own view of one
  * window buffer (first row, rows; empty views too) and its own count of
  * compressed rows (0 .. all), no selection, against the CPU with
@@ -622,7 +611,7 @@ static void attention_rows_case(op_pair *p, int64_t nh, int64_t dim) {
         p->gpu->ops->attention_rows(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_n, &sinks->g, o0.g);
         ds4_cuda_backend_set_wide_rows(p->gpu, env_on_default("DS4_CUDA_WIDE_ROWS", true));
         op_expect_ok(p);
-        CHECK_MSG(gpu_same_bits(p, o0, out, N * nh * dim), "%s: the combine's block and warp forms differ", what);
+        CHECK_MSG(op_gpu_differ(p, o0, out, N * nh * dim) == 0, "%s: the combine's block and warp forms differ", what);
         op_buf_free(p, &o0);
     }
     /* attention_states: the same rows as rows of different states, odd rows reading the compressed rows of
@@ -883,7 +872,7 @@ static void attention_rows_f16_case(op_pair *p, int64_t nh, bool sel) {
                                         ref.g);
         ds4_cuda_backend_set_wide_rows(p->gpu, env_on_default("DS4_CUDA_WIDE_ROWS", true));
         op_expect_ok(p);
-        CHECK_MSG(gpu_same_bits(p, out, ref, N * nh * dim), "%s: the combine's block and warp forms differ", what);
+        CHECK_MSG(op_gpu_differ(p, out, ref, N * nh * dim) == 0, "%s: the combine's block and warp forms differ", what);
     }
     /* the tensor cores off: the op it replaces, bit for bit */
     ds4_cuda_backend_set_att_tc(p->gpu, 0);
@@ -892,7 +881,7 @@ static void attention_rows_f16_case(op_pair *p, int64_t nh, bool sel) {
     if (sel) p->gpu->ops->attention_rows_sel(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, ig, K, &sinks->g, ref.g);
     else p->gpu->ops->attention_rows(p->gpu, q.g, N, nh, dim, ra.g, a_off, a_n, rb.g, b_rows, &sinks->g, ref.g);
     op_expect_ok(p);
-    CHECK_MSG(gpu_same_bits(p, out, ref, N * nh * dim), "%s, tensor cores off: not the float op's", what);
+    CHECK_MSG(op_gpu_differ(p, out, ref, N * nh * dim) == 0, "%s, tensor cores off: not the float op's", what);
     if (sel) { /* an index at row 4's count: reported */
         idx[4 * K + 3] = (int32_t)b_rows[4];
         op_buf bad = op_ints_from(p, idx, N * K);

@@ -212,15 +212,9 @@ static void check_hc_all_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_we
 
 /* The GPU sides of a and b hold the same n floats, bit for bit. */
 static void check_gpu_same(const char *what, op_pair *p, op_buf a, op_buf b, int64_t n) {
-    float *ha = malloc((size_t)n * sizeof *ha), *hb = malloc((size_t)n * sizeof *hb);
-    p->gpu->ops->download(p->gpu, ha, a.g, n);
-    p->gpu->ops->download(p->gpu, hb, b.g, n);
-    int64_t diff = 0;
-    for (int64_t i = 0; i < n; i++) diff += memcmp(&ha[i], &hb[i], sizeof *ha) != 0;
+    const int64_t diff = op_gpu_differ(p, a, b, n);
     CHECK_MSG(diff == 0, "%s: %lld of %lld floats differ from the reference's (bit for bit)", what,
               (long long)diff, (long long)n);
-    free(ha);
-    free(hb);
 }
 
 /* The GPU's norm rows a (n_rows of dim) against the CPU's, each element
