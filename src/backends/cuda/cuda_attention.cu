@@ -1138,8 +1138,10 @@ struct tc_smem {
     static constexpr size_t RES = PL + (size_t)TC_HEADS * TC_PP * 2;  /* float [64]: the tile's rescale per head */
     static constexpr size_t OK = RES + TC_HEADS * 4;                  /* int [32]: row j of the tile weighs */
     static constexpr size_t RED = OK + TC_TILE * 4;                   /* float [8]: the queries' max |q| per warp */
-    static constexpr size_t BYTES = RED + 8 * 4;
+    static constexpr size_t STG = (RED + 8 * 4 + 15) / 16 * 16;       /* float [16][TC_DIM]: half a tile's rows in flight */
+    static constexpr size_t BYTES = STG + (size_t)(TC_TILE / 2) * TC_DIM * 4;
 };
+static_assert(tc_smem::BYTES <= 227 * 1024, "one block per SM of an H100 / H200");
 static_assert(tc_smem::KV % 16 == 0 && tc_smem::PH % 16 == 0 && tc_smem::PL % 16 == 0, "ldmatrix rows 16-byte aligned");
 
 static __global__ void __launch_bounds__(TC_THREADS, 1)
@@ -1151,7 +1153,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     float *S = (float *)(tc_sm + tc_smem::S), *res = (float *)(tc_sm + tc_smem::RES), *red = (float *)(tc_sm + tc_smem::RED);
     __half *ph = (__half *)(tc_sm + tc_smem::PH), *pl = (__half *)(tc_sm + tc_smem::PL);
     int *ok = (int *)(tc_sm + tc_smem::OK);
-    __shared__ const float *row_tile[TC_TILE];
+    __shared__ const float *row_tile[2][TC_TILE];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int64_t split = blockIdx.x, n_splits = gridDim.x, z = blockIdx.y;
     cuda_grid_wait();
@@ -1209,26 +1211,58 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     const int b_row = ((lane >> 4) << 3) + (lane & 7), b_k = ((lane >> 3) & 1) * 8;
     const int t_row = ((lane >> 3) & 1) * 8 + (lane & 7), t_n = (lane >> 4) * 8;
 
-    for (int64_t t0 = r0; t0 < r1; t0 += TC_TILE) {
-        const int nt = (int)(r1 - t0 < TC_TILE ? r1 - t0 : TC_TILE);
-        __syncthreads(); /* the previous tile's rows and weights are used up (and the queries are in) */
-        if (warp == 0) {
-            const float *row = lane < nt ? att_row(rows, t0 + lane, true) : NULL;
-            row_tile[lane] = row;
-            ok[lane] = row != NULL;
+    /* A tile's rows come through the staging buffer in two halves of 16
+     * rows (cp.async, a missing row zero-filled), each converted to binary16
+     * into kv; the next tile's first half is in flight while this tile's
+     * scores, softmax and outputs run, so a tile waits on one copy round
+     * trip instead of four rounds of loads. row_tile[b]: the row pointers of
+     * the tile of parity b (warp 0 makes them one tile ahead). */
+    float *stg = (float *)(tc_sm + tc_smem::STG);
+    const float *const zero_src = qz; /* (any valid address: a zero-filled copy reads nothing) */
+    auto rows_of = [&](int64_t t, int b) {
+        if (warp == 0) row_tile[b][lane] = t + lane < r1 ? att_row(rows, t + lane, true) : NULL;
+    };
+    auto issue_half = [&](int b, int h) {
+#pragma unroll
+        for (int it = 0; it < TC_TILE / 2 * (TC_DIM / 4) / TC_THREADS; it++) {
+            const int p = tid + it * TC_THREADS, j = p / (TC_DIM / 4), c = 4 * (p % (TC_DIM / 4));
+            const float *row = row_tile[b][TC_TILE / 2 * h + j];
+            cp_async16(stg + j * TC_DIM + c, row ? row + c : zero_src, row != NULL);
         }
-        __syncthreads();
-        /* the tile's rows as binary16 (exact: DS4 numerics stores them so); a missing row is zeros */
-#pragma unroll 4
-        for (int p = tid; p < TC_TILE * (TC_DIM / 4); p += TC_THREADS) {
-            const int j = p / (TC_DIM / 4), c = 4 * (p % (TC_DIM / 4));
-            const float *row = row_tile[j];
-            const float4 x = row ? *(const float4 *)(row + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            __half2 *dst = (__half2 *)(kv + j * TC_QP + c);
+        cp_async_commit();
+    };
+    auto convert_half = [&](int h) {
+#pragma unroll
+        for (int it = 0; it < TC_TILE / 2 * (TC_DIM / 4) / TC_THREADS; it++) {
+            const int p = tid + it * TC_THREADS, j = p / (TC_DIM / 4), c = 4 * (p % (TC_DIM / 4));
+            const float4 x = *(const float4 *)(stg + j * TC_DIM + c);
+            __half2 *dst = (__half2 *)(kv + (TC_TILE / 2 * h + j) * TC_QP + c);
             dst[0] = __floats2half2_rn(x.x, x.y);
             dst[1] = __floats2half2_rn(x.z, x.w);
         }
+    };
+    if (r0 < r1) {
+        rows_of(r0, 0);
         __syncthreads();
+        issue_half(0, 0);
+    }
+    int cur = 0;
+    for (int64_t t0 = r0; t0 < r1; t0 += TC_TILE, cur ^= 1) {
+        const int nt = (int)(r1 - t0 < TC_TILE ? r1 - t0 : TC_TILE);
+        const bool next = t0 + TC_TILE < r1;
+        cp_async_wait<0>();
+        __syncthreads(); /* the first half is in; the previous tile's rows and weights are used up (and the queries are in) */
+        if (warp == 0) ok[lane] = row_tile[cur][lane] != NULL;
+        /* the tile's rows as binary16 (exact: DS4 numerics stores them so); a missing row is zeros */
+        convert_half(0);
+        __syncthreads(); /* the staging buffer is free */
+        issue_half(cur, 1);
+        if (next) rows_of(t0 + TC_TILE, cur ^ 1);
+        cp_async_wait<0>();
+        __syncthreads(); /* the second half is in; the next tile's row pointers are made */
+        convert_half(1);
+        __syncthreads(); /* the tile is in kv; the staging buffer is free */
+        if (next) issue_half(cur ^ 1, 0);
         /* scores */
         {
             float s[2][4] = { { 0.0f, 0.0f, 0.0f, 0.0f }, { 0.0f, 0.0f, 0.0f, 0.0f } };
