@@ -179,8 +179,10 @@ __global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
                     af[i][2] = lds_s8x4(r0 + 2 + 16 + 4 * tq);
                     af[i][3] = lds_s8x4(r1 + 2 + 16 + 4 * tq);
                 }
-                wd[i][0] = cuda_f16_to_f32(*(const uint16_t *)r0);
-                wd[i][1] = cuda_f16_to_f32(*(const uint16_t *)r1);
+                /* (the hardware conversion alone: the scale is only multiplied, and a
+                 * product of a NaN is the canonical NaN either way, as in q8_0_block) */
+                wd[i][0] = cuda_f16_to_f32_arith(*(const uint16_t *)r0);
+                wd[i][1] = cuda_f16_to_f32_arith(*(const uint16_t *)r1);
             }
 #pragma unroll
             for (int j = 0; j < 4; j++) {
