@@ -216,7 +216,7 @@ template <uint32_t T> static __device__ __forceinline__ void hc_load8(const void
         const float4 a = ((const float4 *)row)[i / 4], b = ((const float4 *)row)[i / 4 + 1];
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     } else {
-        cuda_half8_to_f32<T>(__ldg((const uint4 *)row + i / 8), v);
+        cuda_half8_to_f32<T, true>(__ldg((const uint4 *)row + i / 8), v); /* (fn is only multiplied) */
     }
 }
 

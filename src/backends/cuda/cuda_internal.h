@@ -660,12 +660,19 @@ static __device__ __forceinline__ float cuda_f16_to_f32_arith(uint16_t h) {
     return f;
 }
 static __device__ __forceinline__ float cuda_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-/* Eight F16 (T = DS4_TYPE_F16) or BF16 values of one 16-byte word, as floats, in order. */
-template <uint32_t T> static __device__ __forceinline__ void cuda_half8_to_f32(uint4 h, float (&v)[8]) {
+/* Eight F16 (T = DS4_TYPE_F16) or BF16 values of one 16-byte word, as floats,
+ * in order; ARITH: F16 values that are only multiplied, whose NaNs need not
+ * keep their payload (cuda_f16_to_f32_arith: the product of a NaN is the
+ * canonical NaN either way), without the payload path's instructions. */
+template <uint32_t T, bool ARITH = false>
+static __device__ __forceinline__ void cuda_half8_to_f32(uint4 h, float (&v)[8]) {
     const uint32_t hw[4] = { h.x, h.y, h.z, h.w };
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        if constexpr (T == DS4_TYPE_F16) {
+        if constexpr (T == DS4_TYPE_F16 && ARITH) {
+            v[2 * j] = cuda_f16_to_f32_arith((uint16_t)(hw[j] & 0xffffu));
+            v[2 * j + 1] = cuda_f16_to_f32_arith((uint16_t)(hw[j] >> 16));
+        } else if constexpr (T == DS4_TYPE_F16) {
             v[2 * j] = cuda_f16_to_f32((uint16_t)(hw[j] & 0xffffu));
             v[2 * j + 1] = cuda_f16_to_f32((uint16_t)(hw[j] >> 16));
         } else {
