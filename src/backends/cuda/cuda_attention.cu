@@ -200,6 +200,50 @@ static __device__ __forceinline__ void head_norm_rope_table(const rope_params &r
     rope_table(rp, pos, rope_cs);
 }
 
+/* The four values i .. i + 3 of a head (v, their weights wv) normed by
+ * scale, the tail's pairs rotated (cs: the row's cos then sin table), with
+ * ROUND the FP8 block of the non-RoPE dims (its 16 float4s held by 16
+ * consecutive lanes: amax by half-warp shuffles) and every value through
+ * half precision, then stored (i < head_dim). Every lane of the warp calls
+ * it (the shuffles). */
+template <bool ROUND>
+static __device__ __forceinline__ void head_norm_rope4(const float4 v, const float (&wv)[4], bool has_w, float scale,
+                                                       int64_t i, int64_t head_dim, int64_t tail, int half,
+                                                       const float *cs, float *xr) {
+    float y[4] = { __fmul_rn(v.x, scale), __fmul_rn(v.y, scale), __fmul_rn(v.z, scale), __fmul_rn(v.w, scale) };
+    if (has_w && i < head_dim)
+#pragma unroll
+        for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], wv[c]);
+#pragma unroll
+    for (int c = 0; c < 4; c += 2) { /* the pair (i + c, i + c + 1) of the tail */
+        if (i + c >= tail && i + c < head_dim) {
+            const int pk = (int)((i + c - tail) / 2);
+            cuda_rope_rotate(y[c], y[c + 1], cs[pk], cs[half + pk]);
+        }
+    }
+    if (ROUND) {
+        /* values at or past `tail` are not part of any block */
+        float amax = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const float a = fabsf(y[c]);
+            if (i + c < tail && a > amax) amax = a; /* NaN never compares greater */
+        }
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, amax, o);
+            if (other > amax) amax = other;
+        }
+        const float bs = block_scale_of(amax, KV_FP8_FLOOR, KV_FP8_MAX);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            if (i + c < tail) y[c] = round_block_value<0>(y[c], bs, KV_FP8_MAX);
+            y[c] = round_f16_value(y[c]);
+        }
+    }
+    if (i < head_dim) *(float4 *)(xr + i) = make_float4(y[0], y[1], y[2], y[3]);
+}
+
 template <bool ROUND>
 static __device__ __forceinline__ void head_norm_rope_block(float *__restrict__ x, int64_t n_heads, int64_t head_dim,
                                                             const float *__restrict__ w, float eps,
@@ -215,44 +259,9 @@ static __device__ __forceinline__ void head_norm_rope_block(float *__restrict__ 
     const int half = rp.n_rot / 2;
     const int64_t tail = head_dim - rp.n_rot; /* even */
 #pragma unroll
-    for (int k = 0; k < NORM_VEC; k++) {
-        const int64_t i = 4 * (threadIdx.x + (int64_t)k * NORM_THREADS);
-        float y[4] = { __fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
-                       __fmul_rn(v[k].w, scale) };
-        if (w && i < head_dim)
-#pragma unroll
-            for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], wv[k][c]);
-#pragma unroll
-        for (int c = 0; c < 4; c += 2) { /* the pair (i + c, i + c + 1) of the tail */
-            if (i + c >= tail && i + c < head_dim) {
-                const int pk = (int)((i + c - tail) / 2);
-                const float cs = rope_cs[pk], sn = rope_cs[half + pk];
-                cuda_rope_rotate(y[c], y[c + 1], cs, sn);
-            }
-        }
-        if (ROUND) {
-            /* the FP8 block of values i .. i + 3 (16 threads of a half-warp
-             * share it); values at or past `tail` are not part of any block */
-            float amax = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const float a = fabsf(y[c]);
-                if (i + c < tail && a > amax) amax = a; /* NaN never compares greater */
-            }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) {
-                const float other = __shfl_xor_sync(0xffffffffu, amax, o);
-                if (other > amax) amax = other;
-            }
-            const float bs = block_scale_of(amax, KV_FP8_FLOOR, KV_FP8_MAX);
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                if (i + c < tail) y[c] = round_block_value<0>(y[c], bs, KV_FP8_MAX);
-                y[c] = round_f16_value(y[c]);
-            }
-        }
-        if (i < head_dim) *(float4 *)(xr + i) = make_float4(y[0], y[1], y[2], y[3]);
-    }
+    for (int k = 0; k < NORM_VEC; k++)
+        head_norm_rope4<ROUND>(v[k], wv[k], w != NULL, scale, 4 * (threadIdx.x + (int64_t)k * NORM_THREADS), head_dim,
+                               tail, half, rope_cs, xr);
 }
 static_assert(KV_FP8_BLOCK == 16 * 4, "an FP8 block is the float4s of 16 threads");
 
@@ -337,41 +346,8 @@ static __device__ __forceinline__ void head_norm_rope_warp(float *__restrict__ x
     const int half = rp.n_rot / 2;
     const int64_t tail = head_dim - rp.n_rot; /* even */
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const int64_t i = 4 * (32 * k + lane);
-        float y[4] = { __fmul_rn(v[k].x, scale), __fmul_rn(v[k].y, scale), __fmul_rn(v[k].z, scale),
-                       __fmul_rn(v[k].w, scale) };
-        if (w && i < head_dim)
-#pragma unroll
-            for (int c = 0; c < 4; c++) y[c] = __fmul_rn(y[c], wv[k][c]);
-#pragma unroll
-        for (int c = 0; c < 4; c += 2) {
-            if (i + c >= tail && i + c < head_dim) {
-                const int pk = (int)((i + c - tail) / 2);
-                cuda_rope_rotate(y[c], y[c + 1], cs[pk], cs[half + pk]);
-            }
-        }
-        if (ROUND) {
-            float amax = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const float a = fabsf(y[c]);
-                if (i + c < tail && a > amax) amax = a;
-            }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) {
-                const float other = __shfl_xor_sync(0xffffffffu, amax, o);
-                if (other > amax) amax = other;
-            }
-            const float bs = block_scale_of(amax, KV_FP8_FLOOR, KV_FP8_MAX);
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                if (i + c < tail) y[c] = round_block_value<0>(y[c], bs, KV_FP8_MAX);
-                y[c] = round_f16_value(y[c]);
-            }
-        }
-        if (i < head_dim) *(float4 *)(xr + i) = make_float4(y[0], y[1], y[2], y[3]);
-    }
+    for (int k = 0; k < 4; k++)
+        head_norm_rope4<ROUND>(v[k], wv[k], w != NULL, scale, 4 * (32 * k + lane), head_dim, tail, half, cs, xr);
 }
 
 /* Warp (item): a's heads first, then b's (b.blocks 0: one set). */
