@@ -69,7 +69,10 @@
 #                               charts) of the first launch of each kernel matching a REGEX in that
 #                               prefill to $OUT/ncu-detail-REGEX.txt; KERN_TOKEN_DETAIL="REGEX,..." the
 #                               same for kernels of the decoded token ($OUT/ncu-detail-token-REGEX.txt;
-#                               matched against demangled names: 'mv_kernel<.unsigned int.16' is IQ2_XXS)
+#                               matched against demangled names, which spell template arguments with their
+#                               types: 'mv_kernel<.unsigned int.16' is IQ2_XXS, and since commas separate the
+#                               patterns, 'mv_kernel<.unsigned int.8. .int.1. .bool.1. .int.0>' the one-row
+#                               Q8_0 products that quantise their own x)
 #                     timeline  the kernels of decoded tokens as the GPU ran them (graph replays, no
 #                               serialisation): scripts/cupti_trace.c, built here against the machine's
 #                               CUPTI, records every kernel's start and end during `bench --synthetic
