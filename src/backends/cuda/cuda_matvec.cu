@@ -1834,10 +1834,7 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
     float *s_d = (float *)(moe_sm + L::D), *s_dm = s_d + MOE_MMA_BM;
     float(*s_xd)[N::TOKENS] = (float(*)[N::TOKENS])(moe_sm + L::XD);
     iq2_tables *s_tab = (iq2_tables *)(moe_sm + L::TAB); /* IQ2_XXS only */
-    /* (pos read from shared memory each stage, after its barrier: a value the
-     * compiler keeps in a register, where the constant was moved into one
-     * before each of a decode's eight byte permutes) */
-    iq2_ref tab{ s_tab, 0u };
+    const iq2_ref tab{ s_tab, IQ2_POS };
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     if constexpr (T == DS4_TYPE_IQ2_XXS) /* constant data: before the wait */
         for (int i = tid; i < (int)(sizeof(iq2_tables) / 16); i += N::THREADS)
@@ -1874,7 +1871,6 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
     const int j0 = NT == 8 ? 4 * (warp >> 2) : 0;     /* its first token tile */
     for (int64_t st = 0; st < a.act_blocks; st++) {
         __syncthreads(); /* stage st's raw blocks and activations are in; the previous MMAs are done */
-        if constexpr (T == DS4_TYPE_IQ2_XXS) tab.pos = s_tab->pos[0];
         const bool more = st + 1 < a.act_blocks;
         if (more) {
             moe_raw_fetch<T, N::PER_ROW, W16>(s_raw[(st + 1) & 1], wexp, a.row_bytes, a.rows_per_expert, n0, st + 1);
