@@ -681,6 +681,56 @@ static void test_matmul_grouped_f32(void) { check_matmul_grouped_type(DS4_TYPE_F
 static void test_matmul_grouped_f16(void) { check_matmul_grouped_type(DS4_TYPE_F16); }
 static void test_matmul_grouped_bf16(void) { check_matmul_grouped_type(DS4_TYPE_BF16); }
 static void test_matmul_grouped_q8_0(void) { check_matmul_grouped_type(DS4_TYPE_Q8_0); }
+
+/* The int8 GEMM's blocks of 128 weight rows (set_gemm_bm 128, taken where
+ * their tiles fill the device: prefill-sized products) against its blocks
+ * of 64, which the cases above check against the CPU: the same bits, for a
+ * plain product with a row offset and partial row and token tiles, and for
+ * eight groups. */
+static void test_gemm_bm(void) {
+    OPEN_PAIR(p);
+    static const struct {
+        int64_t n_in, n_out, row0, n_tok, n_groups;
+    } CASES[] = { { 512, 1000, 3, 4200, 1 }, { 1024, 300, 0, 1100, 8 } };
+    for (size_t ci = 0; ci < sizeof CASES / sizeof CASES[0]; ci++) {
+        const int64_t n_in = CASES[ci].n_in, n_out = CASES[ci].n_out, row0 = CASES[ci].row0;
+        const int64_t n_tok = CASES[ci].n_tok, ng = CASES[ci].n_groups, width = ng * n_out;
+        float *deq = NULL;
+        uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n_in, row0 + width, false, &deq);
+        op_weight *w = op_weight_make(&p, "blk.0.gemm_bm.weight", DS4_TYPE_Q8_0, n_in, row0 + width, 1, bytes);
+        float *hx = op_rand(n_tok * ng * n_in, 1.0);
+        op_buf x = op_buf_from(&p, hx, n_tok * ng * n_in);
+        op_buf y[2] = { op_buf_poisoned(&p, n_tok * width), op_buf_poisoned(&p, n_tok * width) };
+        int64_t calls[2];
+        for (int v = 0; v < 2; v++) {
+            ds4_cuda_backend_set_gemm_bm(p.gpu, v ? 128 : 64);
+            const int64_t c0 = ds4_cuda_backend_gemm_bm128_calls(p.gpu);
+            if (ng == 1)
+                p.gpu->ops->matmul(p.gpu, &w->g, row0, n_out, x.g, n_in, y[v].g, n_out, n_tok, DS4_NUMERICS_DS4);
+            else
+                p.gpu->ops->matmul_grouped(p.gpu, &w->g, ng, n_out, x.g, ng * n_in, y[v].g, width, n_tok,
+                                           DS4_NUMERICS_DS4);
+            op_expect_ok(&p);
+            calls[v] = ds4_cuda_backend_gemm_bm128_calls(p.gpu) - c0;
+        }
+        const char *dflt = getenv("DS4_CUDA_GEMM_BM");
+        ds4_cuda_backend_set_gemm_bm(p.gpu, dflt && atoi(dflt) == 128 ? 128 : 64);
+        CHECK_MSG(calls[0] == 0 && calls[1] >= 1, "gemm_bm case %zu: %lld / %lld launches of 128-row blocks "
+                  "(none, then some expected)", ci, (long long)calls[0], (long long)calls[1]);
+        const int64_t diff = op_gpu_differ(&p, y[0], y[1], n_tok * width);
+        CHECK_MSG(diff == 0, "gemm_bm case %zu (%lld x %lld, %lld groups): %lld of %lld outputs differ between "
+                  "blocks of 64 and 128 rows", ci, (long long)n_out, (long long)n_tok, (long long)ng, (long long)diff,
+                  (long long)(n_tok * width));
+        op_buf_free(&p, &y[0]);
+        op_buf_free(&p, &y[1]);
+        op_buf_free(&p, &x);
+        op_weight_free(&p, w);
+        free(hx);
+        free(bytes);
+        free(deq);
+    }
+    op_pair_close(&p);
+}
 static void test_matmul_grouped_q2_K(void) { check_matmul_grouped_type(DS4_TYPE_Q2_K); }
 static void test_matmul_grouped_q4_K(void) { check_matmul_grouped_type(DS4_TYPE_Q4_K); }
 static void test_matmul_grouped_iq2_xxs(void) { check_matmul_grouped_type(DS4_TYPE_IQ2_XXS); }
@@ -2647,6 +2697,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_grouped_f16),
     TEST_ENTRY(test_matmul_grouped_bf16),
     TEST_ENTRY(test_matmul_grouped_q8_0),
+    TEST_ENTRY(test_gemm_bm),
     TEST_ENTRY(test_matmul_grouped_q2_K),
     TEST_ENTRY(test_matmul_grouped_q4_K),
     TEST_ENTRY(test_matmul_grouped_iq2_xxs),

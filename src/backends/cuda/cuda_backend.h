@@ -221,6 +221,11 @@ void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode);
  * splits; off: a block per head, row, block. The results are the same
  * either way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on);
+/* The int8 GEMM's weight rows per block where its tiles fill the device
+ * (a prefill's products): 64 (the default; three blocks of 4 warps an SM)
+ * or 128 (two blocks of 8 warps); DS4_CUDA_GEMM_BM=128 makes 128 the
+ * default. The same bits either way. Takes effect at the next op. */
+void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows);
 /* The router's selection with its keys in registers and its probabilities
  * in shared memory (for up to 1,024 experts and 64 choices a row; off by
  * default, DS4_CUDA_ROUTER_REG=1 makes on the default), or through global
@@ -276,6 +281,8 @@ void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on);
 int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */
 int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be);
+/* How many int8 GEMM launches have taken blocks of 128 weight rows. */
+int64_t ds4_cuda_backend_gemm_bm128_calls(const ds4_backend *be);
 /* How many MoE calls have run their products on the tensor cores. */
 int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be);
 /* Why the most recent cut of a recorded step happened (the step's ops from

@@ -12,13 +12,18 @@
  * for bit; only the order of the sum over blocks differs, as in the other
  * DS4 kernels.
  *
- * Tiling: a thread block computes 64 weight rows x 64 tokens with 4 warps
- * (2 x 2, each 32 x 32: two 16-row A fragments by four 8-token B fragments).
- * Stages of 8 blocks (K = 256) of both operands are copied to shared memory
- * with cp.async (16-byte pieces: a weight row stage is 272 bytes, an
- * activation row stage 288), double-buffered so the next stage loads while
- * this one is multiplied. Activation rows are padded to 304 bytes in shared
- * memory so the B-fragment reads of 8 tokens hit 8 different banks.
+ * Tiling: a thread block computes BM weight rows x 64 tokens with BM / 16
+ * warps (BM / 32 x 2, each 32 x 32: two 16-row A fragments by four 8-token
+ * B fragments). Stages of 8 blocks (K = 256) of both operands are copied to
+ * shared memory with cp.async (16-byte pieces: a weight row stage is 272
+ * bytes, an activation row stage 288), double-buffered so the next stage
+ * loads while this one is multiplied. Activation rows are padded to 304
+ * bytes in shared memory so the B-fragment reads of 8 tokens hit 8
+ * different banks. BM = 64 (4 warps, 73.7 KB: three blocks, 12 warps an
+ * SM) or 128 (8 warps, 108.5 KB: two blocks, 16 warps an SM, each
+ * activation stage shared by twice the rows; ds4_cuda_backend_set_gemm_bm,
+ * DS4_CUDA_GEMM_BM). Each output sums its block terms in the same order
+ * either way: the same bits.
  */
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -27,20 +32,28 @@
 #include "backends/cuda/cuda_gemm.h"
 #include "backends/cuda/cuda_internal.h"
 
-#define G_BM 64      /* weight rows per block */
 #define G_BN 64      /* tokens per block */
 #define G_KB 8       /* Q8_0 blocks per stage */
-#define G_THREADS 128
 #define G_WROW (G_KB * 34)      /* 272 bytes of a weight row per stage */
 #define G_XROW (G_KB * 36)      /* 288 bytes of an activation row per stage */
 #define G_XPAD 304              /* its pitch in shared memory */
-#define G_WSTAGE (G_BM * G_WROW)
 #define G_XSTAGE (G_BN * G_XPAD)
-#define G_STAGE (G_WSTAGE + G_XSTAGE)
-#define G_SMEM (2 * G_STAGE)
 #define GEMM_MAX_SPLITS 16
 
 static_assert(G_WROW % 16 == 0 && G_XROW % 16 == 0 && G_XPAD % 16 == 0, "cp.async pieces");
+
+/* The geometry of a block of BM weight rows. */
+template <int BM> struct gemm_geom {
+    static_assert(BM == 64 || BM == 128, "64 or 128 weight rows a block");
+    static constexpr int THREADS = 2 * BM;                 /* BM / 16 warps */
+    static constexpr int MIN_BLOCKS = BM == 64 ? 3 : 2;    /* per SM, as the shared memory allows */
+    static constexpr int WSTAGE = BM * G_WROW, STAGE = WSTAGE + G_XSTAGE, SMEM = 2 * STAGE;
+    /* a thread's cp.async pieces of a stage (gemm_plan) */
+    static constexpr int WPIECES = (BM * (G_WROW / 16) + THREADS - 1) / THREADS;
+    static constexpr int XPIECES = (G_BN * (G_XROW / 16) + THREADS - 1) / THREADS;
+    static_assert(WPIECES <= 32 && XPIECES <= 32, "a bit per piece");
+    static_assert(MIN_BLOCKS * (SMEM + 1024) <= 228 * 1024, "the blocks an SM holds");
+};
 
 struct gemm_args {
     const uint8_t *w; /* first weight row (row0 applied) */
@@ -77,35 +90,36 @@ static __device__ __forceinline__ int lds_s8x4(const uint8_t *p) {
 }
 
 /* A thread's cp.async pieces of a stage, the same for every stage: piece k
- * of the weights is 16 bytes of row r = i / 17 (i = tid + 128 k) at column
- * piece c = i % 17, from w_off[k] bytes past the stage's row base, to byte
- * 16 i of the weight stage; of the activations, row r = i / 18, c = i % 18,
- * from x_off[k], to x_dst[k]. Rows past the tile's end read nothing (the
- * ok masks; offset 0) and are zero-filled. Made once, so a stage's copies
- * cost an address add each instead of a division and 64-bit products. */
-#define G_WPIECES ((G_BM * (G_WROW / 16) + G_THREADS - 1) / G_THREADS)
-#define G_XPIECES ((G_BN * (G_XROW / 16) + G_THREADS - 1) / G_THREADS)
-static_assert(G_WPIECES <= 32 && G_XPIECES <= 32, "a bit per piece");
-struct gemm_plan {
-    uint32_t w_off[G_WPIECES], x_off[G_XPIECES], x_dst[G_XPIECES];
+ * of the weights is 16 bytes of row r = i / 17 (i = tid + THREADS k) at
+ * column piece c = i % 17, from w_off[k] bytes past the stage's row base, to
+ * byte 16 i of the weight stage; of the activations, row r = i / 18, c = i %
+ * 18, from x_off[k], to x_dst[k]. Rows past the tile's end read nothing
+ * (the ok masks; offset 0) and are zero-filled. Made once, so a stage's
+ * copies cost an address add each instead of a division and 64-bit
+ * products. */
+template <int BM> struct gemm_plan {
+    typedef gemm_geom<BM> G;
+    uint32_t w_off[G::WPIECES], x_off[G::XPIECES], x_dst[G::XPIECES];
     uint32_t w_in, w_ok, x_in, x_ok; /* bit k: piece k exists / reads */
 };
 
-static __device__ __forceinline__ gemm_plan gemm_plan_of(const gemm_args &a, int64_t n0, int64_t m0) {
-    gemm_plan p;
+template <int BM>
+static __device__ __forceinline__ gemm_plan<BM> gemm_plan_of(const gemm_args &a, int64_t n0, int64_t m0) {
+    typedef gemm_geom<BM> G;
+    gemm_plan<BM> p;
     p.w_in = p.w_ok = p.x_in = p.x_ok = 0u;
     const int t = threadIdx.x;
 #pragma unroll
-    for (int k = 0; k < G_WPIECES; k++) {
-        const int i = t + k * G_THREADS, r = i / (G_WROW / 16), c = i % (G_WROW / 16);
-        const bool in = i < G_BM * (G_WROW / 16), ok = in && n0 + r < a.n_out;
+    for (int k = 0; k < G::WPIECES; k++) {
+        const int i = t + k * G::THREADS, r = i / (G_WROW / 16), c = i % (G_WROW / 16);
+        const bool in = i < BM * (G_WROW / 16), ok = in && n0 + r < a.n_out;
         p.w_off[k] = ok ? (uint32_t)(r * a.row_bytes + 16 * c) : 0u;
         p.w_in |= (uint32_t)in << k;
         p.w_ok |= (uint32_t)ok << k;
     }
 #pragma unroll
-    for (int k = 0; k < G_XPIECES; k++) {
-        const int i = t + k * G_THREADS, r = i / (G_XROW / 16), c = i % (G_XROW / 16);
+    for (int k = 0; k < G::XPIECES; k++) {
+        const int i = t + k * G::THREADS, r = i / (G_XROW / 16), c = i % (G_XROW / 16);
         const bool in = i < G_BN * (G_XROW / 16), ok = in && m0 + r < a.n_tok;
         p.x_off[k] = ok ? (uint32_t)(r * a.x_row_bytes + 16 * c) : 0u;
         p.x_dst[k] = (uint32_t)(r * G_XPAD + 16 * c);
@@ -116,27 +130,32 @@ static __device__ __forceinline__ gemm_plan gemm_plan_of(const gemm_args &a, int
 }
 
 /* Stage st's pieces (wb, xb: the tile's first weight and activation rows). */
-static __device__ __forceinline__ void load_stage(const gemm_plan &p, const uint8_t *wb, const uint8_t *xb, uint8_t *sw,
-                                                  uint8_t *sx, int64_t st) {
+template <int BM>
+static __device__ __forceinline__ void load_stage(const gemm_plan<BM> &p, const uint8_t *wb, const uint8_t *xb,
+                                                  uint8_t *sw, uint8_t *sx, int64_t st) {
+    typedef gemm_geom<BM> G;
     const uint8_t *ws = wb + st * G_WROW, *xs = xb + st * G_XROW;
 #pragma unroll
-    for (int k = 0; k < G_WPIECES; k++)
+    for (int k = 0; k < G::WPIECES; k++)
         if ((p.w_in >> k) & 1u)
-            cp_async16(sw + 16 * (threadIdx.x + k * G_THREADS), ws + p.w_off[k], (p.w_ok >> k) & 1u);
+            cp_async16(sw + 16 * (threadIdx.x + k * G::THREADS), ws + p.w_off[k], (p.w_ok >> k) & 1u);
 #pragma unroll
-    for (int k = 0; k < G_XPIECES; k++)
+    for (int k = 0; k < G::XPIECES; k++)
         if ((p.x_in >> k) & 1u) cp_async16(sx + p.x_dst[k], xs + p.x_off[k], (p.x_ok >> k) & 1u);
 }
 
-/* three blocks per SM (the 73.7 KB of shared memory allow no more): up to
- * 168 registers, so the split's and group's bases do not spill */
-__global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
+/* BM = 64: three blocks per SM (the 73.7 KB of shared memory allow no
+ * more), up to 168 registers, so the split's and group's bases do not
+ * spill; BM = 128: two blocks of 8 warps, up to 128 registers */
+template <int BM>
+__global__ void __launch_bounds__(gemm_geom<BM>::THREADS, gemm_geom<BM>::MIN_BLOCKS) gemm_q8_0_kernel(gemm_args a) {
+    typedef gemm_geom<BM> G;
     cuda_grid_wait();
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32; /* this warp's rows / tokens in the tile */
-    const int64_t n0 = (int64_t)blockIdx.x * G_BM, m0 = (int64_t)blockIdx.y * G_BN;
+    const int64_t n0 = (int64_t)blockIdx.x * BM, m0 = (int64_t)blockIdx.y * G_BN;
     /* this block's group, and its stages: all of K, or its split's share */
     const int grp = (int)blockIdx.z / a.splits, zs = (int)blockIdx.z % a.splits;
     a.w += grp * a.w_group_bytes;
@@ -146,21 +165,21 @@ __global__ void __launch_bounds__(G_THREADS, 3) gemm_q8_0_kernel(gemm_args a) {
     float acc[2][4][4];
     zero_tile(acc);
 
-    /* (the tile's first rows: offsets of up to 64 rows fit 32 bits, cuda_gemm_q8_0_fits checks) */
-    const gemm_plan plan = gemm_plan_of(a, n0, m0);
+    /* (the tile's first rows: offsets of up to 128 rows fit 32 bits, cuda_gemm_q8_0_fits checks) */
+    const gemm_plan<BM> plan = gemm_plan_of<BM>(a, n0, m0);
     const uint8_t *wb = a.w + n0 * a.row_bytes, *xb = a.x + m0 * a.x_row_bytes;
-    load_stage(plan, wb, xb, smem, smem + G_WSTAGE, st0);
+    load_stage<BM>(plan, wb, xb, smem, smem + G::WSTAGE, st0);
     cp_async_commit();
     for (int64_t st = st0; st < st1; st++) {
-        uint8_t *cur = smem + ((st - st0) & 1) * G_STAGE;
+        uint8_t *cur = smem + ((st - st0) & 1) * G::STAGE;
         if (st + 1 < st1) {
-            uint8_t *nxt = smem + ((st - st0 + 1) & 1) * G_STAGE;
-            load_stage(plan, wb, xb, nxt, nxt + G_WSTAGE, st + 1);
+            uint8_t *nxt = smem + ((st - st0 + 1) & 1) * G::STAGE;
+            load_stage<BM>(plan, wb, xb, nxt, nxt + G::WSTAGE, st + 1);
         }
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const uint8_t *sw = cur, *sx = cur + G_WSTAGE;
+        const uint8_t *sw = cur, *sx = cur + G::WSTAGE;
 #pragma unroll 2 /* (an even and an odd block: the parity known in each body) */
         for (int b = 0; b < G_KB; b++) {
             int af[2][4];
@@ -282,7 +301,7 @@ static bool gemm_grid(ds4_backend *be, int64_t n_out, int64_t n_tok, int bm, int
 }
 
 bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, int64_t n_tok) {
-    /* (rows of at most 32 MiB: a tile's 64 rows' offsets fit gemm_plan's 32 bits) */
+    /* (rows of at most 32 MiB: a tile's 128 rows' offsets fit gemm_plan's 32 bits) */
     return n_tok >= CUDA_GEMM_MIN_TOKENS && n_in % 256 == 0 && row_bytes % 16 == 0 && x_row_bytes % 16 == 0 &&
            row_bytes <= ((int64_t)1 << 25) && x_row_bytes <= ((int64_t)1 << 25);
 }
@@ -290,6 +309,23 @@ bool cuda_gemm_q8_0_fits(int64_t n_in, int64_t row_bytes, int64_t x_row_bytes, i
 bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const void *xq,
                     int64_t x_row_bytes, int64_t n_tok, float *out, int64_t out_stride) {
     return cuda_gemm_q8_0_grouped(be, w, row_bytes, n_in, n_out, 1, xq, x_row_bytes, n_tok, out, out_stride);
+}
+
+/* The launch of gemm_q8_0_kernel<BM> (and the reduction of a split one). */
+template <int BM>
+static bool gemm_q8_0_launch(ds4_backend *be, gemm_args a, int64_t n_in, int64_t n_groups) {
+    typedef gemm_geom<BM> G;
+    /* per call: the attribute belongs to the current device, and a process
+     * may drive several */
+    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel<BM>, G::SMEM, "matmul (int8 GEMM)", n_in))
+        return false;
+    dim3 grid;
+    if (!gemm_grid(be, a.n_out, a.n_tok, BM, G_BN, &grid)) return false;
+    a.splits = gemm_splits(be, (int64_t)grid.x * grid.y * n_groups, a.n_stages, 2);
+    grid.z = (unsigned)(a.splits * n_groups);
+    if (a.splits > 1 && !(a.part = gemm_parts(be, a.splits, n_groups, a.n_tok, a.n_out))) return false;
+    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel<BM>, grid, G::THREADS, G::SMEM, a) &&
+           (a.splits == 1 || gemm_reduce(be, a.part, a.splits, n_groups, a.n_tok, a.n_out, NULL, a.out, a.out_stride));
 }
 
 bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
@@ -300,9 +336,10 @@ bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, i
                   (long long)n_tok, (long long)row_bytes);
         return false;
     }
-    /* per call: the attribute belongs to the current device, and a process
-     * may drive several */
-    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel, G_SMEM, "matmul (int8 GEMM)", n_in)) return false;
+    if (n_groups < 1 || n_groups > CUDA_GEMM_MAX_GROUPS) {
+        cuda_fail(be, DS4_ERR_INVALID, "gemm: %lld groups", (long long)n_groups);
+        return false;
+    }
     gemm_args a;
     a.w = (const uint8_t *)w;
     a.row_bytes = row_bytes;
@@ -316,16 +353,18 @@ bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, i
     a.w_group_bytes = n_out * row_bytes;
     a.x_group_bytes = (n_in / DS4_QK8_0) * 36;
     a.part = NULL;
-    dim3 grid;
-    if (n_groups < 1 || n_groups > CUDA_GEMM_MAX_GROUPS || !gemm_grid(be, n_out, n_tok, G_BM, G_BN, &grid)) {
-        if (!cuda_failed(be)) cuda_fail(be, DS4_ERR_INVALID, "gemm: %lld groups", (long long)n_groups);
-        return false;
+    a.splits = 1;
+    /* blocks of 128 rows where the backend's setting asks for them and their
+     * tiles alone fill the device (no split of K: a prefill's products; a
+     * batched decode's few tiles keep the blocks of 64 and their splits) */
+    const int64_t tiles128 = (n_out + 127) / 128 * ((n_tok + G_BN - 1) / G_BN) * n_groups;
+    cuda_backend *cb = cuda_impl(be);
+    if (cb->gemm_bm == 128 && tiles128 >= 2 * (int64_t)cuda_sm_count(cb)) {
+        if (!gemm_q8_0_launch<128>(be, a, n_in, n_groups)) return false;
+        cb->gemm_bm128_calls++;
+        return true;
     }
-    a.splits = gemm_splits(be, (int64_t)grid.x * grid.y * n_groups, a.n_stages, 2);
-    grid.z = (unsigned)(a.splits * n_groups);
-    if (a.splits > 1 && !(a.part = gemm_parts(be, a.splits, n_groups, n_tok, n_out))) return false;
-    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel, grid, G_THREADS, G_SMEM, a) &&
-           (a.splits == 1 || gemm_reduce(be, a.part, a.splits, n_groups, n_tok, n_out, NULL, out, out_stride));
+    return gemm_q8_0_launch<64>(be, a, n_in, n_groups);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -201,6 +201,7 @@ typedef struct cuda_backend {
     uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
     int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
+    int gemm_bm;      /* weight rows per block of the int8 GEMM where its tiles fill the device: 64 (default) or 128 (DS4_CUDA_GEMM_BM, ds4_cuda_backend_set_gemm_bm) */
     bool wide_rows;   /* the row kernels' warp and several-row forms (for at least CUDA_WIDE_MIN_ROWS rows): head_norm_rope's warp a head, hc_pre's partial pass of
                        * HC_ROWS rows a block, the quantisers' warp / lane-pair kernels, the attention combine's warp
                        * a head (on by default; DS4_CUDA_WIDE_ROWS=0: the block forms; the same bits either way) */
@@ -216,6 +217,7 @@ typedef struct cuda_backend {
     bool att_tc;      /* attention_rows_f16's batches on the f16 tensor cores (DS4_CUDA_ATT_TC=0: off) */
     int64_t att_tc_calls; /* launches that ran there (ds4_cuda_backend_att_tc_calls) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
+    int64_t gemm_bm128_calls; /* int8 GEMM launches of 128-row blocks (ds4_cuda_backend_gemm_bm128_calls) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */
     bool segments;  /* a step may be submitted in segments at its marks (DS4_CUDA_SEGMENTS=0: one graph) */

@@ -869,6 +869,9 @@ extern "C" int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be) {
 extern "C" int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->fgemm_calls;
 }
+extern "C" int64_t ds4_cuda_backend_gemm_bm128_calls(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->gemm_bm128_calls;
+}
 extern "C" int64_t ds4_cuda_backend_moe_mma_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->moe_mma_calls;
 }
@@ -890,6 +893,7 @@ extern "C" void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode) {
     cuda_impl(be)->hc_all = mode == 0 || mode == 2 ? mode : 1;
 }
 extern "C" void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on) { cuda_impl(be)->wide_rows = on != 0; }
+extern "C" void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows) { cuda_impl(be)->gemm_bm = rows == 128 ? 128 : 64; }
 extern "C" void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on) { cuda_impl(be)->router_reg = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
@@ -917,6 +921,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->hc_all = (int)cuda_env_long("DS4_CUDA_HC_ALL", 1, 0, 2);
     cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);
     cb->wide_rows = cuda_env_flag("DS4_CUDA_WIDE_ROWS", true);
+    cb->gemm_bm = cuda_env_long("DS4_CUDA_GEMM_BM", 64, 64, 128) == 128 ? 128 : 64;
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_mma_rows = moe_mma_rows_of(cuda_env_long("DS4_CUDA_MOE_MMA_ROWS", CUDA_MOE_MMA_ROWS, 32, CUDA_MOE_MMA_ROWS));
