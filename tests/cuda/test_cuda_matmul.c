@@ -129,6 +129,15 @@ static uint8_t *weight_bytes(uint32_t type, int64_t ne0, int64_t rows, bool quan
     return bytes;
 }
 
+/* The end of a case: its activation buffer, weight and host arrays. */
+static void weight_case_free(op_pair *p, op_buf *x, op_weight *w, float *hx, uint8_t *bytes, float *deq) {
+    op_buf_free(p, x);
+    op_weight_free(p, w);
+    free(hx);
+    free(bytes);
+    free(deq);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Host-side tolerances                                                      */
 /* ------------------------------------------------------------------------ */
@@ -315,11 +324,7 @@ static void matmul_case(op_pair *p, uint32_t type, int64_t n, int64_t rows, bool
         free(tol);
         op_buf_free(p, &y);
     }
-    op_buf_free(p, &x);
-    op_weight_free(p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(p, &x, w, hx, bytes, deq);
 }
 
 /* Every n_rows in {1, 3, 37}; full range with tight strides and a sub-range
@@ -438,11 +443,7 @@ static void test_matmul_act_quant_bitexact(void) {
             snprintf(what, sizeof what, "matmul %s ds4, %d block(s) per row: exact", ds4_type_name(type), nb);
             compare_out(what, &p, y, n_rows, rows, rows, NULL, 0.0, true);
             op_buf_free(&p, &y);
-            op_buf_free(&p, &x);
-            op_weight_free(&p, w);
-            free(hx);
-            free(bytes);
-            free(deq);
+            weight_case_free(&p, &x, w, hx, bytes, deq);
         }
     }
     op_pair_close(&p);
@@ -475,11 +476,7 @@ static void test_matmul_empty(void) {
     for (int i = 0; i < 8; i++) written += !isnan(hy[i]);
     CHECK_EQ_INT(written, 0);
     op_buf_free(&p, &y);
-    op_buf_free(&p, &x);
-    op_weight_free(&p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(&p, &x, w, hx, bytes, deq);
     op_pair_close(&p);
 }
 
@@ -550,11 +547,7 @@ static void test_matmul_errors(void) {
     compare_out("matmul after errors", &p, y, 4, 16, 16, tol, 0.0, false);
     free(tol);
     op_buf_free(&p, &y);
-    op_buf_free(&p, &x);
-    op_weight_free(&p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(&p, &x, w, hx, bytes, deq);
     op_pair_close(&p);
 }
 
@@ -618,11 +611,7 @@ static void grouped_case(op_pair *p, uint32_t type, int64_t n_groups, int64_t n_
     free(tol);
     free(hy);
     free(hy_sep);
-    op_buf_free(p, &x);
-    op_weight_free(p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(p, &x, w, hx, bytes, deq);
 }
 
 static bool env_on(const char *name);
@@ -723,14 +712,11 @@ static void test_gemm_bm(void) {
                   (long long)(n_tok * width));
         op_buf_free(&p, &y[0]);
         op_buf_free(&p, &y[1]);
-        op_buf_free(&p, &x);
-        op_weight_free(&p, w);
-        free(hx);
-        free(bytes);
-        free(deq);
+        weight_case_free(&p, &x, w, hx, bytes, deq);
     }
     op_pair_close(&p);
 }
+
 static void test_matmul_grouped_q2_K(void) { check_matmul_grouped_type(DS4_TYPE_Q2_K); }
 static void test_matmul_grouped_q4_K(void) { check_matmul_grouped_type(DS4_TYPE_Q4_K); }
 static void test_matmul_grouped_iq2_xxs(void) { check_matmul_grouped_type(DS4_TYPE_IQ2_XXS); }
@@ -802,11 +788,7 @@ static void test_matmul_grouped_errors(void) {
     }
     compare_out("matmul_grouped after errors", &p, y, 4, 12, 16, tol, 0.0, false);
     op_buf_free(&p, &y);
-    op_buf_free(&p, &x);
-    op_weight_free(&p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(&p, &x, w, hx, bytes, deq);
     op_pair_close(&p);
 }
 
@@ -1974,11 +1956,7 @@ static void quantises_x_case(op_pair *p, int64_t n, int64_t n_out, int64_t n_row
         op_buf_free(p, &xi);
     }
     for (int i = 0; i < 4; i++) op_buf_free(p, &y[i]), op_buf_free(p, &ref[i]);
-    op_buf_free(p, &x);
-    op_weight_free(p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(p, &x, w, hx, bytes, deq);
 }
 
 /* A grouped Q8_0 decode product (o_a: 8 groups of 4096 -> 1024) whose
@@ -2094,11 +2072,7 @@ static void pack_plain_case(op_pair *p, uint32_t type, int64_t n, int64_t rows) 
     expect_same_rows(p, what, y[1].g, y[0].g, 1, rows, rows);
     ds4_cuda_backend_set_mv_pack(p->gpu, env_on("DS4_CUDA_MV_PACK"));
     for (int i = 0; i < 2; i++) op_buf_free(p, &y[i]);
-    op_buf_free(p, &x);
-    op_weight_free(p, w);
-    free(hx);
-    free(bytes);
-    free(deq);
+    weight_case_free(p, &x, w, hx, bytes, deq);
 }
 
 static void pack_moe_case(op_pair *p, int64_t dim, int64_t n_ff, int64_t n_rows) {
