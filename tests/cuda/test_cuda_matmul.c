@@ -1296,6 +1296,12 @@ static void test_moe_mma(void) {
         moe_case_on(&p, tg, td, 512, 512, 8, 6, 0.7f, 100, true); /* about 75: groups of 64 and the rest */
     }
     moe_case_on(&p, IQ2, Q2, 1024, 1024, 8, 6, 0.7f, 1, true); /* one token: not grouped */
+    /* the kernel of eight token tiles held to three blocks' registers an SM (set_moe_mma_blocks 3) */
+    ds4_cuda_backend_set_moe_mma_blocks(p.gpu, 3);
+    for (int i = 0; i < 4; i++) {
+        moe_case_on(&p, types[i][0], types[i][1], 1024, 1024, 8, 6, 0.7f, 45, true);
+        moe_case_on(&p, types[i][0], types[i][1], 512, 512, 8, 6, 0.7f, 100, true);
+    }
     op_pair_close(&p);
 }
 

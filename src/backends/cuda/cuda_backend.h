@@ -253,6 +253,12 @@ void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on);
  * DS4_CUDA_MOE_MMA_ROWS=32 makes 32 the default). The results are the same
  * either way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows);
+/* The MoE's tensor-core kernel of eight token tiles held to the registers
+ * of 1 block an SM (the default: 95 registers, two blocks by the
+ * registers) or 3 (80 registers: three blocks, 24 warps an SM, at a few
+ * bytes of spill); DS4_CUDA_MOE_MMA_BLOCKS=3 makes 3 the default. The same
+ * bits either way. Takes effect at the next op. */
+void ds4_cuda_backend_set_moe_mma_blocks(ds4_backend *be, int blocks);
 /* The grouping inside recorded steps too, in groups of up to max_rows
  * tokens (1, 2, 4 or 8; anything else: off, the default;
  * DS4_CUDA_MOE_STEP_GROUP=N sets the default; needs moe_grouped): a batched

@@ -209,6 +209,7 @@ typedef struct cuda_backend {
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
     int moe_mma_rows; /* ... up to this many tokens of an expert per pass: 32 or 64 (the default; DS4_CUDA_MOE_MMA_ROWS=32) */
+    int moe_mma_blocks; /* ... the kernel of eight token tiles held to the registers of 1 (the default) or 3 blocks an SM (DS4_CUDA_MOE_MMA_BLOCKS=3) */
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
                         * (1, 2, 4 or 8; 0: off, the default; DS4_CUDA_MOE_STEP_GROUP=N) */
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */

@@ -852,6 +852,9 @@ extern "C" void ds4_cuda_backend_set_moe_grouped(ds4_backend *be, int on) { cuda
 extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_impl(be)->moe_mma = on != 0; }
 /* 32 for 32, anything else the default, 64 */
 static int moe_mma_rows_of(long r) { return r == 32 ? 32 : CUDA_MOE_MMA_ROWS; }
+extern "C" void ds4_cuda_backend_set_moe_mma_blocks(ds4_backend *be, int blocks) {
+    cuda_impl(be)->moe_mma_blocks = blocks == 3 ? 3 : 1;
+}
 extern "C" void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows) {
     cuda_impl(be)->moe_mma_rows = moe_mma_rows_of(max_rows);
 }
@@ -925,6 +928,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_mma_rows = moe_mma_rows_of(cuda_env_long("DS4_CUDA_MOE_MMA_ROWS", CUDA_MOE_MMA_ROWS, 32, CUDA_MOE_MMA_ROWS));
+    cb->moe_mma_blocks = cuda_env_long("DS4_CUDA_MOE_MMA_BLOCKS", 1, 1, 3) == 3 ? 3 : 1;
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     cb->att_tc = cuda_env_flag("DS4_CUDA_ATT_TC", true);

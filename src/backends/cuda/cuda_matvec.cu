@@ -1817,8 +1817,13 @@ static __device__ __forceinline__ void moe_x_fetch(uint8_t *s_x, const moe_x_pie
     if (threadIdx.x < N::TOKENS) *xd = p.xd ? p.xd[st] : 0.0f;
 }
 
-template <uint32_t T, int NT, bool W16>
-__global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma_args a) {
+/* MB: the blocks an SM the registers must allow (launch bounds): 1 (the
+ * kernel of eight tiles then takes 95 registers: two blocks, 16 warps an
+ * SM) or 3 (80 registers and a few bytes of spill: 24 warps an SM, as the
+ * shared memory of eight tiles, about 67 KB, allows;
+ * ds4_cuda_backend_set_moe_mma_blocks) */
+template <uint32_t T, int NT, bool W16, int MB>
+__global__ void __launch_bounds__(moe_tiles<NT>::THREADS, MB) moe_mma_kernel(moe_mma_args a) {
     typedef mvq<T> K;
     typedef moe_raw<T, W16> R;
     typedef moe_smem<T, NT, W16> L;
@@ -1975,13 +1980,20 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS) moe_mma_kernel(moe_mma
     }
 }
 
-template <uint32_t T, int NT, bool W16>
+template <uint32_t T, int NT, bool W16, int MB = 1>
 static bool moe_mma_launch_nt(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a) {
     /* per call: the attribute belongs to the current device */
     const size_t smem = moe_smem<T, NT, W16>::BYTES;
-    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T, NT, W16>, smem, "moe (tensor cores)",
+    return cuda_allow_dynamic_smem(be, (const void *)moe_mma_kernel<T, NT, W16, MB>, smem, "moe (tensor cores)",
                                    a.act_blocks) &&
-           cuda_launch(be, name, moe_mma_kernel<T, NT, W16>, grid, moe_tiles<NT>::THREADS, smem, a);
+           cuda_launch(be, name, moe_mma_kernel<T, NT, W16, MB>, grid, moe_tiles<NT>::THREADS, smem, a);
+}
+
+/* the kernel of eight token tiles, held to the registers of MB blocks an SM */
+template <uint32_t T, bool W16>
+static bool moe_mma_launch_8(ds4_backend *be, const char *name, dim3 grid, const moe_mma_args &a) {
+    if (cuda_impl(be)->moe_mma_blocks == 3) return moe_mma_launch_nt<T, 8, W16, 3>(be, name, grid, a);
+    return moe_mma_launch_nt<T, 8, W16, 1>(be, name, grid, a);
 }
 
 /* the kernel of four token tiles while every group fits it, else of eight;
@@ -1995,7 +2007,7 @@ static bool moe_mma_launch(ds4_backend *be, const char *name, dim3 grid, const m
                      (uintptr_t)a.w[1] % 16 == 0;
     if (max_rows <= moe_tiles<4>::TOKENS)
         return w16 ? moe_mma_launch_nt<T, 4, SPLIT>(be, name, grid, a) : moe_mma_launch_nt<T, 4, false>(be, name, grid, a);
-    return w16 ? moe_mma_launch_nt<T, 8, SPLIT>(be, name, grid, a) : moe_mma_launch_nt<T, 8, false>(be, name, grid, a);
+    return w16 ? moe_mma_launch_8<T, SPLIT>(be, name, grid, a) : moe_mma_launch_8<T, false>(be, name, grid, a);
 }
 
 bool cuda_mv_moe_mma_fits(uint32_t type, int64_t row_bytes, int64_t n_in) {
