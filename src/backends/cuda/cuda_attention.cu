@@ -1224,7 +1224,6 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     }
     int cur = 0;
     for (int64_t t0 = r0; t0 < r1; t0 += TC_TILE, cur ^= 1) {
-        const int nt = (int)(r1 - t0 < TC_TILE ? r1 - t0 : TC_TILE);
         const bool next = t0 + TC_TILE < r1;
         cp_async_wait<0>();
         __syncthreads(); /* the first half is in; the previous tile's rows and weights are used up (and the queries are in) */
@@ -1275,7 +1274,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const int h = 8 * warp + i;
-            const float sv = lane < nt && ok[lane] ? S[h * TC_SP + lane] : -INFINITY;
+            const float sv = ok[lane] ? S[h * TC_SP + lane] : -INFINITY; /* (a row past the range's end has no pointer) */
             float tile_max = sv;
             for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
             const float m_new = fmaxf(m_h[i], tile_max);

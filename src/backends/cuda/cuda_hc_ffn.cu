@@ -747,6 +747,20 @@ template <bool VEC, bool POST, bool ALL> static hc_partial_fn hc_partial_typed(u
 template <bool VEC, bool POST> static hc_partial_fn hc_partial_for(uint32_t type, bool all) {
     return all ? hc_partial_typed<VEC, POST, true>(type) : hc_partial_typed<VEC, POST, false>(type);
 }
+static hc_partial_fn hc_partial_pick(uint32_t type, bool vec, bool post, bool all) {
+    if (post) return vec ? hc_partial_for<true, true>(type, all) : hc_partial_for<false, true>(type, all);
+    return vec ? hc_partial_for<true, false>(type, all) : hc_partial_for<false, false>(type, all);
+}
+
+/* hc_partial_rows_kernel's instance for fn's type, with or without `post` */
+typedef void (*hc_rows_fn)(hc_args, int, int64_t, hc_part *, hc_post_args);
+template <bool POST> static hc_rows_fn hc_rows_typed(uint32_t type) {
+    switch (type) {
+    case DS4_TYPE_F32: return hc_partial_rows_kernel<DS4_TYPE_F32, POST>;
+    case DS4_TYPE_F16: return hc_partial_rows_kernel<DS4_TYPE_F16, POST>;
+    default: return hc_partial_rows_kernel<DS4_TYPE_BF16, POST>;
+    }
+}
 
 /* Whether the partial pass of n_rows rows of n_chunks chunks takes every mix
  * group in one block (hc_partial_kernel's ALL), and the finishing pass a
@@ -792,18 +806,10 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     memset(&pa, 0, sizeof pa); /* (recorded steps compare argument bytes) */
     if (post) pa = *post;
     const bool all = hc_all_groups(cuda_impl(be), n_rows, n_chunks, n_mix);
-    const hc_partial_fn partial = post ? (vec ? hc_partial_for<true, true>(a.fn_type, all)
-                                              : hc_partial_for<false, true>(a.fn_type, all))
-                                       : (vec ? hc_partial_for<true, false>(a.fn_type, all)
-                                              : hc_partial_for<false, false>(a.fn_type, all));
+    const hc_partial_fn partial = hc_partial_pick(a.fn_type, vec, post != NULL, all);
     const unsigned groups = all ? 1u : (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
     if (all && vec && cuda_impl(be)->wide_rows && n_rows >= HC_ROWS && (n_rows + HC_ROWS - 1) / HC_ROWS <= 65535) {
-        typedef void (*rows_fn)(hc_args, int, int64_t, hc_part *, hc_post_args);
-        const rows_fn fn = a.fn_type == DS4_TYPE_F32
-                               ? (post ? hc_partial_rows_kernel<DS4_TYPE_F32, true> : hc_partial_rows_kernel<DS4_TYPE_F32, false>)
-                           : a.fn_type == DS4_TYPE_F16
-                               ? (post ? hc_partial_rows_kernel<DS4_TYPE_F16, true> : hc_partial_rows_kernel<DS4_TYPE_F16, false>)
-                               : (post ? hc_partial_rows_kernel<DS4_TYPE_BF16, true> : hc_partial_rows_kernel<DS4_TYPE_BF16, false>);
+        const hc_rows_fn fn = post ? hc_rows_typed<true>(a.fn_type) : hc_rows_typed<false>(a.fn_type);
         if (!cuda_launch(be, what, fn, dim3((unsigned)n_chunks, (unsigned)((n_rows + HC_ROWS - 1) / HC_ROWS)),
                          HC_PART_THREADS, 0, a, n_mix, n_rows, part, pa))
             return;
