@@ -1145,6 +1145,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
 
     /* the queries: their largest |q|, the power of two, the two parts */
     float mx = 0.0f;
+#pragma unroll 8 /* (eight 16-byte loads in flight a thread) */
     for (int i = tid; i < TC_HEADS * TC_DIM / 4; i += TC_THREADS) {
         const float4 x = ((const float4 *)qz)[i];
         mx = fmaxf(mx, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)))); /* (drops NaNs) */
@@ -1156,6 +1157,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     for (int w = 0; w < TC_THREADS / 32; w++) mx = fmaxf(mx, red[w]);
     const int sc = cuda_f16_split_scale(mx);
     const float unscale = ldexpf(1.0f, -sc);
+#pragma unroll 8 /* (eight 16-byte loads in flight a thread) */
     for (int i = tid; i < TC_HEADS * TC_DIM / 4; i += TC_THREADS) {
         const float4 x = ((const float4 *)qz)[i];
         const int h = i / (TC_DIM / 4), d = 4 * (i % (TC_DIM / 4));
