@@ -1097,38 +1097,48 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
 #define TC_HEADS 64
 #define TC_DIM 512
 #define TC_TILE 32                    /* key/value rows a tile */
-#define TC_THREADS 256                /* 8 warps */
+#define TC_WARPS 8                    /* warps a block, the default form (DS4_CUDA_ATT_TC_WARPS=16: the other) */
 #define TC_RPS 512                    /* rows a split takes (16 tiles) */
 #define TC_QP (TC_DIM + 8)            /* halves between rows of Q and of the tile (ldmatrix: 8 rows, 8 banks apart) */
 #define TC_PP (TC_TILE + 8)           /* halves between rows of P */
 #define TC_SP (TC_TILE + 1)           /* floats between rows of S */
-static_assert(TC_HEADS == 64 && TC_TILE == 32 && TC_THREADS == 256, "4 head tiles x 2 row halves of 8 warps; a lane a row");
+static_assert(TC_HEADS == 64 && TC_TILE == 32, "4 head tiles x 2 row halves (x 2 halves of K with 16 warps); a lane a row");
 
-struct tc_smem {
+/* NW warps a block: 8 (255 registers) or 16 (at most 128 registers: twice
+ * the warps an SM; each scores tile's K in two halves, summed in the
+ * softmax, each warp a half as many heads and output dims) */
+template <int NW> struct tc_smem {
     static constexpr size_t QH = 0;                                   /* half [64][TC_QP] */
     static constexpr size_t QL = QH + (size_t)TC_HEADS * TC_QP * 2;   /* half [64][TC_QP] */
     static constexpr size_t KV = QL + (size_t)TC_HEADS * TC_QP * 2;   /* half [32][TC_QP] */
-    static constexpr size_t S = KV + (size_t)TC_TILE * TC_QP * 2;     /* float [64][TC_SP] */
-    static constexpr size_t PH = S + (size_t)TC_HEADS * TC_SP * 4;    /* half [64][TC_PP] */
+    static constexpr size_t S = KV + (size_t)TC_TILE * TC_QP * 2;     /* float [NW / 8][64][TC_SP]: a K half's scores */
+    static constexpr size_t PH = S + (size_t)(NW / 8) * TC_HEADS * TC_SP * 4; /* half [64][TC_PP] */
     static constexpr size_t PL = PH + (size_t)TC_HEADS * TC_PP * 2;   /* half [64][TC_PP] */
     static constexpr size_t RES = PL + (size_t)TC_HEADS * TC_PP * 2;  /* float [64]: the tile's rescale per head */
     static constexpr size_t OK = RES + TC_HEADS * 4;                  /* int [32]: row j of the tile weighs */
-    static constexpr size_t RED = OK + TC_TILE * 4;                   /* float [8]: the queries' max |q| per warp */
-    static constexpr size_t STG = (RED + 8 * 4 + 15) / 16 * 16;       /* float [16][TC_DIM]: half a tile's rows in flight */
+    static constexpr size_t RED = OK + TC_TILE * 4;                   /* float [NW]: the queries' max |q| per warp */
+    static constexpr size_t STG = (RED + NW * 4 + 15) / 16 * 16;      /* float [16][TC_DIM]: half a tile's rows in flight */
     static constexpr size_t BYTES = STG + (size_t)(TC_TILE / 2) * TC_DIM * 4;
+    static_assert(NW == 8 || NW == 16, "8 or 16 warps");
+    static_assert(BYTES + 2 * TC_TILE * sizeof(void *) <= 227 * 1024, "one block per SM of an H100 / H200");
+    static_assert(KV % 16 == 0 && PH % 16 == 0 && PL % 16 == 0, "ldmatrix rows 16-byte aligned");
 };
-static_assert(tc_smem::BYTES <= 227 * 1024, "one block per SM of an H100 / H200");
-static_assert(tc_smem::KV % 16 == 0 && tc_smem::PH % 16 == 0 && tc_smem::PL % 16 == 0, "ldmatrix rows 16-byte aligned");
 
-static __global__ void __launch_bounds__(TC_THREADS, 1)
+template <int NW>
+static __global__ void __launch_bounds__(32 * NW, 1)
     attention_tc_kernel(const float *__restrict__ q, att_rows rows, float kq_scale, float *__restrict__ part,
                         const att_view *__restrict__ views) {
+    typedef tc_smem<NW> L;
+    constexpr int TC_THREADS = 32 * NW;
+    constexpr int HPW = TC_HEADS / NW; /* heads of the softmax a warp */
+    constexpr int NB = TC_DIM / NW / 8; /* 8-dim output tiles a warp */
+    constexpr int KH = TC_DIM / (NW / 8); /* the scores' K a warp */
     extern __shared__ __align__(16) uint8_t tc_sm[];
-    __half *qh = (__half *)(tc_sm + tc_smem::QH), *ql = (__half *)(tc_sm + tc_smem::QL);
-    __half *kv = (__half *)(tc_sm + tc_smem::KV);
-    float *S = (float *)(tc_sm + tc_smem::S), *res = (float *)(tc_sm + tc_smem::RES), *red = (float *)(tc_sm + tc_smem::RED);
-    __half *ph = (__half *)(tc_sm + tc_smem::PH), *pl = (__half *)(tc_sm + tc_smem::PL);
-    int *ok = (int *)(tc_sm + tc_smem::OK);
+    __half *qh = (__half *)(tc_sm + L::QH), *ql = (__half *)(tc_sm + L::QL);
+    __half *kv = (__half *)(tc_sm + L::KV);
+    float *S = (float *)(tc_sm + L::S), *res = (float *)(tc_sm + L::RES), *red = (float *)(tc_sm + L::RED);
+    __half *ph = (__half *)(tc_sm + L::PH), *pl = (__half *)(tc_sm + L::PL);
+    int *ok = (int *)(tc_sm + L::OK);
     __shared__ const float *row_tile[2][TC_TILE];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int64_t split = blockIdx.x, n_splits = gridDim.x, z = blockIdx.y;
@@ -1154,7 +1164,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     if (lane == 0) red[warp] = mx;
     __syncthreads();
     mx = 0.0f;
-    for (int w = 0; w < TC_THREADS / 32; w++) mx = fmaxf(mx, red[w]);
+    for (int w = 0; w < NW; w++) mx = fmaxf(mx, red[w]);
     const int sc = cuda_f16_split_scale(mx);
     const float unscale = ldexpf(1.0f, -sc);
 #pragma unroll 8 /* (eight 16-byte loads in flight a thread) */
@@ -1166,18 +1176,19 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
         for (int e = 0; e < 4; e++) cuda_f16_split(xv[e], qh[h * TC_QP + d + e], ql[h * TC_QP + d + e]);
     }
 
-    /* warp w: scores of heads 16 (w & 3) .. + 15 x rows 16 (w >> 2) .. + 15
-     * of the tile; the softmax of heads 8 w .. 8 w + 7; the outputs of dims
-     * 64 w .. 64 w + 63 of every head */
-    const int mt = warp & 3, nh = warp >> 2;
-    float m_h[8], den_h[8];
+    /* warp w: scores of heads 16 (w & 3) .. + 15 x rows 16 ((w >> 2) & 1)
+     * .. + 15 of the tile over K half w >> 3 (of one with 8 warps); the
+     * softmax of heads HPW w .. + HPW - 1; the outputs of dims 8 NB w ..
+     * + 8 NB - 1 of every head */
+    const int mt = warp & 3, nh = (warp >> 2) & 1, kh = warp >> 3;
+    float m_h[HPW], den_h[HPW];
 #pragma unroll
-    for (int i = 0; i < 8; i++) m_h[i] = -INFINITY, den_h[i] = 0.0f;
-    float acc[4][8][4];
+    for (int i = 0; i < HPW; i++) m_h[i] = -INFINITY, den_h[i] = 0.0f;
+    float acc[4][NB][4];
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
-        for (int b = 0; b < 8; b++)
+        for (int b = 0; b < NB; b++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[a][b][c] = 0.0f;
     const unsigned s_qh = cuda_smem_addr(qh), s_ql = cuda_smem_addr(ql), s_kv = cuda_smem_addr(kv);
@@ -1195,7 +1206,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
      * scores, softmax and outputs run, so a tile waits on one copy round
      * trip instead of four rounds of loads. row_tile[b]: the row pointers of
      * the tile of parity b (warp 0 makes them one tile ahead). */
-    float *stg = (float *)(tc_sm + tc_smem::STG);
+    float *stg = (float *)(tc_sm + L::STG);
     const float *const zero_src = qz; /* (any valid address: a zero-filled copy reads nothing) */
     auto rows_of = [&](int64_t t, int b) {
         if (warp == 0) row_tile[b][lane] = t + lane < r1 ? att_row(rows, t + lane, true) : NULL;
@@ -1243,7 +1254,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
         /* scores */
         {
             float s[2][4] = { { 0.0f, 0.0f, 0.0f, 0.0f }, { 0.0f, 0.0f, 0.0f, 0.0f } };
-            for (int k0 = 0; k0 < TC_DIM; k0 += 32) {
+            for (int k0 = KH * kh; k0 < KH * kh + KH; k0 += 32) {
                 float c[2][4] = { { 0.0f, 0.0f, 0.0f, 0.0f }, { 0.0f, 0.0f, 0.0f, 0.0f } };
 #pragma unroll
                 for (int kk = 0; kk < 32; kk += 16) {
@@ -1268,15 +1279,17 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int h = 16 * mt + g + (e >= 2 ? 8 : 0), r = 16 * nh + 8 * j + 2 * tq + (e & 1);
-                    S[h * TC_SP + r] = s[j][e] * unscale * kq_scale;
+                    S[(kh * TC_HEADS + h) * TC_SP + r] = s[j][e];
                 }
         }
         __syncthreads();
         /* the softmax: warp w's heads, lane j row j */
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int h = 8 * warp + i;
-            const float sv = ok[lane] ? S[h * TC_SP + lane] : -INFINITY; /* (a row past the range's end has no pointer) */
+        for (int i = 0; i < HPW; i++) {
+            const int h = HPW * warp + i;
+            float sv = S[h * TC_SP + lane];
+            if (NW == 16) sv += S[(TC_HEADS + h) * TC_SP + lane];
+            sv = ok[lane] ? sv * unscale * kq_scale : -INFINITY; /* (a row past the range's end has no pointer) */
             float tile_max = sv;
             for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
             const float m_new = fmaxf(m_h[i], tile_max);
@@ -1293,7 +1306,7 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
         for (int a = 0; a < 4; a++) {
             const float ra = res[16 * a + g], rb = res[16 * a + g + 8];
 #pragma unroll
-            for (int b = 0; b < 8; b++) {
+            for (int b = 0; b < NB; b++) {
                 acc[a][b][0] *= ra, acc[a][b][1] *= ra;
                 acc[a][b][2] *= rb, acc[a][b][3] *= rb;
             }
@@ -1308,11 +1321,11 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
                 cuda_ldsm_x4(al[kk], s_pl + pa);
             }
 #pragma unroll
-            for (int b2 = 0; b2 < 4; b2++) { /* two 8-dim tiles a load */
+            for (int b2 = 0; b2 < NB / 2; b2++) { /* two 8-dim tiles a load */
                 uint32_t bv[2][4];
 #pragma unroll
                 for (int kk = 0; kk < 2; kk++)
-                    cuda_ldsm_x4_trans(bv[kk], s_kv + 2u * (unsigned)((16 * kk + t_row) * TC_QP + 64 * warp + 16 * b2 + t_n));
+                    cuda_ldsm_x4_trans(bv[kk], s_kv + 2u * (unsigned)((16 * kk + t_row) * TC_QP + 8 * NB * warp + 16 * b2 + t_n));
 #pragma unroll
                 for (int jj = 0; jj < 2; jj++) {
                     float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
@@ -1331,18 +1344,18 @@ static __global__ void __launch_bounds__(TC_THREADS, 1)
     float *pz = part + z * TC_HEADS * n_splits * (TC_DIM + 2);
     if (lane == 0)
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float *o = pz + ((int64_t)(8 * warp + i) * n_splits + split) * (TC_DIM + 2);
+        for (int i = 0; i < HPW; i++) {
+            float *o = pz + ((int64_t)(HPW * warp + i) * n_splits + split) * (TC_DIM + 2);
             o[0] = m_h[i];
             o[1] = den_h[i];
         }
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
-        for (int b = 0; b < 8; b++)
+        for (int b = 0; b < NB; b++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int h = 16 * a + g + (e >= 2 ? 8 : 0), d = 64 * warp + 8 * b + 2 * tq + (e & 1);
+                const int h = 16 * a + g + (e >= 2 ? 8 : 0), d = 8 * NB * warp + 8 * b + 2 * tq + (e & 1);
                 pz[((int64_t)h * n_splits + split) * (TC_DIM + 2) + 2 + d] = acc[a][b][e];
             }
 }
@@ -1366,6 +1379,16 @@ struct att_bases {
     const float *a(int64_t r) const { return a_of ? a_of[r] : rows_a ? rows_a + a_off[r] * dim : NULL; }
     const float *b(int64_t r) const { return b_of ? b_of[r] : rows_b; }
 };
+
+/* attention_tc_kernel of NW warps over grid (n_splits, n) */
+template <int NW>
+static bool att_tc_launch(ds4_backend *be, int64_t n_splits, int64_t n, const float *q, const att_rows &rows,
+                          float kq_scale, float *scratch, const att_view *views) {
+    return cuda_allow_dynamic_smem(be, (const void *)attention_tc_kernel<NW>, tc_smem<NW>::BYTES,
+                                   "attention (tensor cores)", TC_DIM) &&
+           cuda_launch(be, "attention_tc_kernel", attention_tc_kernel<NW>, dim3((unsigned)n_splits, (unsigned)n),
+                       32 * NW, tc_smem<NW>::BYTES, q, rows, kq_scale, scratch, views);
+}
 
 /* f16_rows: the rows hold binary16 values (attention_rows_f16), so the
  * tensor-core kernel may take a batch of the model's shape (64 heads of
@@ -1438,10 +1461,8 @@ static void attention_rows_impl(ds4_backend *be, const float *q, int64_t n, int6
     rows.tag = rows.idx ? cuda_check_tag(be, sinks->name) : -1;
     const float kq_scale = 1.0f / sqrtf((float)dim); /* as the CPU computes it */
     if (tc) {
-        if (!cuda_allow_dynamic_smem(be, (const void *)attention_tc_kernel, tc_smem::BYTES, "attention (tensor cores)",
-                                     dim) ||
-            !cuda_launch(be, "attention_tc_kernel", attention_tc_kernel, dim3((unsigned)n_splits, (unsigned)n),
-                         TC_THREADS, tc_smem::BYTES, q, rows, kq_scale, scratch, views))
+        if (!(cuda_impl(be)->att_tc_warps == 16 ? att_tc_launch<16>(be, n_splits, n, q, rows, kq_scale, scratch, views)
+                                                 : att_tc_launch<TC_WARPS>(be, n_splits, n, q, rows, kq_scale, scratch, views)))
             return;
         cuda_impl(be)->att_tc_calls++;
     } else {

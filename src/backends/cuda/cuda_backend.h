@@ -283,6 +283,11 @@ void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on);
  * read at binary16; on by default, DS4_CUDA_ATT_TC=0 makes off the
  * default), or the shared-row float kernel. Takes effect at the next op. */
 void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on);
+/* That kernel's warps a block: 8 (the default; DS4_CUDA_ATT_TC_WARPS=16
+ * makes 16 the default) or 16 (twice the warps an SM, each scores tile's K
+ * in two halves summed before the softmax: the same precision, other
+ * bits). Any other count means 8. Takes effect at the next op. */
+void ds4_cuda_backend_set_att_tc_warps(ds4_backend *be, int warps);
 /* How many attention launches have run on the tensor cores. */
 int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */

@@ -216,6 +216,7 @@ typedef struct cuda_backend {
     bool moe_ids;     /* one token's streaming MoE reads the router's ids itself (DS4_CUDA_MOE_IDS=0: the check kernel first) */
     bool fgemm;       /* F16-weight products of many tokens on the tensor cores (DS4_CUDA_FGEMM=0: off) */
     bool att_tc;      /* attention_rows_f16's batches on the f16 tensor cores (DS4_CUDA_ATT_TC=0: off) */
+    int att_tc_warps; /* their kernel's warps a block: 8, or 16 (DS4_CUDA_ATT_TC_WARPS=16) */
     int64_t att_tc_calls; /* launches that ran there (ds4_cuda_backend_att_tc_calls) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     int64_t gemm_bm128_calls; /* int8 GEMM launches of 128-row blocks (ds4_cuda_backend_gemm_bm128_calls) */

@@ -866,6 +866,9 @@ extern "C" void ds4_cuda_backend_set_moe_step_group(ds4_backend *be, int max_row
 }
 extern "C" void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on) { cuda_impl(be)->fgemm = on != 0; }
 extern "C" void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on) { cuda_impl(be)->att_tc = on != 0; }
+extern "C" void ds4_cuda_backend_set_att_tc_warps(ds4_backend *be, int warps) {
+    cuda_impl(be)->att_tc_warps = warps == 16 ? 16 : 8;
+}
 extern "C" int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->att_tc_calls;
 }
@@ -932,6 +935,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     cb->att_tc = cuda_env_flag("DS4_CUDA_ATT_TC", true);
+    cb->att_tc_warps = cuda_env_long("DS4_CUDA_ATT_TC_WARPS", 8, 8, 16) == 16 ? 16 : 8;
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
     cb->moe_ids = cuda_env_flag("DS4_CUDA_MOE_IDS", true);
     cuda_hc_defer_init(cb);
