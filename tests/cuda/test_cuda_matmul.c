@@ -671,7 +671,7 @@ static void test_matmul_grouped_f16(void) { check_matmul_grouped_type(DS4_TYPE_F
 static void test_matmul_grouped_bf16(void) { check_matmul_grouped_type(DS4_TYPE_BF16); }
 static void test_matmul_grouped_q8_0(void) { check_matmul_grouped_type(DS4_TYPE_Q8_0); }
 
-/* The int8 GEMM's blocks of 128 weight rows (set_gemm_bm 128, taken where
+/* The int8 GEMM's blocks of 128 weight rows (set_gemm_bm 128, the default, taken where
  * their tiles fill the device: prefill-sized products) against its blocks
  * of 64, which the cases above check against the CPU: the same bits, for a
  * plain product with a row offset and partial row and token tiles, and for
@@ -703,7 +703,7 @@ static void test_gemm_bm(void) {
             calls[v] = ds4_cuda_backend_gemm_bm128_calls(p.gpu) - c0;
         }
         const char *dflt = getenv("DS4_CUDA_GEMM_BM");
-        ds4_cuda_backend_set_gemm_bm(p.gpu, dflt && atoi(dflt) == 128 ? 128 : 64);
+        ds4_cuda_backend_set_gemm_bm(p.gpu, dflt && atoi(dflt) == 64 ? 64 : 128);
         CHECK_MSG(calls[0] == 0 && calls[1] >= 1, "gemm_bm case %zu: %lld / %lld launches of 128-row blocks "
                   "(none, then some expected)", ci, (long long)calls[0], (long long)calls[1]);
         const int64_t diff = op_gpu_differ(&p, y[0], y[1], n_tok * width);
@@ -1296,12 +1296,16 @@ static void test_moe_mma(void) {
         moe_case_on(&p, tg, td, 512, 512, 8, 6, 0.7f, 100, true); /* about 75: groups of 64 and the rest */
     }
     moe_case_on(&p, IQ2, Q2, 1024, 1024, 8, 6, 0.7f, 1, true); /* one token: not grouped */
-    /* the kernel of eight token tiles held to three blocks' registers an SM (set_moe_mma_blocks 3) */
-    ds4_cuda_backend_set_moe_mma_blocks(p.gpu, 3);
+    /* the kernel of eight token tiles held to the other register budget (set_moe_mma_blocks: 1 block's
+     * registers an SM, or 3 where DS4_CUDA_MOE_MMA_BLOCKS=1 made 1 the default), then the default again */
+    const char *mb = getenv("DS4_CUDA_MOE_MMA_BLOCKS");
+    const int mb_dflt = mb && atoi(mb) == 1 ? 1 : 3;
+    ds4_cuda_backend_set_moe_mma_blocks(p.gpu, mb_dflt == 1 ? 3 : 1);
     for (int i = 0; i < 4; i++) {
         moe_case_on(&p, types[i][0], types[i][1], 1024, 1024, 8, 6, 0.7f, 45, true);
         moe_case_on(&p, types[i][0], types[i][1], 512, 512, 8, 6, 0.7f, 100, true);
     }
+    ds4_cuda_backend_set_moe_mma_blocks(p.gpu, mb_dflt);
     op_pair_close(&p);
 }
 

@@ -201,7 +201,7 @@ typedef struct cuda_backend {
     uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
     int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
-    int gemm_bm;      /* weight rows per block of the int8 GEMM where its tiles fill the device: 64 (default) or 128 (DS4_CUDA_GEMM_BM, ds4_cuda_backend_set_gemm_bm) */
+    int gemm_bm;      /* weight rows per block of the int8 GEMM where its tiles fill the device: 128 (default) or 64 (DS4_CUDA_GEMM_BM, ds4_cuda_backend_set_gemm_bm) */
     bool wide_rows;   /* the row kernels' warp and several-row forms (for at least CUDA_WIDE_MIN_ROWS rows): head_norm_rope's warp a head, hc_pre's partial pass of
                        * HC_ROWS rows a block, the quantisers' warp / lane-pair kernels, the attention combine's warp
                        * a head (on by default; DS4_CUDA_WIDE_ROWS=0: the block forms; the same bits either way) */
@@ -209,7 +209,7 @@ typedef struct cuda_backend {
     bool moe_grouped; /* several tokens' routed experts grouped by expert (DS4_CUDA_MOE_GROUPED=0: off) */
     bool moe_mma;     /* ... their products on the int8 tensor cores where the types allow (DS4_CUDA_MOE_MMA=0: off) */
     int moe_mma_rows; /* ... up to this many tokens of an expert per pass: 32 or 64 (the default; DS4_CUDA_MOE_MMA_ROWS=32) */
-    int moe_mma_blocks; /* ... the kernel of eight token tiles held to the registers of 1 (the default) or 3 blocks an SM (DS4_CUDA_MOE_MMA_BLOCKS=3) */
+    int moe_mma_blocks; /* ... the kernel of eight token tiles held to the registers of 3 (the default) or 1 block an SM (DS4_CUDA_MOE_MMA_BLOCKS=1) */
     int moe_step_rows; /* ... and inside recorded steps, sorted on the device, groups of up to this many rows
                         * (1, 2, 4 or 8; 0: off, the default; DS4_CUDA_MOE_STEP_GROUP=N) */
     int64_t moe_mma_calls; /* MoE calls that ran there (ds4_cuda_backend_moe_mma_calls) */

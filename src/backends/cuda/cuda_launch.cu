@@ -853,7 +853,7 @@ extern "C" void ds4_cuda_backend_set_moe_mma(ds4_backend *be, int on) { cuda_imp
 /* 32 for 32, anything else the default, 64 */
 static int moe_mma_rows_of(long r) { return r == 32 ? 32 : CUDA_MOE_MMA_ROWS; }
 extern "C" void ds4_cuda_backend_set_moe_mma_blocks(ds4_backend *be, int blocks) {
-    cuda_impl(be)->moe_mma_blocks = blocks == 3 ? 3 : 1;
+    cuda_impl(be)->moe_mma_blocks = blocks == 1 ? 1 : 3;
 }
 extern "C" void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows) {
     cuda_impl(be)->moe_mma_rows = moe_mma_rows_of(max_rows);
@@ -899,7 +899,7 @@ extern "C" void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode) {
     cuda_impl(be)->hc_all = mode == 0 || mode == 2 ? mode : 1;
 }
 extern "C" void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on) { cuda_impl(be)->wide_rows = on != 0; }
-extern "C" void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows) { cuda_impl(be)->gemm_bm = rows == 128 ? 128 : 64; }
+extern "C" void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows) { cuda_impl(be)->gemm_bm = rows == 64 ? 64 : 128; }
 extern "C" void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on) { cuda_impl(be)->router_reg = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
@@ -927,11 +927,11 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->hc_all = (int)cuda_env_long("DS4_CUDA_HC_ALL", 1, 0, 2);
     cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);
     cb->wide_rows = cuda_env_flag("DS4_CUDA_WIDE_ROWS", true);
-    cb->gemm_bm = cuda_env_long("DS4_CUDA_GEMM_BM", 64, 64, 128) == 128 ? 128 : 64;
+    cb->gemm_bm = cuda_env_long("DS4_CUDA_GEMM_BM", 128, 64, 128) == 64 ? 64 : 128;
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_mma_rows = moe_mma_rows_of(cuda_env_long("DS4_CUDA_MOE_MMA_ROWS", CUDA_MOE_MMA_ROWS, 32, CUDA_MOE_MMA_ROWS));
-    cb->moe_mma_blocks = cuda_env_long("DS4_CUDA_MOE_MMA_BLOCKS", 1, 1, 3) == 3 ? 3 : 1;
+    cb->moe_mma_blocks = cuda_env_long("DS4_CUDA_MOE_MMA_BLOCKS", 3, 1, 3) == 1 ? 1 : 3;
     cb->moe_step_rows = step_group_rows(cuda_env_long("DS4_CUDA_MOE_STEP_GROUP", 0, 0, 8));
     cb->fgemm = cuda_env_flag("DS4_CUDA_FGEMM", true);
     cb->att_tc = cuda_env_flag("DS4_CUDA_ATT_TC", true);
