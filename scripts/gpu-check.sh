@@ -83,7 +83,9 @@
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   PACK_OUT=0      keep the files under $OUT loose (by default everything but summary.txt is
 #                   packed into $OUT/results.tar.gz when the script ends: the device tool brings
-#                   back few files; a run cut short by an outer timeout leaves them loose)
+#                   back few files, and none of them past its count). A run killed at the device
+#                   tool's limit leaves them loose and loses them; run long ones under
+#                   `timeout 560 scripts/gpu-check.sh ...`: on its SIGTERM the script packs and exits 124
 #   DS4_BENCH_COMMIT  the commit bench records; by default the contents of .ds4-commit when
 #                   present (the GPU machine's copy of the tree may carry older git metadata
 #                   than the files it runs: before a run, `git rev-parse --short HEAD > .ds4-commit`
@@ -723,6 +725,8 @@ pack_out() {
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
+    # a run stopped by `timeout` (which signals the whole process group) still packs what it made
+    trap 'pack_out; exit 124' TERM INT
     main 2>&1 | tee "$OUT/gpu-check.log"
     rc=${PIPESTATUS[0]}
     pack_out
