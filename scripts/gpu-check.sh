@@ -729,6 +729,7 @@ if [ -n "${OUT:-}" ]; then
     trap 'pack_out; exit 124' TERM INT
     main 2>&1 | tee "$OUT/gpu-check.log"
     rc=${PIPESTATUS[0]}
+    trap '' TERM INT # (a signal now would pack twice, over a half-cleared $OUT)
     pack_out
     exit "$rc"
 fi
