@@ -366,15 +366,17 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
     hc_state8<VEC, POST>(a, pa, row, i0, blockIdx.z == 0, x);
     for (int g0 = k0; g0 < (ALL ? n_mix : k0 + 1); g0 += HC_PART_K) {
         if (ALL && g0 > k0) hc_mix_rows<T, VEC>(a, n_mix, g0, i0, hc_dim, f);
+        float d[HC_PART_K];
 #pragma unroll
         for (int k = 0; k < HC_PART_K; k++) {
-            float d = 0.0f;
+            d[k] = 0.0f;
             if (!VEC || (in && g0 + k < n_mix))
 #pragma unroll
-                for (int j = 0; j < HC_PER_THREAD; j++) d = fmaf(f[k][j], x[j], d);
-            for (int o = 16; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffffu, d, o);
-            if (lane == 0 && g0 - k0 + k < NK) red_f[warp][g0 - k0 + k] = d;
+                for (int j = 0; j < HC_PER_THREAD; j++) d[k] = fmaf(f[k][j], x[j], d[k]);
         }
+        const float sum = cuda_warp_split<HC_PART_K>(d, cuda_add_op()); /* mix row g0 + lane / (32 / HC_PART_K)'s */
+        const int kk = g0 - k0 + lane / (32 / HC_PART_K);
+        if (lane % (32 / HC_PART_K) == 0 && kk < NK) red_f[warp][kk] = sum;
     }
     if (blockIdx.z == 0) {
         double sq = 0.0;
@@ -407,6 +409,7 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
  * trees and in-order warp sums as in the one-row kernel: the same bits.
  */
 #define HC_ROWS 8
+
 template <uint32_t T, bool POST>
 static __global__ void __launch_bounds__(HC_PART_THREADS)
     hc_partial_rows_kernel(hc_args a, int n_mix, int64_t n_rows, hc_part *part, hc_post_args pa) {
@@ -437,24 +440,29 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
         if (g0 > 0) hc_mix_rows<T, true>(a, n_mix, g0, i0, hc_dim, f);
 #pragma unroll
         for (int r = 0; r < HC_ROWS; r++) {
+            float d[HC_PART_K];
 #pragma unroll
             for (int k = 0; k < HC_PART_K; k++) {
-                float d = 0.0f;
+                d[k] = 0.0f;
                 if (in && g0 + k < n_mix)
 #pragma unroll
-                    for (int j = 0; j < HC_PER_THREAD; j++) d = fmaf(f[k][j], x[r][j], d);
-                for (int o = 16; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffffu, d, o);
-                if (lane == 0 && g0 + k < HC_MAX_MIX) red_f[r][warp][g0 + k] = d;
+                    for (int j = 0; j < HC_PER_THREAD; j++) d[k] = fmaf(f[k][j], x[r][j], d[k]);
             }
+            const float sum = cuda_warp_split<HC_PART_K>(d, cuda_add_op()); /* mix row g0 + lane / (32 / HC_PART_K)'s */
+            const int k = g0 + lane / (32 / HC_PART_K);
+            if (lane % (32 / HC_PART_K) == 0 && k < n_mix && k < HC_MAX_MIX) red_f[r][warp][k] = sum;
         }
     }
+    {
+        double sq[HC_ROWS];
 #pragma unroll
-    for (int r = 0; r < HC_ROWS; r++) {
-        double sq = 0.0;
+        for (int r = 0; r < HC_ROWS; r++) {
+            sq[r] = 0.0;
 #pragma unroll
-        for (int j = 0; j < HC_PER_THREAD; j++) sq += (double)x[r][j] * (double)x[r][j];
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, o);
-        if (lane == 0) red_d[r][warp] = sq;
+            for (int j = 0; j < HC_PER_THREAD; j++) sq[r] += (double)x[r][j] * (double)x[r][j];
+        }
+        const double ss = cuda_warp_split<HC_ROWS>(sq, cuda_add_op()); /* row lane / (32 / HC_ROWS)'s */
+        if (lane % (32 / HC_ROWS) == 0) red_d[lane / (32 / HC_ROWS)][warp] = ss;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < rows * n_mix; e += HC_PART_THREADS) {
