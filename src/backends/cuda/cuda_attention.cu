@@ -1181,9 +1181,9 @@ static __global__ void __launch_bounds__(32 * NW, 1)
      * softmax of heads HPW w .. + HPW - 1; the outputs of dims 8 NB w ..
      * + 8 NB - 1 of every head */
     const int mt = warp & 3, nh = (warp >> 2) & 1, kh = warp >> 3;
-    float m_h[HPW], den_h[HPW];
-#pragma unroll
-    for (int i = 0; i < HPW; i++) m_h[i] = -INFINITY, den_h[i] = 0.0f;
+    /* head HPW w + i's running max and denominator, in lanes HG i .. HG (i + 1) - 1 (cuda_warp_split's) */
+    constexpr int HG = 32 / HPW;
+    float m_l = -INFINITY, den_l = 0.0f;
     float acc[4][NB][4];
 #pragma unroll
     for (int a = 0; a < 4; a++)
@@ -1284,21 +1284,30 @@ static __global__ void __launch_bounds__(32 * NW, 1)
         }
         __syncthreads();
         /* the softmax: warp w's heads, lane j row j */
+        /* (the heads' maxima and sums by cuda_warp_split: the same bits as a
+         * butterfly per head, in fewer shuffles; each head's max, rescale
+         * and denominator made in its lanes, the new maxima shared) */
+        {
+            float sv[HPW], w[HPW];
 #pragma unroll
-        for (int i = 0; i < HPW; i++) {
-            const int h = HPW * warp + i;
-            float sv = S[h * TC_SP + lane];
-            if (NW == 16) sv += S[(TC_HEADS + h) * TC_SP + lane];
-            sv = ok[lane] ? sv * unscale * kq_scale : -INFINITY; /* (a row past the range's end has no pointer) */
-            float tile_max = sv;
-            for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-            const float m_new = fmaxf(m_h[i], tile_max);
-            const float rescale = m_h[i] == -INFINITY ? 0.0f : expf(m_h[i] - m_new);
-            const float w = sv == -INFINITY ? 0.0f : expf(sv - m_new);
-            den_h[i] = den_h[i] * rescale + warp_sum(w);
-            m_h[i] = m_new;
-            cuda_f16_split(w, ph[h * TC_PP + lane], pl[h * TC_PP + lane]);
-            if (lane == 0) res[h] = rescale;
+            for (int i = 0; i < HPW; i++) {
+                const int h = HPW * warp + i;
+                sv[i] = S[h * TC_SP + lane];
+                if (NW == 16) sv[i] += S[(TC_HEADS + h) * TC_SP + lane];
+                sv[i] = ok[lane] ? sv[i] * unscale * kq_scale : -INFINITY; /* (a row past the range's end has no pointer) */
+            }
+            const float m_new = fmaxf(m_l, cuda_warp_split<HPW>(sv, cuda_max_op())); /* head lane / HG's */
+            const float rescale = m_l == -INFINITY ? 0.0f : expf(m_l - m_new);
+#pragma unroll
+            for (int i = 0; i < HPW; i++) {
+                const float m_i = __shfl_sync(0xffffffffu, m_new, HG * i);
+                w[i] = sv[i] == -INFINITY ? 0.0f : expf(sv[i] - m_i);
+                const int h = HPW * warp + i;
+                cuda_f16_split(w[i], ph[h * TC_PP + lane], pl[h * TC_PP + lane]);
+            }
+            den_l = den_l * rescale + cuda_warp_split<HPW>(w, cuda_add_op());
+            m_l = m_new;
+            if (lane % HG == 0) res[HPW * warp + lane / HG] = rescale;
         }
         __syncthreads();
         /* O = O rescale + P V over the tile's rows */
@@ -1342,13 +1351,11 @@ static __global__ void __launch_bounds__(32 * NW, 1)
     }
     /* the partials: (m, den) of warp w's heads, every thread's outputs */
     float *pz = part + z * TC_HEADS * n_splits * (TC_DIM + 2);
-    if (lane == 0)
-#pragma unroll
-        for (int i = 0; i < HPW; i++) {
-            float *o = pz + ((int64_t)(HPW * warp + i) * n_splits + split) * (TC_DIM + 2);
-            o[0] = m_h[i];
-            o[1] = den_h[i];
-        }
+    if (lane % HG == 0) {
+        float *o = pz + ((int64_t)(HPW * warp + lane / HG) * n_splits + split) * (TC_DIM + 2);
+        o[0] = m_l;
+        o[1] = den_l;
+    }
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
