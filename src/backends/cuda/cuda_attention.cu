@@ -1180,7 +1180,7 @@ static __global__ void __launch_bounds__(32 * NW, 1)
      * .. + 15 of the tile over K half w >> 3 (of one with 8 warps); the
      * softmax of heads HPW w .. + HPW - 1; the outputs of dims 8 NB w ..
      * + 8 NB - 1 of every head */
-    const int mt = warp & 3, nh = (warp >> 2) & 1, kh = warp >> 3;
+    const int mt = warp & 3, nh = (warp >> 2) & 1, kh = NW == 16 ? warp >> 3 : 0; /* (8 warps: K from 0, known here) */
     /* head HPW w + i's running max and denominator, in lanes HG i .. HG (i + 1) - 1 (cuda_warp_split's) */
     constexpr int HG = 32 / HPW;
     float m_l = -INFINITY, den_l = 0.0f;
