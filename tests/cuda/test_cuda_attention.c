@@ -868,8 +868,7 @@ static void attention_rows_f16_case(op_pair *p, int64_t nh, bool sel) {
     if (tc) { /* both forms of the kernel (8 and 16 warps a block) within the same bound, the default's bits
                * those of the run above; each first runs on other queries, so partials it failed to write
                * would be those (the combine reads them from scratch) and fail */
-        const char *ev = getenv("DS4_CUDA_ATT_TC_WARPS");
-        const int dflt = ev && atoi(ev) == 16 ? 16 : 8;
+        const int dflt = ds4_cuda_backend_att_tc_warps(p->gpu);
         const int64_t nout = N * nh * dim;
         float *hcpu = malloc((size_t)nout * sizeof *hcpu);
         p->cpu->ops->download(p->cpu, hcpu, out.c, nout);

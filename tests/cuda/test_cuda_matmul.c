@@ -678,6 +678,7 @@ static void test_matmul_grouped_q8_0(void) { check_matmul_grouped_type(DS4_TYPE_
  * eight groups. */
 static void test_gemm_bm(void) {
     OPEN_PAIR(p);
+    const int bm_dflt = ds4_cuda_backend_gemm_bm(p.gpu);
     static const struct {
         int64_t n_in, n_out, row0, n_tok, n_groups;
     } CASES[] = { { 512, 1000, 3, 4200, 1 }, { 1024, 300, 0, 1100, 8 } };
@@ -702,8 +703,7 @@ static void test_gemm_bm(void) {
             op_expect_ok(&p);
             calls[v] = ds4_cuda_backend_gemm_bm128_calls(p.gpu) - c0;
         }
-        const char *dflt = getenv("DS4_CUDA_GEMM_BM");
-        ds4_cuda_backend_set_gemm_bm(p.gpu, dflt && atoi(dflt) == 64 ? 64 : 128);
+        ds4_cuda_backend_set_gemm_bm(p.gpu, bm_dflt);
         CHECK_MSG(calls[0] == 0 && calls[1] >= 1, "gemm_bm case %zu: %lld / %lld launches of 128-row blocks "
                   "(none, then some expected)", ci, (long long)calls[0], (long long)calls[1]);
         const int64_t diff = op_gpu_differ(&p, y[0], y[1], n_tok * width);
@@ -1298,8 +1298,7 @@ static void test_moe_mma(void) {
     moe_case_on(&p, IQ2, Q2, 1024, 1024, 8, 6, 0.7f, 1, true); /* one token: not grouped */
     /* the kernel of eight token tiles held to the other register budget (set_moe_mma_blocks: 1 block's
      * registers an SM, or 3 where DS4_CUDA_MOE_MMA_BLOCKS=1 made 1 the default), then the default again */
-    const char *mb = getenv("DS4_CUDA_MOE_MMA_BLOCKS");
-    const int mb_dflt = mb && atoi(mb) == 1 ? 1 : 3;
+    const int mb_dflt = ds4_cuda_backend_moe_mma_blocks(p.gpu);
     ds4_cuda_backend_set_moe_mma_blocks(p.gpu, mb_dflt == 1 ? 3 : 1);
     for (int i = 0; i < 4; i++) {
         moe_case_on(&p, types[i][0], types[i][1], 1024, 1024, 8, 6, 0.7f, 45, true);

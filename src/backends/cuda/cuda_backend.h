@@ -228,6 +228,8 @@ void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on);
  * 2,048-token prefill 1.017x faster with 128 on an H100. Takes effect at
  * the next op. */
 void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows);
+/* The int8 GEMM's weight rows per block now in effect: 128 or 64. */
+int ds4_cuda_backend_gemm_bm(const ds4_backend *be);
 /* The router's selection with its keys in registers and its probabilities
  * in shared memory (for up to 1,024 experts and 64 choices a row; off by
  * default, DS4_CUDA_ROUTER_REG=1 makes on the default), or through global
@@ -262,6 +264,8 @@ void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows);
  * 1 the default. The same bits either way; a 2,048-token prefill 1.015x
  * faster with 3 on an H100. Takes effect at the next op. */
 void ds4_cuda_backend_set_moe_mma_blocks(ds4_backend *be, int blocks);
+/* That register budget now in effect: 3 or 1. */
+int ds4_cuda_backend_moe_mma_blocks(const ds4_backend *be);
 /* The grouping inside recorded steps too, in groups of up to max_rows
  * tokens (1, 2, 4 or 8; anything else: off, the default;
  * DS4_CUDA_MOE_STEP_GROUP=N sets the default; needs moe_grouped): a batched
@@ -291,6 +295,8 @@ void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on);
  * in two halves summed before the softmax: the same precision, other
  * bits). Any other count means 8. Takes effect at the next op. */
 void ds4_cuda_backend_set_att_tc_warps(ds4_backend *be, int warps);
+/* That kernel's warps a block now in effect: 8 or 16. */
+int ds4_cuda_backend_att_tc_warps(const ds4_backend *be);
 /* How many attention launches have run on the tensor cores. */
 int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */

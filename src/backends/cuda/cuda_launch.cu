@@ -855,6 +855,9 @@ static int moe_mma_rows_of(long r) { return r == 32 ? 32 : CUDA_MOE_MMA_ROWS; }
 extern "C" void ds4_cuda_backend_set_moe_mma_blocks(ds4_backend *be, int blocks) {
     cuda_impl(be)->moe_mma_blocks = blocks == 1 ? 1 : 3;
 }
+extern "C" int ds4_cuda_backend_moe_mma_blocks(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->moe_mma_blocks;
+}
 extern "C" void ds4_cuda_backend_set_moe_mma_rows(ds4_backend *be, int max_rows) {
     cuda_impl(be)->moe_mma_rows = moe_mma_rows_of(max_rows);
 }
@@ -868,6 +871,9 @@ extern "C" void ds4_cuda_backend_set_fgemm(ds4_backend *be, int on) { cuda_impl(
 extern "C" void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on) { cuda_impl(be)->att_tc = on != 0; }
 extern "C" void ds4_cuda_backend_set_att_tc_warps(ds4_backend *be, int warps) {
     cuda_impl(be)->att_tc_warps = warps == 16 ? 16 : 8;
+}
+extern "C" int ds4_cuda_backend_att_tc_warps(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->att_tc_warps;
 }
 extern "C" int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->att_tc_calls;
@@ -900,6 +906,7 @@ extern "C" void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode) {
 }
 extern "C" void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on) { cuda_impl(be)->wide_rows = on != 0; }
 extern "C" void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows) { cuda_impl(be)->gemm_bm = rows == 64 ? 64 : 128; }
+extern "C" int ds4_cuda_backend_gemm_bm(const ds4_backend *be) { return ((const cuda_backend *)be->impl)->gemm_bm; }
 extern "C" void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on) { cuda_impl(be)->router_reg = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
