@@ -649,6 +649,9 @@ static __device__ __forceinline__ void cuda_ldsm_x4(uint32_t (&r)[4], unsigned a
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+static __device__ __forceinline__ void cuda_ldsm_x2(uint32_t (&r)[2], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
 static __device__ __forceinline__ void cuda_ldsm_x4_trans(uint32_t (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -1874,6 +1874,11 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS, MB) moe_mma_kernel(moe
 
     const int ra = 16 * (warp & 3) + g, rb = ra + 8; /* this thread's two weight rows in the tile */
     const int j0 = NT == 8 ? 4 * (warp >> 2) : 0;     /* its first token tile */
+    /* this lane's ldmatrix rows: of A, row 16 (warp & 3) + (lane & 7) + 8 ((lane >> 3) & 1) at
+     * K 16 (lane >> 4); of B, token 8 (j0 + (lane >> 4)) + (lane & 7) at K 16 ((lane >> 3) & 1) */
+    const unsigned a_lane = (unsigned)((16 * (warp & 3) + (lane & 7) + 8 * ((lane >> 3) & 1)) * MOE_MMA_PITCH +
+                                       16 * (lane >> 4));
+    const unsigned b_lane = (unsigned)((8 * (j0 + (lane >> 4)) + (lane & 7)) * MOE_MMA_PITCH + 16 * ((lane >> 3) & 1));
     for (int64_t st = 0; st < a.act_blocks; st++) {
         __syncthreads(); /* stage st's raw blocks and activations are in; the previous MMAs are done */
         const bool more = st + 1 < a.act_blocks;
@@ -1919,11 +1924,15 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS, MB) moe_mma_kernel(moe
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int k = 0; k < 4; k++) isum[j][k] = 0, summs[j][k] = 0;
-        const uint8_t *pa = s_w + ra * MOE_MMA_PITCH + 4 * tq, *pb = s_w + rb * MOE_MMA_PITCH + 4 * tq;
+        /* the fragments by ldmatrix (eight 16-byte rows a matrix, rows 272 bytes
+         * apart: 32 banks): A's four (rows 0-7 / 8-15 of the warp's 16, K 0-15 /
+         * 16-31) in one, B's two of two token tiles in one, instead of a load
+         * each */
+        const unsigned sa = a_lane + cuda_smem_addr(s_w), sb = b_lane + cuda_smem_addr(sx);
 #pragma unroll
         for (int sub = 0; sub < 8; sub++) {
-            const int af[4] = { *(const int *)(pa + 32 * sub), *(const int *)(pb + 32 * sub),
-                                *(const int *)(pa + 32 * sub + 16), *(const int *)(pb + 32 * sub + 16) };
+            int af[4];
+            cuda_ldsm_x4(reinterpret_cast<uint32_t(&)[4]>(af), sa + 32 * sub);
             int am[4] = { 0, 0, 0, 0 };
             if constexpr (K::HAS_MIN) {
                 const uint32_t *ma = s_min + ra * L::MIN_PITCH + sub * HALVES, *mb = s_min + rb * L::MIN_PITCH + sub * HALVES;
@@ -1934,8 +1943,9 @@ __global__ void __launch_bounds__(moe_tiles<NT>::THREADS, MB) moe_mma_kernel(moe
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if (j0 + j < n_tiles) { /* the same for the whole warp */
-                    const uint8_t *xb = sx + (8 * (j0 + j) + g) * MOE_MMA_PITCH + 32 * sub + 4 * tq;
-                    const int b0 = *(const int *)xb, b1 = *(const int *)(xb + 16);
+                    uint32_t bq[2];
+                    cuda_ldsm_x2(bq, sb + 8 * j * MOE_MMA_PITCH + 32 * sub);
+                    const int b0 = (int)bq[0], b1 = (int)bq[1];
                     if constexpr (FOLD) {
                         cuda_mma_s8(isum[j], af, b0, b1);
                     } else {
