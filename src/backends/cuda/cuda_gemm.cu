@@ -25,9 +25,8 @@
  * DS4_CUDA_GEMM_BM). Each output sums its block terms in the same order
  * either way: the same bits.
  *
- * A block's isum becomes a float without a conversion instruction (I2FP on
- * sm_90, four per MMA; conversions are 16 a clock an SM against 128 FP32
- * adds in the CUDA guide's table): the MMA adds
+ * A block's isum becomes a float without the conversion unit (I2F, 16 a
+ * clock an SM on sm_90: four per MMA would bound the kernel): the MMA adds
  * the products to CUDA_I2F_BIAS instead of 0, and one exact FP32 subtraction
  * gives the float (cuda_biased_to_f32). The conversion unit's form stays
  * (ds4_cuda_backend_set_gemm_i2f, DS4_CUDA_GEMM_I2F=1): the same bits.

@@ -622,9 +622,8 @@ static __device__ __forceinline__ void cuda_mma_s8_from(int (&d)[4], const int (
 }
 
 /* An int32 sum of magnitude below 2^22 made a float by the FP32 pipe rather
- * than a conversion (__int2float_rn compiles to I2FP.F32.S32 on sm_90; the
- * CUDA guide gives type conversions 16 a clock an SM, against 128 FP32 adds):
- * the sum is formed on top of CUDA_I2F_BIAS (the bits of 1.5 x
+ * than the conversion unit (I2F: 16 a clock an SM on sm_90, an eighth of the
+ * FP32 rate): the sum is formed on top of CUDA_I2F_BIAS (the bits of 1.5 x
  * 2^23, where floats are the integers of [2^23, 2^24), one apart), so its
  * bits are those of the float 1.5 x 2^23 + v, and subtracting 1.5 x 2^23 is
  * exact: the same bits as __int2float_rn(v), 0 included (+0). */
