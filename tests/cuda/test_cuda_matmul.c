@@ -717,74 +717,6 @@ static void test_gemm_bm(void) {
     op_pair_close(&p);
 }
 
-/* The int8 GEMM's block sums made floats from the MMA's biased sums (the
- * default) against the conversion unit's (set_gemm_i2f): the same bits, in
- * blocks of 64 and of 128 rows; on random codes and on codes at the ends of
- * int8 (weights -128 / 127 times activations of +-127: block sums up to
- * 520,192 = 0.99 x 2^19 in magnitude, of either sign, and 0), where the
- * default is also checked against the CPU. 1,000 rows x 4,200 tokens: tiles
- * enough for the 128-row blocks on a device of up to 132 SMs. */
-static void test_gemm_i2f(void) {
-    OPEN_PAIR(p);
-    const int bm_dflt = ds4_cuda_backend_gemm_bm(p.gpu), i2f_dflt = ds4_cuda_backend_gemm_i2f(p.gpu);
-    const int64_t n_in = 512, n_out = 1000, n_tok = 4200, rb = ds4_type_row_bytes(DS4_TYPE_Q8_0, n_in);
-    for (int ext = 0; ext < 2; ext++) {
-        float *deq = NULL;
-        uint8_t *bytes = weight_bytes(DS4_TYPE_Q8_0, n_in, n_out, false, &deq);
-        float *hx = op_rand(n_tok * n_in, 1.0);
-        if (ext) {
-            for (int64_t r = 0; r < n_out; r++)
-                for (int64_t b = 0; b < n_in / 32; b++) {
-                    uint8_t *blk = bytes + r * rb + b * 34;
-                    const uint16_t d = 0x1C00; /* 2^-8 */
-                    memcpy(blk, &d, sizeof d);
-                    for (int i = 0; i < 32; i++) {
-                        const int pat = (int)((r + b) % 4); /* -128s, 127s, alternating, zeros on the odd ones */
-                        const int8_t q = pat == 0 ? -128 : pat == 1 ? 127 : pat == 2 ? (i & 1 ? 127 : -128)
-                                                                                        : (i & 1 ? 0 : -128);
-                        blk[2 + i] = (uint8_t)q;
-                    }
-                }
-            for (int64_t t = 0; t < n_tok; t++)
-                for (int64_t i = 0; i < n_in; i++) {
-                    const int pat = (int)(t % 3); /* +1s, -1s, alternating */
-                    hx[t * n_in + i] = pat == 0 ? 1.0f : pat == 1 ? -1.0f : (i & 1 ? 1.0f : -1.0f);
-                }
-        }
-        op_weight *w = op_weight_make(&p, "blk.0.gemm_i2f.weight", DS4_TYPE_Q8_0, n_in, n_out, 1, bytes);
-        op_buf x = op_buf_from(&p, hx, n_tok * n_in);
-        for (int bm = 64; bm <= 128; bm += 64) {
-            op_buf y[2] = { op_buf_poisoned(&p, n_tok * n_out), op_buf_poisoned(&p, n_tok * n_out) };
-            ds4_cuda_backend_set_gemm_bm(p.gpu, bm);
-            const int64_t c0 = ds4_cuda_backend_gemm_bm128_calls(p.gpu);
-            for (int v = 0; v < 2; v++) {
-                ds4_cuda_backend_set_gemm_i2f(p.gpu, v);
-                p.gpu->ops->matmul(p.gpu, &w->g, 0, n_out, x.g, n_in, y[v].g, n_out, n_tok, DS4_NUMERICS_DS4);
-                op_expect_ok(&p);
-            }
-            const int64_t c128 = ds4_cuda_backend_gemm_bm128_calls(p.gpu) - c0;
-            CHECK_MSG(c128 == (bm == 128 ? 2 : 0), "gemm_i2f: %lld launches of 128-row blocks for blocks of %d",
-                      (long long)c128, bm);
-            const int64_t diff = op_gpu_differ(&p, y[0], y[1], n_tok * n_out);
-            CHECK_MSG(diff == 0, "gemm_i2f (%s codes, blocks of %d rows): %lld of %lld outputs differ between the "
-                      "biased sums and the conversion unit", ext ? "extreme" : "random", bm, (long long)diff,
-                      (long long)(n_tok * n_out));
-            if (ext && bm == 128) {
-                p.cpu->ops->matmul(p.cpu, &w->c, 0, n_out, x.c, n_in, y[0].c, n_out, n_tok, DS4_NUMERICS_DS4);
-                op_expect_ok(&p);
-                /* outputs up to 16 blocks x 520,192 x 2^-8 / 127, about 256: the order of the sum */
-                op_compare("gemm_i2f extreme codes against the CPU", &p, y[0], n_tok * n_out, 1e-3, 1e-5);
-            }
-            op_buf_free(&p, &y[0]);
-            op_buf_free(&p, &y[1]);
-        }
-        ds4_cuda_backend_set_gemm_bm(p.gpu, bm_dflt);
-        ds4_cuda_backend_set_gemm_i2f(p.gpu, i2f_dflt);
-        weight_case_free(&p, &x, w, hx, bytes, deq);
-    }
-    op_pair_close(&p);
-}
-
 static void test_matmul_grouped_q2_K(void) { check_matmul_grouped_type(DS4_TYPE_Q2_K); }
 static void test_matmul_grouped_q4_K(void) { check_matmul_grouped_type(DS4_TYPE_Q4_K); }
 static void test_matmul_grouped_iq2_xxs(void) { check_matmul_grouped_type(DS4_TYPE_IQ2_XXS); }
@@ -2749,7 +2681,6 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_matmul_grouped_bf16),
     TEST_ENTRY(test_matmul_grouped_q8_0),
     TEST_ENTRY(test_gemm_bm),
-    TEST_ENTRY(test_gemm_i2f),
     TEST_ENTRY(test_matmul_grouped_q2_K),
     TEST_ENTRY(test_matmul_grouped_q4_K),
     TEST_ENTRY(test_matmul_grouped_iq2_xxs),

@@ -230,13 +230,6 @@ void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on);
 void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows);
 /* The int8 GEMM's weight rows per block now in effect: 128 or 64. */
 int ds4_cuda_backend_gemm_bm(const ds4_backend *be);
-/* The int8 GEMM's block sums made floats by the conversion unit (I2F; off
- * by default, DS4_CUDA_GEMM_I2F=1 makes on the default), or (off) by the
- * FP32 pipe from sums the MMA formed on a bias (an exact subtraction). The
- * same bits either way. Takes effect at the next op. */
-void ds4_cuda_backend_set_gemm_i2f(ds4_backend *be, int on);
-/* That setting now in effect (0 or 1). */
-int ds4_cuda_backend_gemm_i2f(const ds4_backend *be);
 /* The router's selection with its keys in registers and its probabilities
  * in shared memory (for up to 1,024 experts and 64 choices a row; off by
  * default, DS4_CUDA_ROUTER_REG=1 makes on the default), or through global

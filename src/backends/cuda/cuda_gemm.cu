@@ -24,12 +24,6 @@
  * activation stage shared by twice the rows; ds4_cuda_backend_set_gemm_bm,
  * DS4_CUDA_GEMM_BM). Each output sums its block terms in the same order
  * either way: the same bits.
- *
- * A block's isum becomes a float without the conversion unit (I2F, 16 a
- * clock an SM on sm_90: four per MMA would bound the kernel): the MMA adds
- * the products to CUDA_I2F_BIAS instead of 0, and one exact FP32 subtraction
- * gives the float (cuda_biased_to_f32). The conversion unit's form stays
- * (ds4_cuda_backend_set_gemm_i2f, DS4_CUDA_GEMM_I2F=1): the same bits.
  */
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -153,10 +147,7 @@ static __device__ __forceinline__ void load_stage(const gemm_plan<BM> &p, const 
 /* BM = 64: three blocks per SM (the 73.7 KB of shared memory allow no
  * more), up to 168 registers, so the split's and group's bases do not
  * spill; BM = 128: two blocks of 8 warps, up to 128 registers */
-/* I2F: each block's isum made a float by the conversion unit (__int2float_rn),
- * else (the default) by the FP32 pipe from the MMA's sum formed on
- * CUDA_I2F_BIAS: the same bits */
-template <int BM, bool I2F>
+template <int BM>
 __global__ void __launch_bounds__(gemm_geom<BM>::THREADS, gemm_geom<BM>::MIN_BLOCKS) gemm_q8_0_kernel(gemm_args a) {
     typedef gemm_geom<BM> G;
     cuda_grid_wait();
@@ -221,16 +212,12 @@ __global__ void __launch_bounds__(gemm_geom<BM>::THREADS, gemm_geom<BM>::MIN_BLO
                 const float xd1 = *(const float *)(sx + (wn + 8 * j + 2 * tq + 1) * G_XPAD + 36 * b);
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
-                    /* (a block's |isum| <= 32 x 128 x 128 = 2^19: biased, it is a float) */
-                    int c[4];
-                    cuda_mma_s8_from(c, af[i], bf[0], bf[1], I2F ? 0 : CUDA_I2F_BIAS);
-                    float v[4];
-#pragma unroll
-                    for (int k = 0; k < 4; k++) v[k] = I2F ? __int2float_rn(c[k]) : cuda_biased_to_f32(c[k]);
-                    acc[i][j][0] = __fadd_rn(acc[i][j][0], __fmul_rn(__fmul_rn(wd[i][0], xd0), v[0]));
-                    acc[i][j][1] = __fadd_rn(acc[i][j][1], __fmul_rn(__fmul_rn(wd[i][0], xd1), v[1]));
-                    acc[i][j][2] = __fadd_rn(acc[i][j][2], __fmul_rn(__fmul_rn(wd[i][1], xd0), v[2]));
-                    acc[i][j][3] = __fadd_rn(acc[i][j][3], __fmul_rn(__fmul_rn(wd[i][1], xd1), v[3]));
+                    int c[4] = { 0, 0, 0, 0 };
+                    cuda_mma_s8(c, af[i], bf[0], bf[1]);
+                    acc[i][j][0] = __fadd_rn(acc[i][j][0], __fmul_rn(__fmul_rn(wd[i][0], xd0), __int2float_rn(c[0])));
+                    acc[i][j][1] = __fadd_rn(acc[i][j][1], __fmul_rn(__fmul_rn(wd[i][0], xd1), __int2float_rn(c[1])));
+                    acc[i][j][2] = __fadd_rn(acc[i][j][2], __fmul_rn(__fmul_rn(wd[i][1], xd0), __int2float_rn(c[2])));
+                    acc[i][j][3] = __fadd_rn(acc[i][j][3], __fmul_rn(__fmul_rn(wd[i][1], xd1), __int2float_rn(c[3])));
                 }
             }
         }
@@ -324,20 +311,20 @@ bool cuda_gemm_q8_0(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n
     return cuda_gemm_q8_0_grouped(be, w, row_bytes, n_in, n_out, 1, xq, x_row_bytes, n_tok, out, out_stride);
 }
 
-/* The launch of gemm_q8_0_kernel<BM, I2F> (and the reduction of a split one). */
-template <int BM, bool I2F>
+/* The launch of gemm_q8_0_kernel<BM> (and the reduction of a split one). */
+template <int BM>
 static bool gemm_q8_0_launch(ds4_backend *be, gemm_args a, int64_t n_in, int64_t n_groups) {
     typedef gemm_geom<BM> G;
     /* per call: the attribute belongs to the current device, and a process
      * may drive several */
-    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel<BM, I2F>, G::SMEM, "matmul (int8 GEMM)", n_in))
+    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_kernel<BM>, G::SMEM, "matmul (int8 GEMM)", n_in))
         return false;
     dim3 grid;
     if (!gemm_grid(be, a.n_out, a.n_tok, BM, G_BN, &grid)) return false;
     a.splits = gemm_splits(be, (int64_t)grid.x * grid.y * n_groups, a.n_stages, 2);
     grid.z = (unsigned)(a.splits * n_groups);
     if (a.splits > 1 && !(a.part = gemm_parts(be, a.splits, n_groups, a.n_tok, a.n_out))) return false;
-    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel<BM, I2F>, grid, G::THREADS, G::SMEM, a) &&
+    return cuda_launch(be, "gemm_q8_0_kernel", gemm_q8_0_kernel<BM>, grid, G::THREADS, G::SMEM, a) &&
            (a.splits == 1 || gemm_reduce(be, a.part, a.splits, n_groups, a.n_tok, a.n_out, NULL, a.out, a.out_stride));
 }
 
@@ -373,14 +360,11 @@ bool cuda_gemm_q8_0_grouped(ds4_backend *be, const void *w, int64_t row_bytes, i
     const int64_t tiles128 = (n_out + 127) / 128 * ((n_tok + G_BN - 1) / G_BN) * n_groups;
     cuda_backend *cb = cuda_impl(be);
     if (cb->gemm_bm == 128 && tiles128 >= 2 * (int64_t)cuda_sm_count(cb)) {
-        if (!(cb->gemm_i2f ? gemm_q8_0_launch<128, true>(be, a, n_in, n_groups)
-                           : gemm_q8_0_launch<128, false>(be, a, n_in, n_groups)))
-            return false;
+        if (!gemm_q8_0_launch<128>(be, a, n_in, n_groups)) return false;
         cb->gemm_bm128_calls++;
         return true;
     }
-    return cb->gemm_i2f ? gemm_q8_0_launch<64, true>(be, a, n_in, n_groups)
-                        : gemm_q8_0_launch<64, false>(be, a, n_in, n_groups);
+    return gemm_q8_0_launch<64>(be, a, n_in, n_groups);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -202,7 +202,6 @@ typedef struct cuda_backend {
     int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
     int gemm_bm;      /* weight rows per block of the int8 GEMM where its tiles fill the device: 128 (default) or 64 (DS4_CUDA_GEMM_BM, ds4_cuda_backend_set_gemm_bm) */
-    bool gemm_i2f;    /* the int8 GEMM's block sums made floats by the conversion unit (off by default: DS4_CUDA_GEMM_I2F, ds4_cuda_backend_set_gemm_i2f) */
     bool wide_rows;   /* the row kernels' warp and several-row forms (for at least CUDA_WIDE_MIN_ROWS rows): head_norm_rope's warp a head, hc_pre's partial pass of
                        * HC_ROWS rows a block, the quantisers' warp / lane-pair kernels, the attention combine's warp
                        * a head (on by default; DS4_CUDA_WIDE_ROWS=0: the block forms; the same bits either way) */
@@ -609,27 +608,6 @@ static __device__ __forceinline__ void cuda_mma_s8(int (&c)[4], const int (&a)[4
                  "{%0, %1, %2, %3};\n"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* d = a . b + (cin, cin, cin, cin) on the int8 tensor cores (mma m16n8k32,
- * s8 x s8 -> s32): cuda_mma_s8 with every accumulator starting from one
- * value held in registers once, not copied into d before each MMA. */
-static __device__ __forceinline__ void cuda_mma_s8_from(int (&d)[4], const int (&a)[4], int b0, int b1, int cin) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%10, %10, %10, %10};\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(cin));
-}
-
-/* An int32 sum of magnitude below 2^22 made a float by the FP32 pipe rather
- * than the conversion unit (I2F: 16 a clock an SM on sm_90, an eighth of the
- * FP32 rate): the sum is formed on top of CUDA_I2F_BIAS (the bits of 1.5 x
- * 2^23, where floats are the integers of [2^23, 2^24), one apart), so its
- * bits are those of the float 1.5 x 2^23 + v, and subtracting 1.5 x 2^23 is
- * exact: the same bits as __int2float_rn(v), 0 included (+0). */
-#define CUDA_I2F_BIAS 0x4B400000
-static __device__ __forceinline__ float cuda_biased_to_f32(int biased) {
-    return __fsub_rn(__int_as_float(biased), 12582912.0f);
 }
 
 /* c += a . b on the f16 tensor cores (mma m16n8k16, f16 x f16 -> f32, A

@@ -907,8 +907,6 @@ extern "C" void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode) {
 extern "C" void ds4_cuda_backend_set_wide_rows(ds4_backend *be, int on) { cuda_impl(be)->wide_rows = on != 0; }
 extern "C" void ds4_cuda_backend_set_gemm_bm(ds4_backend *be, int rows) { cuda_impl(be)->gemm_bm = rows == 64 ? 64 : 128; }
 extern "C" int ds4_cuda_backend_gemm_bm(const ds4_backend *be) { return ((const cuda_backend *)be->impl)->gemm_bm; }
-extern "C" void ds4_cuda_backend_set_gemm_i2f(ds4_backend *be, int on) { cuda_impl(be)->gemm_i2f = on != 0; }
-extern "C" int ds4_cuda_backend_gemm_i2f(const ds4_backend *be) { return ((const cuda_backend *)be->impl)->gemm_i2f; }
 extern "C" void ds4_cuda_backend_set_router_reg(ds4_backend *be, int on) { cuda_impl(be)->router_reg = on != 0; }
 
 extern "C" const char *ds4_cuda_backend_last_refusal(const ds4_backend *be) {
@@ -937,7 +935,6 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);
     cb->wide_rows = cuda_env_flag("DS4_CUDA_WIDE_ROWS", true);
     cb->gemm_bm = cuda_env_long("DS4_CUDA_GEMM_BM", 128, 64, 128) == 64 ? 64 : 128;
-    cb->gemm_i2f = cuda_env_flag("DS4_CUDA_GEMM_I2F", false);
     cb->moe_grouped = cuda_env_flag("DS4_CUDA_MOE_GROUPED", true);
     cb->moe_mma = cuda_env_flag("DS4_CUDA_MOE_MMA", true);
     cb->moe_mma_rows = moe_mma_rows_of(cuda_env_long("DS4_CUDA_MOE_MMA_ROWS", CUDA_MOE_MMA_ROWS, 32, CUDA_MOE_MMA_ROWS));
