@@ -1221,6 +1221,31 @@ static void indexer_rows_case(op_pair *p, int64_t n_heads, int64_t dim, const in
             bad += !(d <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
         }
     CHECK_MSG(bad == 0, "indexer_scores_rows %lld rows: %lld scores out of bound", (long long)n_rows, (long long)bad);
+    /* the one-key and four-key warps: the same bits, each into a fresh
+     * poisoned buffer (a score a form failed to write stays poison) */
+    const int dflt = ds4_cuda_backend_idx_keys(p->gpu);
+    float *fs = malloc((size_t)(n_rows * stride) * sizeof *fs);
+    for (int kw = 1; kw <= 4; kw += 3) {
+        ds4_cuda_backend_set_idx_keys(p->gpu, kw);
+        const int64_t calls = ds4_cuda_backend_idx_keys_calls(p->gpu);
+        op_buf fsc = op_buf_poisoned(p, n_rows * stride);
+        p->gpu->ops->indexer_scores_rows(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, n_keys, n_rows, fsc.g, stride);
+        op_expect_ok(p);
+        p->gpu->ops->download(p->gpu, fs, fsc.g, n_rows * stride);
+        int64_t diff = 0;
+        for (int64_t r = 0; r < n_rows; r++)
+            for (int64_t c = 0; c < n_keys[r]; c++)
+                diff += memcmp(&fs[r * stride + c], &gs[r * stride + c], sizeof *fs) != 0;
+        CHECK_MSG(diff == 0, "indexer_scores_rows %lld rows, %d keys a warp: %lld scores differ from the default's",
+                  (long long)n_rows, kw, (long long)diff);
+        const bool four = kw == 4 && n_rows > 1 && dim <= 128;
+        CHECK_MSG(ds4_cuda_backend_idx_keys_calls(p->gpu) - calls == (four ? 1 : 0),
+                  "%d keys a warp, %lld rows: %lld four-key launches", kw, (long long)n_rows,
+                  (long long)(ds4_cuda_backend_idx_keys_calls(p->gpu) - calls));
+        op_buf_free(p, &fsc);
+    }
+    ds4_cuda_backend_set_idx_keys(p->gpu, dflt);
+    free(fs);
     /* selections: both sides rank the GPU's scores */
     op_buf gsc = op_buf_from(p, gs, n_rows * stride);
     int32_t *ic = malloc((size_t)(n_rows * k) * sizeof *ic), *ig = malloc((size_t)(n_rows * k) * sizeof *ig);
@@ -1269,6 +1294,8 @@ static void test_indexer_rows(void) {
     indexer_rows_case(&p, 64, 128, n4, 4, 700, 512); /* the model's shape: 512 of up to 700 */
     const int64_t n3[3] = { 5, 40, 17 };
     indexer_rows_case(&p, 16, 128, n3, 3, 40, 8); /* the tiny model's top-k of 8 */
+    const int64_t n6[3] = { 33, 1, 30 };
+    indexer_rows_case(&p, 12, 100, n6, 3, 33, 4); /* heads past a batch of 8, dims past 96, keys past a warp's 4 */
     const int64_t n1[1] = { 50 };
     indexer_rows_case(&p, 8, 128, n1, 1, 50, 1); /* k = 1: row by row */
     /* rows of more keys than one block sorts whole beside rows it does sort

@@ -1652,8 +1652,19 @@ void cuda_compressor_pool_states(ds4_backend *be, const float *const *state_kv, 
  * per key: KPL > 0 keeps the key in registers (lane holds dims lane + 32 j,
  * j < KPL; dim <= 32 * KPL), KPL == 0 reads it from memory (L1) per head.
  * QSHARED stages q [n_heads, dim] and the head weights in shared memory.
+ *
+ * KEYS = IDX_KEYS (KPL > 0): a warp takes IDX_KEYS keys at once, so each
+ * query element read from shared memory serves IDX_KEYS keys, and the
+ * IDX_HEAD_BATCH x IDX_KEYS dots of a head batch are reduced together by
+ * cuda_warp_split (31 shuffles for 32 dots instead of 160): each lane's
+ * partial sums are the one-key form's (the same dims in the same fmaf
+ * order) and each dot's tree the same, so every score is the same bits.
+ * Dot (b, k) ends in lane IDX_KEYS b + k, which forms its term; lane k
+ * (and its copies k + IDX_KEYS j) gathers key k's terms in head order.
  */
-template <int KPL, bool QSHARED>
+#define IDX_KEYS 4
+static_assert(IDX_HEAD_BATCH * IDX_KEYS == 32, "a head batch's dots: one a lane");
+template <int KPL, bool QSHARED, int KEYS>
 static __global__ void __launch_bounds__(IDX_THREADS)
     indexer_scores_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale,
                           int64_t n_heads, int64_t dim, const float *__restrict__ keys, int64_t n_keys,
@@ -1685,65 +1696,114 @@ static __global__ void __launch_bounds__(IDX_THREADS)
         wv = ws;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int64_t c = (int64_t)blockIdx.x * IDX_WARPS + warp; c < n_keys; c += (int64_t)gridDim.x * IDX_WARPS) {
-        const float *key = keys + c * dim;
-        float kr[KPL > 0 ? KPL : 1];
-        if constexpr (KPL > 0) {
+    if constexpr (KEYS > 1) {
+        static_assert(KEYS == IDX_KEYS && KPL > 0, "the several-key form: IDX_KEYS keys in registers");
+        const int my = lane % KEYS; /* the key whose terms this lane gathers */
+        for (int64_t c0 = ((int64_t)blockIdx.x * IDX_WARPS + warp) * KEYS; c0 < n_keys;
+             c0 += (int64_t)gridDim.x * IDX_WARPS * KEYS) {
+            float kr[KEYS][KPL];
 #pragma unroll
-            for (int j = 0; j < KPL; j++) {
-                const int64_t i = lane + 32 * j;
-                kr[j] = i < dim ? key[i] : 0.0f;
+            for (int k = 0; k < KEYS; k++) {
+                const float *key = keys + (c0 + k) * dim;
+#pragma unroll
+                for (int j = 0; j < KPL; j++) {
+                    const int64_t i = lane + 32 * j;
+                    kr[k][j] = c0 + k < n_keys && i < dim ? key[i] : 0.0f;
+                }
             }
-        }
-        /* IDX_HEAD_BATCH heads' dots and warp trees side by side, then their
-         * terms added to s in head order */
-        float s = 0.0f;
-        for (int64_t h0 = 0; h0 < n_heads; h0 += IDX_HEAD_BATCH) {
-            float d[IDX_HEAD_BATCH];
+            float s = 0.0f;
+            for (int64_t h0 = 0; h0 < n_heads; h0 += IDX_HEAD_BATCH) {
+                float d[IDX_HEAD_BATCH * KEYS];
 #pragma unroll
-            for (int b = 0; b < IDX_HEAD_BATCH; b++) {
-                const int64_t h = h0 + b < n_heads ? h0 + b : n_heads - 1; /* (a repeat, not added) */
-                const float *qh = qv + h * dim;
-                d[b] = 0.0f;
-                if constexpr (KPL > 0) {
+                for (int b = 0; b < IDX_HEAD_BATCH; b++) {
+                    const int64_t h = h0 + b < n_heads ? h0 + b : n_heads - 1; /* (a repeat, not added) */
+                    const float *qh = qv + h * dim;
+#pragma unroll
+                    for (int k = 0; k < KEYS; k++) d[KEYS * b + k] = 0.0f;
 #pragma unroll
                     for (int j = 0; j < KPL; j++) {
                         const int64_t i = lane + 32 * j;
-                        if (i < dim) d[b] = fmaf(qh[i], kr[j], d[b]);
+                        if (i < dim) {
+                            const float qi = qh[i];
+#pragma unroll
+                            for (int k = 0; k < KEYS; k++) d[KEYS * b + k] = fmaf(qi, kr[k][j], d[KEYS * b + k]);
+                        }
                     }
-                } else {
-                    for (int64_t i = lane; i < dim; i += 32) d[b] = fmaf(qh[i], key[i], d[b]);
+                }
+                /* lane l: dot (b, k) = (l / KEYS, l % KEYS), and its term */
+                const float dot = cuda_warp_split(d, cuda_add_op());
+                const int64_t hl = h0 + lane / KEYS;
+                const float t = dot < 0.0f ? 0.0f : dot;
+                const float term = hl < n_heads ? __fmul_rn(t, __fmul_rn(wv[hl], weight_scale)) : 0.0f;
+#pragma unroll
+                for (int b = 0; b < IDX_HEAD_BATCH; b++) {
+                    const float tb = __shfl_sync(0xffffffffu, term, KEYS * b + my);
+                    if (h0 + b < n_heads) s = __fadd_rn(s, tb);
                 }
             }
-#pragma unroll
-            for (int b = 0; b < IDX_HEAD_BATCH; b++) d[b] = warp_sum(d[b]);
-#pragma unroll
-            for (int b = 0; b < IDX_HEAD_BATCH; b++)
-                if (h0 + b < n_heads) {
-                    const float t = d[b] < 0.0f ? 0.0f : d[b];
-                    s = __fadd_rn(s, __fmul_rn(t, __fmul_rn(wv[h0 + b], weight_scale)));
-                }
+            if (lane < KEYS && c0 + lane < n_keys) scores[c0 + lane] = s;
         }
-        if (lane == 0) scores[c] = s;
+    } else {
+        for (int64_t c = (int64_t)blockIdx.x * IDX_WARPS + warp; c < n_keys; c += (int64_t)gridDim.x * IDX_WARPS) {
+            const float *key = keys + c * dim;
+            float kr[KPL > 0 ? KPL : 1];
+            if constexpr (KPL > 0) {
+#pragma unroll
+                for (int j = 0; j < KPL; j++) {
+                    const int64_t i = lane + 32 * j;
+                    kr[j] = i < dim ? key[i] : 0.0f;
+                }
+            }
+            /* IDX_HEAD_BATCH heads' dots and warp trees side by side, then their
+             * terms added to s in head order */
+            float s = 0.0f;
+            for (int64_t h0 = 0; h0 < n_heads; h0 += IDX_HEAD_BATCH) {
+                float d[IDX_HEAD_BATCH];
+#pragma unroll
+                for (int b = 0; b < IDX_HEAD_BATCH; b++) {
+                    const int64_t h = h0 + b < n_heads ? h0 + b : n_heads - 1; /* (a repeat, not added) */
+                    const float *qh = qv + h * dim;
+                    d[b] = 0.0f;
+                    if constexpr (KPL > 0) {
+#pragma unroll
+                        for (int j = 0; j < KPL; j++) {
+                            const int64_t i = lane + 32 * j;
+                            if (i < dim) d[b] = fmaf(qh[i], kr[j], d[b]);
+                        }
+                    } else {
+                        for (int64_t i = lane; i < dim; i += 32) d[b] = fmaf(qh[i], key[i], d[b]);
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < IDX_HEAD_BATCH; b++) d[b] = warp_sum(d[b]);
+#pragma unroll
+                for (int b = 0; b < IDX_HEAD_BATCH; b++)
+                    if (h0 + b < n_heads) {
+                        const float t = d[b] < 0.0f ? 0.0f : d[b];
+                        s = __fadd_rn(s, __fmul_rn(t, __fmul_rn(wv[h0 + b], weight_scale)));
+                    }
+            }
+            if (lane == 0) scores[c] = s;
+        }
     }
 }
 
 /* n_keys: the most keys of a row; with row_keys (device), n_rows rows
  * (grid y), row y with row_keys[y] keys. */
-template <int KPL>
+template <int KPL, int KEYS = 1>
 static void indexer_launch(ds4_backend *be, bool qshared, const float *q, const float *weights, float weight_scale,
                            int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores,
                            const int64_t *row_keys, int64_t n_rows, int64_t stride) {
-    const dim3 grid(blocks_for(n_keys, IDX_WARPS, IDX_MAX_BLOCKS), (unsigned)n_rows);
+    const dim3 grid(blocks_for((n_keys + KEYS - 1) / KEYS, IDX_WARPS, IDX_MAX_BLOCKS), (unsigned)n_rows);
     /* the queries staged in 16-byte pieces where every row's start is 16-byte aligned */
     const bool q_vec = ((uintptr_t)q & 15) == 0 && (n_heads * dim) % 4 == 0;
     if (qshared) {
         const size_t smem = (size_t)(n_heads * dim + n_heads) * sizeof(float);
-        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, true>, grid, IDX_THREADS, smem, q,
-                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride, q_vec);
+        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, true, KEYS>, grid, IDX_THREADS, smem,
+                          q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride, q_vec);
     } else {
-        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, false>, grid, IDX_THREADS, 0, q,
-                          weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride, false);
+        (void)cuda_launch(be, "indexer_scores_kernel", indexer_scores_kernel<KPL, false, KEYS>, grid, IDX_THREADS, 0,
+                          q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, stride, false);
     }
 }
 
@@ -1751,7 +1811,12 @@ static void indexer_dispatch(ds4_backend *be, const float *q, const float *weigh
                              int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores,
                              const int64_t *row_keys, int64_t n_rows, int64_t stride) {
     const bool qshared = (n_heads * dim + n_heads) * (int64_t)sizeof(float) + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT;
-    if (dim <= 128)
+    /* a prefill's rows: IDX_KEYS keys a warp (one query row keeps a warp a key, the most warps for its latency) */
+    if (dim <= 128 && n_rows > 1 && cuda_impl(be)->idx_keys == IDX_KEYS) {
+        indexer_launch<4, IDX_KEYS>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores,
+                                    row_keys, n_rows, stride);
+        cuda_impl(be)->idx_keys_calls++;
+    } else if (dim <= 128)
         indexer_launch<4>(be, qshared, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, row_keys, n_rows,
                           stride);
     else if (dim <= 512)

@@ -297,6 +297,15 @@ void ds4_cuda_backend_set_att_tc(ds4_backend *be, int on);
 void ds4_cuda_backend_set_att_tc_warps(ds4_backend *be, int warps);
 /* That kernel's warps a block now in effect: 8 or 16. */
 int ds4_cuda_backend_att_tc_warps(const ds4_backend *be);
+/* Keys a warp of indexer_scores_rows over several query rows (a prefill's
+ * selecting rows): 4 (the default; DS4_CUDA_IDX_KEYS=1 makes 1 the
+ * default: one query element read from shared memory for four keys, the
+ * four keys' dots of eight heads reduced together) or 1; any other count
+ * means 4. The same bits either way. Takes effect at the next op. */
+void ds4_cuda_backend_set_idx_keys(ds4_backend *be, int keys);
+int ds4_cuda_backend_idx_keys(const ds4_backend *be);
+/* How many indexer launches have taken 4 keys a warp. */
+int64_t ds4_cuda_backend_idx_keys_calls(const ds4_backend *be);
 /* How many attention launches have run on the tensor cores. */
 int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */

@@ -218,6 +218,8 @@ typedef struct cuda_backend {
     bool att_tc;      /* attention_rows_f16's batches on the f16 tensor cores (DS4_CUDA_ATT_TC=0: off) */
     int att_tc_warps; /* their kernel's warps a block: 8, or 16 (DS4_CUDA_ATT_TC_WARPS=16) */
     int64_t att_tc_calls; /* launches that ran there (ds4_cuda_backend_att_tc_calls) */
+    int idx_keys;     /* keys a warp of a prefill's indexer scores: 4, or 1 (DS4_CUDA_IDX_KEYS=1) */
+    int64_t idx_keys_calls; /* indexer launches of 4 keys a warp (ds4_cuda_backend_idx_keys_calls) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     int64_t gemm_bm128_calls; /* int8 GEMM launches of 128-row blocks (ds4_cuda_backend_gemm_bm128_calls) */
     bool in_step;   /* between step_begin and step_end */
