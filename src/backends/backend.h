@@ -349,6 +349,17 @@ typedef struct ds4_backend_ops {
                                 int64_t n_rows, float *scores, int64_t stride);
     void (*top_k_rows)(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows,
                        int64_t k, int32_t *idx);
+    /* indexer_scores_rows for queries and keys whose every value is a
+     * binary16 value (DS4 numerics: the indexer QAT's FP4 values times
+     * powers of two, the keys F16-rounded too), which the backend may read
+     * at binary16 (values that are not are rounded to it, as DS4's CUDA
+     * prefill casts them; the CUDA backend: on the tensor cores); the
+     * results within float rounding of indexer_scores_rows, the same bits
+     * wherever the dots' exact sums fit in float. Optional: NULL (the
+     * CPU), the model calls indexer_scores_rows. */
+    void (*indexer_scores_rows_f16)(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                                    int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys,
+                                    int64_t n_rows, float *scores, int64_t stride);
 
     /* ---- feed-forward (spec 3.7) -------------------------------------- */
     /* Router for n_rows tokens, each on its own. Row r: prob_e =

@@ -333,6 +333,7 @@ static void test_op_table(void) {
     CHECK(!o->branch_begin && !o->branch_end && !o->branch_join); /* runs ops in call order */
     CHECK(!o->head_norm_rope2); /* the model makes the two head_norm_rope calls */
     CHECK(!o->attention_rows_f16); /* the model calls attention_rows / attention_rows_sel */
+    CHECK(!o->indexer_scores_rows_f16); /* ... and indexer_scores_rows */
     CHECK(!o->rope_matmul_grouped); /* the model makes the rope_tail and matmul_grouped calls */
     CHECK(!o->prefetch);        /* weights are read from host memory where they lie */
     ds4_backend_destroy(be);

@@ -1305,6 +1305,112 @@ static void test_indexer_rows(void) {
     op_pair_close(&p);
 }
 
+/* indexer_scores_rows_f16: queries and keys of binary16 values. QAT'd
+ * rows (the model's under DS4 numerics; asserted binary16 here): every
+ * score the CPU's indexer_scores_rows bit for bit, on the tensor cores and
+ * with them off (DS4_CUDA_IDX_TC=0: the float kernels, also those bits);
+ * other values, rounded to binary16 on the host: the CPU's scores of them
+ * within indexer_rows_case's bound. Scores past a row's count stay poison;
+ * the tensor-core launches counted (tc: the kernel holds the sizes). */
+static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, const int64_t *n_keys, int64_t n_rows,
+                                  int64_t stride, bool qat, bool tc) {
+    float *hq = op_rand(n_rows * n_heads * dim, 1.0), *hw = op_rand(n_rows * n_heads, 1.0);
+    float *hk = op_rand(stride * dim, 1.0);
+    int64_t not_f16 = 0;
+    if (qat) {
+        for (int64_t i = 0; i < n_rows * n_heads; i++) ds4_indexer_qat_row(hq + i * dim, dim);
+        for (int64_t c = 0; c < stride; c++) ds4_indexer_qat_row(hk + c * dim, dim);
+        for (int64_t i = 0; i < n_rows * n_heads * dim; i++) not_f16 += ds4_round_f16(hq[i]) != hq[i];
+    }
+    CHECK_MSG(not_f16 == 0, "%lld QAT'd query values are not binary16", (long long)not_f16);
+    for (int64_t i = 0; i < n_rows * n_heads * dim; i++) hq[i] = ds4_round_f16(hq[i]);
+    for (int64_t i = 0; i < stride * dim; i++) hk[i] = ds4_round_f16(hk[i]);
+    op_buf q = op_buf_from(p, hq, n_rows * n_heads * dim), w = op_buf_from(p, hw, n_rows * n_heads);
+    op_buf keys = op_buf_from(p, hk, stride * dim);
+    const float scale = (float)(1.0 / sqrt((double)dim * (double)n_heads));
+    char what[160];
+    snprintf(what, sizeof what, "indexer_scores_rows_f16 %lld rows of %lld heads of %lld%s", (long long)n_rows,
+             (long long)n_heads, (long long)dim, qat ? ", QAT'd" : "");
+    op_buf sc = op_buf_poisoned(p, n_rows * stride);
+    p->cpu->ops->indexer_scores_rows(p->cpu, q.c, w.c, scale, n_heads, dim, keys.c, n_keys, n_rows, sc.c, stride);
+    op_expect_ok(p);
+    float *cs = malloc((size_t)(n_rows * stride) * sizeof *cs), *gs = malloc((size_t)(n_rows * stride) * sizeof *gs);
+    p->cpu->ops->download(p->cpu, cs, sc.c, n_rows * stride);
+    const int dflt = ds4_cuda_backend_idx_tc(p->gpu);
+    for (int on = 1; on >= 0; on--) {
+        ds4_cuda_backend_set_idx_tc(p->gpu, on);
+        const int64_t calls = ds4_cuda_backend_idx_tc_calls(p->gpu);
+        op_buf gsc = op_buf_poisoned(p, n_rows * stride);
+        p->gpu->ops->indexer_scores_rows_f16(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, n_keys, n_rows, gsc.g,
+                                             stride);
+        op_expect_ok(p);
+        CHECK_MSG(ds4_cuda_backend_idx_tc_calls(p->gpu) - calls == (on && tc ? 1 : 0), "%s, tensor cores %s: %lld launches",
+                  what, on ? "on" : "off", (long long)(ds4_cuda_backend_idx_tc_calls(p->gpu) - calls));
+        p->gpu->ops->download(p->gpu, gs, gsc.g, n_rows * stride);
+        int64_t bad = 0, diff = 0, written = 0;
+        for (int64_t r = 0; r < n_rows; r++) {
+            for (int64_t c = 0; c < n_keys[r]; c++) {
+                const float g = gs[r * stride + c], cv = cs[r * stride + c];
+                diff += memcmp(&g, &cv, sizeof g) != 0;
+                double mag = 0;
+                for (int64_t h = 0; h < n_heads; h++) {
+                    double dm = 0;
+                    for (int64_t i = 0; i < dim; i++)
+                        dm += fabs((double)hq[(r * n_heads + h) * dim + i] * hk[c * dim + i]);
+                    mag += dm * fabs((double)hw[r * n_heads + h] * scale);
+                }
+                bad += !(fabs((double)g - cv) <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
+            }
+            for (int64_t c = n_keys[r]; c < stride; c++) written += !isnan(gs[r * stride + c]);
+        }
+        CHECK_MSG(bad == 0, "%s, tensor cores %s: %lld scores out of bound", what, on ? "on" : "off", (long long)bad);
+        if (qat)
+            CHECK_MSG(diff == 0, "%s, tensor cores %s: %lld scores differ from the CPU's bits", what, on ? "on" : "off",
+                      (long long)diff);
+        CHECK_MSG(written == 0, "%s: %lld scores past the rows' counts written", what, (long long)written);
+        op_buf_free(p, &gsc);
+    }
+    ds4_cuda_backend_set_idx_tc(p->gpu, dflt);
+    /* refused as indexer_scores_rows is, under its own name */
+    const int64_t too_many[1] = { stride + 1 };
+    p->gpu->ops->indexer_scores_rows_f16(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, too_many, 1, sc.g, stride);
+    ds4_error eg = { 0 };
+    CHECK(p->gpu->ops->take_error(p->gpu, &eg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(eg.message, "indexer_scores_rows_f16") && strstr(eg.message, "stride"), "cuda \"%s\"", eg.message);
+    p->gpu->ops->indexer_scores_rows_f16(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, n_keys, n_rows, NULL, stride);
+    CHECK(p->gpu->ops->take_error(p->gpu, &eg) == DS4_ERR_INVALID);
+    CHECK_MSG(strstr(eg.message, "NULL scores"), "cuda \"%s\"", eg.message);
+    op_buf_free(p, &q);
+    op_buf_free(p, &w);
+    op_buf_free(p, &keys);
+    op_buf_free(p, &sc);
+    free(cs);
+    free(gs);
+    free(hq);
+    free(hw);
+    free(hk);
+}
+
+static void test_indexer_rows_f16(void) {
+    op_pair p;
+    OPEN_OR_SKIP(&p);
+    /* the model's shape: rows in blocks of 8 (the last one short), keys in blocks of 256, a row of none */
+    int64_t n20[21];
+    for (int r = 0; r < 21; r++) n20[r] = r == 3 ? 0 : 513 + 37 * r;
+    indexer_rows_f16_case(&p, 64, 128, n20, 21, 1300, true, true);
+    indexer_rows_f16_case(&p, 64, 128, n20, 21, 1300, false, true);
+    const int64_t n3[3] = { 5, 40, 17 };
+    indexer_rows_f16_case(&p, 16, 128, n3, 3, 40, true, true); /* the tiny model's */
+    const int64_t n2[2] = { 300, 299 };
+    indexer_rows_f16_case(&p, 8, 64, n2, 2, 300, true, true);  /* 4 k-steps, one m-tile half used */
+    const int64_t n6[3] = { 33, 1, 30 };
+    indexer_rows_f16_case(&p, 12, 100, n6, 3, 33, false, true); /* heads and dims padded (dims past 96: a k-step of 4) */
+    const int64_t n1[1] = { 70 };
+    indexer_rows_f16_case(&p, 80, 128, n1, 1, 70, true, false); /* more heads than the kernel holds: the float kernels */
+    indexer_rows_f16_case(&p, 4, 130, n1, 1, 70, false, false); /* more dims than it holds */
+    op_pair_close(&p);
+}
+
 static void test_indexer_scores(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
@@ -1620,6 +1726,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_attention),
     TEST_ENTRY(test_attention_rows),
     TEST_ENTRY(test_attention_rows_f16),
+    TEST_ENTRY(test_indexer_rows_f16),
     TEST_ENTRY(test_compressor_pool),
     TEST_ENTRY(test_indexer_scores),
     TEST_ENTRY(test_indexer_rows),

@@ -1827,6 +1827,163 @@ static void indexer_dispatch(ds4_backend *be, const float *q, const float *weigh
                           stride);
 }
 
+/*
+ * indexer_scores_rows_f16 on the f16 tensor cores: a prefill's selecting
+ * rows under DS4 numerics, whose queries and keys hold binary16 values (the
+ * indexer QAT's FP4 values times powers of two; the keys F16-rounded as
+ * well). A block takes IDXT_ROWS query rows against IDXT_WARPS x 32 keys.
+ * A warp holds its 32 keys in registers as mma B fragments (binary16, dims
+ * past dim and keys past n_keys zero) and, row by row, multiplies the row's
+ * heads (A: binary16 in shared memory, 16 heads an m-tile, ldmatrix) by
+ * them (mma m16n8k16, f16 x f16 -> f32). The products of binary16 values
+ * are exact and the MMAs' sums are exact wherever the dot's terms fit in
+ * float's 24 bits (a QAT'd row's four block scales are powers of two a few
+ * apart, so in practice always), where the float kernel's sums are exact
+ * too: each dot is then the float kernel's. Then relu times the head
+ * weight (rounded once, as the CPU) and the sum over heads in head order:
+ * an m-tile's 16 x 32 terms go through shared memory to the lane of their
+ * key, which adds them to its score in order. The next row's queries come
+ * into registers while a row's products run. Values that are not binary16
+ * are rounded to it (as DS4's CUDA prefill casts them).
+ */
+#define IDXT_THREADS 256
+#define IDXT_WARPS (IDXT_THREADS / 32)
+#define IDXT_KEYS 32                  /* keys a warp: 4 n-tiles of 8 */
+#define IDXT_ROWS 8                   /* query rows a block */
+#define IDXT_DIM 128                  /* dims at most: 8 k-steps of 16 */
+#define IDXT_HEADS 64                 /* heads at most: 4 m-tiles of 16 */
+#define IDXT_QSTRIDE (IDXT_DIM + 8)   /* halves between staged heads (ldmatrix: 8 rows, 8 banks apart) */
+#define IDXT_TSTRIDE 20               /* floats between a term tile's keys (stores and 16-byte reads conflict-free) */
+#define IDXT_QF4 (IDXT_HEADS * IDXT_DIM / 4 / IDXT_THREADS) /* a query row's 16-byte pieces a thread, at most */
+
+static __device__ __forceinline__ uint32_t idxt_half2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *(const uint32_t *)&h;
+}
+
+static __global__ void __launch_bounds__(IDXT_THREADS)
+    indexer_tc_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale, int n_heads,
+                      int dim, const float *__restrict__ keys, int64_t n_keys, float *__restrict__ scores,
+                      const int64_t *__restrict__ row_keys, int64_t n_rows, int64_t stride) {
+    __shared__ __align__(16) __half qs[IDXT_HEADS * IDXT_QSTRIDE];
+    __shared__ __align__(16) float ts[IDXT_WARPS][IDXT_KEYS * IDXT_TSTRIDE];
+    __shared__ float ws[IDXT_HEADS];
+    cuda_grid_wait();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int64_t r0 = (int64_t)blockIdx.y * IDXT_ROWS, r1 = r0 + IDXT_ROWS < n_rows ? r0 + IDXT_ROWS : n_rows;
+    const int64_t kb = (int64_t)blockIdx.x * IDXT_WARPS * IDXT_KEYS, c0 = kb + warp * IDXT_KEYS;
+    /* a block none of whose rows reaches its keys has nothing to do */
+    if (!__syncthreads_or(tid < r1 - r0 && row_keys[r0 + tid] > kb)) return;
+    for (int i = tid; i < IDXT_HEADS * IDXT_QSTRIDE / 8; i += IDXT_THREADS) ((uint4 *)qs)[i] = make_uint4(0, 0, 0, 0);
+    if (tid < IDXT_HEADS) ws[tid] = 0.0f;
+
+    /* the warp's keys: B fragment (k-step s, n-tile j) = key c0 + 8 j + g, dims 16 s + 2 tq (+1) and + 8 */
+    const int n_ks = (dim + 15) / 16, n_mt = (n_heads + 15) / 16;
+    uint32_t kf[IDXT_DIM / 16][4][2];
+#pragma unroll
+    for (int s = 0; s < IDXT_DIM / 16; s++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int64_t c = c0 + 8 * j + g;
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int d = 16 * s + 8 * e + 2 * tq;
+                float2 v = make_float2(0.0f, 0.0f);
+                if (c < n_keys && d < dim) v = *(const float2 *)(keys + c * dim + d); /* (dim even: d + 1 < dim too) */
+                kf[s][j][e] = idxt_half2(v.x, v.y);
+            }
+        }
+
+    /* a query row's pieces (dim a multiple of 4: a piece in one head) into registers, then as binary16 into qs */
+    const int pieces = n_heads * dim / 4;
+    float4 qp[IDXT_QF4];
+    float wp = 0.0f;
+    auto load_row = [&](int64_t r) {
+        const float4 *qr = (const float4 *)(q + r * n_heads * dim);
+#pragma unroll
+        for (int i = 0; i < IDXT_QF4; i++) {
+            const int p = tid + i * IDXT_THREADS;
+            if (p < pieces) qp[i] = qr[p];
+        }
+        if (tid < n_heads) wp = weights[r * n_heads + tid];
+    };
+    auto store_row = [&]() {
+#pragma unroll
+        for (int i = 0; i < IDXT_QF4; i++) {
+            const int p = tid + i * IDXT_THREADS;
+            if (p < pieces) {
+                const int h = 4 * p / dim, d = 4 * p - h * dim;
+                uint2 v;
+                v.x = idxt_half2(qp[i].x, qp[i].y);
+                v.y = idxt_half2(qp[i].z, qp[i].w);
+                *(uint2 *)(qs + h * IDXT_QSTRIDE + d) = v;
+            }
+        }
+        if (tid < n_heads) ws[tid] = __fmul_rn(wp, weight_scale);
+    };
+    const unsigned s_q = cuda_smem_addr(qs);
+    const int a_row = lane & 15, a_k = (lane >> 4) * 8; /* ldmatrix lanes: A rows and k offsets */
+    float *tw = ts[warp];
+    load_row(r0);
+    for (int64_t r = r0; r < r1; r++) {
+        __syncthreads(); /* the previous row's queries and weights are used up */
+        store_row();
+        __syncthreads();
+        if (r + 1 < r1) load_row(r + 1);
+        const int64_t nk = row_keys[r];
+        if (c0 >= nk) continue; /* (warp-uniform) */
+        float sc = 0.0f; /* the score of key c0 + lane */
+        for (int mt = 0; mt < n_mt; mt++) {
+            float acc[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < IDXT_DIM / 16; s++) {
+                if (s < n_ks) {
+                    uint32_t a[4];
+                    cuda_ldsm_x4(a, s_q + 2u * (unsigned)((16 * mt + a_row) * IDXT_QSTRIDE + 16 * s + a_k));
+#pragma unroll
+                    for (int j = 0; j < 4; j++) cuda_mma_f16(acc[j], a, kf[s][j][0], kf[s][j][1]);
+                }
+            }
+            /* terms: acc[j][e] is head 16 mt + g (+ 8 for e >= 2), key 8 j + 2 tq + (e & 1) */
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int hl = g + (e >= 2 ? 8 : 0), key = 8 * j + 2 * tq + (e & 1);
+                    const float d = acc[j][e] < 0.0f ? 0.0f : acc[j][e];
+                    tw[key * IDXT_TSTRIDE + hl] = __fmul_rn(d, ws[16 * mt + hl]);
+                }
+            __syncwarp();
+            float tv[16];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float4 v = *(const float4 *)(tw + lane * IDXT_TSTRIDE + 4 * i);
+                tv[4 * i] = v.x;
+                tv[4 * i + 1] = v.y;
+                tv[4 * i + 2] = v.z;
+                tv[4 * i + 3] = v.w;
+            }
+            __syncwarp();
+            const int nh = n_heads - 16 * mt < 16 ? n_heads - 16 * mt : 16;
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                if (i < nh) sc = __fadd_rn(sc, tv[i]);
+        }
+        if (c0 + lane < nk) scores[r * stride + c0 + lane] = sc;
+    }
+}
+
+/* Whether indexer_tc_kernel takes these rows: the sizes it holds, a query
+ * row's pieces 16-byte aligned, the keys' float pairs 8-byte aligned. */
+static bool indexer_tc_fits(const float *q, const float *keys, int64_t n_heads, int64_t dim) {
+    return n_heads >= 1 && n_heads <= IDXT_HEADS && dim >= 4 && dim <= IDXT_DIM && dim % 4 == 0 &&
+           ((uintptr_t)q & 15) == 0 && ((uintptr_t)keys & 7) == 0;
+}
+
 void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                          int64_t n_heads, int64_t dim, const float *keys, int64_t n_keys, float *scores) {
     if (n_heads < 0 || dim < 0 || n_keys < 0) {
@@ -1844,34 +2001,65 @@ void cuda_indexer_scores(ds4_backend *be, const float *q, const float *weights, 
     indexer_dispatch(be, q, weights, weight_scale, n_heads, dim, keys, n_keys, scores, NULL, 1, 0);
 }
 
+/* indexer_scores_rows' and indexer_scores_rows_f16's arguments checked
+ * (op names the op) and each row's key count uploaded: the device counts,
+ * the most keys of a row in *most; NULL when refused or nothing to do. */
+static const int64_t *indexer_rows_args(ds4_backend *be, const char *op, const float *q, const float *weights,
+                                        int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys,
+                                        int64_t n_rows, const float *scores, int64_t stride, int64_t *most) {
+    if (cuda_failed(be)) return NULL;
+    if (n_rows < 0 || n_rows > 65535 || n_heads < 0 || dim < 0 || (n_rows > 0 && !n_keys)) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: %lld rows of %lld heads of %lld", op, (long long)n_rows,
+                  (long long)n_heads, (long long)dim);
+        return NULL;
+    }
+    *most = 0;
+    ds4_error err;
+    memset(&err, 0, sizeof err);
+    if (!ds4_row_counts_valid(op, "keys", n_keys, n_rows, stride, most, &err)) {
+        cuda_fail(be, err.status, "%s", err.message);
+        return NULL;
+    }
+    if (*most == 0) return NULL;
+    if (!scores || (dim > 0 && !keys) || (n_heads > 0 && (!weights || (dim > 0 && !q)))) {
+        cuda_fail(be, DS4_ERR_INVALID, "%s: NULL %s", op,
+                  !scores ? "scores" : (dim > 0 && !keys) ? "keys" : !weights ? "weights" : "query");
+        return NULL;
+    }
+    return (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n_keys, (size_t)n_rows * sizeof(int64_t));
+}
+
 /* All rows in one launch (grid y = row, each row's key count uploaded as
  * control data; blocks for the longest row, the others' extra warps idle). */
 void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                               int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys, int64_t n_rows,
                               float *scores, int64_t stride) {
-    if (cuda_failed(be)) return;
-    if (n_rows < 0 || n_rows > 65535 || n_heads < 0 || dim < 0 || (n_rows > 0 && !n_keys)) {
-        cuda_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: %lld rows of %lld heads of %lld", (long long)n_rows,
-                  (long long)n_heads, (long long)dim);
-        return;
-    }
     int64_t most = 0;
-    ds4_error err;
-    memset(&err, 0, sizeof err);
-    if (!ds4_row_counts_valid("indexer_scores_rows", "keys", n_keys, n_rows, stride, &most, &err)) {
-        cuda_fail(be, err.status, "%s", err.message);
-        return;
-    }
-    if (most == 0) return;
-    if (!scores || (dim > 0 && !keys) || (n_heads > 0 && (!weights || (dim > 0 && !q)))) {
-        cuda_fail(be, DS4_ERR_INVALID, "indexer_scores_rows: NULL %s",
-                  !scores ? "scores" : (dim > 0 && !keys) ? "keys" : !weights ? "weights" : "query");
-        return;
-    }
-    const int64_t *d_keys =
-        (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n_keys, (size_t)n_rows * sizeof(int64_t));
+    const int64_t *d_keys = indexer_rows_args(be, "indexer_scores_rows", q, weights, n_heads, dim, keys, n_keys,
+                                              n_rows, scores, stride, &most);
     if (!d_keys) return;
     indexer_dispatch(be, q, weights, weight_scale, n_heads, dim, keys, most, scores, d_keys, n_rows, stride);
+}
+
+/* The same for binary16 queries and keys: on the tensor cores where the
+ * kernel holds the sizes (indexer_tc_kernel: blocks of IDXT_ROWS rows x
+ * IDXT_WARPS x 32 keys), else (or with DS4_CUDA_IDX_TC=0) the float kernels. */
+void cuda_indexer_scores_rows_f16(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                                  int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys,
+                                  int64_t n_rows, float *scores, int64_t stride) {
+    int64_t most = 0;
+    const int64_t *d_keys = indexer_rows_args(be, "indexer_scores_rows_f16", q, weights, n_heads, dim, keys, n_keys,
+                                              n_rows, scores, stride, &most);
+    if (!d_keys) return;
+    cuda_backend *cb = cuda_impl(be);
+    if (!cb->idx_tc || !indexer_tc_fits(q, keys, n_heads, dim)) {
+        indexer_dispatch(be, q, weights, weight_scale, n_heads, dim, keys, most, scores, d_keys, n_rows, stride);
+        return;
+    }
+    const dim3 grid(blocks_for(most, IDXT_WARPS * IDXT_KEYS, INT32_MAX), (unsigned)((n_rows + IDXT_ROWS - 1) / IDXT_ROWS));
+    if (cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel, grid, IDXT_THREADS, 0, q, weights, weight_scale,
+                    (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride))
+        cb->idx_tc_calls++;
 }
 
 /* ------------------------------------------------------------------------ */

@@ -1039,6 +1039,7 @@ static const ds4_backend_ops CUDA_OPS = {
     .top_k = cuda_top_k,
     .indexer_scores_rows = cuda_indexer_scores_rows,
     .top_k_rows = cuda_top_k_rows,
+    .indexer_scores_rows_f16 = cuda_indexer_scores_rows_f16,
     .router = cuda_router,
     .swiglu = cuda_swiglu,
     .moe = cuda_moe,

@@ -306,6 +306,16 @@ void ds4_cuda_backend_set_idx_keys(ds4_backend *be, int keys);
 int ds4_cuda_backend_idx_keys(const ds4_backend *be);
 /* How many indexer launches have taken 4 keys a warp. */
 int64_t ds4_cuda_backend_idx_keys_calls(const ds4_backend *be);
+/* indexer_scores_rows_f16 (a prefill's selecting rows under DS4 numerics)
+ * on the f16 tensor cores (indexer_tc_kernel; on by default,
+ * DS4_CUDA_IDX_TC=0 makes off the default), or the float kernels of
+ * indexer_scores_rows. The same bits wherever the dots' terms fit in
+ * float's 24 bits (the QAT'd rows: in practice always). Takes effect at
+ * the next op. */
+void ds4_cuda_backend_set_idx_tc(ds4_backend *be, int on);
+int ds4_cuda_backend_idx_tc(const ds4_backend *be);
+/* How many indexer launches have run on the tensor cores. */
+int64_t ds4_cuda_backend_idx_tc_calls(const ds4_backend *be);
 /* How many attention launches have run on the tensor cores. */
 int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */

@@ -220,6 +220,8 @@ typedef struct cuda_backend {
     int64_t att_tc_calls; /* launches that ran there (ds4_cuda_backend_att_tc_calls) */
     int idx_keys;     /* keys a warp of a prefill's indexer scores: 4, or 1 (DS4_CUDA_IDX_KEYS=1) */
     int64_t idx_keys_calls; /* indexer launches of 4 keys a warp (ds4_cuda_backend_idx_keys_calls) */
+    bool idx_tc;      /* indexer_scores_rows_f16 on the f16 tensor cores (DS4_CUDA_IDX_TC=0: the float kernels) */
+    int64_t idx_tc_calls; /* launches that ran there (ds4_cuda_backend_idx_tc_calls) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     int64_t gemm_bm128_calls; /* int8 GEMM launches of 128-row blocks (ds4_cuda_backend_gemm_bm128_calls) */
     bool in_step;   /* between step_begin and step_end */
@@ -828,6 +830,9 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
 void cuda_indexer_scores_rows(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                               int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys, int64_t n_rows,
                               float *scores, int64_t stride);
+void cuda_indexer_scores_rows_f16(ds4_backend *be, const float *q, const float *weights, float weight_scale,
+                                  int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys,
+                                  int64_t n_rows, float *scores, int64_t stride);
 void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const int64_t *n, int64_t n_rows, int64_t k,
                      int32_t *idx);
 

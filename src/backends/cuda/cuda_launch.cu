@@ -880,6 +880,11 @@ extern "C" int ds4_cuda_backend_idx_keys(const ds4_backend *be) { return ((const
 extern "C" int64_t ds4_cuda_backend_idx_keys_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->idx_keys_calls;
 }
+extern "C" void ds4_cuda_backend_set_idx_tc(ds4_backend *be, int on) { cuda_impl(be)->idx_tc = on != 0; }
+extern "C" int ds4_cuda_backend_idx_tc(const ds4_backend *be) { return ((const cuda_backend *)be->impl)->idx_tc; }
+extern "C" int64_t ds4_cuda_backend_idx_tc_calls(const ds4_backend *be) {
+    return ((const cuda_backend *)be->impl)->idx_tc_calls;
+}
 extern "C" int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->att_tc_calls;
 }
@@ -949,6 +954,7 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->att_tc = cuda_env_flag("DS4_CUDA_ATT_TC", true);
     cb->att_tc_warps = cuda_env_long("DS4_CUDA_ATT_TC_WARPS", 8, 8, 16) == 16 ? 16 : 8;
     cb->idx_keys = cuda_env_long("DS4_CUDA_IDX_KEYS", 4, 1, 4) == 1 ? 1 : 4;
+    cb->idx_tc = cuda_env_flag("DS4_CUDA_IDX_TC", true);
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
     cb->moe_ids = cuda_env_flag("DS4_CUDA_MOE_IDS", true);
     cuda_hc_defer_init(cb);

@@ -903,8 +903,11 @@ static void attend_rows_selected(ds4_model *m, int l, scratch *s, layer_state *L
     const float wscale = idx_weight_scale(c);
     for (int64_t u0 = tb; u0 < t1; u0 += per) {
         const int64_t cnt = t1 - u0 < per ? t1 - u0 : per;
-        be->ops->indexer_scores_rows(be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows,
-                                     s->n_index + u0, cnt, s->iscores, s->score_stride);
+        /* under DS4 numerics the queries and rows are QAT'd (the rows F16-rounded): binary16 values */
+        (num == DS4_NUMERICS_DS4 && be->ops->indexer_scores_rows_f16 ? be->ops->indexer_scores_rows_f16
+                                                                     : be->ops->indexer_scores_rows)(
+            be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows, s->n_index + u0, cnt,
+            s->iscores, s->score_stride);
         be->ops->top_k_rows(be, s->iscores, s->score_stride, s->n_index + u0, cnt, k, (int32_t *)s->topk);
         (rows_f16(be, num) ? be->ops->attention_rows_f16 : be->ops->attention_rows_sel)(
             be, s->q + u0 * nh * D, cnt, nh, D, Lr->window, s->win_off + u0, s->win_n + u0, Lr->attn.rows,
