@@ -683,6 +683,8 @@ main() {
             rc=$(cat "$log.rc" 2>/dev/null || echo 1)
             section "compute-sanitizer --tool $tool $b (exit $rc)"
             grep -E "ERROR SUMMARY|passed, .* failed|LEAK SUMMARY|Invalid|Race|Uninitialized" "$log" | head -n 20
+            # a failing run's whole report comes back (the hazards' both sides, the stacks)
+            if [ "$rc" -ne 0 ] && [ -n "${OUT:-}" ]; then cp "$log" "$OUT/" 2>/dev/null || true; fi
             if [ "$rc" -eq 0 ]; then
                 record "$tool $b" PASS
             elif [ "$rc" -eq 86 ]; then

@@ -2212,6 +2212,7 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
                     if (tid >= o) incl += t;
                 }
                 const long long above = (long long)(incl - own);
+                __syncwarp(); /* every lane has read rank before one lane writes it */
                 if (above < r0 && r0 <= (long long)incl) {
                     long long r = r0 - above;
                     int b = 248 - 8 * tid;
