@@ -2299,6 +2299,14 @@ static bool topk_rank_on(void) {
     static const bool on = cuda_env_flag("DS4_CUDA_TOPK_RANK", true);
     return on;
 }
+/* The most keys of a top_k_rows call (a prefill's selecting rows) that the
+ * rank kernel takes (its work grows as the square of a row's keys, the
+ * select kernel's about linearly): DS4_CUDA_TOPK_RANK_ROWS=N, default
+ * TOPK_RANK_MAX (A/B). */
+static int64_t topk_rank_rows_max(void) {
+    static const int64_t most = cuda_env_long("DS4_CUDA_TOPK_RANK_ROWS", TOPK_RANK_MAX, 0, TOPK_RANK_MAX);
+    return most;
+}
 
 /*
  * k = 1 (the greedy token of a logits row): the largest key, idx[0] its
@@ -2464,7 +2472,7 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
         return;
     }
     const int64_t size = k < most ? k : most;
-    if (most <= TOPK_RANK_MAX && most > 0 && n_rows <= 65535 && topk_rank_on()) {
+    if (most <= topk_rank_rows_max() && most > 0 && n_rows <= 65535 && topk_rank_on()) {
         const int64_t *d_n =
             (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
         if (!d_n) return;
