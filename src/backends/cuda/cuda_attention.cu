@@ -1861,7 +1861,12 @@ static __device__ __forceinline__ uint32_t idxt_half2(float a, float b) {
     return *(const uint32_t *)&h;
 }
 
-static __global__ void __launch_bounds__(IDXT_THREADS)
+/* ASYNC: the next row's queries come by cp.async into a float staging
+ * buffer in (dynamic) shared memory instead of registers, and the kernel
+ * is held to 128 registers: two blocks an SM (IDXT_ASYNC_SMEM bytes each). */
+#define IDXT_ASYNC_SMEM (IDXT_HEADS * IDXT_DIM * 4)
+template <bool ASYNC>
+static __global__ void __launch_bounds__(IDXT_THREADS, ASYNC ? 2 : 1)
     indexer_tc_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale, int n_heads,
                       int dim, const float *__restrict__ keys, int64_t n_keys, float *__restrict__ scores,
                       const int64_t *__restrict__ row_keys, int64_t n_rows, int64_t stride) {
@@ -1878,7 +1883,7 @@ static __global__ void __launch_bounds__(IDXT_THREADS)
     if (tid < IDXT_HEADS) ws[tid] = 0.0f;
 
     /* the warp's keys: B fragment (k-step s, n-tile j) = key c0 + 8 j + g, dims 16 s + 2 tq (+1) and + 8 */
-    const int n_ks = (dim + 15) / 16, n_mt = (n_heads + 15) / 16;
+    const int n_mt = (n_heads + 15) / 16;
     uint32_t kf[IDXT_DIM / 16][4][2];
 #pragma unroll
     for (int s = 0; s < IDXT_DIM / 16; s++)
@@ -1894,28 +1899,37 @@ static __global__ void __launch_bounds__(IDXT_THREADS)
             }
         }
 
-    /* a query row's pieces (dim a multiple of 4: a piece in one head) into registers, then as binary16 into qs */
+    /* a query row's pieces (dim a multiple of 4: a piece in one head) into
+     * registers (ASYNC: the staging buffer), then as binary16 into qs */
     const int pieces = n_heads * dim / 4;
-    float4 qp[IDXT_QF4];
+    extern __shared__ float4 idxt_stage[]; /* ASYNC: the next row's queries */
+    float4 qp[ASYNC ? 1 : IDXT_QF4];
     float wp = 0.0f;
     auto load_row = [&](int64_t r) {
         const float4 *qr = (const float4 *)(q + r * n_heads * dim);
 #pragma unroll
         for (int i = 0; i < IDXT_QF4; i++) {
             const int p = tid + i * IDXT_THREADS;
-            if (p < pieces) qp[i] = qr[p];
+            if constexpr (ASYNC) {
+                if (p < pieces) cp_async16(idxt_stage + p, qr + p, true);
+            } else {
+                if (p < pieces) qp[i] = qr[p];
+            }
         }
+        if constexpr (ASYNC) cp_async_commit();
         if (tid < n_heads) wp = weights[r * n_heads + tid];
     };
     auto store_row = [&]() {
+        if constexpr (ASYNC) cp_async_wait<0>(); /* (each thread converts the pieces it copied) */
 #pragma unroll
         for (int i = 0; i < IDXT_QF4; i++) {
             const int p = tid + i * IDXT_THREADS;
             if (p < pieces) {
+                const float4 x = ASYNC ? idxt_stage[p] : qp[ASYNC ? 0 : i];
                 const int h = 4 * p / dim, d = 4 * p - h * dim;
                 uint2 v;
-                v.x = idxt_half2(qp[i].x, qp[i].y);
-                v.y = idxt_half2(qp[i].z, qp[i].w);
+                v.x = idxt_half2(x.x, x.y);
+                v.y = idxt_half2(x.z, x.w);
                 *(uint2 *)(qs + h * IDXT_QSTRIDE + d) = v;
             }
         }
@@ -1939,14 +1953,13 @@ static __global__ void __launch_bounds__(IDXT_THREADS)
             for (int j = 0; j < 4; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+            /* every k-step, also past dim: the padding is zeros on both sides (an exact 0 added) */
 #pragma unroll
             for (int s = 0; s < IDXT_DIM / 16; s++) {
-                if (s < n_ks) {
-                    uint32_t a[4];
-                    cuda_ldsm_x4(a, s_q + 2u * (unsigned)((16 * mt + a_row) * IDXT_QSTRIDE + 16 * s + a_k));
+                uint32_t a[4];
+                cuda_ldsm_x4(a, s_q + 2u * (unsigned)((16 * mt + a_row) * IDXT_QSTRIDE + 16 * s + a_k));
 #pragma unroll
-                    for (int j = 0; j < 4; j++) cuda_mma_f16(acc[j], a, kf[s][j][0], kf[s][j][1]);
-                }
+                for (int j = 0; j < 4; j++) cuda_mma_f16(acc[j], a, kf[s][j][0], kf[s][j][1]);
             }
             /* terms: acc[j][e] is head 16 mt + g (+ 8 for e >= 2), key 8 j + 2 tq + (e & 1) */
 #pragma unroll
@@ -1958,20 +1971,16 @@ static __global__ void __launch_bounds__(IDXT_THREADS)
                     tw[key * IDXT_TSTRIDE + hl] = __fmul_rn(d, ws[16 * mt + hl]);
                 }
             __syncwarp();
-            float tv[16];
+            const int nh = n_heads - 16 * mt < 16 ? n_heads - 16 * mt : 16;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const float4 v = *(const float4 *)(tw + lane * IDXT_TSTRIDE + 4 * i);
-                tv[4 * i] = v.x;
-                tv[4 * i + 1] = v.y;
-                tv[4 * i + 2] = v.z;
-                tv[4 * i + 3] = v.w;
+                if (4 * i < nh) sc = __fadd_rn(sc, v.x);
+                if (4 * i + 1 < nh) sc = __fadd_rn(sc, v.y);
+                if (4 * i + 2 < nh) sc = __fadd_rn(sc, v.z);
+                if (4 * i + 3 < nh) sc = __fadd_rn(sc, v.w);
             }
             __syncwarp();
-            const int nh = n_heads - 16 * mt < 16 ? n_heads - 16 * mt : 16;
-#pragma unroll
-            for (int i = 0; i < 16; i++)
-                if (i < nh) sc = __fadd_rn(sc, tv[i]);
         }
         if (c0 + lane < nk) scores[r * stride + c0 + lane] = sc;
     }
@@ -2057,9 +2066,21 @@ void cuda_indexer_scores_rows_f16(ds4_backend *be, const float *q, const float *
         return;
     }
     const dim3 grid(blocks_for(most, IDXT_WARPS * IDXT_KEYS, INT32_MAX), (unsigned)((n_rows + IDXT_ROWS - 1) / IDXT_ROWS));
-    if (cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel, grid, IDXT_THREADS, 0, q, weights, weight_scale,
-                    (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride))
-        cb->idx_tc_calls++;
+    bool ok;
+    if (cb->idx_tc_async) {
+        /* (its static shared memory, 38 KB, and the staging buffer pass the 48 KB of no opt-in) */
+        if (!cb->idx_tc_smem_set &&
+            !CUDA_OK(be, cudaFuncSetAttribute((const void *)indexer_tc_kernel<true>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, IDXT_ASYNC_SMEM)))
+            return;
+        cb->idx_tc_smem_set = true;
+        ok = cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel<true>, grid, IDXT_THREADS, IDXT_ASYNC_SMEM, q,
+                         weights, weight_scale, (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride);
+    } else {
+        ok = cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel<false>, grid, IDXT_THREADS, 0, q, weights,
+                         weight_scale, (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride);
+    }
+    if (ok) cb->idx_tc_calls++;
 }
 
 /* ------------------------------------------------------------------------ */
