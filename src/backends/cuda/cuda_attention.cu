@@ -1861,12 +1861,7 @@ static __device__ __forceinline__ uint32_t idxt_half2(float a, float b) {
     return *(const uint32_t *)&h;
 }
 
-/* ASYNC: the next row's queries come by cp.async into a float staging
- * buffer in (dynamic) shared memory instead of registers, and the kernel
- * is held to 128 registers: two blocks an SM (IDXT_ASYNC_SMEM bytes each). */
-#define IDXT_ASYNC_SMEM (IDXT_HEADS * IDXT_DIM * 4)
-template <bool ASYNC>
-static __global__ void __launch_bounds__(IDXT_THREADS, ASYNC ? 2 : 1)
+static __global__ void __launch_bounds__(IDXT_THREADS)
     indexer_tc_kernel(const float *__restrict__ q, const float *__restrict__ weights, float weight_scale, int n_heads,
                       int dim, const float *__restrict__ keys, int64_t n_keys, float *__restrict__ scores,
                       const int64_t *__restrict__ row_keys, int64_t n_rows, int64_t stride) {
@@ -1900,32 +1895,25 @@ static __global__ void __launch_bounds__(IDXT_THREADS, ASYNC ? 2 : 1)
         }
 
     /* a query row's pieces (dim a multiple of 4: a piece in one head) into
-     * registers (ASYNC: the staging buffer), then as binary16 into qs */
+     * registers, then as binary16 into qs */
     const int pieces = n_heads * dim / 4;
-    extern __shared__ float4 idxt_stage[]; /* ASYNC: the next row's queries */
-    float4 qp[ASYNC ? 1 : IDXT_QF4];
+    float4 qp[IDXT_QF4];
     float wp = 0.0f;
     auto load_row = [&](int64_t r) {
         const float4 *qr = (const float4 *)(q + r * n_heads * dim);
 #pragma unroll
         for (int i = 0; i < IDXT_QF4; i++) {
             const int p = tid + i * IDXT_THREADS;
-            if constexpr (ASYNC) {
-                if (p < pieces) cp_async16(idxt_stage + p, qr + p, true);
-            } else {
-                if (p < pieces) qp[i] = qr[p];
-            }
+            if (p < pieces) qp[i] = qr[p];
         }
-        if constexpr (ASYNC) cp_async_commit();
         if (tid < n_heads) wp = weights[r * n_heads + tid];
     };
     auto store_row = [&]() {
-        if constexpr (ASYNC) cp_async_wait<0>(); /* (each thread converts the pieces it copied) */
 #pragma unroll
         for (int i = 0; i < IDXT_QF4; i++) {
             const int p = tid + i * IDXT_THREADS;
             if (p < pieces) {
-                const float4 x = ASYNC ? idxt_stage[p] : qp[ASYNC ? 0 : i];
+                const float4 x = qp[i];
                 const int h = 4 * p / dim, d = 4 * p - h * dim;
                 uint2 v;
                 v.x = idxt_half2(x.x, x.y);
@@ -2066,21 +2054,9 @@ void cuda_indexer_scores_rows_f16(ds4_backend *be, const float *q, const float *
         return;
     }
     const dim3 grid(blocks_for(most, IDXT_WARPS * IDXT_KEYS, INT32_MAX), (unsigned)((n_rows + IDXT_ROWS - 1) / IDXT_ROWS));
-    bool ok;
-    if (cb->idx_tc_async) {
-        /* (its static shared memory, 38 KB, and the staging buffer pass the 48 KB of no opt-in) */
-        if (!cb->idx_tc_smem_set &&
-            !CUDA_OK(be, cudaFuncSetAttribute((const void *)indexer_tc_kernel<true>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize, IDXT_ASYNC_SMEM)))
-            return;
-        cb->idx_tc_smem_set = true;
-        ok = cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel<true>, grid, IDXT_THREADS, IDXT_ASYNC_SMEM, q,
-                         weights, weight_scale, (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride);
-    } else {
-        ok = cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel<false>, grid, IDXT_THREADS, 0, q, weights,
-                         weight_scale, (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride);
-    }
-    if (ok) cb->idx_tc_calls++;
+    if (cuda_launch(be, "indexer_tc_kernel", indexer_tc_kernel, grid, IDXT_THREADS, 0, q, weights, weight_scale,
+                    (int)n_heads, (int)dim, keys, most, scores, d_keys, n_rows, stride))
+        cb->idx_tc_calls++;
 }
 
 /* ------------------------------------------------------------------------ */

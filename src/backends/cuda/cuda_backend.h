@@ -314,12 +314,6 @@ int64_t ds4_cuda_backend_idx_keys_calls(const ds4_backend *be);
  * the next op. */
 void ds4_cuda_backend_set_idx_tc(ds4_backend *be, int on);
 int ds4_cuda_backend_idx_tc(const ds4_backend *be);
-/* That kernel's form: the next query rows in registers, one block an SM
- * (the default), or staged by cp.async in shared memory, two blocks an SM
- * at 128 registers (on; DS4_CUDA_IDX_TC_ASYNC=1 makes it the default). The
- * same bits. Takes effect at the next op. */
-void ds4_cuda_backend_set_idx_tc_async(ds4_backend *be, int on);
-int ds4_cuda_backend_idx_tc_async(const ds4_backend *be);
 /* How many indexer launches have run on the tensor cores. */
 int64_t ds4_cuda_backend_idx_tc_calls(const ds4_backend *be);
 /* How many attention launches have run on the tensor cores. */

@@ -222,8 +222,6 @@ typedef struct cuda_backend {
     int64_t idx_keys_calls; /* indexer launches of 4 keys a warp (ds4_cuda_backend_idx_keys_calls) */
     bool idx_tc;      /* indexer_scores_rows_f16 on the f16 tensor cores (DS4_CUDA_IDX_TC=0: the float kernels) */
     int64_t idx_tc_calls; /* launches that ran there (ds4_cuda_backend_idx_tc_calls) */
-    bool idx_tc_async;  /* ... their next query rows staged by cp.async, two blocks an SM (DS4_CUDA_IDX_TC_ASYNC=1) */
-    bool idx_tc_smem_set; /* that kernel's shared memory opted in */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
     int64_t gemm_bm128_calls; /* int8 GEMM launches of 128-row blocks (ds4_cuda_backend_gemm_bm128_calls) */
     bool in_step;   /* between step_begin and step_end */

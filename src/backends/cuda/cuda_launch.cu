@@ -882,10 +882,6 @@ extern "C" int64_t ds4_cuda_backend_idx_keys_calls(const ds4_backend *be) {
 }
 extern "C" void ds4_cuda_backend_set_idx_tc(ds4_backend *be, int on) { cuda_impl(be)->idx_tc = on != 0; }
 extern "C" int ds4_cuda_backend_idx_tc(const ds4_backend *be) { return ((const cuda_backend *)be->impl)->idx_tc; }
-extern "C" void ds4_cuda_backend_set_idx_tc_async(ds4_backend *be, int on) { cuda_impl(be)->idx_tc_async = on != 0; }
-extern "C" int ds4_cuda_backend_idx_tc_async(const ds4_backend *be) {
-    return ((const cuda_backend *)be->impl)->idx_tc_async;
-}
 extern "C" int64_t ds4_cuda_backend_idx_tc_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->idx_tc_calls;
 }
@@ -959,7 +955,6 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->att_tc_warps = cuda_env_long("DS4_CUDA_ATT_TC_WARPS", 8, 8, 16) == 16 ? 16 : 8;
     cb->idx_keys = cuda_env_long("DS4_CUDA_IDX_KEYS", 4, 1, 4) == 1 ? 1 : 4;
     cb->idx_tc = cuda_env_flag("DS4_CUDA_IDX_TC", true);
-    cb->idx_tc_async = cuda_env_flag("DS4_CUDA_IDX_TC_ASYNC", false);
     cb->branches = cuda_env_flag("DS4_CUDA_BRANCH", true);
     cb->moe_ids = cuda_env_flag("DS4_CUDA_MOE_IDS", true);
     cuda_hc_defer_init(cb);
