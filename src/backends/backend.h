@@ -353,10 +353,12 @@ typedef struct ds4_backend_ops {
      * binary16 value (DS4 numerics: the indexer QAT's FP4 values times
      * powers of two, the keys F16-rounded too), which the backend may read
      * at binary16 (values that are not are rounded to it, as DS4's CUDA
-     * prefill casts them; the CUDA backend: on the tensor cores); the
-     * results within float rounding of indexer_scores_rows, the same bits
-     * wherever the dots' exact sums fit in float. Optional: NULL (the
-     * CPU), the model calls indexer_scores_rows. */
+     * prefill casts them: then an error of binary16's size; the CUDA
+     * backend: on the tensor cores); for binary16 values the results are
+     * within float rounding of indexer_scores_rows, the same bits wherever
+     * every partial sum of a dot is exact in float (the QAT'd rows: in
+     * practice always). Optional: NULL (the CPU), the model calls
+     * indexer_scores_rows. */
     void (*indexer_scores_rows_f16)(ds4_backend *be, const float *q, const float *weights, float weight_scale,
                                     int64_t n_heads, int64_t dim, const float *keys, const int64_t *n_keys,
                                     int64_t n_rows, float *scores, int64_t stride);

@@ -1306,7 +1306,8 @@ static void test_indexer_rows(void) {
 }
 
 /* indexer_scores_rows_f16: queries and keys of binary16 values. QAT'd
- * rows (the model's under DS4 numerics; asserted binary16 here): every
+ * rows (the model's under DS4 numerics; the queries asserted binary16
+ * here, the keys F16-rounded after their QAT as the model does): every
  * score the CPU's indexer_scores_rows bit for bit, on the tensor cores and
  * with them off (DS4_CUDA_IDX_TC=0: the float kernels, also those bits);
  * other values, rounded to binary16 on the host: the CPU's scores of them
@@ -1380,7 +1381,8 @@ static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, cons
     CHECK_MSG(strstr(eg.message, "indexer_scores_rows_f16") && strstr(eg.message, "stride"), "cuda \"%s\"", eg.message);
     p->gpu->ops->indexer_scores_rows_f16(p->gpu, q.g, w.g, scale, n_heads, dim, keys.g, n_keys, n_rows, NULL, stride);
     CHECK(p->gpu->ops->take_error(p->gpu, &eg) == DS4_ERR_INVALID);
-    CHECK_MSG(strstr(eg.message, "NULL scores"), "cuda \"%s\"", eg.message);
+    CHECK_MSG(strstr(eg.message, "indexer_scores_rows_f16") && strstr(eg.message, "NULL scores"), "cuda \"%s\"",
+              eg.message);
     op_buf_free(p, &q);
     op_buf_free(p, &w);
     op_buf_free(p, &keys);
@@ -1403,7 +1405,8 @@ static void test_indexer_rows_f16(void) {
     const int64_t n3[3] = { 5, 40, 17 };
     indexer_rows_f16_case(&p, 16, 128, n3, 3, 40, true, true); /* the tiny model's */
     const int64_t n2[2] = { 300, 299 };
-    indexer_rows_f16_case(&p, 8, 64, n2, 2, 300, true, true);  /* 4 k-steps, one m-tile half used */
+    indexer_rows_f16_case(&p, 8, 64, n2, 2, 300, true, true);  /* 64 dims (the k-steps past them zeros), half an m-tile */
+    indexer_rows_f16_case(&p, 40, 128, n2, 2, 300, true, true); /* two full m-tiles and a half one */
     const int64_t n6[3] = { 33, 1, 30 };
     indexer_rows_f16_case(&p, 12, 100, n6, 3, 33, false, true); /* heads and dims padded (dims past 96: a k-step of 4) */
     const int64_t n1[1] = { 70 };

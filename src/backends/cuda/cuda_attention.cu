@@ -1099,7 +1099,7 @@ void cuda_attention(ds4_backend *be, const float *q, int64_t n_heads, int64_t di
 #define TC_TILE 32                    /* key/value rows a tile */
 #define TC_WARPS 8                    /* warps a block, the default form (DS4_CUDA_ATT_TC_WARPS=16: the other) */
 #define TC_RPS 512                    /* rows a split takes (16 tiles) */
-#define TC_QP (TC_DIM + 8)            /* halves between rows of Q and of the tile (ldmatrix: 8 rows, 8 banks apart) */
+#define TC_QP (TC_DIM + 8)            /* halves between rows of Q and of the tile (ldmatrix: 8 rows 4 banks apart, all 32 banks) */
 #define TC_PP (TC_TILE + 8)           /* halves between rows of P */
 #define TC_SP (TC_TILE + 1)           /* floats between rows of S */
 static_assert(TC_HEADS == 64 && TC_TILE == 32, "4 head tiles x 2 row halves (x 2 halves of K with 16 warps); a lane a row");
@@ -1836,10 +1836,13 @@ static void indexer_dispatch(ds4_backend *be, const float *q, const float *weigh
  * past dim and keys past n_keys zero) and, row by row, multiplies the row's
  * heads (A: binary16 in shared memory, 16 heads an m-tile, ldmatrix) by
  * them (mma m16n8k16, f16 x f16 -> f32). The products of binary16 values
- * are exact and the MMAs' sums are exact wherever the dot's terms fit in
- * float's 24 bits (a QAT'd row's four block scales are powers of two a few
- * apart, so in practice always), where the float kernel's sums are exact
- * too: each dot is then the float kernel's. Then relu times the head
+ * are exact, and the MMAs' sums are exact wherever every partial sum of a
+ * dot's terms is (all terms multiples of the smallest one's unit, their
+ * magnitudes' sum within 2^24 of it: a QAT'd row's four block scales are
+ * powers of two a few apart, so in practice always; PTX leaves the MMA's
+ * accumulation unspecified, so this rests on sm_90's exact adds of
+ * what fits, which test_indexer_rows_f16 checks on the device), where the
+ * float kernel's sums are exact too: each dot is then the float kernel's. Then relu times the head
  * weight (rounded once, as the CPU) and the sum over heads in head order:
  * an m-tile's 16 x 32 terms go through shared memory to the lane of their
  * key, which adds them to its score in order. The next row's queries come
@@ -1852,13 +1855,15 @@ static void indexer_dispatch(ds4_backend *be, const float *q, const float *weigh
 #define IDXT_ROWS 8                   /* query rows a block */
 #define IDXT_DIM 128                  /* dims at most: 8 k-steps of 16 */
 #define IDXT_HEADS 64                 /* heads at most: 4 m-tiles of 16 */
-#define IDXT_QSTRIDE (IDXT_DIM + 8)   /* halves between staged heads (ldmatrix: 8 rows, 8 banks apart) */
+#define IDXT_QSTRIDE (IDXT_DIM + 8)   /* halves between staged heads (ldmatrix: 8 rows 4 banks apart, all 32 banks) */
 #define IDXT_TSTRIDE 20               /* floats between a term tile's keys (stores and 16-byte reads conflict-free) */
 #define IDXT_QF4 (IDXT_HEADS * IDXT_DIM / 4 / IDXT_THREADS) /* a query row's 16-byte pieces a thread, at most */
 
 static __device__ __forceinline__ uint32_t idxt_half2(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);
-    return *(const uint32_t *)&h;
+    uint32_t u;
+    memcpy(&u, &h, sizeof u);
+    return u;
 }
 
 static __global__ void __launch_bounds__(IDXT_THREADS)

@@ -309,8 +309,8 @@ int64_t ds4_cuda_backend_idx_keys_calls(const ds4_backend *be);
 /* indexer_scores_rows_f16 (a prefill's selecting rows under DS4 numerics)
  * on the f16 tensor cores (indexer_tc_kernel; on by default,
  * DS4_CUDA_IDX_TC=0 makes off the default), or the float kernels of
- * indexer_scores_rows. The same bits wherever the dots' terms fit in
- * float's 24 bits (the QAT'd rows: in practice always). Takes effect at
+ * indexer_scores_rows. The same bits wherever every partial sum of a dot
+ * is exact in float (the QAT'd rows: in practice always). Takes effect at
  * the next op. */
 void ds4_cuda_backend_set_idx_tc(ds4_backend *be, int on);
 int ds4_cuda_backend_idx_tc(const ds4_backend *be);
