@@ -1312,9 +1312,11 @@ static void test_indexer_rows(void) {
  * with them off (DS4_CUDA_IDX_TC=0: the float kernels, also those bits);
  * other values, rounded to binary16 on the host: the CPU's scores of them
  * within indexer_rows_case's bound. Scores past a row's count stay poison;
- * the tensor-core launches counted (tc: the kernel holds the sizes). */
+ * the tensor-core launches counted (tc: the kernel holds the sizes and the
+ * queries' alignment; q_off floats before the queries move them off 16
+ * bytes). */
 static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, const int64_t *n_keys, int64_t n_rows,
-                                  int64_t stride, bool qat, bool tc) {
+                                  int64_t stride, bool qat, bool tc, int64_t q_off) {
     float *hq = op_rand(n_rows * n_heads * dim, 1.0), *hw = op_rand(n_rows * n_heads, 1.0);
     float *hk = op_rand(stride * dim, 1.0);
     int64_t not_f16 = 0;
@@ -1326,7 +1328,10 @@ static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, cons
     CHECK_MSG(not_f16 == 0, "%lld QAT'd query values are not binary16", (long long)not_f16);
     for (int64_t i = 0; i < n_rows * n_heads * dim; i++) hq[i] = ds4_round_f16(hq[i]);
     for (int64_t i = 0; i < stride * dim; i++) hk[i] = ds4_round_f16(hk[i]);
-    op_buf q = op_buf_from(p, hq, n_rows * n_heads * dim), w = op_buf_from(p, hw, n_rows * n_heads);
+    float *hq_off = calloc((size_t)(q_off + n_rows * n_heads * dim), sizeof *hq_off);
+    memcpy(hq_off + q_off, hq, (size_t)(n_rows * n_heads * dim) * sizeof *hq);
+    op_buf qb = op_buf_from(p, hq_off, q_off + n_rows * n_heads * dim), w = op_buf_from(p, hw, n_rows * n_heads);
+    const op_buf q = { qb.c + q_off, qb.g + q_off };
     op_buf keys = op_buf_from(p, hk, stride * dim);
     const float scale = (float)(1.0 / sqrt((double)dim * (double)n_heads));
     char what[160];
@@ -1383,13 +1388,14 @@ static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, cons
     CHECK(p->gpu->ops->take_error(p->gpu, &eg) == DS4_ERR_INVALID);
     CHECK_MSG(strstr(eg.message, "indexer_scores_rows_f16") && strstr(eg.message, "NULL scores"), "cuda \"%s\"",
               eg.message);
-    op_buf_free(p, &q);
+    op_buf_free(p, &qb);
     op_buf_free(p, &w);
     op_buf_free(p, &keys);
     op_buf_free(p, &sc);
     free(cs);
     free(gs);
     free(hq);
+    free(hq_off);
     free(hw);
     free(hk);
 }
@@ -1400,18 +1406,20 @@ static void test_indexer_rows_f16(void) {
     /* the model's shape: rows in blocks of 8 (the last one short), keys in blocks of 256, a row of none */
     int64_t n20[21];
     for (int r = 0; r < 21; r++) n20[r] = r == 3 ? 0 : 513 + 37 * r;
-    indexer_rows_f16_case(&p, 64, 128, n20, 21, 1300, true, true);
-    indexer_rows_f16_case(&p, 64, 128, n20, 21, 1300, false, true);
+    indexer_rows_f16_case(&p, 64, 128, n20, 21, 1300, true, true, 0);
+    indexer_rows_f16_case(&p, 64, 128, n20, 21, 1300, false, true, 0);
     const int64_t n3[3] = { 5, 40, 17 };
-    indexer_rows_f16_case(&p, 16, 128, n3, 3, 40, true, true); /* the tiny model's */
+    indexer_rows_f16_case(&p, 16, 128, n3, 3, 40, true, true, 0); /* the tiny model's */
     const int64_t n2[2] = { 300, 299 };
-    indexer_rows_f16_case(&p, 8, 64, n2, 2, 300, true, true);  /* 64 dims (the k-steps past them zeros), half an m-tile */
-    indexer_rows_f16_case(&p, 40, 128, n2, 2, 300, true, true); /* two full m-tiles and a half one */
+    indexer_rows_f16_case(&p, 8, 64, n2, 2, 300, true, true, 0);  /* 64 dims (the k-steps past them zeros), half an m-tile */
+    indexer_rows_f16_case(&p, 40, 128, n2, 2, 300, true, true, 0); /* two full m-tiles and a half one */
     const int64_t n6[3] = { 33, 1, 30 };
-    indexer_rows_f16_case(&p, 12, 100, n6, 3, 33, false, true); /* heads and dims padded (dims past 96: a k-step of 4) */
+    indexer_rows_f16_case(&p, 12, 100, n6, 3, 33, false, true, 0); /* heads and dims padded (dims past 96: a k-step of 4) */
     const int64_t n1[1] = { 70 };
-    indexer_rows_f16_case(&p, 80, 128, n1, 1, 70, true, false); /* more heads than the kernel holds: the float kernels */
-    indexer_rows_f16_case(&p, 4, 130, n1, 1, 70, false, false); /* more dims than it holds */
+    indexer_rows_f16_case(&p, 80, 128, n1, 1, 70, true, false, 0); /* more heads than the kernel holds: the float kernels */
+    indexer_rows_f16_case(&p, 4, 130, n1, 1, 70, false, false, 0); /* more dims than it holds */
+    indexer_rows_f16_case(&p, 4, 126, n1, 1, 70, false, false, 0); /* dims not a multiple of 4 */
+    indexer_rows_f16_case(&p, 16, 128, n3, 3, 40, true, false, 1); /* queries off 16 bytes: the float kernels */
     op_pair_close(&p);
 }
 
