@@ -1190,6 +1190,20 @@ static void indexer_case(op_pair *p, int64_t n_heads, int64_t dim, int64_t n_key
     free(weff);
 }
 
+/* The bound on a row-op indexer score against the CPU's (the float sums
+ * of the dots and of the heads' terms in another order): query row q
+ * [n_heads, dim], its head weights w, one key. */
+static double indexer_row_bound(const float *q, const float *w, const float *key, int64_t n_heads, int64_t dim,
+                                float scale) {
+    double mag = 0;
+    for (int64_t h = 0; h < n_heads; h++) {
+        double dm = 0;
+        for (int64_t i = 0; i < dim; i++) dm += fabs((double)q[h * dim + i] * key[i]);
+        mag += dm * fabs((double)w[h] * scale);
+    }
+    return (2.0 * dim + 2.0 * n_heads + 8) * U * mag;
+}
+
 /* indexer_scores_rows and top_k_rows: rows of different key counts (one
  * with none, one with fewer than k) in one call each; scores against the
  * CPU's with indexer_case's bound, selections exactly (the CUDA side ranks
@@ -1211,14 +1225,8 @@ static void indexer_rows_case(op_pair *p, int64_t n_heads, int64_t dim, const in
     int64_t bad = 0;
     for (int64_t r = 0; r < n_rows; r++)
         for (int64_t c = 0; c < n_keys[r]; c++) {
-            double mag = 0;
-            for (int64_t h = 0; h < n_heads; h++) {
-                double dm = 0;
-                for (int64_t i = 0; i < dim; i++) dm += fabs((double)hq[(r * n_heads + h) * dim + i] * hk[c * dim + i]);
-                mag += dm * fabs((double)hw[r * n_heads + h] * scale);
-            }
             const double d = fabs((double)gs[r * stride + c] - cs[r * stride + c]);
-            bad += !(d <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
+            bad += !(d <= indexer_row_bound(hq + r * n_heads * dim, hw + r * n_heads, hk + c * dim, n_heads, dim, scale));
         }
     CHECK_MSG(bad == 0, "indexer_scores_rows %lld rows: %lld scores out of bound", (long long)n_rows, (long long)bad);
     /* the one-key and four-key warps: the same bits, each into a fresh
@@ -1342,6 +1350,12 @@ static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, cons
     op_expect_ok(p);
     float *cs = malloc((size_t)(n_rows * stride) * sizeof *cs), *gs = malloc((size_t)(n_rows * stride) * sizeof *gs);
     p->cpu->ops->download(p->cpu, cs, sc.c, n_rows * stride);
+    /* each score's bound, once for both forms */
+    double *bound = malloc((size_t)(n_rows * stride) * sizeof *bound);
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t c = 0; c < n_keys[r]; c++)
+            bound[r * stride + c] =
+                indexer_row_bound(hq + r * n_heads * dim, hw + r * n_heads, hk + c * dim, n_heads, dim, scale);
     const int dflt = ds4_cuda_backend_idx_tc(p->gpu);
     /* the tensor cores, then off */
     for (int v = 0; v < 2; v++) {
@@ -1360,14 +1374,7 @@ static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, cons
             for (int64_t c = 0; c < n_keys[r]; c++) {
                 const float g = gs[r * stride + c], cv = cs[r * stride + c];
                 diff += memcmp(&g, &cv, sizeof g) != 0;
-                double mag = 0;
-                for (int64_t h = 0; h < n_heads; h++) {
-                    double dm = 0;
-                    for (int64_t i = 0; i < dim; i++)
-                        dm += fabs((double)hq[(r * n_heads + h) * dim + i] * hk[c * dim + i]);
-                    mag += dm * fabs((double)hw[r * n_heads + h] * scale);
-                }
-                bad += !(fabs((double)g - cv) <= (2.0 * dim + 2.0 * n_heads + 8) * U * mag);
+                bad += !(fabs((double)g - cv) <= bound[r * stride + c]);
             }
             for (int64_t c = n_keys[r]; c < stride; c++) written += !isnan(gs[r * stride + c]);
         }
@@ -1394,6 +1401,7 @@ static void indexer_rows_f16_case(op_pair *p, int64_t n_heads, int64_t dim, cons
     op_buf_free(p, &sc);
     free(cs);
     free(gs);
+    free(bound);
     free(hq);
     free(hq_off);
     free(hw);
