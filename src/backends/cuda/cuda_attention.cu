@@ -2196,9 +2196,19 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             for (int i = tid; i < 256; i += nt) hist[i] = 0;
             __syncthreads();
             const unsigned long long pf = prefix, pm = pmask;
-            for (int64_t i = tid; i < n; i += nt) {
-                const unsigned long long key = topk_key(scores, i, n, shift);
-                if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
+            /* whole warps each round (nt is a multiple of 32): a warp's lanes
+             * of one digit add their count with one atomic (the same counts;
+             * the first digits' keys crowd into a bin or two, where one
+             * atomic a lane serialised the block) */
+            for (int64_t i0 = 0; i0 < n; i0 += nt) {
+                const int64_t i = i0 + tid;
+                unsigned int bin = 256u; /* none */
+                if (i < n) {
+                    const unsigned long long key = topk_key(scores, i, n, shift);
+                    if ((key & pm) == pf) bin = (unsigned int)((key >> d) & 255u);
+                }
+                const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+                if (bin < 256u && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
             }
             __syncthreads();
             if (tid < 32) {
@@ -2233,10 +2243,18 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             __syncthreads();
         }
         const unsigned long long threshold = prefix;
-        for (int64_t i = tid; i < n; i += nt) {
-            const unsigned long long key = topk_key(scores, i, n, shift);
-            if (key >= threshold) {
-                const unsigned int at = atomicAdd(&count, 1u);
+        /* the keys at or above it: a warp's places taken with one atomic
+         * (their order in sel is any; the sort below fixes it) */
+        for (int64_t i0 = 0; i0 < n; i0 += nt) {
+            const int64_t i = i0 + tid;
+            const unsigned long long key = i < n ? topk_key(scores, i, n, shift) : 0ull;
+            const bool take = i < n && key >= threshold;
+            const unsigned int mine = __ballot_sync(0xffffffffu, take);
+            unsigned int base = 0;
+            if ((tid & 31) == 0 && mine) base = atomicAdd(&count, (unsigned int)__popc(mine));
+            base = __shfl_sync(0xffffffffu, base, 0);
+            if (take) {
+                const unsigned int at = base + (unsigned int)__popc(mine & ((1u << (tid & 31)) - 1u));
                 if (at < (unsigned)pow2) sel[at] = key;
             }
         }
