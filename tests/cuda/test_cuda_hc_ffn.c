@@ -105,8 +105,6 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
 static void check_hc_all_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
                               op_buf X, int64_t n_rows, int mode, const char *what);
 static long env_long_default(const char *name, long dflt);
-static void check_hc_fused_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
-                                op_buf X, int64_t n_rows, bool head, const char *what);
 
 /* n streams: up to 5 (the model's 4 among them) the split runs on one
  * warp, past that on one thread; every case runs hc_pre_norm too. */
@@ -148,7 +146,6 @@ static void check_hc_pre_n(op_pair *p, int n, int64_t dim, int64_t n_rows, uint3
     check_hc_pre_norm(p, &hc, fn, scale, base, X, n_rows, n == 4 || n_rows % 2 == 0, n_rows == 3, what);
     check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, true, what);
     if (n_rows == 1) check_hc_post_pre_norm(p, &hc, fn, scale, base, n_rows, false, what);
-    check_hc_fused_same(p, &hc, fn, scale, base, X, n_rows, false, what);
     /* the partial blocks taking every mix row (set_hc_all 2), then one group each (0): the same bits */
     for (int mode = 2; mode >= 0; mode -= 2) {
         ds4_cuda_backend_set_hc_all(p->gpu, mode);
@@ -206,52 +203,6 @@ static void check_hc_all_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_we
     check_gpu_same(name, p, x[0], x[1], (n_rows + 1) * dim);
     check_gpu_same(name, p, post[0], post[1], (n_rows + 1) * n);
     check_gpu_same(name, p, comb[0], comb[1], (n_rows + 1) * n * n);
-    for (int v = 0; v < 2; v++) {
-        op_buf_free(p, &x[v]);
-        op_buf_free(p, &post[v]);
-        op_buf_free(p, &comb[v]);
-    }
-}
-
-/* hc_pre (head false) or hc_head (true) with the partial and finishing
- * passes in one kernel (set_hc_fused 1) against the two kernels (0), bit
- * for bit in every output, poisoned guard rows included. One row of a
- * state whose fn rows allow 16-byte loads must take the fused kernel (its
- * grid, 6 mix groups x 16 chunks at real size, fits any device); the
- * setting is that of the environment again on return. */
-static void check_hc_fused_same(op_pair *p, const ds4_hc *hc, op_weight *fn, op_weight *scale, op_weight *base,
-                                op_buf X, int64_t n_rows, bool head, const char *what) {
-    const int n = hc->n_hc;
-    const int64_t dim = hc->dim;
-    op_buf x[2], post[2], comb[2];
-    uint64_t calls[2];
-    for (int v = 0; v < 2; v++) {
-        x[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
-        post[v] = op_buf_poisoned(p, (n_rows + 1) * n);
-        comb[v] = op_buf_poisoned(p, (n_rows + 1) * n * n);
-    }
-    for (int v = 0; v < 2; v++) {
-        ds4_cuda_backend_set_hc_fused(p->gpu, v == 0);
-        const uint64_t before = ds4_cuda_backend_hc_fused_calls(p->gpu);
-        if (head)
-            p->gpu->ops->hc_head(p->gpu, hc, X.g, &fn->g, &scale->g, &base->g, x[v].g, n_rows);
-        else
-            p->gpu->ops->hc_pre(p->gpu, hc, X.g, &fn->g, &scale->g, &base->g, x[v].g, post[v].g, comb[v].g, n_rows);
-        op_expect_ok(p);
-        calls[v] = ds4_cuda_backend_hc_fused_calls(p->gpu) - before;
-    }
-    ds4_cuda_backend_set_hc_fused(p->gpu, env_on_default("DS4_CUDA_HC_FUSED", true));
-    char name[200];
-    snprintf(name, sizeof name, "%s (%s) with the fused kernel against the two kernels", head ? "hc_head" : "hc_pre",
-             what);
-    CHECK_MSG(calls[1] == 0, "%s: %llu fused launches with the setting off", name, (unsigned long long)calls[1]);
-    if (n_rows == 1 && ((int64_t)n * dim) % 8 == 0 && env_long_default("DS4_CUDA_HC_ALL", 1) != 2)
-        CHECK_MSG(calls[0] == 1, "%s: %llu fused launches, expected 1", name, (unsigned long long)calls[0]);
-    check_gpu_same(name, p, x[0], x[1], (n_rows + 1) * dim);
-    if (!head) {
-        check_gpu_same(name, p, post[0], post[1], (n_rows + 1) * n);
-        check_gpu_same(name, p, comb[0], comb[1], (n_rows + 1) * n * n);
-    }
     for (int v = 0; v < 2; v++) {
         op_buf_free(p, &x[v]);
         op_buf_free(p, &post[v]);
@@ -378,9 +329,8 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
     op_weight *nw = op_weight_floats(p, "blk.0.ffn_norm.weight", DS4_TYPE_F32, dim, 1, 1, hw);
     op_buf Xp = op_buf_from(p, hXp, n_rows * hc_dim), y = op_buf_from(p, hy, n_rows * dim);
     op_buf y2 = op_buf_from(p, hy2, n_rows * dim);
-    op_buf Xo[4], x[4], a[4], post[4], comb[4];
-    uint64_t fused_calls = 0;
-    for (int v = 0; v < 4; v++) {
+    op_buf Xo[3], x[3], a[3], post[3], comb[3];
+    for (int v = 0; v < 3; v++) {
         Xo[v] = op_buf_poisoned(p, (n_rows + 1) * hc_dim);
         x[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
         a[v] = op_buf_poisoned(p, (n_rows + 1) * dim);
@@ -390,32 +340,19 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
     p->cpu->ops->hc_post_pre_norm(p->cpu, hc, y.c, with_y2 ? y2.c : NULL, Xp.c, post[0].c, comb[0].c, Xo[0].c,
                                   &fn->c, &scale->c, &base->c, &nw->c, 1e-6f, x[0].c, post[0].c, comb[0].c, a[0].c,
                                   n_rows);
-    /* v 0: fused, 1: the norm's kernel apart, 2: hc_post's kernel, then
-     * hc_pre_norm's, 3: as 1 with the partial and finishing passes as two
-     * kernels (1 takes one where the rows are few) */
-    for (int v = 0; v < 4; v++) {
-        ds4_cuda_backend_set_hc_post_pre(p->gpu, v != 2);
-        ds4_cuda_backend_set_hc_norm(p->gpu, v != 1 && v != 3);
-        ds4_cuda_backend_set_hc_fused(p->gpu, v != 3);
-        const uint64_t before = ds4_cuda_backend_hc_fused_calls(p->gpu);
+    for (int v = 0; v < 3; v++) { /* v 0: fused, 1: the norm's kernel apart, 2: hc_post's kernel, then hc_pre_norm's */
+        ds4_cuda_backend_set_hc_post_pre(p->gpu, v < 2);
+        ds4_cuda_backend_set_hc_norm(p->gpu, v != 1);
         p->gpu->ops->hc_post_pre_norm(p->gpu, hc, y.g, with_y2 ? y2.g : NULL, Xp.g, post[v].g, comb[v].g, Xo[v].g,
                                       &fn->g, &scale->g, &base->g, &nw->g, 1e-6f, x[v].g, post[v].g, comb[v].g,
                                       a[v].g, n_rows);
-        if (v == 1) fused_calls = ds4_cuda_backend_hc_fused_calls(p->gpu) - before;
     }
     ds4_cuda_backend_set_hc_post_pre(p->gpu, env_on_default("DS4_CUDA_HC_POST_PRE", true));
     ds4_cuda_backend_set_hc_norm(p->gpu, env_on_default("DS4_CUDA_HC_NORM", true));
-    ds4_cuda_backend_set_hc_fused(p->gpu, env_on_default("DS4_CUDA_HC_FUSED", true));
     op_expect_ok(p);
     char name[160];
     snprintf(name, sizeof name, "hc_post_pre_norm (%s%s)", what, with_y2 ? ", y2" : "");
-    /* one row whose residual step the partial pass makes (dims of whole
-     * 16-byte pieces): one fused kernel */
-    if (n_rows == 1 && dim % 8 == 0 && env_long_default("DS4_CUDA_HC_ALL", 1) != 2 &&
-        env_on_default("DS4_CUDA_HC_POST_PRE", true))
-        CHECK_MSG(fused_calls == 1, "%s: %llu fused launches, expected 1", name, (unsigned long long)fused_calls);
-    for (int v = 0; v < 4; v++) {
-        if (v == 2) continue;
+    for (int v = 0; v < 2; v++) {
         check_gpu_same(name, p, Xo[v], Xo[2], (n_rows + 1) * hc_dim);
         check_gpu_same(name, p, x[v], x[2], (n_rows + 1) * dim);
         check_gpu_same(name, p, a[v], a[2], (n_rows + 1) * dim);
@@ -429,7 +366,7 @@ static void check_hc_post_pre_norm(op_pair *p, const ds4_hc *hc, op_weight *fn, 
     op_compare(name, p, post[0], n_rows * n, tol, tol);
     op_compare(name, p, comb[0], n_rows * n * n, tol, tol);
     check_norm_rows(name, p, a[0], x[0], hw, n_rows, dim, tol);
-    for (int v = 0; v < 4; v++) {
+    for (int v = 0; v < 3; v++) {
         op_buf_free(p, &Xo[v]);
         op_buf_free(p, &x[v]);
         op_buf_free(p, &a[v]);
@@ -697,7 +634,6 @@ static void check_hc_head(op_pair *p, int64_t dim, int64_t n_rows, uint32_t fn_t
     const double tol = hc_tol(hc_dim);
     compare_hc_rows(what, p, out, n_rows, dim, tol);
     check_guard(what, p, out, n_rows * dim, dim);
-    check_hc_fused_same(p, &hc, fn, scale, base, X, n_rows, true, what);
 
     op_buf_free(p, &X);
     op_buf_free(p, &out);

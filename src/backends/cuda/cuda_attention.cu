@@ -2158,8 +2158,7 @@ static __device__ __forceinline__ void topk_bitonic_desc(unsigned long long *sel
 
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
-                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max,
-                       int warp_agg) {
+                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max) {
     cuda_grid_wait();
     if (row_n) { /* row blockIdx.x of top_k_rows: its own count, shift and size (pow2 covers every row's) */
         const int64_t y = blockIdx.x;
@@ -2197,27 +2196,9 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             for (int i = tid; i < 256; i += nt) hist[i] = 0;
             __syncthreads();
             const unsigned long long pf = prefix, pm = pmask;
-            /* whole warps each round (nt is a multiple of 32): a warp's lanes
-             * of one digit add their count with one atomic (the same counts;
-             * the first digits' keys crowd into a bin or two, where one
-             * atomic a lane serialised the block) */
-            if (warp_agg) {
-                for (int64_t i0 = 0; i0 < n; i0 += nt) {
-                    const int64_t i = i0 + tid;
-                    unsigned int bin = 256u; /* none */
-                    if (i < n) {
-                        const unsigned long long key = topk_key(scores, i, n, shift);
-                        if ((key & pm) == pf) bin = (unsigned int)((key >> d) & 255u);
-                    }
-                    const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-                    if (bin < 256u && (tid & 31) == __ffs(peers) - 1)
-                        atomicAdd(&hist[bin], (unsigned int)__popc(peers));
-                }
-            } else { /* an atomic a lane ($DS4_CUDA_TOPK_WARP=0, A/B) */
-                for (int64_t i = tid; i < n; i += nt) {
-                    const unsigned long long key = topk_key(scores, i, n, shift);
-                    if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
-                }
+            for (int64_t i = tid; i < n; i += nt) {
+                const unsigned long long key = topk_key(scores, i, n, shift);
+                if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
             }
             __syncthreads();
             if (tid < 32) {
@@ -2252,29 +2233,11 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             __syncthreads();
         }
         const unsigned long long threshold = prefix;
-        /* the keys at or above it: a warp's places taken with one atomic
-         * (their order in sel is any; the sort below fixes it) */
-        if (warp_agg) {
-            for (int64_t i0 = 0; i0 < n; i0 += nt) {
-                const int64_t i = i0 + tid;
-                const unsigned long long key = i < n ? topk_key(scores, i, n, shift) : 0ull;
-                const bool take = i < n && key >= threshold;
-                const unsigned int mine = __ballot_sync(0xffffffffu, take);
-                unsigned int base = 0;
-                if ((tid & 31) == 0 && mine) base = atomicAdd(&count, (unsigned int)__popc(mine));
-                base = __shfl_sync(0xffffffffu, base, 0);
-                if (take) {
-                    const unsigned int at = base + (unsigned int)__popc(mine & ((1u << (tid & 31)) - 1u));
-                    if (at < (unsigned)pow2) sel[at] = key;
-                }
-            }
-        } else {
-            for (int64_t i = tid; i < n; i += nt) {
-                const unsigned long long key = topk_key(scores, i, n, shift);
-                if (key >= threshold) {
-                    const unsigned int at = atomicAdd(&count, 1u);
-                    if (at < (unsigned)pow2) sel[at] = key;
-                }
+        for (int64_t i = tid; i < n; i += nt) {
+            const unsigned long long key = topk_key(scores, i, n, shift);
+            if (key >= threshold) {
+                const unsigned int at = atomicAdd(&count, 1u);
+                if (at < (unsigned)pow2) sel[at] = key;
             }
         }
         __syncthreads();
@@ -2403,14 +2366,6 @@ static int topk_whole_max(void) {
     return whole ? TOPK_SORT_ALL : 0;
 }
 
-/* topk_select_kernel's counts and places a warp at a time (one atomic per
- * warp and digit, per warp of selected keys); DS4_CUDA_TOPK_WARP=0: an
- * atomic a lane (A/B; the same counts and the same selection) */
-static int topk_warp_agg(void) {
-    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_WARP", true);
-    return on ? 1 : 0;
-}
-
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
@@ -2459,7 +2414,7 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         const int pow2 = topk_pow2(n <= wmax ? n : size); /* (a row sorted whole, or the selected keys) */
         (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
                           (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
-                          (const int64_t *)NULL, (int64_t)0, wmax, topk_warp_agg());
+                          (const int64_t *)NULL, (int64_t)0, wmax);
         return;
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
@@ -2541,5 +2496,5 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     if (!d_n) return;
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
                       (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
-                      wmax, topk_warp_agg());
+                      wmax);
 }

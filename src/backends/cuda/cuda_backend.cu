@@ -1089,8 +1089,6 @@ extern "C" ds4_status ds4_cuda_backend_create(int device, ds4_backend **out, ds4
     DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->dev_error, sizeof *cb->dev_error), err, fail);
     DS4_CUDA_TRY(st, cudaMemsetAsync(cb->dev_error, 0, sizeof *cb->dev_error, cb->stream), err, fail);
     DS4_CUDA_TRY(st, cudaMallocHost((void **)&cb->dev_error_host, sizeof *cb->dev_error_host), err, fail);
-    DS4_CUDA_TRY(st, cudaMalloc((void **)&cb->hc_bar, 2 * sizeof *cb->hc_bar), err, fail);
-    DS4_CUDA_TRY(st, cudaMemsetAsync(cb->hc_bar, 0, 2 * sizeof *cb->hc_bar, cb->stream), err, fail);
     if ((st = cuda_launch_init(cb, err)) != DS4_OK) goto fail;
     if ((st = cuda_prefetch_init(cb, err)) != DS4_OK) goto fail;
     memset(cb->dev_error_host, 0, sizeof *cb->dev_error_host);
@@ -1128,7 +1126,6 @@ extern "C" void ds4_cuda_backend_free(ds4_backend *be) {
     cudaFree(cb->ring_dev);
     if (cb->ring_lap) cudaEventDestroy(cb->ring_lap);
     cudaFree(cb->dev_error);
-    cudaFree(cb->hc_bar);
     cudaFreeHost(cb->dev_error_host);
     if (cb->dl_host) cudaFreeHost(cb->dl_host);
     if (cb->upload) cudaStreamDestroy(cb->upload);

@@ -212,12 +212,6 @@ void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on);
  * DS4_CUDA_HC_ALL=0/2 sets the default. The results are the same either
  * way, bit for bit. Takes effect at the next op. */
 void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode);
-/* a decoded token's hc_pre / hc_post_pre_norm / hc_head partial and
- * finishing passes as one kernel whose blocks meet at a grid barrier (on by
- * default; DS4_CUDA_HC_FUSED=0 sets it off): the same bits as the two
- * kernels; and how many launches took it */
-void ds4_cuda_backend_set_hc_fused(ds4_backend *be, int on);
-uint64_t ds4_cuda_backend_hc_fused_calls(const ds4_backend *be);
 /* The row kernels' warp and several-row forms (on by default;
  * DS4_CUDA_WIDE_ROWS=0 makes off the default): head_norm_rope(2) with a
  * warp per head of up to 512 values, hc_pre's partial pass with 8 rows a

@@ -58,17 +58,16 @@ static bool ranges_overlap(const float *a, int64_t na, const float *b, int64_t n
     return a < b + nb && b < a + na;
 }
 
-/* Sum of a double over the block of NT threads (every thread gets the
- * result). `red` has NT / 32 entries. Fixed shape, so the result is
- * deterministic. */
-template <int NT = HC_THREADS> static __device__ double block_sum_double(double v, double *red) {
+/* Sum of a double over the block (every thread gets the result). `red` has
+ * HC_THREADS / 32 entries. Fixed shape, so the result is deterministic. */
+static __device__ double block_sum_double(double v, double *red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads(); /* red may still be read from a previous call */
     if (lane == 0) red[warp] = v;
     __syncthreads();
     double s = 0.0;
-    for (int w = 0; w < NT / 32; w++) s += red[w];
+    for (int w = 0; w < HC_THREADS / 32; w++) s += red[w];
     return s;
 }
 
@@ -348,8 +347,8 @@ static __device__ __forceinline__ void hc_state8(const hc_args &a, const hc_post
 }
 
 template <uint32_t T, bool VEC, bool POST, bool ALL>
-static __device__ __forceinline__ void hc_partial_block(const hc_args &a, int n_mix, hc_part *part,
-                                                        const hc_post_args &pa) {
+static __global__ void __launch_bounds__(HC_PART_THREADS)
+    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
     constexpr int NK = ALL ? HC_MAX_MIX : HC_PART_K; /* dots a block keeps */
     __shared__ double red_d[HC_PART_THREADS / 32];
     __shared__ float red_f[HC_PART_THREADS / 32][NK];
@@ -398,12 +397,6 @@ static __device__ __forceinline__ void hc_partial_block(const hc_args &a, int n_
         for (int wi = 0; wi < HC_PART_THREADS / 32; wi++) ss += red_d[wi];
         out->ss = ss;
     }
-}
-
-template <uint32_t T, bool VEC, bool POST, bool ALL>
-static __global__ void __launch_bounds__(HC_PART_THREADS)
-    hc_partial_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa) {
-    hc_partial_block<T, VEC, POST, ALL>(a, n_mix, part, pa);
 }
 
 /*
@@ -499,11 +492,11 @@ static __global__ void __launch_bounds__(HC_PART_THREADS)
  * post_s and C are in shared memory; block y 0 of a PRE row has written
  * the row's post and comb.
  */
-template <bool HEAD, int NT = HC_THREADS>
+template <bool HEAD>
 static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_mix, int64_t n_chunks, int64_t row,
                                                        const hc_part *part, const hc_split_consts &consts,
                                                        float *mix, float *w, float *post_s, float *C,
-                                                       double *red_d, bool first) {
+                                                       double *red_d) {
     const int n = a.n_hc;
     const int64_t hc_dim = (int64_t)n * a.dim;
     const hc_part *pr = part + row * n_chunks;
@@ -513,10 +506,10 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
      * HC_FINISH_BATCH entries at once, kept unscaled until the squares are
      * summed */
     double ss_part = 0.0;
-    for (int64_t c = threadIdx.x; c < n_chunks; c += NT) ss_part += __ldcg(&pr[c].ss);
+    for (int64_t c = threadIdx.x; c < n_chunks; c += HC_THREADS) ss_part += pr[c].ss;
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        constexpr int NW = NT / 32;
+        constexpr int NW = HC_THREADS / 32;
         for (int k0 = warp; k0 < n_mix; k0 += NW * HC_FINISH_BATCH) {
             float s[HC_FINISH_BATCH];
 #pragma unroll
@@ -524,7 +517,7 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
                 const int k = k0 + b * NW;
                 s[b] = 0.0f;
                 if (k < n_mix)
-                    for (int64_t c = lane; c < n_chunks; c += 32) s[b] += __ldcg(&pr[c].dot[k]);
+                    for (int64_t c = lane; c < n_chunks; c += 32) s[b] += pr[c].dot[k];
             }
 #pragma unroll
             for (int b = 0; b < HC_FINISH_BATCH; b++)
@@ -535,9 +528,9 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
                     if (k0 + b * NW < n_mix) mix[k0 + b * NW] = s[b];
         }
     }
-    const double ss = block_sum_double<NT>(ss_part, red_d); /* every thread has it; its barriers publish mix */
+    const double ss = block_sum_double(ss_part, red_d); /* every thread has it; its barriers publish mix */
     const float rms_scale = __frcp_rn(__fsqrt_rn(__fadd_rn((float)(ss / (double)hc_dim), a.norm_eps)));
-    for (int k = threadIdx.x; k < n_mix; k += NT) mix[k] = __fmul_rn(mix[k], rms_scale);
+    for (int k = threadIdx.x; k < n_mix; k += HC_THREADS) mix[k] = __fmul_rn(mix[k], rms_scale);
     __syncthreads();
     if (!HEAD && n * n <= 32) {
         if (threadIdx.x < 32) {
@@ -555,9 +548,9 @@ static __device__ __forceinline__ void hc_finish_split(const hc_args &a, int n_m
         }
     }
     __syncthreads();
-    if (!HEAD && first) {
+    if (!HEAD && blockIdx.y == 0) {
         if (threadIdx.x < n) a.post[row * n + threadIdx.x] = post_s[threadIdx.x];
-        for (int j = threadIdx.x; j < n * n; j += NT) a.comb[row * n * n + j] = C[j];
+        for (int j = threadIdx.x; j < n * n; j += HC_THREADS) a.comb[row * n * n + j] = C[j];
     }
 }
 
@@ -575,35 +568,36 @@ static __device__ __forceinline__ float hc_weighted(const float (&xv)[HC_PREFETC
  * hc_finish_kernel, blocks (r, slice): each block of row r redoes the
  * (cheap, identical) split (hc_finish_split) and writes its slice of the
  * weighted sum out[r][i] = sum_s X[r][s][i] * w[s], so the sum is spread
- * over the row's blocks instead of looping in one. hc_finish_row is a
- * block's part (NT threads: slice `slice` of n_slices), shared with
- * hc_fused_kernel; its loads of X bypass the L1 (the fused kernel's own
- * blocks may just have written X).
+ * over the row's blocks instead of looping in one.
  */
-template <bool HEAD, int NT>
-static __device__ __forceinline__ void hc_finish_row(const hc_args &a, int n_mix, int64_t n_chunks, const hc_part *part,
-                                                     const hc_split_consts &consts, int64_t row, int64_t slice,
-                                                     int64_t n_slices) {
+template <bool HEAD>
+static __global__ void __launch_bounds__(HC_THREADS)
+    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
     __shared__ float mix[HC_MAX_MIX];
     __shared__ float w[HC_MAX_STREAMS];
     __shared__ float C[HC_MAX_STREAMS * HC_MAX_STREAMS];
     __shared__ float post_s[HC_MAX_STREAMS];
-    __shared__ double red_d[NT / 32];
+    __shared__ double red_d[HC_THREADS / 32];
     const int n = a.n_hc;
+    /* the split's constants (weights) before the wait for the kernel before */
+    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (!HEAD && n * n <= 32 && threadIdx.x < 32) consts = hc_split_load(a, n);
+    cuda_grid_wait();
+    const int64_t row = blockIdx.x;
     const float *X = a.X + row * (int64_t)n * a.dim;
     /* this block's slice of the output; when it is one element per thread
      * and there are at most HC_PREFETCH streams, that element's n state
      * values are loaded now, in flight while the split is made */
-    const int64_t per = (a.dim + n_slices - 1) / n_slices;
-    const int64_t i0 = slice * per < a.dim ? slice * per : a.dim, i1 = i0 + per < a.dim ? i0 + per : a.dim;
-    const bool prefetch = per <= NT && n <= HC_PREFETCH;
+    const int64_t per = (a.dim + gridDim.y - 1) / gridDim.y;
+    const int64_t i0 = blockIdx.y * per, i1 = i0 + per < a.dim ? i0 + per : a.dim;
+    const bool prefetch = per <= HC_THREADS && n <= HC_PREFETCH;
     float xv[HC_PREFETCH];
     if (prefetch) {
         const int64_t i = i0 + threadIdx.x;
 #pragma unroll
-        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? __ldcg(X + s * a.dim + i) : 0.0f;
+        for (int s = 0; s < HC_PREFETCH; s++) xv[s] = s < n && i < i1 ? X[s * a.dim + i] : 0.0f;
     }
-    hc_finish_split<HEAD, NT>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d, slice == 0);
+    hc_finish_split<HEAD>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
     float *out = a.out + row * a.dim;
     if (prefetch) {
         const int64_t i = i0 + threadIdx.x;
@@ -611,73 +605,11 @@ static __device__ __forceinline__ void hc_finish_row(const hc_args &a, int n_mix
         return;
     }
 #pragma unroll 4
-    for (int64_t i = i0 + threadIdx.x; i < i1; i += NT) {
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += HC_THREADS) {
         float acc = 0.0f;
-        for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(__ldcg(X + s * a.dim + i), w[s]));
+        for (int s = 0; s < n; s++) acc = __fadd_rn(acc, __fmul_rn(X[s * a.dim + i], w[s]));
         out[i] = acc;
     }
-}
-
-template <bool HEAD>
-static __global__ void __launch_bounds__(HC_THREADS)
-    hc_finish_kernel(hc_args a, int n_mix, int64_t n_chunks, const hc_part *part) {
-    /* the split's constants (weights) before the wait for the kernel before */
-    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-    if (!HEAD && a.n_hc * a.n_hc <= 32 && threadIdx.x < 32) consts = hc_split_load(a, a.n_hc);
-    cuda_grid_wait();
-    hc_finish_row<HEAD, HC_THREADS>(a, n_mix, n_chunks, part, consts, blockIdx.x, blockIdx.y, gridDim.y);
-}
-
-/*
- * hc_fused_kernel: the partial and the finishing pass of a few rows (a
- * decoded token's) as one kernel, blocks (row, chunk, mix group) of
- * HC_PART_THREADS threads. Each block makes its partial sums as
- * hc_partial_kernel's block (rows of one mix group each), then every block
- * of the grid meets at hc_grid_barrier, then block (r, c, g) finishes slice
- * g * chunks + c of row r as a block of hc_finish_kernel does (the split
- * made again in every block, each writing its slice of the weighted sum):
- * one dependent kernel on the chain instead of two. The sums are those of
- * the two kernels bit for bit while a row has at most HC_PART_THREADS
- * chunks (each thread then adds at most one chunk's squares, and the
- * finishing block's wider tree only adds zeros; the mix sums do not depend
- * on the block's width). The barrier needs every block resident at once:
- * the launch checks the grid against the kernel's occupancy, and once all
- * blocks have run cuda_grid_wait (all resident) the kernels after it may
- * launch, so none of them can hold a block of this grid off the SMs.
- */
-/* Every block of the grid waits here until all have arrived; their writes
- * before it are visible to all after it. bar: the backend's two words
- * (count, generation), zero-initialised; the last block to arrive resets
- * the count, so they are ready for the next launch. */
-static __device__ __forceinline__ void hc_grid_barrier(unsigned *bar) {
-    __syncthreads(); /* the block's writes are done */
-    if (threadIdx.x == 0) {
-        const unsigned n_blocks = gridDim.x * gridDim.y * gridDim.z;
-        volatile unsigned *gen = bar + 1;
-        const unsigned g = *gen; /* (read before arriving: it cannot change before every block has) */
-        __threadfence();         /* this block's writes, before its arrival */
-        if (atomicAdd(bar, 1u) == n_blocks - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (*gen == g) __nanosleep(64);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-template <uint32_t T, bool VEC, bool POST, bool HEAD>
-static __global__ void __launch_bounds__(HC_PART_THREADS)
-    hc_fused_kernel(hc_args a, int n_mix, hc_part *part, hc_post_args pa, unsigned *bar) {
-    static_assert(!(HEAD && POST), "hc_head makes no residual step");
-    hc_split_consts consts = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-    if (!HEAD && a.n_hc * a.n_hc <= 32 && threadIdx.x < 32) consts = hc_split_load(a, a.n_hc);
-    hc_partial_block<T, VEC, POST, false>(a, n_mix, part, pa); /* (waits for the kernel before) */
-    hc_grid_barrier(bar);
-    hc_finish_row<HEAD, HC_PART_THREADS>(a, n_mix, gridDim.y, part, consts, blockIdx.x,
-                                         (int64_t)blockIdx.z * gridDim.y + blockIdx.y, (int64_t)gridDim.y * gridDim.z);
 }
 
 /*
@@ -715,7 +647,7 @@ static __global__ void __launch_bounds__(HC_THREADS)
 #pragma unroll
             for (int k = 0; k < NORM_VEC; k++) xs[s][k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d, true);
+    hc_finish_split<false>(a, n_mix, n_chunks, row, part, consts, mix, w, post_s, C, red_d);
     float4 v[NORM_VEC];
     float *out = a.out + row * dim;
 #pragma unroll
@@ -828,20 +760,6 @@ static hc_partial_fn hc_partial_pick(uint32_t type, bool vec, bool post, bool al
     return vec ? hc_partial_for<true, false>(type, all) : hc_partial_for<false, false>(type, all);
 }
 
-/* hc_fused_kernel's instance (16-byte loads) for fn's type, with or without `post` */
-typedef void (*hc_fused_fn)(hc_args, int, hc_part *, hc_post_args, unsigned *);
-template <bool POST, bool HEAD> static hc_fused_fn hc_fused_typed(uint32_t type) {
-    switch (type) {
-    case DS4_TYPE_F32: return hc_fused_kernel<DS4_TYPE_F32, true, POST, HEAD>;
-    case DS4_TYPE_F16: return hc_fused_kernel<DS4_TYPE_F16, true, POST, HEAD>;
-    default: return hc_fused_kernel<DS4_TYPE_BF16, true, POST, HEAD>;
-    }
-}
-template <bool HEAD> static hc_fused_fn hc_fused_pick(uint32_t type, bool post) {
-    if constexpr (HEAD) return hc_fused_typed<false, true>(type);
-    else return post ? hc_fused_typed<true, false>(type) : hc_fused_typed<false, false>(type);
-}
-
 /* hc_partial_rows_kernel's instance for fn's type, with or without `post` */
 typedef void (*hc_rows_fn)(hc_args, int, int64_t, hc_part *, hc_post_args);
 template <bool POST> static hc_rows_fn hc_rows_typed(uint32_t type) {
@@ -870,17 +788,6 @@ struct hc_norm {
     float *out;
 };
 
-/* The Sinkhorn rounds that a finishing pass with hc_args.defer left: the
- * next product on the main chain or hc_settle takes them (see above). */
-static void hc_defer_task(cuda_backend *cb, const hc_args &a, int64_t n_rows) {
-    cb->comb.comb = a.comb;
-    cb->comb.n_hc = a.n_hc;
-    cb->comb.iters = a.iters;
-    cb->comb.n_rows = (int)n_rows;
-    cb->comb.eps = a.eps;
-    cb->comb_pending = true;
-}
-
 /* Launch the partial and finishing kernels for n_rows rows (with `norm`:
  * the finishing kernel that norms the weighted sum, hc_norm_fits; with
  * `post`: the partial kernel that makes the state a.X from the residual
@@ -906,31 +813,10 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
     hc_post_args pa;
     memset(&pa, 0, sizeof pa); /* (recorded steps compare argument bytes) */
     if (post) pa = *post;
-    cuda_backend *cb = cuda_impl(be);
-    const bool all = hc_all_groups(cb, n_rows, n_chunks, n_mix);
-    const unsigned groups = all ? 1u : (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
-    hc_args af = a;
-    /* (not on a side branch: a product or settle on the main chain would not wait for its logits) */
-    af.defer = !HEAD && cb->hc_defer && !cb->br_side && a.comb && a.n_hc * a.n_hc <= 32 && n_rows <= HC_DEFER_MAX_ROWS;
-    /* a few rows (decode): both passes in hc_fused_kernel when its grid fits
-     * the device at once (its barrier) and the sums stay the two kernels'
-     * (at most HC_PART_THREADS chunks a row); on the main chain only, the
-     * barrier's words being the backend's one pair */
-    if (!norm && !all && vec && cb->hc_fused && cb->hc_bar && !cb->br_side && n_chunks <= HC_PART_THREADS) {
-        const hc_fused_fn fused = hc_fused_pick<HEAD>(a.fn_type, post != NULL);
-        int per_sm = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused, HC_PART_THREADS, 0) == cudaSuccess &&
-            n_rows * n_chunks * (int64_t)groups <= (int64_t)per_sm * cuda_sm_count(cb)) {
-            if (cuda_launch(be, what, fused, dim3((unsigned)n_rows, (unsigned)n_chunks, groups), HC_PART_THREADS, 0,
-                            af, n_mix, part, pa, cb->hc_bar)) {
-                cb->hc_fused_calls++;
-                if (af.defer) hc_defer_task(cb, a, n_rows);
-            }
-            return;
-        }
-    }
+    const bool all = hc_all_groups(cuda_impl(be), n_rows, n_chunks, n_mix);
     const hc_partial_fn partial = hc_partial_pick(a.fn_type, vec, post != NULL, all);
-    if (all && vec && cb->wide_rows && n_rows >= HC_ROWS && (n_rows + HC_ROWS - 1) / HC_ROWS <= 65535) {
+    const unsigned groups = all ? 1u : (unsigned)((n_mix + HC_PART_K - 1) / HC_PART_K);
+    if (all && vec && cuda_impl(be)->wide_rows && n_rows >= HC_ROWS && (n_rows + HC_ROWS - 1) / HC_ROWS <= 65535) {
         const hc_rows_fn fn = post ? hc_rows_typed<true>(a.fn_type) : hc_rows_typed<false>(a.fn_type);
         if (!cuda_launch(be, what, fn, dim3((unsigned)n_chunks, (unsigned)((n_rows + HC_ROWS - 1) / HC_ROWS)),
                          HC_PART_THREADS, 0, a, n_mix, n_rows, part, pa))
@@ -950,10 +836,20 @@ static void hc_launch(ds4_backend *be, const hc_args &a, int n_mix, int64_t n_ro
                           norm->w, norm->eps, norm->out);
         return;
     }
+    cuda_backend *cb = cuda_impl(be);
+    hc_args af = a;
+    /* (not on a side branch: a product or settle on the main chain would not wait for its logits) */
+    af.defer = !HEAD && cb->hc_defer && !cb->br_side && a.comb && a.n_hc * a.n_hc <= 32 && n_rows <= HC_DEFER_MAX_ROWS;
     if (cuda_launch(be, what, hc_finish_kernel<HEAD>, dim3((unsigned)n_rows, (unsigned)slices), HC_THREADS, 0, af,
                     n_mix, n_chunks, part) &&
-        af.defer)
-        hc_defer_task(cb, a, n_rows);
+        af.defer) {
+        cb->comb.comb = a.comb;
+        cb->comb.n_hc = a.n_hc;
+        cb->comb.iters = a.iters;
+        cb->comb.n_rows = (int)n_rows;
+        cb->comb.eps = a.eps;
+        cb->comb_pending = true;
+    }
 }
 
 /* true for a float-typed (F32/F16/BF16) weight bound to this device (false for NULL). */

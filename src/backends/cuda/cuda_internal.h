@@ -200,9 +200,6 @@ typedef struct cuda_backend {
     cuda_comb_task comb;
     uint64_t comb_taken, comb_settled; /* tasks run by products, by a kernel of their own */
     int hc_all;       /* hc_pre's partial blocks take every mix row: 0 never, 1 for many rows (the default), 2 always (DS4_CUDA_HC_ALL) */
-    bool hc_fused;    /* a decoded token's hc_pre / hc_head partial and finishing passes as one kernel with a grid barrier (on by default; DS4_CUDA_HC_FUSED=0: two kernels; the same bits) */
-    unsigned *hc_bar; /* device: that barrier's two words (count, generation) */
-    uint64_t hc_fused_calls; /* launches of the fused kernel (ds4_cuda_backend_hc_fused_calls) */
     bool hc_post_pre; /* hc_post_pre_norm's residual step in hc_pre's partial kernel (on by default; DS4_CUDA_HC_POST_PRE=0: hc_post's kernel first) */
     int gemm_bm;      /* weight rows per block of the int8 GEMM where its tiles fill the device: 128 (default) or 64 (DS4_CUDA_GEMM_BM, ds4_cuda_backend_set_gemm_bm) */
     bool wide_rows;   /* the row kernels' warp and several-row forms (for at least CUDA_WIDE_MIN_ROWS rows): head_norm_rope's warp a head, hc_pre's partial pass of

@@ -911,10 +911,6 @@ extern "C" int64_t ds4_cuda_backend_mv_packed_launches(const ds4_backend *be) {
 extern "C" void ds4_cuda_backend_set_norm_rope(ds4_backend *be, int on) { cuda_impl(be)->norm_rope = on != 0; }
 extern "C" void ds4_cuda_backend_set_hc_norm(ds4_backend *be, int on) { cuda_impl(be)->hc_norm = on != 0; }
 extern "C" void ds4_cuda_backend_set_hc_post_pre(ds4_backend *be, int on) { cuda_impl(be)->hc_post_pre = on != 0; }
-extern "C" void ds4_cuda_backend_set_hc_fused(ds4_backend *be, int on) { cuda_impl(be)->hc_fused = on != 0; }
-extern "C" uint64_t ds4_cuda_backend_hc_fused_calls(const ds4_backend *be) {
-    return ((const cuda_backend *)be->impl)->hc_fused_calls;
-}
 extern "C" void ds4_cuda_backend_set_hc_all(ds4_backend *be, int mode) {
     cuda_impl(be)->hc_all = mode == 0 || mode == 2 ? mode : 1;
 }
@@ -945,7 +941,6 @@ ds4_status cuda_launch_init(cuda_backend *cb, ds4_error *err) {
     cb->norm_rope2 = cuda_env_flag("DS4_CUDA_NORM_ROPE2", true);
     cb->hc_norm = cuda_env_flag("DS4_CUDA_HC_NORM", true);
     cb->hc_post_pre = cuda_env_flag("DS4_CUDA_HC_POST_PRE", true);
-    cb->hc_fused = cuda_env_flag("DS4_CUDA_HC_FUSED", true);
     cb->hc_all = (int)cuda_env_long("DS4_CUDA_HC_ALL", 1, 0, 2);
     cb->router_reg = cuda_env_flag("DS4_CUDA_ROUTER_REG", false);
     cb->wide_rows = cuda_env_flag("DS4_CUDA_WIDE_ROWS", true);
