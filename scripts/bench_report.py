@@ -51,6 +51,10 @@ def md_ops(data, path, out):
         t = o.get("type", "?") + ("/" + o["down_type"] if o.get("down_type") else "")
         if o.get("kind") == "moe":
             shape = f"{o.get('n_in')}x{o.get('n_out')}, {o.get('used')} of {o.get('experts')}"
+        elif o.get("kind") == "top_k":
+            shape = f"{o.get('n_out')} of {o.get('keys')}"
+        elif o.get("kind") in ("indexer_scores", "indexer_scores_f16"):
+            shape = f"{o.get('n_out')} heads x {o.get('n_in')}, {o.get('keys')} keys"
         elif o.get("groups", 1) > 1:
             shape = f"{o.get('groups')} x ({o.get('n_in')}x{o.get('n_out')})"
         else:

@@ -41,7 +41,9 @@
 #                               on its own (JSON/Markdown to $OUT; OPS_ROWS, default 1,8), then once per
 #                               variable of OPS_AB="VAR=0 ..." (e.g. DS4_CUDA_MV_RPW=0, DS4_CUDA_PDL=0;
 #                               "A=0,B=1" sets two at once);
-#                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2),
+#                               OPS_ARGS adds options (e.g. "--only attn --rotate-mib 0": weights in L2;
+#                               "--only indexer_scores,top_k --keys 4096,16384": the decoded row's selection
+#                               at 16K and 64K contexts, seconds instead of a 64K prefill per A/B round),
 #                               OPS_AB_ARGS options of the OPS_AB runs only (e.g. "--only experts");
 #                               OPS_DETAIL="[VAR=V,...:]REGEX ..." ncu's full report of one launch of each
 #                               matching kernel (demangled name) in `bench --ops --only OPS_DETAIL_ONLY

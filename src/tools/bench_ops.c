@@ -4,7 +4,8 @@
  * and as a fraction of the measured copy bandwidth.
  *
  *   ds4server bench --ops [--backend cpu|cuda] [--numerics ds4|reference]
- *                   [--rows 1,8] [--div N] [--only SUBSTRING] [--repeat N] [--warmup N]
+ *                   [--rows 1,8] [--keys 4096,16384] [--div N] [--only S[,S...]]
+ *                   [--repeat N] [--warmup N]
  *                   [--rotate-mib N] [--seed S] [--threads N] [--json OUT] [--md OUT]
  *                   [--bandwidth GBPS | --bandwidth-mib N]
  *
@@ -12,20 +13,26 @@
  * model (spec section 2; --div N divides every width by N, down to 256, for
  * a quick run): the Q8_0 projections of attention, shared expert and head,
  * the F16 router, compressor and indexer projections, and the routed
- * experts of the q2 and q4 files (six of 256); and, for the cost of a short
- * kernel inside a step, the hyper-connection pre-mix, an RMSNorm and the
- * floor: a fill of one float per row. Each is the backend op the model
- * calls (matmul, matmul_grouped, moe, hc_pre, rmsnorm, fill), with --rows
- * activation rows (1 = one stream; more = batched decode); bytes are those
- * of the weights and, for the small ops, of the activations read and
- * written.
+ * experts of the q2 and q4 files (six of 256); the decoded row's sparse
+ * attention selection at --keys compressed rows (a context of 4 x keys:
+ * the indexer's scores over its compressed key rows, on the float op and
+ * on the binary16 one, and the top 512 of those scores); and, for the cost
+ * of a short kernel inside a step, the hyper-connection pre-mix, an RMSNorm
+ * and the floor: a fill of one float per row. Each is the backend op the
+ * model calls (matmul, matmul_grouped, moe, indexer_scores(_rows)(_f16),
+ * top_k(_rows), hc_pre, rmsnorm, fill), with --rows activation rows (1 =
+ * one stream; more = batched decode, or for the selection a prefill's rows
+ * over the same keys); bytes are those of the weights (the selection: of
+ * the key rows or scores) and, for the small ops, of the activations read
+ * and written.
  *
  * Weights hold valid quantised data (a few rows quantised from seeded
  * random values, repeated), uploaded through bind_weight. A real token
  * reads each weight once, from memory, so the weights rotate: a dense
  * weight is bound in as many copies as make --rotate-mib MiB (default 512,
  * ten times the H200's L2; each copy its own host buffer on a backend that
- * computes from host memory), and the routed experts rotate by their ids
+ * computes from host memory; the indexer's key rows rotate the same way),
+ * and the routed experts rotate by their ids
  * (every call another seeded choice of six per row; with several rows the
  * bytes count the distinct experts of a call, on average). One sample is a step of
  * `calls` products (at least every copy once) between step_begin and
@@ -52,12 +59,28 @@
 #define DISTINCT_ROWS 16 /* rows quantised per weight; the rest repeat them */
 #define MOE_USED 6
 #define MOE_EXPERTS 256
+#define TOP_K 512 /* the indexer's selection (spec 3.6) */
 
-typedef enum op_kind { OP_MATMUL, OP_GROUPED, OP_MOE, OP_HC_PRE, OP_RMSNORM, OP_FILL } op_kind;
+typedef enum op_kind {
+    OP_MATMUL,
+    OP_GROUPED,
+    OP_MOE,
+    OP_INDEXER,     /* indexer_scores (one row), indexer_scores_rows */
+    OP_INDEXER_F16, /* indexer_scores_rows_f16 (else indexer_scores_rows, as the model) */
+    OP_TOPK,        /* top_k (one row), top_k_rows */
+    OP_HC_PRE,
+    OP_RMSNORM,
+    OP_FILL
+} op_kind;
+static const char *const KIND_NAMES[] = { "matmul", "matmul_grouped", "moe", "indexer_scores", "indexer_scores_f16",
+                                          "top_k", "hc_pre", "rmsnorm", "fill" };
+_Static_assert(sizeof KIND_NAMES / sizeof KIND_NAMES[0] == OP_FILL + 1, "a name for every kind");
 
 /* One product: W [n_in, n_out] (grouped: n_groups blocks of n_out rows,
  * each on its own n_in slice of x; moe: gate/up [n_in, n_out, experts],
- * down [n_out, n_in, experts]). Widths are those of the real model. */
+ * down [n_out, n_in, experts]; the indexer: n_out heads of n_in dims
+ * against --keys key rows of n_in; top_k: the n_out best of --keys
+ * scores). Widths are those of the real model. */
 typedef struct op_spec {
     const char *name;
     op_kind kind;
@@ -81,6 +104,10 @@ static const op_spec SPECS[] = {
     { "indexer_compressor_kv", OP_MATMUL, DS4_TYPE_F16, 0, 4096, 256, 1 },
     { "experts q2", OP_MOE, DS4_TYPE_IQ2_XXS, DS4_TYPE_Q2_K, 4096, 2048, 1 },
     { "experts q4", OP_MOE, DS4_TYPE_Q4_K, DS4_TYPE_Q4_K, 4096, 2048, 1 },
+    /* the decoded row's selection over its compressed rows (ratio-4 layers) */
+    { "indexer_scores", OP_INDEXER, DS4_TYPE_F32, 0, 128, 64, 1 },
+    { "indexer_scores_f16", OP_INDEXER_F16, DS4_TYPE_F16, 0, 128, 64, 1 },
+    { "top_k", OP_TOPK, DS4_TYPE_F32, 0, 0, TOP_K, 1 },
     /* two small ops of every layer, for the cost of a short kernel in a step */
     { "hc_pre", OP_HC_PRE, DS4_TYPE_F16, 0, 4 * 4096, 24, 1 },
     { "rmsnorm", OP_RMSNORM, DS4_TYPE_F32, 0, 4096, 1, 1 },
@@ -92,8 +119,8 @@ static const op_spec SPECS[] = {
 typedef struct opts {
     char backend[16];
     ds4_numerics num;
-    int64_t rows[MAX_LIST];
-    int n_rows;
+    int64_t rows[MAX_LIST], keys[MAX_LIST];
+    int n_rows, n_keys;
     int64_t div, repeat, warmup, rotate_mib, threads, bw_mib;
     uint64_t seed;
     double bandwidth;
@@ -103,6 +130,7 @@ typedef struct opts {
 typedef struct op_result {
     const op_spec *spec;
     int64_t n_in, n_out, rows, experts; /* widths after --div */
+    int64_t keys; /* the selection's key rows (after --div), else 0 */
     int64_t copies, calls;
     double bytes; /* weight bytes read per call */
     double experts_read; /* moe: distinct experts per call, on average */
@@ -118,13 +146,16 @@ static int usage_error(const char *fmt, const char *arg) {
 
 static void print_help(void) {
     printf("usage: ds4server bench --ops [--backend cpu|cuda] [--numerics ds4|reference] [--rows 1,8]\n"
-           "                       [--div N] [--only SUBSTRING] [--repeat N] [--warmup N] [--rotate-mib N]\n"
+           "                       [--keys 4096,16384] [--div N] [--only S[,S...]] [--repeat N] [--warmup N]\n"
+           "                       [--rotate-mib N]\n"
            "                       [--seed S] [--threads N] [--json OUT] [--md OUT]\n"
            "                       [--bandwidth GBPS | --bandwidth-mib N]\n"
            "  Times each decode-shaped weight product of DeepSeek V4 Flash on its own (the model's\n"
            "  op, real widths divided by --div, default 1) with --rows activation rows, and reports\n"
            "  weight bytes read per second and their share of the copy bandwidth.\n"
-           "  --only S          only the products whose name contains S\n"
+           "  --keys N,...      compressed key rows of the indexer and top-k ops (default 4096,16384:\n"
+           "                    contexts of 16K and 64K tokens; divided by --div too)\n"
+           "  --only S,...      only the products whose name contains one of the S\n"
            "  --repeat N        timed samples per product (default 5); --warmup N untimed (default 1)\n"
            "  --rotate-mib N    dense weights rotate over copies of at least N MiB (default 512)\n"
            "  --bandwidth GBPS  bandwidth to compare with; default: the copy op on --bandwidth-mib MiB\n"
@@ -137,6 +168,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
     o->num = DS4_NUMERICS_DS4;
     o->rows[0] = 1;
     o->n_rows = 1;
+    o->keys[0] = 4096;
+    o->keys[1] = 16384;
+    o->n_keys = 2;
     o->div = 1;
     o->repeat = 5;
     o->warmup = 1;
@@ -157,6 +191,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--rows")) {
             if (!bench_parse_list(v, 1, 64, o->rows, &o->n_rows))
                 return usage_error("--rows must be a list of 1..64, not '%s'", v);
+        } else if (!strcmp(a, "--keys")) {
+            if (!bench_parse_list(v, 1, 1 << 20, o->keys, &o->n_keys))
+                return usage_error("--keys must be a list of 1..1048576, not '%s'", v);
         } else if (!strcmp(a, "--div")) {
             if (!bench_parse_i64(v, 1, 64, &o->div) || (o->div & (o->div - 1)))
                 return usage_error("--div must be a power of two 1..64, not '%s'", v);
@@ -182,10 +219,35 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 return usage_error("--bandwidth must be a positive number of GB/s, not '%s'", v);
         } else return usage_error("unknown option '%s'", a);
     }
-    bool any = !o->only;
-    for (int k = 0; k < N_SPECS && !any; k++) any = strstr(SPECS[k].name, o->only) != NULL;
-    if (!any) return usage_error("--only '%s' names no product", o->only);
+    if (o->only) { /* each of its names must name a product */
+        char one[128];
+        for (const char *p = o->only;; p++) {
+            const size_t n = strcspn(p, ",");
+            if (n == 0 || n >= sizeof one) return usage_error("--only '%s' names no product", o->only);
+            memcpy(one, p, n);
+            one[n] = 0;
+            bool any = false;
+            for (int k = 0; k < N_SPECS && !any; k++) any = strstr(SPECS[k].name, one) != NULL;
+            if (!any) return usage_error("--only names no product called '%s'", one);
+            p += n;
+            if (!*p) break;
+        }
+    }
     return 0;
+}
+
+/* --only: whether the product's name contains one of the listed names */
+static bool only_names(const char *only, const char *name) {
+    if (!only) return true;
+    char one[128];
+    for (const char *p = only;; p++) {
+        const size_t n = strcspn(p, ",");
+        memcpy(one, p, n); /* (parse_opts checked every length) */
+        one[n] = 0;
+        if (strstr(name, one)) return true;
+        p += n;
+        if (!*p) return false;
+    }
 }
 
 /* ------------------------------------------------------------ weights */
@@ -512,6 +574,116 @@ done:
     be->ops->take_error(be, &err);
 }
 
+/* The decoded row's selection: the indexer's scores of `rows` query rows
+ * (heads x dim, and a weight per head) over `keys` compressed key rows of
+ * dim, or the top TOP_K of `rows` rows of `keys` scores. */
+typedef struct select_ctx {
+    ds4_backend *be;
+    op_kind kind;
+    float **keys; /* the indexer's key rows, `copies` copies */
+    int64_t copies;
+    float *q, *w, *scores;
+    int32_t *idx;
+    int64_t n_keys, rows, heads, dim, k;
+    int64_t counts[MAX_LIST]; /* n_keys for every row (host) */
+} select_ctx;
+
+static void select_call(void *p, int64_t call) {
+    select_ctx *c = p;
+    ds4_backend *be = c->be;
+    const ds4_backend_ops *ops = be->ops;
+    const float scale = 1.0f / sqrtf((float)(c->heads * c->dim)); /* (the model's 1/sqrt(dim * heads)) */
+    const float *keys = c->keys ? c->keys[call % c->copies] : NULL;
+    if (c->kind == OP_TOPK) {
+        if (c->rows == 1) ops->top_k(be, c->scores, c->n_keys, c->k, c->idx);
+        else ops->top_k_rows(be, c->scores, c->n_keys, c->counts, c->rows, c->k, c->idx);
+    } else if (c->kind == OP_INDEXER && c->rows == 1) {
+        ops->indexer_scores(be, c->q, c->w, scale, c->heads, c->dim, keys, c->n_keys, c->scores);
+    } else if (c->kind == OP_INDEXER_F16 && ops->indexer_scores_rows_f16) {
+        ops->indexer_scores_rows_f16(be, c->q, c->w, scale, c->heads, c->dim, keys, c->counts, c->rows, c->scores,
+                                     c->n_keys);
+    } else { /* several rows, or the binary16 op where the backend has none (the model's call then) */
+        ops->indexer_scores_rows(be, c->q, c->w, scale, c->heads, c->dim, keys, c->counts, c->rows, c->scores,
+                                 c->n_keys);
+    }
+}
+
+/* Seeded values rounded to binary16 (the indexer's rows and queries under
+ * DS4 numerics are binary16 values: the QAT's FP4 codes times powers of
+ * two), uploaded to dst. */
+static bool upload_seeded_f16(ds4_backend *be, float *dst, int64_t n, uint64_t seed) {
+    float *h = malloc((size_t)n * sizeof *h);
+    if (!h) return false;
+    uint64_t x = seed * 0xD1B54A32D192ED03ULL + 1;
+    for (int64_t i = 0; i < n; i++) h[i] = ds4_f16_to_f32(ds4_f32_to_f16((float)(2.0 * bench_rng_uniform(&x) - 1.0)));
+    be->ops->upload(be, dst, h, n);
+    free(h);
+    return true;
+}
+
+/* The indexer's key rows rotate over copies of --rotate-mib, as dense
+ * weights do (a token's 21 selecting layers read theirs from memory); the
+ * top-k's scores do not (the indexer has just written them: in the
+ * cache), and are the indexer's own scores of seeded rows, so that the
+ * select passes meet the real clustering of their digits. */
+static void run_select(bench_ops *b, op_result *r) {
+    const op_spec *sp = r->spec;
+    ds4_backend *be = b->be;
+    select_ctx c = { 0 };
+    c.be = be;
+    c.kind = sp->kind;
+    c.n_keys = r->keys;
+    c.rows = r->rows;
+    c.heads = 64;
+    c.dim = 128;
+    c.k = TOP_K;
+    for (int64_t i = 0; i < c.rows; i++) c.counts[i] = c.n_keys;
+    const double key_bytes = (double)c.n_keys * (double)c.dim * 4.0;
+    const bool topk = sp->kind == OP_TOPK;
+    r->copies = topk ? 1 : (int64_t)ceil((double)b->o.rotate_mib * 1048576.0 / key_bytes);
+    if (r->copies < 1) r->copies = 1;
+    if (r->copies > 4096) r->copies = 4096;
+    r->calls = r->copies < 8 ? 8 : r->copies;
+    if (topk) r->bytes = (double)c.rows * (double)c.n_keys * 4.0 + (double)c.rows * (double)c.k * 4.0;
+    else r->bytes = key_bytes + (double)c.rows * ((double)c.heads * (c.dim + 1) + (double)c.n_keys) * 4.0;
+    int64_t made = 0;
+    const int64_t n_copies = topk ? 1 : r->copies; /* top_k: one copy, for its scores */
+    c.keys = calloc((size_t)n_copies, sizeof *c.keys);
+    c.q = be->ops->alloc(be, c.rows * c.heads * c.dim);
+    c.w = be->ops->alloc(be, c.rows * c.heads);
+    c.scores = be->ops->alloc(be, c.rows * c.n_keys);
+    c.idx = topk ? (int32_t *)be->ops->alloc(be, c.rows * c.k) : NULL;
+    bool ok = c.keys && c.q && c.w && c.scores && (!topk || c.idx);
+    for (; ok && made < n_copies; made++) {
+        c.keys[made] = be->ops->alloc(be, c.n_keys * c.dim);
+        ok = c.keys[made] && upload_seeded_f16(be, c.keys[made], c.n_keys * c.dim, b->o.seed + 11 + (uint64_t)made);
+        if (!c.keys[made]) break;
+    }
+    if (!ok || !upload_seeded_f16(be, c.q, c.rows * c.heads * c.dim, b->o.seed + 4) ||
+        !upload_seeded(be, c.w, c.rows * c.heads, b->o.seed + 5)) {
+        snprintf(r->skipped, REASON, "out of memory for %lld key rows (%lld copies) and the queries",
+                 (long long)c.n_keys, (long long)n_copies);
+        goto done;
+    }
+    c.copies = n_copies;
+    if (topk) { /* the scores to rank: the indexer's of the seeded rows */
+        c.kind = OP_INDEXER;
+        select_call(&c, 0);
+        c.kind = OP_TOPK;
+    }
+    if (setup_failed(be, r)) goto done;
+    take_samples(b, r, select_call, &c, c.scores);
+done:
+    for (int64_t i = 0; i < made; i++)
+        if (c.keys[i]) be->ops->free(be, c.keys[i]);
+    free(c.keys);
+    float *bufs[4] = { c.q, c.w, c.scores, (float *)c.idx };
+    for (int i = 0; i < 4; i++)
+        if (bufs[i]) be->ops->free(be, bufs[i]);
+    ds4_error err = { 0 };
+    be->ops->take_error(be, &err);
+}
+
 typedef struct small_ctx {
     float *out, *x, *post, *comb;
     const ds4_weight *fn, *scale, *base, *norm;
@@ -632,6 +804,11 @@ static void write_md(FILE *f, const bench_ops *b) {
         if (sp->kind == OP_MOE)
             snprintf(shape, sizeof shape, "%lldx%lld, %d of %lld", (long long)r->n_in, (long long)r->n_out, MOE_USED,
                      (long long)r->experts);
+        else if (sp->kind == OP_TOPK)
+            snprintf(shape, sizeof shape, "%lld of %lld", (long long)r->n_out, (long long)r->keys);
+        else if (sp->kind == OP_INDEXER || sp->kind == OP_INDEXER_F16)
+            snprintf(shape, sizeof shape, "%lld heads x %lld, %lld keys", (long long)r->n_out, (long long)r->n_in,
+                     (long long)r->keys);
         else if (sp->n_groups > 1)
             snprintf(shape, sizeof shape, "%lld x (%lldx%lld)", (long long)sp->n_groups, (long long)r->n_in,
                      (long long)r->n_out);
@@ -678,8 +855,8 @@ static int write_json(const bench_ops *b, const char *path) {
         const op_spec *sp = r->spec;
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
         bench_json_str(f, sp->name);
-        static const char *const kinds[] = { "matmul", "matmul_grouped", "moe", "hc_pre", "rmsnorm", "fill" };
-        fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"", kinds[sp->kind], ds4_type_name(sp->type));
+        fprintf(f, ", \"kind\": \"%s\", \"type\": \"%s\"", KIND_NAMES[sp->kind], ds4_type_name(sp->type));
+        if (r->keys) fprintf(f, ", \"keys\": %lld", (long long)r->keys);
         if (sp->kind == OP_MOE) {
             fprintf(f, ", \"down_type\": \"%s\", \"used\": %d, \"experts_read\": ", ds4_type_name(sp->down_type),
                     MOE_USED);
@@ -733,29 +910,39 @@ int bench_ops_main(int argc, char **argv) {
     }
     ds4_error err = { 0 };
     if (ds4_backend_create(o->backend, (int)o->threads, &b.be, &err)) return tool_fail(CMD, "%s", err.message);
-    b.res = calloc((size_t)N_SPECS * (size_t)o->n_rows, sizeof *b.res);
+    b.res = calloc((size_t)N_SPECS * (size_t)o->n_rows * (size_t)o->n_keys, sizeof *b.res);
     if (!b.res) {
         ds4_backend_destroy(b.be);
         return tool_fail(CMD, "out of memory");
     }
     for (int s = 0; s < N_SPECS; s++) {
         const op_spec *sp = &SPECS[s];
-        if (o->only && !strstr(sp->name, o->only)) continue;
-        for (int k = 0; k < o->n_rows; k++) {
+        if (!only_names(o->only, sp->name)) continue;
+        const bool select = sp->kind == OP_INDEXER || sp->kind == OP_INDEXER_F16 || sp->kind == OP_TOPK;
+        for (int kk = 0; kk < (select ? o->n_rows * o->n_keys : o->n_rows); kk++) {
+            const int k = select ? kk / o->n_keys : kk;
             op_result *r = &b.res[b.n_res++];
             r->spec = sp;
             r->rows = o->rows[k];
+            if (select) {
+                r->keys = o->keys[kk % o->n_keys] / o->div;
+                if (r->keys < 1) r->keys = 1;
+            }
             /* widths that are a product's input stay whole 256-blocks of every type */
             r->n_in = sp->n_in / o->div > 256 ? sp->n_in / o->div : 256;
             r->n_out = sp->n_out / o->div > 0 ? sp->n_out / o->div : 1;
             if (sp->kind == OP_MOE && r->n_out < 256) r->n_out = 256; /* the down product's input */
-            if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM || sp->kind == OP_FILL)
-                r->n_out = sp->n_out; /* mix entries, 1 */
+            if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM || sp->kind == OP_FILL || select)
+                r->n_out = sp->n_out; /* mix entries, 1; heads, the selection */
+            if (select) r->n_in = sp->kind == OP_TOPK ? r->keys : sp->n_in; /* head dims; scores */
             if (sp->kind == OP_FILL) r->n_in = 1;
             r->experts = sp->kind == OP_MOE ? (MOE_EXPERTS / o->div > MOE_USED ? MOE_EXPERTS / o->div : MOE_USED + 2)
                                             : 0;
-            fprintf(stderr, "ds4server " CMD ": %s, %lld row%s\n", sp->name, (long long)r->rows, r->rows > 1 ? "s" : "");
+            fprintf(stderr, "ds4server " CMD ": %s, %lld row%s", sp->name, (long long)r->rows, r->rows > 1 ? "s" : "");
+            if (select) fprintf(stderr, ", %lld keys", (long long)r->keys);
+            fputc('\n', stderr);
             if (sp->kind == OP_MOE) run_moe(&b, r);
+            else if (select) run_select(&b, r);
             else if (sp->kind == OP_HC_PRE || sp->kind == OP_RMSNORM) run_small(&b, r);
             else if (sp->kind == OP_FILL) run_fill(&b, r);
             else run_dense(&b, r);

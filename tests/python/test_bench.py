@@ -612,11 +612,14 @@ def test_ops_bench(tmp_path):
     assert d["bandwidth"]["gbps"] == 10 and d["bandwidth"]["source"] == "given"
     names = [o["name"] for o in d["ops"]]
     assert names[0] == "attn_q_a" and "output" in names
-    assert names[-5:] == ["experts q2", "experts q4", "hc_pre", "rmsnorm", "fill"]
+    assert names[-11:] == ["experts q2", "experts q4", "indexer_scores", "indexer_scores", "indexer_scores_f16",
+                           "indexer_scores_f16", "top_k", "top_k", "hc_pre", "rmsnorm", "fill"]
+    select = ("indexer_scores", "indexer_scores_f16", "top_k")
     for o in d["ops"]:
         assert "skipped" not in o, o
         assert o["rows"] == 1 and o["timing"] == "wall"
-        assert o["name"] == "fill" or (o["n_in"] >= 256 and o["n_in"] % 256 == 0)
+        assert o["name"] in ("fill",) + select or (o["n_in"] >= 256 and o["n_in"] % 256 == 0)
+        assert ("keys" in o) == (o["name"] in select)
         s = dict(o["per_call"])
         assert len(s["samples_s"]) == 2
         check_stats(s)
@@ -629,6 +632,20 @@ def test_ops_bench(tmp_path):
     q2 = next(o for o in d["ops"] if o["name"] == "experts q2")
     assert q2["type"] == "IQ2_XXS" and q2["down_type"] == "Q2_K" and q2["experts"] == 16
     assert q2["bytes"] == 6 * (2 * 256 * (256 // 256) * 66 + 256 * (256 // 256) * 84)
+    # the selection at the default 4096 and 16384 key rows, / 16: the indexer's
+    # key rows (and one row's query, weights and scores), the top 512's scores
+    for kind in select:
+        ops = [o for o in d["ops"] if o["name"] == kind]
+        assert [o["keys"] for o in ops] == [256, 1024] and all(o["kind"] == kind for o in ops)
+        for o in ops:
+            n = o["keys"]
+            if kind == "top_k":
+                assert o["n_in"] == n and o["n_out"] == 512 and o["copies"] == 1
+                assert o["bytes"] == 4 * n + 4 * 512
+            else:
+                assert o["n_in"] == 128 and o["n_out"] == 64
+                assert o["copies"] == (1 << 20) // (n * 128 * 4)  # rotated over 1 MiB of key rows
+                assert o["bytes"] == n * 128 * 4 + (64 * 129 + n) * 4
     fill = next(o for o in d["ops"] if o["name"] == "fill")
     assert fill["kind"] == "fill" and fill["n_in"] == 1 and fill["bytes"] == 4 and fill["calls"] == 256
     hc = next(o for o in d["ops"] if o["name"] == "hc_pre")
@@ -636,6 +653,7 @@ def test_ops_bench(tmp_path):
     assert hc["bytes"] == 24 * hc["n_in"] * 2 + hc["n_in"] * 4 * 1.25
     text = md.read_text()
     assert "| product |" in text and "| attn_output_a | Q8_0 | 8 x (256x64) | 1 |" in text
+    assert "| indexer_scores_f16 | F16 | 64 heads x 128, 1024 keys | 1 |" in text and "| top_k | F32 | 512 of 256 | 1 |" in text
     r = ds4("bench", "--ops", "--div", "16", "--repeat", "1", "--warmup", "0", "--bandwidth", "10",
             "--only", "experts q2", "--rows", "1,3", "--json", js)
     assert r.returncode == 0, r.stderr.decode()
@@ -646,6 +664,35 @@ def test_ops_bench(tmp_path):
     assert 6 < three["experts_read"] <= 16  # three rows of six picks among 16 experts: some shared
     per_expert = one["bytes"] / 6
     assert close(three["bytes"], three["experts_read"] * per_expert, 1e-9)
+
+
+def test_ops_bench_selection(tmp_path):
+    """bench --ops --keys: the indexer's and the top-k's ops at each count
+    of key rows (divided by --div) for each --rows; --only takes several
+    names; the key rows rotate over copies of --rotate-mib, the top-k's
+    scores (just written by the indexer in a token) do not."""
+    js = tmp_path / "sel.json"
+    r = ds4("bench", "--ops", "--div", "2", "--repeat", "1", "--warmup", "0", "--bandwidth", "10",
+            "--keys", "64,300", "--rows", "1,2", "--only", "indexer_scores_f16,top_k", "--rotate-mib", "1",
+            "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(js.read_text())
+    got = [(o["name"], o["rows"], o["keys"]) for o in d["ops"]]
+    assert got == [("indexer_scores_f16", 1, 32), ("indexer_scores_f16", 1, 150), ("indexer_scores_f16", 2, 32),
+                   ("indexer_scores_f16", 2, 150), ("top_k", 1, 32), ("top_k", 1, 150), ("top_k", 2, 32),
+                   ("top_k", 2, 150)]
+    for o in d["ops"]:
+        assert "skipped" not in o, o
+        n, rows = o["keys"], o["rows"]
+        if o["name"] == "top_k":
+            assert o["copies"] == 1 and o["bytes"] == rows * 4 * n + rows * 4 * 512
+        else:  # 1 MiB over rows of 128 floats
+            assert o["copies"] == -(-(1 << 20) // (n * 128 * 4)) and o["calls"] == max(8, o["copies"])
+            assert o["bytes"] == n * 128 * 4 + rows * (64 * 129 + n) * 4
+        check_stats(dict(o["per_call"]))
+    for bad in (["--keys", "0"], ["--keys", "x"], ["--only", "top_k,"], ["--only", "top_k,nothing"]):
+        r = ds4("bench", "--ops", *bad)
+        assert r.returncode == 2 and b"bench --ops" in r.stderr, (bad, r.stderr.decode())
 
 
 def test_report_ops(sweep, tmp_path):
