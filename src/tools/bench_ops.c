@@ -162,6 +162,20 @@ static void print_help(void) {
            "  Markdown goes to stdout (and --md FILE), samples to --json OUT.\n");
 }
 
+/* The next name of a comma-separated --only list at *p into one (room for
+ * ONLY_NAME bytes): 1 (and *p past it and its comma), 0 at the end, -1 for
+ * an empty or overlong name. */
+#define ONLY_NAME 128
+static int only_next(const char **p, char *one) {
+    if (!*p) return 0;
+    const size_t n = strcspn(*p, ",");
+    if (n == 0 || n >= ONLY_NAME) return -1;
+    memcpy(one, *p, n);
+    one[n] = 0;
+    *p = (*p)[n] ? *p + n + 1 : NULL; /* (NULL: that was the last name) */
+    return 1;
+}
+
 static int parse_opts(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
     snprintf(o->backend, sizeof o->backend, "cpu");
@@ -220,18 +234,15 @@ static int parse_opts(int argc, char **argv, opts *o) {
         } else return usage_error("unknown option '%s'", a);
     }
     if (o->only) { /* each of its names must name a product */
-        char one[128];
-        for (const char *p = o->only;; p++) {
-            const size_t n = strcspn(p, ",");
-            if (n == 0 || n >= sizeof one) return usage_error("--only '%s' names no product", o->only);
-            memcpy(one, p, n);
-            one[n] = 0;
+        const char *p = o->only;
+        char one[ONLY_NAME];
+        int got;
+        while ((got = only_next(&p, one)) > 0) {
             bool any = false;
             for (int k = 0; k < N_SPECS && !any; k++) any = strstr(SPECS[k].name, one) != NULL;
             if (!any) return usage_error("--only names no product called '%s'", one);
-            p += n;
-            if (!*p) break;
         }
+        if (got < 0) return usage_error("--only '%s' names no product", o->only);
     }
     return 0;
 }
@@ -239,15 +250,10 @@ static int parse_opts(int argc, char **argv, opts *o) {
 /* --only: whether the product's name contains one of the listed names */
 static bool only_names(const char *only, const char *name) {
     if (!only) return true;
-    char one[128];
-    for (const char *p = only;; p++) {
-        const size_t n = strcspn(p, ",");
-        memcpy(one, p, n); /* (parse_opts checked every length) */
-        one[n] = 0;
+    char one[ONLY_NAME];
+    while (only_next(&only, one) > 0)
         if (strstr(name, one)) return true;
-        p += n;
-        if (!*p) return false;
-    }
+    return false;
 }
 
 /* ------------------------------------------------------------ weights */
@@ -420,6 +426,15 @@ static void take_samples(bench_ops *b, op_result *r, void (*run)(void *, int64_t
     r->st = bench_stats_of(&r->samples);
 }
 
+/* Copies of `bytes` (0: one copy) that make --rotate-mib (1 .. 4096 of
+ * them), and the calls of a sample: every copy once, at least 8. */
+static void rotate_copies(const bench_ops *b, op_result *r, double bytes) {
+    r->copies = bytes > 0 ? (int64_t)ceil((double)b->o.rotate_mib * 1048576.0 / bytes) : 1;
+    if (r->copies < 1) r->copies = 1;
+    if (r->copies > 4096) r->copies = 4096;
+    r->calls = r->copies < 8 ? 8 : r->copies;
+}
+
 static void run_dense(bench_ops *b, op_result *r) {
     const op_spec *sp = r->spec;
     ds4_backend *be = b->be;
@@ -429,10 +444,7 @@ static void run_dense(bench_ops *b, op_result *r) {
     if (!host) return;
     const double wbytes = (double)rb * (double)total_rows;
     r->bytes = wbytes;
-    r->copies = (int64_t)ceil((double)b->o.rotate_mib * 1048576.0 / wbytes);
-    if (r->copies < 1) r->copies = 1;
-    if (r->copies > 4096) r->copies = 4096;
-    r->calls = r->copies < 8 ? 8 : r->copies;
+    rotate_copies(b, r, wbytes);
     dense_ctx d = { 0 };
     d.be = be;
     d.num = b->o.num;
@@ -640,10 +652,7 @@ static void run_select(bench_ops *b, op_result *r) {
     for (int64_t i = 0; i < c.rows; i++) c.counts[i] = c.n_keys;
     const double key_bytes = (double)c.n_keys * (double)c.dim * 4.0;
     const bool topk = sp->kind == OP_TOPK;
-    r->copies = topk ? 1 : (int64_t)ceil((double)b->o.rotate_mib * 1048576.0 / key_bytes);
-    if (r->copies < 1) r->copies = 1;
-    if (r->copies > 4096) r->copies = 4096;
-    r->calls = r->copies < 8 ? 8 : r->copies;
+    rotate_copies(b, r, topk ? 0.0 : key_bytes);
     if (topk) r->bytes = (double)c.rows * (double)c.n_keys * 4.0 + (double)c.rows * (double)c.k * 4.0;
     else r->bytes = key_bytes + (double)c.rows * ((double)c.heads * (c.dim + 1) + (double)c.n_keys) * 4.0;
     int64_t made = 0;
