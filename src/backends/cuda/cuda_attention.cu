@@ -2156,9 +2156,24 @@ static __device__ __forceinline__ void topk_bitonic_desc(unsigned long long *sel
     }
 }
 
+/* A thread's next TOPK_SELECT_LOADS keys of the select's passes (i0, i0 +
+ * nt, ...: the order of a plain stride loop; 0 past n), their loads issued
+ * together: each pass over a long row (a decoded token's 16K keys at a 64K
+ * context) waited on one load round trip a key. */
+#define TOPK_SELECT_LOADS 8
+static __device__ __forceinline__ void topk_keys_of(const float *scores, int64_t i0, int nt, int64_t n, int shift,
+                                                    unsigned long long (&kk)[TOPK_SELECT_LOADS]) {
+#pragma unroll
+    for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
+        const int64_t i = i0 + (int64_t)u * nt;
+        kk[u] = i < n ? topk_key(scores, i, n, shift) : 0ull;
+    }
+}
+
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
-                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max) {
+                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max,
+                       int runs) {
     cuda_grid_wait();
     if (row_n) { /* row blockIdx.x of top_k_rows: its own count, shift and size (pow2 covers every row's) */
         const int64_t y = blockIdx.x;
@@ -2196,10 +2211,30 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             for (int i = tid; i < 256; i += nt) hist[i] = 0;
             __syncthreads();
             const unsigned long long pf = prefix, pm = pmask;
-            for (int64_t i = tid; i < n; i += nt) {
-                const unsigned long long key = topk_key(scores, i, n, shift);
-                if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
+            /* a thread adds a run of its keys of one digit with one atomic:
+             * the first digits put nearly every key into a bin or two, where
+             * an atomic a key serialised the block on one address (the same
+             * counts; runs 0: an atomic a key, $DS4_CUDA_TOPK_RUNS=0) */
+            const unsigned int run_max = runs ? 0xffffffffu : 1u;
+            unsigned int run_bin = 0u, run_n = 0u;
+            for (int64_t i0 = tid; i0 < n; i0 += (int64_t)nt * TOPK_SELECT_LOADS) {
+                unsigned long long kk[TOPK_SELECT_LOADS];
+                topk_keys_of(scores, i0, nt, n, shift, kk);
+#pragma unroll
+                for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
+                    const unsigned long long key = kk[u];
+                    if (i0 + (int64_t)u * nt < n && (key & pm) == pf) {
+                        const unsigned int b = (unsigned int)((key >> d) & 255u);
+                        if (run_n && (b != run_bin || run_n == run_max)) {
+                            atomicAdd(&hist[run_bin], run_n);
+                            run_n = 0u;
+                        }
+                        run_bin = b;
+                        run_n++;
+                    }
+                }
             }
+            if (run_n) atomicAdd(&hist[run_bin], run_n);
             __syncthreads();
             if (tid < 32) {
                 /* lane l: digits 255 - 8l .. 248 - 8l; the lane whose share
@@ -2233,11 +2268,15 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             __syncthreads();
         }
         const unsigned long long threshold = prefix;
-        for (int64_t i = tid; i < n; i += nt) {
-            const unsigned long long key = topk_key(scores, i, n, shift);
-            if (key >= threshold) {
-                const unsigned int at = atomicAdd(&count, 1u);
-                if (at < (unsigned)pow2) sel[at] = key;
+        for (int64_t i0 = tid; i0 < n; i0 += (int64_t)nt * TOPK_SELECT_LOADS) {
+            unsigned long long kk[TOPK_SELECT_LOADS];
+            topk_keys_of(scores, i0, nt, n, shift, kk);
+#pragma unroll
+            for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
+                if (i0 + (int64_t)u * nt < n && kk[u] >= threshold) {
+                    const unsigned int at = atomicAdd(&count, 1u);
+                    if (at < (unsigned)pow2) sel[at] = kk[u];
+                }
             }
         }
         __syncthreads();
@@ -2366,6 +2405,14 @@ static int topk_whole_max(void) {
     return whole ? TOPK_SORT_ALL : 0;
 }
 
+/* topk_select_kernel's histogram: a thread's run of keys of one digit per
+ * atomic (1, the default), or an atomic a key ($DS4_CUDA_TOPK_RUNS=0, A/B;
+ * the same counts) */
+static int topk_runs(void) {
+    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_RUNS", true);
+    return on ? 1 : 0;
+}
+
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
@@ -2414,7 +2461,7 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
         const int pow2 = topk_pow2(n <= wmax ? n : size); /* (a row sorted whole, or the selected keys) */
         (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
                           (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
-                          (const int64_t *)NULL, (int64_t)0, wmax);
+                          (const int64_t *)NULL, (int64_t)0, wmax, topk_runs());
         return;
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
@@ -2496,5 +2543,5 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     if (!d_n) return;
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
                       (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
-                      wmax);
+                      wmax, topk_runs());
 }
