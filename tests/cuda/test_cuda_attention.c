@@ -1310,6 +1310,12 @@ static void test_indexer_rows(void) {
      * whole: each row's own path in one launch */
     const int64_t n5[3] = { 6000, 4096, 520 };
     indexer_rows_case(&p, 4, 64, n5, 3, 6000, 512);
+    /* rows staged in shared memory beside one sorted whole, and a launch
+     * whose longest row is past the staging bound (none staged) */
+    const int64_t n7[3] = { 20000, 4096, 9000 };
+    indexer_rows_case(&p, 4, 64, n7, 3, 20000, 512);
+    const int64_t n8[2] = { 9000, 32769 };
+    indexer_rows_case(&p, 4, 64, n8, 2, 32769, 512);
     op_pair_close(&p);
 }
 
@@ -1545,6 +1551,14 @@ static void test_top_k(void) {
     for (int64_t i = 0; i < 8192; i++) s[i] = (float)rand_range(-3, 4);
     top_k_case(&p, "ties, 512 of 3000 (sorted whole)", s, 3000, 512);
     top_k_case(&p, "ties, 1000 of 8192 (selected)", s, 8192, 1000);
+    /* a 64K context's decoded row (16K keys), and the bound of the rows the
+     * select stages in shared memory (32,768 keys) */
+    for (int64_t i = 0; i < 40000; i++) s[i] = (float)test_rand_normal();
+    top_k_case(&p, "64K context, 512 of 16384 (staged)", s, 16384, 512);
+    top_k_case(&p, "512 of 32768 (staged)", s, 32768, 512);
+    top_k_case(&p, "512 of 32769 (read each pass)", s, 32769, 512);
+    for (int64_t i = 0; i < 40000; i++) s[i] = (float)rand_range(-3, 4);
+    top_k_case(&p, "ties, 4096 of 16384 (staged)", s, 16384, 4096);
 
     /* the model's size: 1M context / 4 rows, top 512 */
     for (int64_t i = 0; i < big; i++) s[i] = (float)test_rand_normal();

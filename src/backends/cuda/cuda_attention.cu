@@ -2083,12 +2083,21 @@ static __host__ __device__ __forceinline__ int topk_shift(int64_t n) {
     return shift;
 }
 
-static __device__ __forceinline__ unsigned long long topk_key(const float *scores, int64_t i, int64_t n, int shift) {
-    uint32_t u = __float_as_uint(scores[i]);
+/* ordered(score): the high part of a key */
+static __device__ __forceinline__ uint32_t topk_ordered(float f) {
+    uint32_t u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u; /* NaN ranks as -inf */
     if ((u & 0x7fffffffu) == 0u) u = 0u;                  /* -0 ties with +0 */
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    return ((unsigned long long)u << shift) | (unsigned long long)(n - 1 - i);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* the key of score i from its ordered bits */
+static __device__ __forceinline__ unsigned long long topk_key_of(uint32_t ordered, int64_t i, int64_t n, int shift) {
+    return ((unsigned long long)ordered << shift) | (unsigned long long)(n - 1 - i);
+}
+
+static __device__ __forceinline__ unsigned long long topk_key(const float *scores, int64_t i, int64_t n, int shift) {
+    return topk_key_of(topk_ordered(scores[i]), i, n, shift);
 }
 
 static __global__ void __launch_bounds__(TOPK_THREADS)
@@ -2159,21 +2168,33 @@ static __device__ __forceinline__ void topk_bitonic_desc(unsigned long long *sel
 /* A thread's next TOPK_SELECT_LOADS keys of the select's passes (i0, i0 +
  * nt, ...: the order of a plain stride loop; 0 past n), their loads issued
  * together: each pass over a long row (a decoded token's 16K keys at a 64K
- * context) waited on one load round trip a key. */
+ * context) waited on one load round trip a key. With stg (the row's
+ * ordered bits staged in shared memory) from there instead of the scores. */
 #define TOPK_SELECT_LOADS 8
-static __device__ __forceinline__ void topk_keys_of(const float *scores, int64_t i0, int nt, int64_t n, int shift,
+static __device__ __forceinline__ void topk_keys_of(const float *scores, const uint32_t *stg, int64_t i0, int nt,
+                                                    int64_t n, int shift,
                                                     unsigned long long (&kk)[TOPK_SELECT_LOADS]) {
 #pragma unroll
     for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
         const int64_t i = i0 + (int64_t)u * nt;
-        kk[u] = i < n ? topk_key(scores, i, n, shift) : 0ull;
+        kk[u] = i >= n ? 0ull : stg ? topk_key_of(stg[i], i, n, shift) : topk_key(scores, i, n, shift);
     }
 }
 
-static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
+/* Rows of at most TOPK_STAGE_MAX keys that the select does not sort whole
+ * have their ordered bits staged in shared memory (after the pow2 selected
+ * keys) by one pass over the scores, and the radix passes and the gather
+ * read them there, instead of the row from the L2 seven times (a decoded
+ * token's row of 16K keys at a 64K context: 64 KB); longer rows (contexts
+ * past 128K) read the scores each pass. DS4_CUDA_TOPK_STAGE=0: no staging
+ * (A/B; the same keys, so the same lists). */
+#define TOPK_STAGE_MAX 32768
+#define TOPK_SELECT_SMEM_MAX (TOPK_SELECT_MAX * sizeof(unsigned long long) + TOPK_STAGE_MAX * sizeof(uint32_t))
+
+static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, 1)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
                        int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max,
-                       int runs) {
+                       int runs, int stage_max) {
     cuda_grid_wait();
     if (row_n) { /* row blockIdx.x of top_k_rows: its own count, shift and size (pow2 covers every row's) */
         const int64_t y = blockIdx.x;
@@ -2199,6 +2220,25 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
         __syncthreads();
         topk_bitonic_desc(sel, whole);
     } else {
+        /* the row's ordered bits into shared memory (the barrier below
+         * publishes them), the loads of a thread issued together */
+        uint32_t *stg = NULL;
+        if (n <= stage_max) {
+            stg = (uint32_t *)(sel + pow2);
+            for (int64_t i0 = tid; i0 < n; i0 += (int64_t)nt * TOPK_SELECT_LOADS) {
+                float f[TOPK_SELECT_LOADS];
+#pragma unroll
+                for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
+                    const int64_t i = i0 + (int64_t)u * nt;
+                    f[u] = i < n ? scores[i] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
+                    const int64_t i = i0 + (int64_t)u * nt;
+                    if (i < n) stg[i] = topk_ordered(f[u]);
+                }
+            }
+        }
         if (tid == 0) {
             prefix = 0;
             pmask = 0;
@@ -2219,7 +2259,7 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
             unsigned int run_bin = 0u, run_n = 0u;
             for (int64_t i0 = tid; i0 < n; i0 += (int64_t)nt * TOPK_SELECT_LOADS) {
                 unsigned long long kk[TOPK_SELECT_LOADS];
-                topk_keys_of(scores, i0, nt, n, shift, kk);
+                topk_keys_of(scores, stg, i0, nt, n, shift, kk);
 #pragma unroll
                 for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
                     const unsigned long long key = kk[u];
@@ -2270,7 +2310,7 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
         const unsigned long long threshold = prefix;
         for (int64_t i0 = tid; i0 < n; i0 += (int64_t)nt * TOPK_SELECT_LOADS) {
             unsigned long long kk[TOPK_SELECT_LOADS];
-            topk_keys_of(scores, i0, nt, n, shift, kk);
+            topk_keys_of(scores, stg, i0, nt, n, shift, kk);
 #pragma unroll
             for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
                 if (i0 + (int64_t)u * nt < n && kk[u] >= threshold) {
@@ -2413,6 +2453,26 @@ static int topk_runs(void) {
     return on ? 1 : 0;
 }
 
+/* The keys topk_select_kernel stages for a launch whose longest row is
+ * n (0: none; rows sorted whole need none). */
+static int topk_stage_for(int64_t n, int whole_max) {
+    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_STAGE", true);
+    return on && n > whole_max && n <= TOPK_STAGE_MAX ? (int)n : 0;
+}
+
+/* Dynamic shared memory of a select launch: pow2 keys, then the staged
+ * row's bits. */
+static size_t topk_select_bytes(int pow2, int stage) {
+    return (size_t)pow2 * sizeof(unsigned long long) + (size_t)stage * sizeof(uint32_t);
+}
+
+/* The select kernel may take its most (always that: a recorded launch
+ * keeps its size, so the limit is never lowered under it). */
+static bool topk_select_smem(ds4_backend *be, int pow2, int stage) {
+    if (topk_select_bytes(pow2, stage) + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT) return true;
+    return cuda_allow_dynamic_smem(be, (const void *)topk_select_kernel, TOPK_SELECT_SMEM_MAX, "top_k", stage);
+}
+
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
@@ -2459,9 +2519,11 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
         const int wmax = topk_whole_max();
         const int pow2 = topk_pow2(n <= wmax ? n : size); /* (a row sorted whole, or the selected keys) */
+        const int stage = topk_stage_for(n, wmax);
+        if (!topk_select_smem(be, pow2, stage)) return;
         (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
-                          (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
-                          (const int64_t *)NULL, (int64_t)0, wmax, topk_runs());
+                          topk_select_bytes(pow2, stage), scores, n, shift, size, k, pow2, idx,
+                          (const int64_t *)NULL, (int64_t)0, wmax, topk_runs(), stage);
         return;
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
@@ -2538,10 +2600,12 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     for (int64_t r = 0; r < n_rows; r++)
         if (n[r] <= wmax && n[r] > whole) whole = n[r];
     const int pow2 = topk_pow2(whole > size ? whole : size);
+    const int stage = topk_stage_for(most, wmax); /* (every row's keys fit when the longest's do) */
+    if (!topk_select_smem(be, pow2, stage)) return;
     const int64_t *d_n =
         (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
     if (!d_n) return;
     (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
-                      (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
-                      wmax, topk_runs());
+                      topk_select_bytes(pow2, stage), scores, most, 0, size, k, pow2, idx, d_n, stride, wmax,
+                      topk_runs(), stage);
 }
