@@ -284,6 +284,10 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     m->attn_branch = env_not_zero("DS4_ATTN_BRANCH");
     m->iq_branch = env_not_zero("DS4_IQ_BRANCH");
     m->idx_row_f16 = env_not_zero("DS4_IDX_ROW_F16");
+    {
+        const char *late = getenv("DS4_ATTN_BRANCH_LATE");
+        m->attn_branch_late = late && *late && strcmp(late, "0") != 0;
+    }
     /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
     const char *ec = getenv("DS4_EVAL_CHUNK");
     if (ec && *ec) {
@@ -1088,7 +1092,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
      * own rows, which nothing reads before the join */
     const bool side = ratio && !m->tap && m->attn_branch && be->ops->branch_begin;
     be->ops->matmul_multi(be, prod, side ? 2 : n_prod, s->a, H, n, num);
-    if (side) {
+    if (side && !m->attn_branch_late) {
         be->ops->branch_begin(be);
         be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
         be->ops->branch_end(be);
@@ -1097,6 +1101,11 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
     TAP("q_a_norm", l, -1, s->qr, n * qr);
+    if (side && m->attn_branch_late) {
+        be->ops->branch_begin(be);
+        be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
+        be->ops->branch_end(be);
+    }
     /* one decoded token that will select (its compressed rows, this
      * token's included, may pass top_k): its indexer queries, which read
      * only the normed low-rank q, on a second branch beside the first and

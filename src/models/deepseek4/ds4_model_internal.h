@@ -49,6 +49,10 @@ struct ds4_model {
     /* the attention's compressor and indexer products on a side branch of a
      * recorded step, beside q's chain (on; $DS4_ATTN_BRANCH=0: off) */
     bool attn_branch;
+    /* that branch begun after q_a's norm instead of before it, so that the
+     * norm (latency-bound) does not share the GPU with the compressor
+     * products (off; $DS4_ATTN_BRANCH_LATE=1: on, for an A/B) */
+    bool attn_branch_late;
     /* one decoded token's indexer queries on a second branch beside the
      * first and q's chain (on; $DS4_IQ_BRANCH=0: off) */
     bool iq_branch;
