@@ -604,7 +604,7 @@ main() {
     # and with the per-head kernel, the product tests with every activation
     # quantised by its own kernel ("A=0,B=0:binary" sets both)
     for b in "${bins_to_test[@]}" $(has_stage unit && [ $variants = 1 ] && [ -x build/cuda/tests/test_cuda_session ] &&
-        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_IQ_BRANCH=0:build/cuda/tests/test_cuda_session DS4_ATTN_BRANCH_LATE=1:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_NORM_ROPE=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_TOPK_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul"); do
+        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_IQ_BRANCH=0:build/cuda/tests/test_cuda_session DS4_ATTN_BRANCH_LATE=1:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_NORM_ROPE=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_TOPK_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_TOPK_SLICES=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then
