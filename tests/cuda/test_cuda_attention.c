@@ -1556,7 +1556,8 @@ static void test_top_k(void) {
     for (int64_t i = 0; i < 40000; i++) s[i] = (float)test_rand_normal();
     top_k_case(&p, "64K context, 512 of 16384 (staged)", s, 16384, 512);
     top_k_case(&p, "512 of 32768 (staged)", s, 32768, 512);
-    top_k_case(&p, "512 of 32769 (read each pass)", s, 32769, 512);
+    top_k_case(&p, "512 of 32769 (2 slices; one block reading each pass with DS4_CUDA_TOPK_SLICES=0)", s, 32769,
+               512);
     for (int64_t i = 0; i < 40000; i++) s[i] = (float)rand_range(-3, 4);
     top_k_case(&p, "ties, 4096 of 16384 (staged)", s, 16384, 4096);
 
@@ -1579,9 +1580,10 @@ static void test_top_k(void) {
     top_k_case(&p, "64 slices, 64 of 2097152", s, huge - 1, 64);
     top_k_case(&p, "512 of 2097153 (one block)", s, huge, 512);
     { /* two launches (slices, merge) for a row in slices, one past the bound;
-       * one with $DS4_CUDA_TOPK_SLICES=0 */
-        const char *env = getenv("DS4_CUDA_TOPK_SLICES");
-        const bool sliced = !(env && !strcmp(env, "0"));
+       * one with $DS4_CUDA_TOPK_SLICES=0; with $DS4_CUDA_TOPK_SORT=1 every
+       * top-k is the device-wide sort (three, counted as such) */
+        const char *env = getenv("DS4_CUDA_TOPK_SLICES"), *sort = getenv("DS4_CUDA_TOPK_SORT");
+        const bool sliced = !(env && !strcmp(env, "0")), sorted = sort && !strcmp(sort, "1");
         op_buf sb = op_buf_from(&p, s, huge);
         float *out = p.gpu->ops->alloc(p.gpu, 512);
         const int64_t rows[2] = { big, huge };
@@ -1590,7 +1592,7 @@ static void test_top_k(void) {
             p.gpu->ops->top_k(p.gpu, sb.g, rows[r], 512, (int32_t *)out);
             op_expect_ok(&p);
             const ds4_backend_counters c1 = op_gpu_counters(&p);
-            const uint64_t want = r == 0 && sliced ? 2 : 1;
+            const uint64_t want = sorted ? 3 : r == 0 && sliced ? 2 : 1;
             CHECK_MSG(c1.launches - c0.launches == want, "top_k of %lld keys: %llu launches, want %llu",
                       (long long)rows[r], (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
         }

@@ -2340,7 +2340,13 @@ static __device__ __forceinline__ void topk_write_idx(const unsigned long long *
         idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sel[i] & mask)) : -1;
 }
 
-static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, 1)
+/* MINB: blocks an SM the registers allow. One row (a decoded token) takes
+ * the registers it wants (1: about 56, no spill; ptxas left to itself held
+ * the kernel to 32 and spilled); a prefill's rows, a block each, keep two
+ * blocks an SM (2: 32 registers, as before the staging and the runs), where
+ * their shared memory allows. */
+template <int MINB>
+static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, MINB)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
                        int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max,
                        int runs, int stage_max) {
@@ -2383,6 +2389,9 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, 1)
 #define TOPK_SLICES_MAX 64     /* rows up to 64 x 32,768 keys (8M tokens of context) */
 #define TOPK_MERGE_STAGE_MAX 16384 /* candidates staged in shared memory (128 KB) */
 #define TOPK_MERGE_WHOLE 1024  /* candidates sorted whole at most (more: the radix select) */
+static_assert(TOPK_SELECT_MAX * sizeof(unsigned long long) + TOPK_MERGE_STAGE_MAX * sizeof(unsigned long long) <=
+                  TOPK_SELECT_SMEM_MAX,
+              "the merge's staged candidates within the select kernels' shared memory");
 
 static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, 1)
     topk_slice_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int pow2, int64_t slice,
@@ -2650,8 +2659,8 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
             return;
         }
         const int stage = topk_stage_for(n, wmax);
-        if (!topk_select_smem(be, (const void *)topk_select_kernel, topk_select_bytes(pow2, stage))) return;
-        (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
+        if (!topk_select_smem(be, (const void *)topk_select_kernel<1>, topk_select_bytes(pow2, stage))) return;
+        (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel<1>, 1, TOPK_SELECT_THREADS,
                           topk_select_bytes(pow2, stage), scores, n, shift, size, k, pow2, idx,
                           (const int64_t *)NULL, (int64_t)0, wmax, topk_runs(), stage);
         return;
@@ -2731,11 +2740,11 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
         if (n[r] <= wmax && n[r] > whole) whole = n[r];
     const int pow2 = topk_pow2(whole > size ? whole : size);
     const int stage = topk_stage_for(most, wmax); /* (every row's keys fit when the longest's do) */
-    if (!topk_select_smem(be, (const void *)topk_select_kernel, topk_select_bytes(pow2, stage))) return;
+    if (!topk_select_smem(be, (const void *)topk_select_kernel<2>, topk_select_bytes(pow2, stage))) return;
     const int64_t *d_n =
         (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
     if (!d_n) return;
-    (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
+    (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel<2>, (unsigned)n_rows, TOPK_SELECT_THREADS,
                       topk_select_bytes(pow2, stage), scores, most, 0, size, k, pow2, idx, d_n, stride, wmax,
                       topk_runs(), stage);
 }
