@@ -82,11 +82,6 @@
 #                               scripts/timeline.py sums the last 8 tokens to $OUT/timeline.md (spans,
 #                               gaps, each kernel's time at the head of the chain, one layer in order);
 #                               TL_AB="VAR=V ..." once more per setting (timeline-VAR.md)
-#                     probe     build/cuda/tools/persist_probe (scripts/persist_probe.cu): grid barrier
-#                               costs and chained weight reads of decode sizes as separate launches,
-#                               programmatic launches and one persistent kernel, with and without L2
-#                               prefetch (docs/persistent-decode.md); Markdown to $OUT/persist-probe.md;
-#                               PROBE_ARGS adds options (e.g. "--bps 4 --lat-ns 0,2000,8000")
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   PACK_OUT=0      keep the files under $OUT loose (by default everything but summary.txt is
 #                   packed into $OUT/results.tar.gz when the script ends: the device tool brings
@@ -468,18 +463,6 @@ timeline_stage() {
     done
 }
 
-probe_stage() {
-    local out="${OUT:-$TMP}"
-    section "persist_probe ${PROBE_ARGS:-}"
-    # shellcheck disable=SC2086
-    if timeout "$STEP_TIMEOUT" build/cuda/tools/persist_probe ${PROBE_ARGS:-} >"$out/persist-probe.md" 2>"$TMP/probe.err"; then
-        record "persist_probe" PASS
-    else
-        record "persist_probe" "FAIL (exit $?: $(tail -n1 "$TMP/probe.err" | cut -c1-80))"
-    fi
-    cat "$out/persist-probe.md" "$TMP/probe.err"
-}
-
 ops_stage() {
     local out="${OUT:-$TMP}" v envs
     section "bench --ops (rows ${OPS_ROWS:-1,8})"
@@ -621,7 +604,7 @@ main() {
     # and with the per-head kernel, the product tests with every activation
     # quantised by its own kernel ("A=0,B=0:binary" sets both)
     for b in "${bins_to_test[@]}" $(has_stage unit && [ $variants = 1 ] && [ -x build/cuda/tests/test_cuda_session ] &&
-        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_IQ_BRANCH=0:build/cuda/tests/test_cuda_session DS4_ATTN_BRANCH_LATE=1:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_NORM_ROPE=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_TOPK_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_TOPK_SLICES=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul"); do
+        echo "DS4_CUDA_GRAPH=0:build/cuda/tests/test_cuda_session DS4_IQ_BRANCH=0:build/cuda/tests/test_cuda_session DS4_CUDA_MOE_GROUPED=0:build/cuda/tests/test_cuda_session DS4_CUDA_NORM_ROPE=0:build/cuda/tests/test_cuda_session DS4_CUDA_GEMM_SPLIT=0:build/cuda/tests/test_cuda_matmul DS4_CUDA_TOPK_SORT=1:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_MQA=0:build/cuda/tests/test_cuda_attention DS4_CUDA_ATT_STAGE=0:build/cuda/tests/test_cuda_attention DS4_CUDA_MV_XQ=0,DS4_CUDA_MOE_XQ=0:build/cuda/tests/test_cuda_matmul"); do
         envs=()
         name=$b
         if [[ $b == *=*:* ]]; then
@@ -655,7 +638,6 @@ main() {
 
     if has_stage parity && [ -x build/cuda/ds4server ]; then parity_stage; fi
     if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
-    if has_stage probe && [ -x build/cuda/tools/persist_probe ]; then probe_stage; fi
     if has_stage ops && [ -x build/cuda/ds4server ]; then ops_stage; fi
     if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
     if has_stage kernels && [ -x build/cuda/ds4server ]; then kernels_stage; fi

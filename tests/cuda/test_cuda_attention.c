@@ -1310,12 +1310,6 @@ static void test_indexer_rows(void) {
      * whole: each row's own path in one launch */
     const int64_t n5[3] = { 6000, 4096, 520 };
     indexer_rows_case(&p, 4, 64, n5, 3, 6000, 512);
-    /* rows staged in shared memory beside one sorted whole, and a launch
-     * whose longest row is past the staging bound (none staged) */
-    const int64_t n7[3] = { 20000, 4096, 9000 };
-    indexer_rows_case(&p, 4, 64, n7, 3, 20000, 512);
-    const int64_t n8[2] = { 9000, 32769 };
-    indexer_rows_case(&p, 4, 64, n8, 2, 32769, 512);
     op_pair_close(&p);
 }
 
@@ -1504,8 +1498,8 @@ static void top_k_case(op_pair *p, const char *name, const float *scores, int64_
 static void test_top_k(void) {
     op_pair p;
     OPEN_OR_SKIP(&p);
-    const int64_t big = 262144, huge = 64 * 32768 + 1; /* (past the slices' bound) */
-    float *s = malloc((size_t)huge * sizeof *s);
+    const int64_t big = 262144;
+    float *s = malloc((size_t)big * sizeof *s);
 
     for (int64_t i = 0; i < 1000; i++) s[i] = (float)test_rand_normal();
     top_k_case(&p, "random", s, 1000, 100);
@@ -1551,15 +1545,6 @@ static void test_top_k(void) {
     for (int64_t i = 0; i < 8192; i++) s[i] = (float)rand_range(-3, 4);
     top_k_case(&p, "ties, 512 of 3000 (sorted whole)", s, 3000, 512);
     top_k_case(&p, "ties, 1000 of 8192 (selected)", s, 8192, 1000);
-    /* a 64K context's decoded row (16K keys), and the bound of the rows the
-     * select stages in shared memory (32,768 keys) */
-    for (int64_t i = 0; i < 40000; i++) s[i] = (float)test_rand_normal();
-    top_k_case(&p, "64K context, 512 of 16384 (staged)", s, 16384, 512);
-    top_k_case(&p, "512 of 32768 (staged)", s, 32768, 512);
-    top_k_case(&p, "512 of 32769 (2 slices; one block reading each pass with DS4_CUDA_TOPK_SLICES=0)", s, 32769,
-               512);
-    for (int64_t i = 0; i < 40000; i++) s[i] = (float)rand_range(-3, 4);
-    top_k_case(&p, "ties, 4096 of 16384 (staged)", s, 16384, 4096);
 
     /* the model's size: 1M context / 4 rows, top 512 */
     for (int64_t i = 0; i < big; i++) s[i] = (float)test_rand_normal();
@@ -1570,35 +1555,6 @@ static void test_top_k(void) {
     top_k_case(&p, "large with ties, k 4096 (one block's limit)", s, big, 4096);
     top_k_case(&p, "large with ties, k 4097 (the sort)", s, big, 4097);
     top_k_case(&p, "odd size", s, 100003, 512);
-    /* rows past 32,768 keys in slices (the candidates merged: sorted whole,
-     * staged, or read from memory by the radix select), and a row past the
-     * slices' bound (one block) */
-    for (int64_t i = 0; i < huge; i++) s[i] = (float)test_rand_normal();
-    top_k_case(&p, "2 slices, 300 of 40000 (merge sorted whole)", s, 40000, 300);
-    top_k_case(&p, "8 slices, 512 of 262144 (merge staged)", s, big, 512);
-    top_k_case(&p, "8 slices, 4096 of 262144 (merge from memory)", s, big, 4096);
-    top_k_case(&p, "64 slices, 64 of 2097152", s, huge - 1, 64);
-    top_k_case(&p, "512 of 2097153 (one block)", s, huge, 512);
-    { /* two launches (slices, merge) for a row in slices, one past the bound;
-       * one with $DS4_CUDA_TOPK_SLICES=0; with $DS4_CUDA_TOPK_SORT=1 every
-       * top-k is the device-wide sort (three, counted as such) */
-        const char *env = getenv("DS4_CUDA_TOPK_SLICES"), *sort = getenv("DS4_CUDA_TOPK_SORT");
-        const bool sliced = !(env && !strcmp(env, "0")), sorted = sort && !strcmp(sort, "1");
-        op_buf sb = op_buf_from(&p, s, huge);
-        float *out = p.gpu->ops->alloc(p.gpu, 512);
-        const int64_t rows[2] = { big, huge };
-        for (int r = 0; r < 2; r++) {
-            const ds4_backend_counters c0 = op_gpu_counters(&p);
-            p.gpu->ops->top_k(p.gpu, sb.g, rows[r], 512, (int32_t *)out);
-            op_expect_ok(&p);
-            const ds4_backend_counters c1 = op_gpu_counters(&p);
-            const uint64_t want = sorted ? 3 : r == 0 && sliced ? 2 : 1;
-            CHECK_MSG(c1.launches - c0.launches == want, "top_k of %lld keys: %llu launches, want %llu",
-                      (long long)rows[r], (unsigned long long)(c1.launches - c0.launches), (unsigned long long)want);
-        }
-        p.gpu->ops->free(p.gpu, out);
-        op_buf_free(&p, &sb);
-    }
     /* k = 1 (one pass): the greedy token of a vocabulary-sized row, with the
      * maximum tied at several places, at the first and the last index, NaN
      * around it, and a row of only NaN and -inf */

@@ -427,67 +427,6 @@ static void test_graph_replay_matches_direct(void) {
 }
 
 /*
- * A decoded token's indexer scores through indexer_scores_rows_f16 as a
- * batch of one (the tensor-core kernel; ds4_model_set_indexer_row_f16)
- * against indexer_scores (the float kernels): its query and the indexer
- * rows are binary16 values under DS4 numerics, whose dots both sum
- * exactly, so the logits are equal bit for bit, in recorded steps from
- * before the indexer starts to select to past it. With the setting on the
- * tensor-core kernel runs once per selecting layer and step at least.
- */
-static void test_indexer_row_f16_matches(void) {
-    SETUP_OR_SKIP();
-    ds4_error err = { 0 };
-    gguf_file *f = NULL;
-    ds4_backend *be = NULL;
-    ds4_model *m = open_model(&f, &be);
-    if (m) {
-        const ds4_config *c = ds4_model_config(m);
-        const int64_t n_pre = 4 * c->idx_top_k - 6, n_dec = 24;
-        int32_t *t = random_tokens(n_pre + n_dec);
-        float *out[2] = { malloc((size_t)(n_dec * vocab) * sizeof(float)), malloc((size_t)(n_dec * vocab) * sizeof(float)) };
-        int64_t tc_calls[2] = { 0, 0 };
-        for (int pass = 0; pass < 2 && out[0] && out[1]; pass++) {
-            ds4_model_set_indexer_row_f16(m, pass == 0);
-            ds4_state *st = NULL;
-            CHECK_MSG(ds4_state_create(m, 512, &st, &err) == DS4_OK, "%s", err.message);
-            if (!st) break;
-            CHECK(ds4_model_eval(m, st, t, n_pre, DS4_NUMERICS_DS4, out[pass], false, &err) == DS4_OK);
-            const int64_t before = ds4_cuda_backend_idx_tc_calls(be);
-            for (int64_t i = 0; i < n_dec; i++)
-                CHECK_MSG(ds4_model_eval(m, st, t + n_pre + i, 1, DS4_NUMERICS_DS4, out[pass] + i * vocab, false,
-                                         &err) == DS4_OK, "%s", err.message);
-            tc_calls[pass] = ds4_cuda_backend_idx_tc_calls(be) - before;
-            ds4_state_free(st);
-        }
-        ds4_model_set_indexer_row_f16(m, !getenv("DS4_IDX_ROW_F16") || strcmp(getenv("DS4_IDX_ROW_F16"), "0") != 0);
-        /* a token at position p selects in every ratio-4 layer once it sees
-         * more than top_k compressed rows: (p + 1) / 4 > top_k */
-        int ratio4 = 0;
-        for (int l = 0; l < c->n_layer; l++) ratio4 += c->compress_ratio[l] == 4;
-        int64_t selecting = 0;
-        for (int64_t i = 0; i < n_dec; i++) selecting += (n_pre + i + 1) / 4 > c->idx_top_k;
-        CHECK(selecting > 0 && selecting < n_dec); /* the steps cross the point */
-        const bool tc = !getenv("DS4_CUDA_IDX_TC") || strcmp(getenv("DS4_CUDA_IDX_TC"), "0") != 0;
-        if (tc)
-            CHECK_MSG(tc_calls[0] == selecting * ratio4, "%lld tensor-core indexer launches in %lld selecting steps "
-                      "of %d ratio-4 layers", (long long)tc_calls[0], (long long)selecting, ratio4);
-        CHECK_MSG(tc_calls[1] == 0, "%lld tensor-core indexer launches with the setting off", (long long)tc_calls[1]);
-        if (out[0] && out[1]) {
-            const int64_t first = first_diff(out[0], out[1], n_dec * vocab);
-            CHECK_MSG(first < 0, "indexer_scores_rows_f16 differs from indexer_scores at step %lld, logit %lld: "
-                      "%.9g vs %.9g", first < 0 ? 0LL : (long long)(first / vocab),
-                      first < 0 ? 0LL : (long long)(first % vocab), first < 0 ? 0.0 : (double)out[0][first],
-                      first < 0 ? 0.0 : (double)out[1][first]);
-        }
-        free(out[0]);
-        free(out[1]);
-        free(t);
-    }
-    close_model(f, be, m);
-}
-
-/*
  * hc_pre's Sinkhorn rounds off the chain (ds4_cuda_backend_set_hc_defer):
  * the whole model, recorded steps with side branches, a prefill of 8 rows
  * (the most deferred) then decoded tokens, gives the logits of the split in
@@ -834,7 +773,6 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_checkpoint_cpu_to_cuda),
     TEST_ENTRY(test_decode_step_waits),
     TEST_ENTRY(test_graph_replay_matches_direct),
-    TEST_ENTRY(test_indexer_row_f16_matches),
     TEST_ENTRY(test_deferred_sinkhorn_matches),
     TEST_ENTRY(test_prefetch_matches),
     TEST_ENTRY(test_batch_decode_matches_single),

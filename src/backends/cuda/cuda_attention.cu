@@ -2083,21 +2083,12 @@ static __host__ __device__ __forceinline__ int topk_shift(int64_t n) {
     return shift;
 }
 
-/* ordered(score): the high part of a key */
-static __device__ __forceinline__ uint32_t topk_ordered(float f) {
-    uint32_t u = __float_as_uint(f);
+static __device__ __forceinline__ unsigned long long topk_key(const float *scores, int64_t i, int64_t n, int shift) {
+    uint32_t u = __float_as_uint(scores[i]);
     if ((u & 0x7fffffffu) > 0x7f800000u) u = 0xff800000u; /* NaN ranks as -inf */
     if ((u & 0x7fffffffu) == 0u) u = 0u;                  /* -0 ties with +0 */
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-/* the key of score i from its ordered bits */
-static __device__ __forceinline__ unsigned long long topk_key_of(uint32_t ordered, int64_t i, int64_t n, int shift) {
-    return ((unsigned long long)ordered << shift) | (unsigned long long)(n - 1 - i);
-}
-
-static __device__ __forceinline__ unsigned long long topk_key(const float *scores, int64_t i, int64_t n, int shift) {
-    return topk_key_of(topk_ordered(scores[i]), i, n, shift);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << shift) | (unsigned long long)(n - 1 - i);
 }
 
 static __global__ void __launch_bounds__(TOPK_THREADS)
@@ -2165,191 +2156,9 @@ static __device__ __forceinline__ void topk_bitonic_desc(unsigned long long *sel
     }
 }
 
-/* Where the select reads key j of the m it ranks: score base + j of a row
- * of n scores (its ordered bits staged in shared memory at stg, or read
- * from the scores), or a key made before (keys: the merge of the slices'
- * candidates, in shared or global memory). */
-struct topk_src {
-    const float *scores;
-    const uint32_t *stg;
-    const unsigned long long *keys;
-    int64_t base, n;
-    int shift;
-    __device__ __forceinline__ unsigned long long key(int64_t j) const {
-        if (keys) return keys[j];
-        return stg ? topk_key_of(stg[j], base + j, n, shift) : topk_key(scores, base + j, n, shift);
-    }
-};
-
-/* A thread's next TOPK_SELECT_LOADS keys of the select's passes (j0, j0 +
- * nt, ...: the order of a plain stride loop; 0 past m), their loads issued
- * together: each pass over a long row (a decoded token's 16K keys at a 64K
- * context) waited on one load round trip a key. */
-#define TOPK_SELECT_LOADS 8
-static __device__ __forceinline__ void topk_keys_of(const topk_src &src, int64_t j0, int nt, int64_t m,
-                                                    unsigned long long (&kk)[TOPK_SELECT_LOADS]) {
-#pragma unroll
-    for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
-        const int64_t j = j0 + (int64_t)u * nt;
-        kk[u] = j < m ? src.key(j) : 0ull;
-    }
-}
-
-/* Rows of at most TOPK_STAGE_MAX keys that the select does not sort whole
- * have their ordered bits staged in shared memory (after the pow2 selected
- * keys) by one pass over the scores, and the radix passes and the gather
- * read them there, instead of the row from the L2 seven times (a decoded
- * token's row of 16K keys at a 64K context: 64 KB); longer rows (contexts
- * past 128K) read the scores each pass. DS4_CUDA_TOPK_STAGE=0: no staging
- * (A/B; the same keys, so the same lists). */
-#define TOPK_STAGE_MAX 32768
-#define TOPK_SELECT_SMEM_MAX (TOPK_SELECT_MAX * sizeof(unsigned long long) + TOPK_STAGE_MAX * sizeof(uint32_t))
-
-/* scores[base .. base + m)'s ordered bits into stg, the loads of a thread
- * issued together (published by the caller's next barrier) */
-static __device__ __forceinline__ void topk_stage(const float *scores, int64_t m, uint32_t *stg) {
-    const int tid = threadIdx.x, nt = blockDim.x;
-    for (int64_t j0 = tid; j0 < m; j0 += (int64_t)nt * TOPK_SELECT_LOADS) {
-        float f[TOPK_SELECT_LOADS];
-#pragma unroll
-        for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
-            const int64_t j = j0 + (int64_t)u * nt;
-            f[u] = j < m ? scores[j] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
-            const int64_t j = j0 + (int64_t)u * nt;
-            if (j < m) stg[j] = topk_ordered(f[u]);
-        }
-    }
-}
-
-/*
- * The block's select: the `size` largest of src's m keys (distinct, or 0:
- * below every key), in descending order, into sel[0 .. size); sel[size ..
- * pow2) zero. Keys of 32 + src.shift bits. m <= whole_max (pow2 >= the
- * power of two above m): sorted whole; else the radix select. Every thread
- * of the block calls it (it has barriers); the caller's stores before it
- * are published by its first barrier.
- */
-static __device__ __forceinline__ void topk_select_block(const topk_src &src, int64_t m, int64_t size, int pow2,
-                                                         int whole_max, int runs, unsigned long long *sel) {
-    __shared__ unsigned int hist[256];
-    __shared__ unsigned long long prefix, pmask;
-    __shared__ long long rank; /* rank still wanted among the keys matching prefix */
-    __shared__ unsigned int count;
-    const int tid = threadIdx.x, nt = blockDim.x;
-    const int whole = m <= whole_max && topk_pow2(m) <= pow2 ? topk_pow2(m) : 0;
-    if (whole) {
-        for (int i = tid; i < whole; i += nt) sel[i] = i < m ? src.key(i) : 0ull;
-        __syncthreads();
-        topk_bitonic_desc(sel, whole);
-        return;
-    }
-    if (tid == 0) {
-        prefix = 0;
-        pmask = 0;
-        rank = size;
-        count = 0;
-    }
-    __syncthreads();
-    const int bits = 32 + src.shift;
-    for (int d = ((bits - 1) / 8) * 8; d >= 0; d -= 8) {
-        for (int i = tid; i < 256; i += nt) hist[i] = 0;
-        __syncthreads();
-        const unsigned long long pf = prefix, pm = pmask;
-        /* a thread adds a run of its keys of one digit with one atomic:
-         * the first digits put nearly every key into a bin or two, where
-         * an atomic a key serialised the block on one address (the same
-         * counts; runs 0: an atomic a key, $DS4_CUDA_TOPK_RUNS=0) */
-        const unsigned int run_max = runs ? 0xffffffffu : 1u;
-        unsigned int run_bin = 0u, run_n = 0u;
-        for (int64_t j0 = tid; j0 < m; j0 += (int64_t)nt * TOPK_SELECT_LOADS) {
-            unsigned long long kk[TOPK_SELECT_LOADS];
-            topk_keys_of(src, j0, nt, m, kk);
-#pragma unroll
-            for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
-                const unsigned long long key = kk[u];
-                if (j0 + (int64_t)u * nt < m && (key & pm) == pf) {
-                    const unsigned int b = (unsigned int)((key >> d) & 255u);
-                    if (run_n && (b != run_bin || run_n == run_max)) {
-                        atomicAdd(&hist[run_bin], run_n);
-                        run_n = 0u;
-                    }
-                    run_bin = b;
-                    run_n++;
-                }
-            }
-        }
-        if (run_n) atomicAdd(&hist[run_bin], run_n);
-        __syncthreads();
-        if (tid < 32) {
-            /* lane l: digits 255 - 8l .. 248 - 8l; the lane whose share
-             * of the count from the top holds the rank fixes the digit */
-            const long long r0 = rank;
-            unsigned int c[8], own = 0;
-#pragma unroll
-            for (int q = 0; q < 8; q++) own += c[q] = hist[255 - 8 * tid - q];
-            unsigned int incl = own;
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned int t = __shfl_up_sync(0xffffffffu, incl, o);
-                if (tid >= o) incl += t;
-            }
-            const long long above = (long long)(incl - own);
-            __syncwarp(); /* every lane has read rank before one lane writes it */
-            if (above < r0 && r0 <= (long long)incl) {
-                long long r = r0 - above;
-                int b = 248 - 8 * tid;
-                for (int q = 0; q < 8; q++) {
-                    if ((long long)c[q] >= r) {
-                        b = 255 - 8 * tid - q;
-                        break;
-                    }
-                    r -= c[q];
-                }
-                rank = r;
-                prefix = pf | ((unsigned long long)b << d);
-                pmask = pm | (255ull << d);
-            }
-        }
-        __syncthreads();
-    }
-    const unsigned long long threshold = prefix;
-    for (int64_t j0 = tid; j0 < m; j0 += (int64_t)nt * TOPK_SELECT_LOADS) {
-        unsigned long long kk[TOPK_SELECT_LOADS];
-        topk_keys_of(src, j0, nt, m, kk);
-#pragma unroll
-        for (int u = 0; u < TOPK_SELECT_LOADS; u++) {
-            if (j0 + (int64_t)u * nt < m && kk[u] >= threshold) {
-                const unsigned int at = atomicAdd(&count, 1u);
-                if (at < (unsigned)pow2) sel[at] = kk[u];
-            }
-        }
-    }
-    __syncthreads();
-    for (int i = (int)size + tid; i < pow2; i += nt) sel[i] = 0; /* below every key */
-    __syncthreads();
-    topk_bitonic_desc(sel, pow2);
-}
-
-/* idx[0 .. k) of a row of n: the indices of the `size` keys in sel, then -1 */
-static __device__ __forceinline__ void topk_write_idx(const unsigned long long *sel, int64_t n, int shift,
-                                                      int64_t size, int64_t k, int32_t *idx) {
-    const unsigned long long mask = shift ? (1ull << shift) - 1ull : 0ull;
-    for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
-        idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sel[i] & mask)) : -1;
-}
-
-/* MINB: blocks an SM the registers allow. One row (a decoded token) takes
- * the registers it wants (1: about 56, no spill; ptxas left to itself held
- * the kernel to 32 and spilled); a prefill's rows, a block each, keep two
- * blocks an SM (2: 32 registers, as before the staging and the runs), where
- * their shared memory allows. */
-template <int MINB>
-static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, MINB)
+static __global__ void __launch_bounds__(TOPK_SELECT_THREADS)
     topk_select_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int64_t k, int pow2,
-                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max,
-                       int runs, int stage_max) {
+                       int32_t *__restrict__ idx, const int64_t *__restrict__ row_n, int64_t stride, int whole_max) {
     cuda_grid_wait();
     if (row_n) { /* row blockIdx.x of top_k_rows: its own count, shift and size (pow2 covers every row's) */
         const int64_t y = blockIdx.x;
@@ -2364,67 +2173,80 @@ static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, MINB)
         }
     }
     extern __shared__ unsigned long long sel[]; /* pow2 >= size keys (>= n when the row is sorted whole) */
-    const bool whole = n <= whole_max && topk_pow2(n) <= pow2;
-    uint32_t *stg = NULL;
-    if (!whole && n <= stage_max) { /* (published by the select's first barrier) */
-        stg = (uint32_t *)(sel + pow2);
-        topk_stage(scores, n, stg);
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned long long prefix, pmask;
+    __shared__ long long rank; /* rank still wanted among the keys matching prefix */
+    __shared__ unsigned int count;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int whole = n <= whole_max && topk_pow2(n) <= pow2 ? topk_pow2(n) : 0;
+    if (whole) {
+        for (int i = tid; i < whole; i += nt) sel[i] = i < n ? topk_key(scores, i, n, shift) : 0ull;
+        __syncthreads();
+        topk_bitonic_desc(sel, whole);
+    } else {
+        if (tid == 0) {
+            prefix = 0;
+            pmask = 0;
+            rank = size;
+            count = 0;
+        }
+        __syncthreads();
+        const int bits = 32 + shift;
+        for (int d = ((bits - 1) / 8) * 8; d >= 0; d -= 8) {
+            for (int i = tid; i < 256; i += nt) hist[i] = 0;
+            __syncthreads();
+            const unsigned long long pf = prefix, pm = pmask;
+            for (int64_t i = tid; i < n; i += nt) {
+                const unsigned long long key = topk_key(scores, i, n, shift);
+                if ((key & pm) == pf) atomicAdd(&hist[(key >> d) & 255u], 1u);
+            }
+            __syncthreads();
+            if (tid < 32) {
+                /* lane l: digits 255 - 8l .. 248 - 8l; the lane whose share
+                 * of the count from the top holds the rank fixes the digit */
+                const long long r0 = rank;
+                unsigned int c[8], own = 0;
+#pragma unroll
+                for (int q = 0; q < 8; q++) own += c[q] = hist[255 - 8 * tid - q];
+                unsigned int incl = own;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const unsigned int t = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += t;
+                }
+                const long long above = (long long)(incl - own);
+                __syncwarp(); /* every lane has read rank before one lane writes it */
+                if (above < r0 && r0 <= (long long)incl) {
+                    long long r = r0 - above;
+                    int b = 248 - 8 * tid;
+                    for (int q = 0; q < 8; q++) {
+                        if ((long long)c[q] >= r) {
+                            b = 255 - 8 * tid - q;
+                            break;
+                        }
+                        r -= c[q];
+                    }
+                    rank = r;
+                    prefix = pf | ((unsigned long long)b << d);
+                    pmask = pm | (255ull << d);
+                }
+            }
+            __syncthreads();
+        }
+        const unsigned long long threshold = prefix;
+        for (int64_t i = tid; i < n; i += nt) {
+            const unsigned long long key = topk_key(scores, i, n, shift);
+            if (key >= threshold) {
+                const unsigned int at = atomicAdd(&count, 1u);
+                if (at < (unsigned)pow2) sel[at] = key;
+            }
+        }
+        __syncthreads();
+        for (int i = (int)size + tid; i < pow2; i += nt) sel[i] = 0; /* below every key */
+        __syncthreads();
+        topk_bitonic_desc(sel, pow2);
     }
-    const topk_src src = { scores, stg, NULL, 0, n, shift };
-    topk_select_block(src, n, size, pow2, whole_max, runs, sel);
-    topk_write_idx(sel, n, shift, size, k, idx);
-}
-
-/*
- * One row longer than TOPK_STAGE_MAX keys (a decoded token's at contexts
- * past 128K) in slices of at most that many, a block each: each slice's
- * `size` largest keys (keys of the whole row: its n and shift, the row's
- * indices) are the candidates (topk_slice_kernel, the slice staged in
- * shared memory), and one block selects the row's `size` largest among
- * the slices x size candidates (topk_merge_kernel). Every key of the row's
- * top `size` is among its slice's top `size`, and keys are distinct, so
- * the list is the one-block select's. DS4_CUDA_TOPK_SLICES=0: one block
- * for the whole row (A/B; tests compare the paths).
- */
-#define TOPK_SLICES_MAX 64     /* rows up to 64 x 32,768 keys (8M tokens of context) */
-#define TOPK_MERGE_STAGE_MAX 16384 /* candidates staged in shared memory (128 KB) */
-#define TOPK_MERGE_WHOLE 1024  /* candidates sorted whole at most (more: the radix select) */
-static_assert(TOPK_SELECT_MAX * sizeof(unsigned long long) + TOPK_MERGE_STAGE_MAX * sizeof(unsigned long long) <=
-                  TOPK_SELECT_SMEM_MAX,
-              "the merge's staged candidates within the select kernels' shared memory");
-
-static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, 1)
-    topk_slice_kernel(const float *__restrict__ scores, int64_t n, int shift, int64_t size, int pow2, int64_t slice,
-                      int whole_max, int runs, int stage_max, unsigned long long *__restrict__ cand) {
-    cuda_grid_wait();
-    extern __shared__ unsigned long long sel[];
-    const int64_t base = (int64_t)blockIdx.x * slice, m = n - base < slice ? n - base : slice;
-    const int64_t got = size < m ? size : m; /* (m >= 1: the host's slices all hold keys) */
-    uint32_t *stg = NULL;
-    if (m > whole_max && m <= stage_max) {
-        stg = (uint32_t *)(sel + pow2);
-        topk_stage(scores + base, m, stg);
-    }
-    const topk_src src = { scores, stg, NULL, base, n, shift };
-    topk_select_block(src, m, got, pow2, whole_max, runs, sel);
-    unsigned long long *out = cand + (int64_t)blockIdx.x * size;
-    for (int64_t i = threadIdx.x; i < size; i += blockDim.x) out[i] = i < got ? sel[i] : 0ull;
-}
-
-static __global__ void __launch_bounds__(TOPK_SELECT_THREADS, 1)
-    topk_merge_kernel(const unsigned long long *__restrict__ cand, int64_t m, int64_t n, int shift, int64_t size,
-                      int64_t k, int pow2, int whole_max, int runs, int stage_max, int32_t *__restrict__ idx) {
-    cuda_grid_wait();
-    extern __shared__ unsigned long long sel[];
-    const unsigned long long *keys = cand;
-    if (m <= stage_max && m > whole_max) { /* the candidates into shared memory */
-        unsigned long long *ck = sel + pow2;
-        for (int64_t j = threadIdx.x; j < m; j += blockDim.x) ck[j] = cand[j];
-        keys = ck; /* (published by the select's first barrier) */
-    }
-    const topk_src src = { NULL, NULL, keys, 0, n, shift };
-    topk_select_block(src, m, size, pow2, whole_max, runs, sel);
-    topk_write_idx(sel, n, shift, size, k, idx);
+    const unsigned long long mask = shift ? (1ull << shift) - 1ull : 0ull;
+    for (int64_t i = tid; i < k; i += nt) idx[i] = i < size ? (int32_t)(n - 1 - (int64_t)(sel[i] & mask)) : -1;
 }
 
 /*
@@ -2544,69 +2366,6 @@ static int topk_whole_max(void) {
     return whole ? TOPK_SORT_ALL : 0;
 }
 
-/* topk_select_kernel's histogram: a thread's run of keys of one digit per
- * atomic (1, the default), or an atomic a key ($DS4_CUDA_TOPK_RUNS=0, A/B;
- * the same counts) */
-static int topk_runs(void) {
-    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_RUNS", true);
-    return on ? 1 : 0;
-}
-
-/* The keys topk_select_kernel stages for a launch whose longest row is
- * n (0: none; rows sorted whole need none). */
-static bool topk_stage_on(void) {
-    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_STAGE", true);
-    return on;
-}
-static int topk_stage_for(int64_t n, int whole_max) {
-    return topk_stage_on() && n > whole_max && n <= TOPK_STAGE_MAX ? (int)n : 0;
-}
-
-/* Dynamic shared memory of a select launch: pow2 keys, then the staged
- * row's bits. */
-static size_t topk_select_bytes(int pow2, int stage) {
-    return (size_t)pow2 * sizeof(unsigned long long) + (size_t)stage * sizeof(uint32_t);
-}
-
-/* A select kernel may take its most (always that: a recorded launch keeps
- * its size, so the limit is never lowered under it). */
-static bool topk_select_smem(ds4_backend *be, const void *kernel, size_t bytes) {
-    if (bytes + CUDA_SMEM_STATIC_RESERVE <= CUDA_SMEM_DEFAULT) return true;
-    return cuda_allow_dynamic_smem(be, kernel, TOPK_SELECT_SMEM_MAX, "top_k", (int64_t)bytes);
-}
-
-/* The slices of one row of n keys for topk_slice_kernel (0: one block for
- * the row): rows past TOPK_STAGE_MAX keys, up to TOPK_SLICES_MAX slices. */
-static int64_t topk_slices_for(int64_t n) {
-    static const bool on = cuda_env_flag("DS4_CUDA_TOPK_SLICES", true);
-    const int64_t s = (n + TOPK_STAGE_MAX - 1) / TOPK_STAGE_MAX;
-    return on && s > 1 && s <= TOPK_SLICES_MAX ? s : 0;
-}
-
-/* One row of n through the slices and the merge (topk_slices_for(n) of them). */
-static void topk_sliced(ds4_backend *be, const float *scores, int64_t n, int shift, int64_t size, int64_t k,
-                        int64_t slices, int32_t *idx) {
-    const int wmax = topk_whole_max(), runs = topk_runs();
-    const int64_t slice = (n + slices - 1) / slices; /* (> 16K keys: every slice holds keys, none is sorted whole) */
-    const int pow2 = topk_pow2(size);
-    const int stage = topk_stage_for(slice, wmax);
-    const int64_t m = slices * size;
-    const int mwhole = wmax < TOPK_MERGE_WHOLE ? wmax : TOPK_MERGE_WHOLE;
-    const int mpow2 = topk_pow2(m <= mwhole ? m : size);
-    const int mstage = topk_stage_on() && m > mwhole && m <= TOPK_MERGE_STAGE_MAX ? (int)m : 0;
-    const size_t bytes = topk_select_bytes(pow2, stage);
-    const size_t mbytes = (size_t)mpow2 * sizeof(unsigned long long) + (size_t)mstage * sizeof(unsigned long long);
-    unsigned long long *cand = (unsigned long long *)cuda_scratch(be, CUDA_SCRATCH_TOPK_A, (size_t)m * sizeof *cand);
-    if (!cand || !topk_select_smem(be, (const void *)topk_slice_kernel, bytes) ||
-        !topk_select_smem(be, (const void *)topk_merge_kernel, mbytes))
-        return;
-    if (!cuda_launch(be, "topk_slice_kernel", topk_slice_kernel, (unsigned)slices, TOPK_SELECT_THREADS, bytes, scores,
-                     n, shift, size, pow2, slice, wmax, runs, stage, cand))
-        return;
-    (void)cuda_launch(be, "topk_merge_kernel", topk_merge_kernel, 1, TOPK_SELECT_THREADS, mbytes,
-                      (const unsigned long long *)cand, m, n, shift, size, k, mpow2, mwhole, runs, mstage, idx);
-}
-
 /* DS4_CUDA_TOPK_SORT=1: every top-k through the device-wide sort (tests
  * compare the two paths). */
 static bool topk_sort_forced(void) {
@@ -2653,16 +2412,9 @@ void cuda_top_k(ds4_backend *be, const float *scores, int64_t n, int64_t k, int3
     if (size <= TOPK_SELECT_MAX && !topk_sort_forced()) {
         const int wmax = topk_whole_max();
         const int pow2 = topk_pow2(n <= wmax ? n : size); /* (a row sorted whole, or the selected keys) */
-        const int64_t slices = topk_slices_for(n);
-        if (slices) {
-            topk_sliced(be, scores, n, shift, size, k, slices, idx);
-            return;
-        }
-        const int stage = topk_stage_for(n, wmax);
-        if (!topk_select_smem(be, (const void *)topk_select_kernel<1>, topk_select_bytes(pow2, stage))) return;
-        (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel<1>, 1, TOPK_SELECT_THREADS,
-                          topk_select_bytes(pow2, stage), scores, n, shift, size, k, pow2, idx,
-                          (const int64_t *)NULL, (int64_t)0, wmax, topk_runs(), stage);
+        (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, 1, TOPK_SELECT_THREADS,
+                          (size_t)pow2 * sizeof(unsigned long long), scores, n, shift, size, k, pow2, idx,
+                          (const int64_t *)NULL, (int64_t)0, wmax);
         return;
     }
     /* larger k: a device-wide radix sort of all n keys (CUB launches on its
@@ -2739,12 +2491,10 @@ void cuda_top_k_rows(ds4_backend *be, const float *scores, int64_t stride, const
     for (int64_t r = 0; r < n_rows; r++)
         if (n[r] <= wmax && n[r] > whole) whole = n[r];
     const int pow2 = topk_pow2(whole > size ? whole : size);
-    const int stage = topk_stage_for(most, wmax); /* (every row's keys fit when the longest's do) */
-    if (!topk_select_smem(be, (const void *)topk_select_kernel<2>, topk_select_bytes(pow2, stage))) return;
     const int64_t *d_n =
         (const int64_t *)cuda_upload_ctrl(be, CUDA_SCRATCH_IDX_ROWS, n, (size_t)n_rows * sizeof(int64_t));
     if (!d_n) return;
-    (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel<2>, (unsigned)n_rows, TOPK_SELECT_THREADS,
-                      topk_select_bytes(pow2, stage), scores, most, 0, size, k, pow2, idx, d_n, stride, wmax,
-                      topk_runs(), stage);
+    (void)cuda_launch(be, "topk_select_kernel", topk_select_kernel, (unsigned)n_rows, TOPK_SELECT_THREADS,
+                      (size_t)pow2 * sizeof(unsigned long long), scores, most, 0, size, k, pow2, idx, d_n, stride,
+                      wmax);
 }

@@ -81,7 +81,6 @@ void ds4_model_set_layer_limit(ds4_model *m, int n_layers) {
 void ds4_model_set_compressor_chunks(ds4_model *m, bool on) { m->comp_per_token = !on; }
 void ds4_model_set_indexer_batches(ds4_model *m, int rows) { m->idx_batch = rows < 0 ? 0 : rows == 0 ? -1 : rows; }
 void ds4_model_set_state_batches(ds4_model *m, bool on) { m->no_state_batches = !on; }
-void ds4_model_set_indexer_row_f16(ds4_model *m, bool on) { m->idx_row_f16 = on; }
 void ds4_model_set_eval_chunk(ds4_model *m, int64_t n) { m->eval_chunk = n < 1 ? DS4_EVAL_CHUNK : n; }
 int64_t ds4_model_eval_chunk(const ds4_model *m) { return m->eval_chunk > 0 ? m->eval_chunk : DS4_EVAL_CHUNK; }
 
@@ -283,11 +282,6 @@ static ds4_status load_model(gguf_file *file, ds4_backend *be, ds4_model_load_fn
     m->be = be;
     m->attn_branch = env_not_zero("DS4_ATTN_BRANCH");
     m->iq_branch = env_not_zero("DS4_IQ_BRANCH");
-    m->idx_row_f16 = env_not_zero("DS4_IDX_ROW_F16");
-    {
-        const char *late = getenv("DS4_ATTN_BRANCH_LATE");
-        m->attn_branch_late = late && *late && strcmp(late, "0") != 0;
-    }
     /* $DS4_EVAL_CHUNK: the rows one evaluation step holds (ds4_model_set_eval_chunk), for measuring */
     const char *ec = getenv("DS4_EVAL_CHUNK");
     if (ec && *ec) {
@@ -869,15 +863,8 @@ static void attend_row(ds4_model *m, int l, scratch *s, layer_state *Lr, int64_t
             idx_queries(m, l, s, t, n, pos, rope, num);
             *iq_made = true;
         }
-        /* under DS4 numerics the query and rows are binary16 values (QAT, the
-         * rows F16-rounded): a batch of one of the rows op, which a backend
-         * may run on f16 tensor cores (the same sums) */
-        if (num == DS4_NUMERICS_DS4 && m->idx_row_f16 && be->ops->indexer_scores_rows_f16)
-            be->ops->indexer_scores_rows_f16(be, s->iq + t * ih * id, s->iw + t * ih, idx_weight_scale(c), ih, id,
-                                             Lr->index.rows, s->n_index + t, 1, s->iscores, s->score_stride);
-        else
-            be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, idx_weight_scale(c), ih, id,
-                                    Lr->index.rows, s->n_index[t], s->iscores);
+        be->ops->indexer_scores(be, s->iq + t * ih * id, s->iw + t * ih, idx_weight_scale(c), ih, id, Lr->index.rows,
+                                s->n_index[t], s->iscores);
         TAP("idx_scores", l, t, s->iscores, s->n_index[t]);
         /* both compressors emit a row every 4 tokens: the indexer's rows
          * number the attention compressor's rows */
@@ -1092,7 +1079,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
      * own rows, which nothing reads before the join */
     const bool side = ratio && !m->tap && m->attn_branch && be->ops->branch_begin;
     be->ops->matmul_multi(be, prod, side ? 2 : n_prod, s->a, H, n, num);
-    if (side && !m->attn_branch_late) {
+    if (side) {
         be->ops->branch_begin(be);
         be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
         be->ops->branch_end(be);
@@ -1101,11 +1088,6 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     TAP("q_a", l, -1, s->qr, n * qr);
     be->ops->rmsnorm(be, s->qr, &W->q_a_norm, c->rms_eps, s->qr, n, qr);
     TAP("q_a_norm", l, -1, s->qr, n * qr);
-    if (side && m->attn_branch_late) {
-        be->ops->branch_begin(be);
-        be->ops->matmul_multi(be, prod + 2, n_prod - 2, s->a, H, n, num);
-        be->ops->branch_end(be);
-    }
     /* one decoded token that will select (its compressed rows, this
      * token's included, may pass top_k): its indexer queries, which read
      * only the normed low-rank q, on a second branch beside the first and

@@ -111,14 +111,6 @@ void ds4_model_set_indexer_batches(ds4_model *m, int rows);
  * (off): the same results; the switch is there to show that and to
  * measure it. */
 void ds4_model_set_state_batches(ds4_model *m, bool on);
-/* A row that selects alone (a decoded token, a row outside a batch of
- * selecting rows) scores the indexer rows through indexer_scores_rows_f16
- * as a batch of one under DS4 numerics where the backend has that op (on,
- * the default; $DS4_IDX_ROW_F16=0 at model open sets it off), or through
- * indexer_scores (off). The queries and rows are binary16 values there,
- * whose dots both ops sum exactly: the same scores; the switch is there to
- * show that and to measure it. */
-void ds4_model_set_indexer_row_f16(ds4_model *m, bool on);
 /* Tokens of an evaluation that go through the layers together (a chunk:
  * each layer's products see this many rows at once; the scratch of a state
  * that evaluates that many holds them, about 0.56 MB per row for the

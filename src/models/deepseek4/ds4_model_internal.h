@@ -49,16 +49,9 @@ struct ds4_model {
     /* the attention's compressor and indexer products on a side branch of a
      * recorded step, beside q's chain (on; $DS4_ATTN_BRANCH=0: off) */
     bool attn_branch;
-    /* that branch begun after q_a's norm instead of before it, so that the
-     * norm (latency-bound) does not share the GPU with the compressor
-     * products (off; $DS4_ATTN_BRANCH_LATE=1: on, for an A/B) */
-    bool attn_branch_late;
     /* one decoded token's indexer queries on a second branch beside the
      * first and q's chain (on; $DS4_IQ_BRANCH=0: off) */
     bool iq_branch;
-    /* a row that selects alone scores through indexer_scores_rows_f16 under
-     * DS4 numerics (ds4_model_set_indexer_row_f16; on, $DS4_IDX_ROW_F16=0: off) */
-    bool idx_row_f16;
     /* the scratch of evaluations of several rows (prefill chunks, batched
      * decode): one for the model, as its evaluations run one at a time,
      * instead of one of a chunk's size in every state that prefilled */
