@@ -88,7 +88,13 @@ CUDA_LDLIBS := -lcudart_static -ldl -lrt -lstdc++ $(LDLIBS_ALL)
 CUDA_LIBDIR ?= $(shell dirname $$(dirname $$(command -v $(NVCC) 2>/dev/null || echo /usr/local/cuda/bin/nvcc)))/lib64
 CUDA_TEST_BINS := $(CUDA_TEST_SRCS:tests/cuda/%.c=$(CUDA_BUILD)/tests/%)
 
-cuda: $(CUDA_BUILD)/ds4server $(CUDA_BUILD)/libds4.so $(CUDA_TEST_BINS)
+cuda: $(CUDA_BUILD)/ds4server $(CUDA_BUILD)/libds4.so $(CUDA_TEST_BINS) $(CUDA_BUILD)/tools/persist_probe
+
+# a measurement of the GPU alone (grid barriers, chained weight reads; no model):
+# docs/persistent-decode.md, gpu-check.sh's probe stage
+$(CUDA_BUILD)/tools/persist_probe: scripts/persist_probe.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror $< -o $@
 
 $(CUDA_BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)

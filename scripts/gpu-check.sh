@@ -82,6 +82,11 @@
 #                               scripts/timeline.py sums the last 8 tokens to $OUT/timeline.md (spans,
 #                               gaps, each kernel's time at the head of the chain, one layer in order);
 #                               TL_AB="VAR=V ..." once more per setting (timeline-VAR.md)
+#                     probe     build/cuda/tools/persist_probe (scripts/persist_probe.cu): grid barrier
+#                               costs and chained weight reads of decode sizes as separate launches,
+#                               programmatic launches and one persistent kernel, with and without L2
+#                               prefetch (docs/persistent-decode.md); Markdown to $OUT/persist-probe.md;
+#                               PROBE_ARGS adds options (e.g. "--bps 4 --lat-ns 0,2000,8000")
 #   SHM             where the model files go (default /dev/shm/ds4-gpu-check)
 #   PACK_OUT=0      keep the files under $OUT loose (by default everything but summary.txt is
 #                   packed into $OUT/results.tar.gz when the script ends: the device tool brings
@@ -463,6 +468,18 @@ timeline_stage() {
     done
 }
 
+probe_stage() {
+    local out="${OUT:-$TMP}"
+    section "persist_probe ${PROBE_ARGS:-}"
+    # shellcheck disable=SC2086
+    if timeout "$STEP_TIMEOUT" build/cuda/tools/persist_probe ${PROBE_ARGS:-} >"$out/persist-probe.md" 2>"$TMP/probe.err"; then
+        record "persist_probe" PASS
+    else
+        record "persist_probe" "FAIL (exit $?: $(tail -n1 "$TMP/probe.err" | cut -c1-80))"
+    fi
+    cat "$out/persist-probe.md" "$TMP/probe.err"
+}
+
 ops_stage() {
     local out="${OUT:-$TMP}" v envs
     section "bench --ops (rows ${OPS_ROWS:-1,8})"
@@ -638,6 +655,7 @@ main() {
 
     if has_stage parity && [ -x build/cuda/ds4server ]; then parity_stage; fi
     if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
+    if has_stage probe && [ -x build/cuda/tools/persist_probe ]; then probe_stage; fi
     if has_stage ops && [ -x build/cuda/ds4server ]; then ops_stage; fi
     if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
     if has_stage kernels && [ -x build/cuda/ds4server ]; then kernels_stage; fi

@@ -1,0 +1,499 @@
+/*
+ * persist_probe.cu - measures the two premises of docs/persistent-decode.md
+ * on the GPU it runs on, with no model: what a grid-wide barrier costs at
+ * full residency, and how close to the copy bandwidth a chain of weight
+ * reads of decode-like sizes gets when it is
+ *
+ *   launch     one kernel per phase, captured in a CUDA graph (plain launches);
+ *   pdl        the same kernels as programmatic launches (each waits with
+ *              griddepcontrol.wait, as the engine's kernels do);
+ *   pdl-pf     pdl, each block first asking the L2 for its slice (bulk
+ *              prefetch) before it waits: the engine's products' early stages;
+ *   persist    one cooperative kernel, phases separated by a counter barrier;
+ *   persist-cg the same with cooperative_groups' grid.sync();
+ *   persist-pf persist, each block asking the L2 for its slice of the next
+ *              phase before the barrier (while the stragglers finish and
+ *              while a latency phase runs).
+ *
+ * A phase reads S bytes (each block its contiguous slice, 16-byte loads, U
+ * in flight a thread) out of a pool far larger than the L2, so every phase
+ * reads from memory. A latency phase of L ns (one thread spinning, the
+ * rest of the GPU idle: a norm, a router) may sit between weight phases.
+ *
+ * Checked before anything is timed: every variant's XOR of the words it
+ * read equals a plain grid-stride reduction's (every byte read once), and
+ * across each barrier every block sees the stamps the other blocks wrote
+ * before it (0 errors). Exit status 1 when a check fails, 77 without a
+ * CUDA device.
+ *
+ *     nvcc -O3 -arch=sm_90 -o persist_probe scripts/persist_probe.cu
+ *     ./persist_probe [--pool-mib 1024] [--sizes-kib 1024,4096,16384,35840]
+ *                     [--lat-ns 0,4000] [--bps 2] [--reps 5] [--barriers 20000]
+ *
+ * Prints Markdown: the barrier table (us a barrier at 1, 2 and 4 blocks an
+ * SM) and the phase table (us a phase, GB/s, and the fraction of one
+ * whole-pool read's rate, for each size, latency and variant).
+ */
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace cg = cooperative_groups;
+
+#define THREADS 256
+#define UNROLL 8
+
+#define CK(x)                                                                                                 \
+    do {                                                                                                      \
+        cudaError_t e_ = (x);                                                                                 \
+        if (e_ != cudaSuccess) {                                                                              \
+            fprintf(stderr, "persist_probe: %s failed at line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); \
+            exit(1);                                                                                          \
+        }                                                                                                     \
+    } while (0)
+
+enum variant { V_LAUNCH, V_PDL, V_PDL_PF, V_PERSIST, V_PERSIST_CG, V_PERSIST_PF, V_COUNT };
+static const char *const variant_name[V_COUNT] = { "launch", "pdl", "pdl-pf", "persist", "persist-cg", "persist-pf" };
+
+struct probe_args {
+    const uint4 *pool;  /* phases back to back, 16-byte words */
+    size_t phase_words; /* words of one phase */
+    int phases;
+    int first;          /* the launch variants: this kernel's phase */
+    long long lat_ns;   /* a latency phase after each weight phase (0: none) */
+    int prefetch;       /* 1: each block's slice into the L2 first (see the variants) */
+    unsigned *counter;  /* the counter barrier (zeroed before a launch) */
+    int *stamp;         /* [2][blocks]: the phase a block last finished, by the phase's parity */
+    unsigned *errors;   /* stamps seen out of step */
+    unsigned *xor_out;  /* XOR of every word read */
+};
+
+static __device__ __forceinline__ size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+/* Block b's slice [lo, hi) of a phase of n words. */
+static __device__ __forceinline__ void slice_of(size_t n, size_t &lo, size_t &hi) {
+    const size_t per = (n + gridDim.x - 1) / gridDim.x;
+    lo = min_sz(n, per * blockIdx.x);
+    hi = min_sz(n, lo + per);
+}
+
+static __device__ __forceinline__ void l2_prefetch(const uint4 *p, size_t lo, size_t hi) {
+    /* one thread a block; pieces of at most 64 KiB (whole 16-byte words) */
+    if (threadIdx.x != 0) return;
+    for (size_t w = lo; w < hi; w += 4096) {
+        const unsigned bytes = (unsigned)(min_sz(hi - w, 4096) * 16);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + w), "r"(bytes) : "memory");
+    }
+}
+
+static __device__ __forceinline__ unsigned read_slice(const uint4 *__restrict__ p, size_t lo, size_t hi) {
+    unsigned x = 0;
+    size_t i = lo + threadIdx.x;
+    for (; i + (UNROLL - 1) * THREADS < hi; i += UNROLL * THREADS) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) v[u] = __ldg(p + i + u * THREADS);
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; i < hi; i += THREADS) {
+        const uint4 v = __ldg(p + i);
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    return x;
+}
+
+static __device__ __forceinline__ void spin_ns(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while ((long long)(t - t0) < ns);
+}
+
+/* All blocks of the grid meet: the k-th barrier of a launch (from 0) waits
+ * for the counter to reach (k + 1) blocks. Writes before it are seen by
+ * every block after it (release by the fence and the atomic, acquire by
+ * the load). */
+static __device__ __forceinline__ void counter_barrier(unsigned *counter, unsigned k) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned target = (k + 1) * gridDim.x;
+        __threadfence();
+        atomicAdd(counter, 1u);
+        unsigned v;
+        do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+        while (v < target);
+    }
+    __syncthreads();
+}
+
+/* Phase p's stamps (one row a parity: a block already past the barrier
+ * writes the next phase's into the other row, and can come back to this
+ * one only through a barrier this block has not reached yet). */
+static __device__ __forceinline__ int *stamps_of(const probe_args &a, int p) {
+    return a.stamp + (size_t)(p & 1) * gridDim.x;
+}
+static __device__ __forceinline__ void stamp(const probe_args &a, int p) {
+    if (threadIdx.x == 0) stamps_of(a, p)[blockIdx.x] = p;
+}
+/* After a barrier past phase p: two other blocks must have stamped p. */
+static __device__ __forceinline__ void check_stamps(const probe_args &a, int p) {
+    if (threadIdx.x != 0) return;
+    const int nb = (int)gridDim.x;
+    const int *s = stamps_of(a, p);
+    if (s[(blockIdx.x + 1) % nb] != p || s[(blockIdx.x + nb / 2) % nb] != p) atomicAdd(a.errors, 1u);
+}
+
+static __device__ __forceinline__ void finish_xor(const probe_args &a, unsigned x) {
+    for (int o = 16; o; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
+    if ((threadIdx.x & 31) == 0) atomicXor(a.xor_out, x);
+}
+
+/* persist / persist-pf (cg false) and persist-cg (cg true) */
+template <bool CG> __global__ void __launch_bounds__(THREADS) persist_kernel(probe_args a) {
+    unsigned x = 0, k = 0;
+    size_t lo, hi;
+    slice_of(a.phase_words, lo, hi);
+    for (int p = 0; p < a.phases; p++) {
+        const uint4 *ph = a.pool + (size_t)p * a.phase_words;
+        x ^= read_slice(ph, lo, hi);
+        stamp(a, p);
+        /* the next phase's slice asked for while the grid waits on its last blocks */
+        if (a.prefetch && p + 1 < a.phases) l2_prefetch(ph + a.phase_words, lo, hi);
+        if (a.lat_ns > 0) {
+            if (CG) cg::this_grid().sync(); else counter_barrier(a.counter, k++);
+            check_stamps(a, p);
+            if (blockIdx.x == 0 && threadIdx.x == 0) spin_ns(a.lat_ns);
+        }
+        if (CG) cg::this_grid().sync(); else counter_barrier(a.counter, k++);
+        check_stamps(a, p);
+    }
+    finish_xor(a, x);
+}
+
+/* launch / pdl / pdl-pf: phase a.first (and its latency phase, spin_kernel) */
+__global__ void __launch_bounds__(THREADS) phase_kernel(probe_args a) {
+    size_t lo, hi;
+    slice_of(a.phase_words, lo, hi);
+    const uint4 *ph = a.pool + (size_t)a.first * a.phase_words;
+    if (a.prefetch) l2_prefetch(ph, lo, hi);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    if (a.first > 0) check_stamps(a, a.first - 1); /* the kernel before finished in every block */
+    const unsigned x = read_slice(ph, lo, hi);
+    stamp(a, a.first);
+    finish_xor(a, x);
+}
+
+__global__ void spin_kernel(long long ns) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    spin_ns(ns);
+}
+
+/* the reference: a plain grid-stride XOR of n words */
+__global__ void xor_kernel(const uint4 *p, size_t n, unsigned *out) {
+    unsigned x = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    for (int o = 16; o; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
+    if ((threadIdx.x & 31) == 0) atomicXor(out, x);
+}
+
+__global__ void fill_kernel(uint4 *p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed ^ (unsigned)(i >> 32) * 40503u;
+        uint4 v;
+        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; v.x = h;
+        h *= 3266489917u; h ^= h >> 16; v.y = h;
+        h *= 668265263u; h ^= h >> 15; v.z = h;
+        h *= 374761393u; h ^= h >> 13; v.w = h;
+        p[i] = v;
+    }
+}
+
+/* barrier-only: n counter barriers (cg false) or grid.sync()s */
+template <bool CG> __global__ void __launch_bounds__(THREADS) barrier_kernel(unsigned *counter, int n) {
+    for (int k = 0; k < n; k++) {
+        if (CG) cg::this_grid().sync(); else counter_barrier(counter, (unsigned)k);
+    }
+}
+
+struct probe {
+    int sms, bps;
+    unsigned *counter, *errors, *xor_out;
+    int *stamp;
+    cudaStream_t st;
+};
+
+static void launch_coop(const void *fn, int blocks, probe_args *a, cudaStream_t st) {
+    void *params[] = { a };
+    CK(cudaLaunchCooperativeKernel(fn, dim3(blocks), dim3(THREADS), params, 0, st));
+}
+
+static void launch_pdl(const void *fn, int blocks, int threads, void **params, bool pdl, cudaStream_t st) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelExC(&cfg, fn, params));
+}
+
+/* One run of variant v over `phases` phases (enqueued on pr.st; the launch
+ * variants as a graph, made once by the caller through graph_of). */
+static void enqueue(const probe &pr, variant v, probe_args a, int blocks) {
+    a.prefetch = v == V_PDL_PF || v == V_PERSIST_PF;
+    if (v == V_PERSIST || v == V_PERSIST_PF) launch_coop((const void *)persist_kernel<false>, blocks, &a, pr.st);
+    else if (v == V_PERSIST_CG) launch_coop((const void *)persist_kernel<true>, blocks, &a, pr.st);
+    else {
+        const bool pdl = v != V_LAUNCH;
+        for (int p = 0; p < a.phases; p++) {
+            probe_args b = a;
+            b.first = p;
+            void *params[] = { &b };
+            launch_pdl((const void *)phase_kernel, blocks, THREADS, params, pdl && p > 0, pr.st);
+            if (a.lat_ns > 0) {
+                long long ns = a.lat_ns;
+                void *sp[] = { &ns };
+                launch_pdl((const void *)spin_kernel, 1, 32, sp, pdl, pr.st);
+            }
+        }
+    }
+}
+
+static cudaGraphExec_t graph_of(const probe &pr, variant v, const probe_args &a, int blocks) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(pr.st, cudaStreamCaptureModeGlobal));
+    enqueue(pr, v, a, blocks);
+    CK(cudaStreamEndCapture(pr.st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphDestroy(g));
+    return ge;
+}
+
+static void reset(const probe &pr, int blocks) {
+    CK(cudaMemsetAsync(pr.counter, 0, sizeof(unsigned), pr.st));
+    CK(cudaMemsetAsync(pr.stamp, 0xff, (size_t)2 * blocks * sizeof(int), pr.st));
+}
+
+/* median ms of `reps` timed runs (one untimed first) */
+static double time_variant(const probe &pr, variant v, const probe_args &a, int blocks, int reps, bool *ok,
+                           unsigned want_xor) {
+    const bool graph = v == V_LAUNCH || v == V_PDL || v == V_PDL_PF;
+    cudaGraphExec_t ge = graph ? graph_of(pr, v, a, blocks) : NULL;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> ms;
+    for (int r = 0; r <= reps; r++) {
+        reset(pr, blocks);
+        CK(cudaMemsetAsync(pr.errors, 0, sizeof(unsigned), pr.st));
+        CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
+        CK(cudaEventRecord(e0, pr.st));
+        if (graph) CK(cudaGraphLaunch(ge, pr.st));
+        else enqueue(pr, v, a, blocks);
+        CK(cudaEventRecord(e1, pr.st));
+        CK(cudaStreamSynchronize(pr.st));
+        unsigned errors, x;
+        CK(cudaMemcpy(&errors, pr.errors, sizeof errors, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(&x, pr.xor_out, sizeof x, cudaMemcpyDeviceToHost));
+        if (errors || x != want_xor) {
+            fprintf(stderr, "persist_probe: %s: %u barrier errors, XOR %08x (want %08x)\n", variant_name[v], errors, x,
+                    want_xor);
+            *ok = false;
+        }
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (r) ms.push_back(t);
+    }
+    if (ge) CK(cudaGraphExecDestroy(ge));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+static std::vector<long long> parse_list(const char *s, const char *what) {
+    std::vector<long long> v;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        const long long x = strtoll(p, &end, 10);
+        if (end == p || x < 0 || (*end && *end != ',')) {
+            fprintf(stderr, "persist_probe: bad %s list '%s'\n", what, s);
+            exit(2);
+        }
+        v.push_back(x);
+        p = *end ? end + 1 : end;
+    }
+    if (v.empty()) {
+        fprintf(stderr, "persist_probe: empty %s list\n", what);
+        exit(2);
+    }
+    return v;
+}
+
+int main(int argc, char **argv) {
+    long long pool_mib = 1024;
+    int bps = 2, reps = 5, barriers = 20000;
+    std::vector<long long> sizes = { 1024, 4096, 16384, 35840 }, lats = { 0, 4000 };
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "persist_probe: %s needs a value (see the file's head)\n", o);
+            return 2;
+        }
+        if (!strcmp(o, "--pool-mib")) pool_mib = atoll(v);
+        else if (!strcmp(o, "--sizes-kib")) sizes = parse_list(v, "--sizes-kib");
+        else if (!strcmp(o, "--lat-ns")) lats = parse_list(v, "--lat-ns");
+        else if (!strcmp(o, "--bps")) bps = atoi(v);
+        else if (!strcmp(o, "--reps")) reps = atoi(v);
+        else if (!strcmp(o, "--barriers")) barriers = atoi(v);
+        else {
+            fprintf(stderr, "persist_probe: unknown option %s\n", o);
+            return 2;
+        }
+        i++;
+    }
+    if (pool_mib < 64 || bps < 1 || bps > 8 || reps < 1 || barriers < 1) {
+        fprintf(stderr, "persist_probe: --pool-mib >= 64, --bps 1..8, --reps and --barriers >= 1\n");
+        return 2;
+    }
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+        fprintf(stderr, "persist_probe: no CUDA device\n");
+        return 77;
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    probe pr;
+    pr.sms = prop.multiProcessorCount;
+    pr.bps = bps;
+    CK(cudaStreamCreateWithFlags(&pr.st, cudaStreamNonBlocking));
+    CK(cudaMalloc(&pr.counter, sizeof(unsigned)));
+    CK(cudaMalloc(&pr.errors, sizeof(unsigned)));
+    CK(cudaMalloc(&pr.xor_out, sizeof(unsigned)));
+    CK(cudaMalloc(&pr.stamp, (size_t)2 * 8 * pr.sms * sizeof(int)));
+    const size_t pool_words = (size_t)pool_mib * 65536;
+    uint4 *pool;
+    CK(cudaMalloc(&pool, pool_words * 16));
+    fill_kernel<<<4 * pr.sms, 256, 0, pr.st>>>(pool, pool_words, 0x5eedu);
+    CK(cudaGetLastError());
+    printf("# persist_probe on %s: %d SMs, L2 %d MiB, %d threads a block\n\n", prop.name, pr.sms,
+           prop.l2CacheSize >> 20, THREADS);
+
+    bool ok = true;
+    /* the pool read whole (the rate the phases are compared with) */
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> whole;
+    for (int r = 0; r <= reps; r++) {
+        CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
+        CK(cudaEventRecord(e0, pr.st));
+        xor_kernel<<<pr.sms * 8, 256, 0, pr.st>>>(pool, pool_words, pr.xor_out);
+        CK(cudaEventRecord(e1, pr.st));
+        CK(cudaStreamSynchronize(pr.st));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (r) whole.push_back(t);
+    }
+    std::sort(whole.begin(), whole.end());
+    const double peak = (double)pool_words * 16 / (whole[whole.size() / 2] * 1e-3) / 1e9;
+    printf("whole-pool read (%lld MiB, plain grid-stride kernel): %.0f GB/s\n\n", pool_mib, peak);
+
+    /* barriers alone */
+    printf("| blocks an SM | blocks | counter barrier us | grid.sync us |\n|---:|---:|---:|---:|\n");
+    for (int b : { 1, 2, 4 }) {
+        int fit = 0, fit_cg = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, barrier_kernel<false>, THREADS, 0));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit_cg, barrier_kernel<true>, THREADS, 0));
+        if (b > fit || b > fit_cg) continue;
+        const int blocks = b * pr.sms;
+        double us[2];
+        for (int c = 0; c < 2; c++) {
+            std::vector<double> ms;
+            for (int r = 0; r <= reps; r++) {
+                CK(cudaMemsetAsync(pr.counter, 0, sizeof(unsigned), pr.st));
+                unsigned *ctr = pr.counter;
+                int n = barriers;
+                void *params[] = { &ctr, &n };
+                CK(cudaEventRecord(e0, pr.st));
+                CK(cudaLaunchCooperativeKernel(c ? (const void *)barrier_kernel<true> : (const void *)barrier_kernel<false>,
+                                               dim3(blocks), dim3(THREADS), params, 0, pr.st));
+                CK(cudaEventRecord(e1, pr.st));
+                CK(cudaStreamSynchronize(pr.st));
+                float t;
+                CK(cudaEventElapsedTime(&t, e0, e1));
+                if (r) ms.push_back(t);
+            }
+            std::sort(ms.begin(), ms.end());
+            us[c] = ms[ms.size() / 2] * 1e3 / barriers;
+        }
+        printf("| %d | %d | %.2f | %.2f |\n", b, blocks, us[0], us[1]);
+    }
+    printf("\n");
+
+    /* the phases */
+    int fit = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, persist_kernel<true>, THREADS, 0));
+    if (fit < bps) {
+        fprintf(stderr, "persist_probe: %d blocks an SM do not fit (%d)\n", bps, fit);
+        return 1;
+    }
+    const int blocks = bps * pr.sms;
+    printf("phases: %d blocks (%d an SM) of %d threads, %d loads of 16 bytes in flight a thread; "
+           "us a weight phase (its latency phase included), GB/s of weights, fraction of the whole-pool rate\n\n",
+           blocks, bps, THREADS, UNROLL);
+    printf("| phase KiB | latency ns | phases |");
+    for (int v = 0; v < V_COUNT; v++) printf(" %s |", variant_name[v]);
+    printf("\n|---:|---:|---:|");
+    for (int v = 0; v < V_COUNT; v++) printf("---:|");
+    printf("\n");
+    for (long long kib : sizes) {
+        if (kib < 64 || kib * 1024 > (long long)pool_words * 16 / 2) {
+            fprintf(stderr, "persist_probe: phase of %lld KiB skipped (64 KiB .. half the pool)\n", kib);
+            continue;
+        }
+        probe_args a = {};
+        a.pool = pool;
+        a.phase_words = (size_t)kib * 64;
+        a.phases = (int)(pool_words / a.phase_words);
+        a.counter = pr.counter;
+        a.stamp = pr.stamp;
+        a.errors = pr.errors;
+        a.xor_out = pr.xor_out;
+        /* the reference XOR of the phases' words */
+        CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
+        xor_kernel<<<pr.sms * 8, 256, 0, pr.st>>>(pool, a.phase_words * a.phases, pr.xor_out);
+        unsigned want;
+        CK(cudaMemcpyAsync(&want, pr.xor_out, sizeof want, cudaMemcpyDeviceToHost, pr.st));
+        CK(cudaStreamSynchronize(pr.st));
+        for (long long lat : lats) {
+            a.lat_ns = lat;
+            printf("| %lld | %lld | %d |", kib, lat, a.phases);
+            for (int v = 0; v < V_COUNT; v++) {
+                const double ms = time_variant(pr, (variant)v, a, blocks, reps, &ok, want);
+                const double us = ms * 1e3 / a.phases, gbs = (double)a.phase_words * 16 * a.phases / (ms * 1e-3) / 1e9;
+                printf(" %.2f us, %.0f GB/s (%.2f) |", us, gbs, gbs / peak);
+            }
+            printf("\n");
+            fflush(stdout);
+        }
+    }
+    printf("\nchecks: %s\n", ok ? "every variant read every word once; every barrier held" : "FAILED (see stderr)");
+    return ok ? 0 : 1;
+}
