@@ -9,6 +9,11 @@
  *              griddepcontrol.wait, as the engine's kernels do);
  *   pdl-pf     pdl, each block first asking the L2 for its slice (bulk
  *              prefetch) before it waits: the engine's products' early stages;
+ *   pdl-side   pdl, with one small kernel running beside the whole chain (a
+ *              second branch of the graph) that keeps the L2 asked for up to
+ *              --ahead-mib past the phases done (each phase kernel's blocks
+ *              count themselves done; the side kernel waits on that count):
+ *              the prefetch without a persistent kernel or a node a product;
  *   persist    one cooperative kernel, phases separated by a counter barrier;
  *   persist-cg the same with cooperative_groups' grid.sync();
  *   persist-pf persist, each block asking the L2 for its slice of the next
@@ -28,7 +33,7 @@
  *
  *     nvcc -O3 -arch=sm_90 -o persist_probe scripts/persist_probe.cu
  *     ./persist_probe [--pool-mib 1024] [--sizes-kib 1024,4096,16384,35840]
- *                     [--lat-ns 0,4000] [--bps 2] [--reps 5] [--barriers 20000]
+ *                     [--lat-ns 0,4000] [--bps 2] [--reps 5] [--barriers 20000] [--ahead-mib 24]
  *
  * Prints Markdown: the barrier table (us a barrier at 1, 2 and 4 blocks an
  * SM) and the phase table (us a phase, GB/s, and the fraction of one
@@ -58,8 +63,10 @@ namespace cg = cooperative_groups;
         }                                                                                                     \
     } while (0)
 
-enum variant { V_LAUNCH, V_PDL, V_PDL_PF, V_PERSIST, V_PERSIST_CG, V_PERSIST_PF, V_COUNT };
-static const char *const variant_name[V_COUNT] = { "launch", "pdl", "pdl-pf", "persist", "persist-cg", "persist-pf" };
+enum variant { V_LAUNCH, V_PDL, V_PDL_PF, V_PDL_SIDE, V_PERSIST, V_PERSIST_CG, V_PERSIST_PF, V_COUNT };
+static const char *const variant_name[V_COUNT] = { "launch",  "pdl",        "pdl-pf",    "pdl-side",
+                                                   "persist", "persist-cg", "persist-pf" };
+static bool is_graph(int v) { return v == V_LAUNCH || v == V_PDL || v == V_PDL_PF || v == V_PDL_SIDE; }
 
 struct probe_args {
     const uint4 *pool;  /* phases back to back, 16-byte words */
@@ -68,7 +75,8 @@ struct probe_args {
     int first;          /* the launch variants: this kernel's phase */
     long long lat_ns;   /* a latency phase after each weight phase (0: none) */
     int prefetch;       /* 1: each block's slice into the L2 first (see the variants) */
-    unsigned *counter;  /* the counter barrier (zeroed before a launch) */
+    unsigned *counter;  /* the counter barrier; pdl-side: the phase kernels' blocks done (zeroed before a run) */
+    size_t ahead_words; /* pdl-side: how far past the phases done the L2 is asked for */
     int *stamp;         /* [2][blocks]: the phase a block last finished, by the phase's parity */
     unsigned *errors;   /* stamps seen out of step */
     unsigned *xor_out;  /* XOR of every word read */
@@ -188,6 +196,42 @@ __global__ void __launch_bounds__(THREADS) phase_kernel(probe_args a) {
     const unsigned x = read_slice(ph, lo, hi);
     stamp(a, a.first);
     finish_xor(a, x);
+    if (a.ahead_words) { /* pdl-side: this block's slice read */
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(a.counter, 1u);
+    }
+}
+
+/* pdl-side: beside the chain, the pool asked for in pieces of 32 KiB (a
+ * thread a piece, 128 threads) while the pieces stay within ahead_words of
+ * the words the phase kernels have read (their blocks' count). It only
+ * waits on the chain, never the other way round. */
+#define SIDE_THREADS 128
+#define SIDE_PIECE 2048 /* words */
+__global__ void __launch_bounds__(SIDE_THREADS) side_kernel(probe_args a, int blocks) {
+    const size_t total = a.phase_words * a.phases;
+    __shared__ size_t s_limit;
+    size_t next = 0; /* the first word not yet asked for */
+    while (next < total) {
+        if (threadIdx.x == 0) {
+            unsigned done;
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(a.counter) : "memory");
+            const size_t limit = (size_t)(done / (unsigned)blocks) * a.phase_words + a.ahead_words;
+            s_limit = limit < total ? limit : total;
+        }
+        __syncthreads();
+        const size_t limit = s_limit;
+        __syncthreads();
+        if (limit <= next) {
+            __nanosleep(500);
+            continue;
+        }
+        for (size_t w = next + (size_t)threadIdx.x * SIDE_PIECE; w < limit; w += (size_t)SIDE_THREADS * SIDE_PIECE) {
+            const unsigned bytes = (unsigned)(min_sz(limit - w, SIDE_PIECE) * 16);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.pool + w), "r"(bytes) : "memory");
+        }
+        next = limit;
+    }
 }
 
 __global__ void spin_kernel(long long ns) {
@@ -230,7 +274,8 @@ struct probe {
     int sms, bps;
     unsigned *counter, *errors, *xor_out;
     int *stamp;
-    cudaStream_t st;
+    cudaStream_t st, side;
+    cudaEvent_t fork, join;
 };
 
 static void launch_coop(const void *fn, int blocks, probe_args *a, cudaStream_t st) {
@@ -255,10 +300,18 @@ static void launch_pdl(const void *fn, int blocks, int threads, void **params, b
  * variants as a graph, made once by the caller through graph_of). */
 static void enqueue(const probe &pr, variant v, probe_args a, int blocks) {
     a.prefetch = v == V_PDL_PF || v == V_PERSIST_PF;
+    if (v != V_PDL_SIDE) a.ahead_words = 0;
     if (v == V_PERSIST || v == V_PERSIST_PF) launch_coop((const void *)persist_kernel<false>, blocks, &a, pr.st);
     else if (v == V_PERSIST_CG) launch_coop((const void *)persist_kernel<true>, blocks, &a, pr.st);
     else {
         const bool pdl = v != V_LAUNCH;
+        if (v == V_PDL_SIDE) { /* the side branch forks off the stream (inside the graph's capture) */
+            CK(cudaEventRecord(pr.fork, pr.st));
+            CK(cudaStreamWaitEvent(pr.side, pr.fork, 0));
+            void *params[] = { &a, (void *)&blocks };
+            launch_pdl((const void *)side_kernel, 1, SIDE_THREADS, params, false, pr.side);
+            CK(cudaEventRecord(pr.join, pr.side));
+        }
         for (int p = 0; p < a.phases; p++) {
             probe_args b = a;
             b.first = p;
@@ -270,6 +323,7 @@ static void enqueue(const probe &pr, variant v, probe_args a, int blocks) {
                 launch_pdl((const void *)spin_kernel, 1, 32, sp, pdl, pr.st);
             }
         }
+        if (v == V_PDL_SIDE) CK(cudaStreamWaitEvent(pr.st, pr.join, 0));
     }
 }
 
@@ -292,7 +346,7 @@ static void reset(const probe &pr, int blocks) {
 /* median ms of `reps` timed runs (one untimed first) */
 static double time_variant(const probe &pr, variant v, const probe_args &a, int blocks, int reps, bool *ok,
                            unsigned want_xor) {
-    const bool graph = v == V_LAUNCH || v == V_PDL || v == V_PDL_PF;
+    const bool graph = is_graph(v);
     cudaGraphExec_t ge = graph ? graph_of(pr, v, a, blocks) : NULL;
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
@@ -349,6 +403,7 @@ static std::vector<long long> parse_list(const char *s, const char *what) {
 int main(int argc, char **argv) {
     long long pool_mib = 1024;
     int bps = 2, reps = 5, barriers = 20000;
+    long long ahead_mib = 24;
     std::vector<long long> sizes = { 1024, 4096, 16384, 35840 }, lats = { 0, 4000 };
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -362,14 +417,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(o, "--bps")) bps = atoi(v);
         else if (!strcmp(o, "--reps")) reps = atoi(v);
         else if (!strcmp(o, "--barriers")) barriers = atoi(v);
+        else if (!strcmp(o, "--ahead-mib")) ahead_mib = atoll(v);
         else {
             fprintf(stderr, "persist_probe: unknown option %s\n", o);
             return 2;
         }
         i++;
     }
-    if (pool_mib < 64 || bps < 1 || bps > 8 || reps < 1 || barriers < 1) {
-        fprintf(stderr, "persist_probe: --pool-mib >= 64, --bps 1..8, --reps and --barriers >= 1\n");
+    if (pool_mib < 64 || bps < 1 || bps > 8 || reps < 1 || barriers < 1 || ahead_mib < 1) {
+        fprintf(stderr, "persist_probe: --pool-mib >= 64, --bps 1..8, --reps, --barriers and --ahead-mib >= 1\n");
         return 2;
     }
     int n_dev = 0;
@@ -383,6 +439,9 @@ int main(int argc, char **argv) {
     pr.sms = prop.multiProcessorCount;
     pr.bps = bps;
     CK(cudaStreamCreateWithFlags(&pr.st, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&pr.side, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&pr.fork, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&pr.join, cudaEventDisableTiming));
     CK(cudaMalloc(&pr.counter, sizeof(unsigned)));
     CK(cudaMalloc(&pr.errors, sizeof(unsigned)));
     CK(cudaMalloc(&pr.xor_out, sizeof(unsigned)));
@@ -476,6 +535,7 @@ int main(int argc, char **argv) {
         a.stamp = pr.stamp;
         a.errors = pr.errors;
         a.xor_out = pr.xor_out;
+        a.ahead_words = (size_t)ahead_mib * 65536;
         /* the reference XOR of the phases' words */
         CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
         xor_kernel<<<pr.sms * 8, 256, 0, pr.st>>>(pool, a.phase_words * a.phases, pr.xor_out);
