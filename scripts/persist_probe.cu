@@ -208,35 +208,36 @@ __global__ void __launch_bounds__(THREADS) phase_kernel(probe_args a) {
     }
 }
 
-/* pdl-side: beside the chain, the pool asked for in pieces of
- * SIDE_PIECE words (256 KiB), one bulk prefetch a piece issued by lane 0
- * of a warp (a bulk prefetch from several lanes is issued lane by lane:
- * the first form, one block of 32 KiB pieces, managed about 250 GB/s),
- * SIDE_BLOCKS x SIDE_WARPS warps taking the pieces in turn, each piece
- * once it starts within ahead_words of the words the phase kernels have
- * read (their blocks' count). The kernel ends when the chain has read
- * everything, so the graph's end is the chain's; it only waits on the
- * chain, never the other way round. */
-#define SIDE_BLOCKS 4
-#define SIDE_WARPS 4
-#define SIDE_THREADS (32 * SIDE_WARPS)
-#define SIDE_PIECE 16384 /* words */
+/* pdl-side: beside the chain, the pool asked for in pieces of 32 KiB (a
+ * thread a piece, 128 threads) while the pieces stay within ahead_words of
+ * the words the phase kernels have read (their blocks' count). It only
+ * waits on the chain, never the other way round. */
+#define SIDE_THREADS 128
+#define SIDE_PIECE 2048 /* words */
 __global__ void __launch_bounds__(SIDE_THREADS) side_kernel(probe_args a, int blocks) {
     const size_t total = a.phase_words * a.phases;
-    const unsigned all_done = (unsigned)a.phases * (unsigned)blocks;
-    const int warp = blockIdx.x * SIDE_WARPS + (threadIdx.x >> 5), n_warps = gridDim.x * SIDE_WARPS;
-    if ((threadIdx.x & 31) != 0) return;
-    for (size_t w = (size_t)warp * SIDE_PIECE; w < total; w += (size_t)n_warps * SIDE_PIECE) {
-        for (;;) {
+    __shared__ size_t s_limit;
+    size_t next = 0; /* the first word not yet asked for */
+    while (next < total) {
+        if (threadIdx.x == 0) {
             unsigned done;
             asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(a.counter) : "memory");
-            if (done >= all_done) return;
             /* (blocks of a later phase count only once the earlier phase is done: they wait for it) */
-            if (w < (size_t)done * a.phase_words / (size_t)blocks + a.ahead_words) break;
-            __nanosleep(200);
+            const size_t limit = (size_t)done * a.phase_words / (size_t)blocks + a.ahead_words;
+            s_limit = limit < total ? limit : total;
         }
-        const unsigned bytes = (unsigned)(min_sz(total - w, SIDE_PIECE) * 16);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.pool + w), "r"(bytes) : "memory");
+        __syncthreads();
+        const size_t limit = s_limit;
+        __syncthreads();
+        if (limit <= next) {
+            __nanosleep(500);
+            continue;
+        }
+        for (size_t w = next + (size_t)threadIdx.x * SIDE_PIECE; w < limit; w += (size_t)SIDE_THREADS * SIDE_PIECE) {
+            const unsigned bytes = (unsigned)(min_sz(limit - w, SIDE_PIECE) * 16);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.pool + w), "r"(bytes) : "memory");
+        }
+        next = limit;
     }
 }
 
@@ -317,7 +318,7 @@ static void enqueue(const probe &pr, variant v, probe_args a, int blocks) {
             CK(cudaEventRecord(pr.fork, pr.st));
             CK(cudaStreamWaitEvent(pr.side, pr.fork, 0));
             void *params[] = { &a, (void *)&blocks };
-            launch_pdl((const void *)side_kernel, SIDE_BLOCKS, SIDE_THREADS, params, false, pr.side);
+            launch_pdl((const void *)side_kernel, 1, SIDE_THREADS, params, false, pr.side);
             CK(cudaEventRecord(pr.join, pr.side));
         }
         for (int p = 0; p < a.phases; p++) {
