@@ -134,6 +134,7 @@ test-c: $(TEST_BINS) $(BUILD)/ds4server
 ifeq ($(HAVE_NVCC),1)
 test-cuda: cuda
 	@set -e; for t in $(CUDA_TEST_BINS); do $$t; done
+	@tests/cuda/persist_probe_args.sh $(CUDA_BUILD)/tools/persist_probe
 else
 test-cuda:
 	@echo "test-cuda: SKIPPED (nvcc not found: the CUDA build was not compiled)"

@@ -426,7 +426,7 @@ static std::vector<long long> parse_list(const char *s, const char *what) {
     while (*p) {
         char *end;
         const long long x = strtoll(p, &end, 10);
-        if (end == p || x < 0 || (*end && *end != ',')) {
+        if (end == p || x < 0 || (*end && *end != ',') || (*end == ',' && !end[1])) { /* (a trailing comma too) */
             fprintf(stderr, "persist_probe: bad %s list '%s'\n", what, s);
             exit(2);
         }
