@@ -653,9 +653,9 @@ main() {
         fi
     done
 
+    if has_stage probe && [ -x build/cuda/tools/persist_probe ]; then probe_stage; fi
     if has_stage parity && [ -x build/cuda/ds4server ]; then parity_stage; fi
     if has_stage full && [ -x build/cuda/ds4server ]; then full_stage; fi
-    if has_stage probe && [ -x build/cuda/tools/persist_probe ]; then probe_stage; fi
     if has_stage ops && [ -x build/cuda/ds4server ]; then ops_stage; fi
     if has_stage perf && [ -x build/cuda/ds4server ]; then perf_stage; fi
     if has_stage kernels && [ -x build/cuda/ds4server ]; then kernels_stage; fi
