@@ -163,12 +163,10 @@ static __device__ __forceinline__ void check_stamps(const probe_args &a, int p) 
     if (s[(blockIdx.x + 1) % nb] != p || s[(blockIdx.x + nb / 2) % nb] != p) atomicAdd(a.errors, 1u);
 }
 
-/* the XOR of a warp's x into *out (lane 0 adds it) */
-static __device__ __forceinline__ void warp_xor_into(unsigned *out, unsigned x) {
+static __device__ __forceinline__ void finish_xor(const probe_args &a, unsigned x) {
     for (int o = 16; o; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
-    if ((threadIdx.x & 31) == 0) atomicXor(out, x);
+    if ((threadIdx.x & 31) == 0) atomicXor(a.xor_out, x);
 }
-static __device__ __forceinline__ void finish_xor(const probe_args &a, unsigned x) { warp_xor_into(a.xor_out, x); }
 
 /* persist / persist-pf (cg false) and persist-cg (cg true) */
 template <bool CG> __global__ void __launch_bounds__(THREADS) persist_kernel(probe_args a) {
@@ -256,7 +254,8 @@ __global__ void xor_kernel(const uint4 *p, size_t n, unsigned *out) {
         const uint4 v = p[i];
         x ^= v.x ^ v.y ^ v.z ^ v.w;
     }
-    warp_xor_into(out, x);
+    for (int o = 16; o; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
+    if ((threadIdx.x & 31) == 0) atomicXor(out, x);
 }
 
 __global__ void fill_kernel(uint4 *p, size_t n, unsigned seed) {
@@ -363,35 +362,6 @@ static cudaGraphExec_t graph_of(const probe &pr, variant v, const probe_args &a,
  * done before the first event's time is taken */
 __global__ void hold_kernel(long long cycles) { spin_cycles(cycles); }
 
-/* The median ms of `reps` timed runs, one untimed run first: before(r)
- * enqueues a run's set-up, then come the hold kernel (so that the host's
- * submission is done before the first event's time is taken), the first
- * event, launch() and the second event; after(r) runs once the stream is
- * done (the run's checks). */
-template <class Before, class Launch, class After>
-static double median_ms(const probe &pr, int reps, Before before, Launch launch, After after) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<double> ms;
-    for (int r = 0; r <= reps; r++) {
-        before(r);
-        hold_kernel<<<1, 32, 0, pr.st>>>(pr.hold_cycles);
-        CK(cudaEventRecord(e0, pr.st));
-        launch();
-        CK(cudaEventRecord(e1, pr.st));
-        CK(cudaStreamSynchronize(pr.st));
-        after(r);
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        if (r) ms.push_back(t);
-    }
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
 static void reset(const probe &pr, int blocks) {
     CK(cudaMemsetAsync(pr.counter, 0, sizeof(unsigned), pr.st));
     CK(cudaMemsetAsync(pr.stamp, 0xff, (size_t)2 * blocks * sizeof(int), pr.st));
@@ -413,34 +383,41 @@ static double time_variant(const probe &pr, variant v, const probe_args &a, int 
                 programmatic, want_programmatic);
         *ok = false;
     }
-    const double ms = median_ms(
-        pr, reps,
-        [&](int) {
-            reset(pr, blocks);
-            CK(cudaMemsetAsync(pr.errors, 0, sizeof(unsigned), pr.st));
-            CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
-            CK(cudaMemsetAsync(a.words, 0, sizeof(unsigned long long), pr.st));
-        },
-        [&] {
-            if (graph) CK(cudaGraphLaunch(ge, pr.st));
-            else enqueue(pr, v, a, blocks);
-        },
-        [&](int) {
-            unsigned errors, x;
-            unsigned long long words;
-            CK(cudaMemcpy(&errors, pr.errors, sizeof errors, cudaMemcpyDeviceToHost));
-            CK(cudaMemcpy(&x, pr.xor_out, sizeof x, cudaMemcpyDeviceToHost));
-            CK(cudaMemcpy(&words, a.words, sizeof words, cudaMemcpyDeviceToHost));
-            const unsigned long long want_words = (unsigned long long)a.phase_words * a.phases;
-            if (errors || x != want_xor || words != want_words) {
-                fprintf(stderr,
-                        "persist_probe: %s: %u barrier errors, XOR %08x (want %08x), %llu words read (want %llu)\n",
-                        variant_name[v], errors, x, want_xor, words, want_words);
-                *ok = false;
-            }
-        });
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> ms;
+    for (int r = 0; r <= reps; r++) {
+        reset(pr, blocks);
+        CK(cudaMemsetAsync(pr.errors, 0, sizeof(unsigned), pr.st));
+        CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
+        CK(cudaMemsetAsync(a.words, 0, sizeof(unsigned long long), pr.st));
+        hold_kernel<<<1, 32, 0, pr.st>>>(pr.hold_cycles);
+        CK(cudaEventRecord(e0, pr.st));
+        if (graph) CK(cudaGraphLaunch(ge, pr.st));
+        else enqueue(pr, v, a, blocks);
+        CK(cudaEventRecord(e1, pr.st));
+        CK(cudaStreamSynchronize(pr.st));
+        unsigned errors, x;
+        unsigned long long words;
+        CK(cudaMemcpy(&errors, pr.errors, sizeof errors, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(&x, pr.xor_out, sizeof x, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(&words, a.words, sizeof words, cudaMemcpyDeviceToHost));
+        const unsigned long long want_words = (unsigned long long)a.phase_words * a.phases;
+        if (errors || x != want_xor || words != want_words) {
+            fprintf(stderr, "persist_probe: %s: %u barrier errors, XOR %08x (want %08x), %llu words read (want %llu)\n",
+                    variant_name[v], errors, x, want_xor, words, want_words);
+            *ok = false;
+        }
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (r) ms.push_back(t);
+    }
     if (ge) CK(cudaGraphExecDestroy(ge));
-    return ms;
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
 }
 
 static std::vector<long long> parse_list(const char *s, const char *what) {
@@ -555,12 +532,25 @@ int main(int argc, char **argv) {
     whole.errors = pr.errors;
     whole.xor_out = pr.xor_out;
     whole.words = pr.words;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> plain;
     unsigned pool_xor = 0;
-    const double plain_ms = median_ms(
-        pr, reps, [&](int) { CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st)); },
-        [&] { xor_kernel<<<pr.sms * 8, 256, 0, pr.st>>>(pool, pool_words, pr.xor_out); },
-        [&](int) { CK(cudaMemcpy(&pool_xor, pr.xor_out, sizeof pool_xor, cudaMemcpyDeviceToHost)); });
-    const double gbs_plain = (double)pool_words * 16 / (plain_ms * 1e-3) / 1e9;
+    for (int r = 0; r <= reps; r++) {
+        CK(cudaMemsetAsync(pr.xor_out, 0, sizeof(unsigned), pr.st));
+        hold_kernel<<<1, 32, 0, pr.st>>>(pr.hold_cycles);
+        CK(cudaEventRecord(e0, pr.st));
+        xor_kernel<<<pr.sms * 8, 256, 0, pr.st>>>(pool, pool_words, pr.xor_out);
+        CK(cudaEventRecord(e1, pr.st));
+        CK(cudaMemcpyAsync(&pool_xor, pr.xor_out, sizeof pool_xor, cudaMemcpyDeviceToHost, pr.st));
+        CK(cudaStreamSynchronize(pr.st));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (r) plain.push_back(t);
+    }
+    std::sort(plain.begin(), plain.end());
+    const double gbs_plain = (double)pool_words * 16 / (plain[plain.size() / 2] * 1e-3) / 1e9;
     const double gbs_phase =
         (double)pool_words * 16 / (time_variant(pr, V_LAUNCH, whole, blocks, reps, &ok, pool_xor) * 1e-3) / 1e9;
     const double peak = std::max(gbs_plain, gbs_phase);
@@ -577,18 +567,24 @@ int main(int argc, char **argv) {
         const int blocks = b * pr.sms;
         double us[2];
         for (int c = 0; c < 2; c++) {
-            unsigned *ctr = pr.counter;
-            int n = barriers;
-            void *params[] = { &ctr, &n };
-            const double ms = median_ms(
-                pr, reps, [&](int) { CK(cudaMemsetAsync(pr.counter, 0, sizeof(unsigned), pr.st)); },
-                [&] {
-                    CK(cudaLaunchCooperativeKernel(c ? (const void *)barrier_kernel<true>
-                                                     : (const void *)barrier_kernel<false>,
-                                                   dim3(blocks), dim3(THREADS), params, 0, pr.st));
-                },
-                [](int) {});
-            us[c] = ms * 1e3 / barriers;
+            std::vector<double> ms;
+            for (int r = 0; r <= reps; r++) {
+                CK(cudaMemsetAsync(pr.counter, 0, sizeof(unsigned), pr.st));
+                unsigned *ctr = pr.counter;
+                int n = barriers;
+                void *params[] = { &ctr, &n };
+                hold_kernel<<<1, 32, 0, pr.st>>>(pr.hold_cycles);
+                CK(cudaEventRecord(e0, pr.st));
+                CK(cudaLaunchCooperativeKernel(c ? (const void *)barrier_kernel<true> : (const void *)barrier_kernel<false>,
+                                               dim3(blocks), dim3(THREADS), params, 0, pr.st));
+                CK(cudaEventRecord(e1, pr.st));
+                CK(cudaStreamSynchronize(pr.st));
+                float t;
+                CK(cudaEventElapsedTime(&t, e0, e1));
+                if (r) ms.push_back(t);
+            }
+            std::sort(ms.begin(), ms.end());
+            us[c] = ms[ms.size() / 2] * 1e3 / barriers;
         }
         printf("| %d | %d | %.2f | %.2f |\n", b, blocks, us[0], us[1]);
     }
