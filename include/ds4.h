@@ -76,6 +76,10 @@ typedef struct ds4_session ds4_session;
 typedef enum ds4_numerics_mode {
     DS4_NUMERICS_MODE_DS4 = 0,       /* DS4's rounding steps (default) */
     DS4_NUMERICS_MODE_REFERENCE = 1, /* float32 throughout */
+    /* DS4's, except that a prompt's Q8_0 and F16 weight products take
+     * binary16 weights and activations, as DS4's CUDA prefill does; decoded
+     * tokens are DS4's (docs/f16-prefill-numerics.md) */
+    DS4_NUMERICS_MODE_DS4_F16 = 2,
 } ds4_numerics_mode;
 
 typedef struct ds4_engine_params {

@@ -38,6 +38,42 @@ ds4_status ds4_backend_create(const char *name, int n_threads, ds4_backend **out
     return ds4_error_set(err, DS4_ERR_INVALID, "unknown backend \"%s\" (known: cpu, cuda)", name);
 }
 
+/* the public modes (ds4.h) are the numerics of the same number */
+_Static_assert(DS4_NUMERICS_MODE_DS4 == (int)DS4_NUMERICS_DS4 && DS4_NUMERICS_MODE_REFERENCE == (int)DS4_NUMERICS_REFERENCE &&
+                   DS4_NUMERICS_MODE_DS4_F16 == (int)DS4_NUMERICS_DS4_F16,
+               "ds4_numerics_mode and ds4_numerics agree");
+
+static const char *const numerics_names[DS4_NUMERICS_COUNT] = { "ds4", "reference", "ds4-f16" };
+
+const char *ds4_numerics_name(ds4_numerics n) {
+    return (unsigned)n < DS4_NUMERICS_COUNT ? numerics_names[n] : NULL;
+}
+
+bool ds4_numerics_parse(const char *v, ds4_numerics *out) {
+    for (unsigned i = 0; v && i < DS4_NUMERICS_COUNT; i++)
+        if (!strcmp(v, numerics_names[i])) {
+            *out = (ds4_numerics)i;
+            return true;
+        }
+    return false;
+}
+
+ds4_status ds4_backend_check_numerics(const ds4_backend *be, ds4_numerics n, ds4_error *err) {
+    const char *name = ds4_numerics_name(n);
+    if (!name) return ds4_error_set(err, DS4_ERR_INVALID, "numerics %d is not one of " DS4_NUMERICS_NAMES, (int)n);
+    if (!(be->ops->numerics & (1u << n))) {
+        char have[64] = "";
+        for (unsigned i = 0; i < DS4_NUMERICS_COUNT; i++)
+            if (be->ops->numerics & (1u << i)) {
+                if (have[0]) strcat(have, ", ");
+                strcat(have, numerics_names[i]);
+            }
+        return ds4_error_set(err, DS4_ERR_UNSUPPORTED, "the %s backend does not implement numerics %s (it has: %s)",
+                             be->ops->name, name, have[0] ? have : "none");
+    }
+    return DS4_OK;
+}
+
 void ds4_backend_destroy(ds4_backend *be) {
     if (!be) return;
     if (strcmp(be->ops->name, "cpu") == 0) ds4_cpu_backend_free(be);

@@ -27,6 +27,16 @@
  * FP8 / FP4 / F16 round trips where the op says so); under
  * DS4_NUMERICS_REFERENCE every op computes in float32 on the dequantised
  * weights, which is what the transformers implementation does.
+ * DS4_NUMERICS_DS4_F16 is DS4's except in the products of Q8_0 and F16
+ * weights (matmul, matmul_multi, matmul_grouped, rope_matmul_grouped),
+ * which take binary16 operands as DS4's CUDA prefill does (spec 3.9):
+ * each weight element f16(d * q) (Q8_0; d * q is exact in float, so one
+ * rounding to nearest even) or as stored (F16), each activation f16(x),
+ * the products (exact in float) summed in float in an order the backend
+ * chooses (the CPU's: in float64, rounded once). The routed experts (moe)
+ * and every other op are DS4's. The model gives these numerics to the
+ * ops of a prompt's chunks only; its decoded tokens (one or a batch of
+ * streams) are DS4's (ds4_numerics_decode).
  */
 #ifndef DS4_BACKENDS_BACKEND_H
 #define DS4_BACKENDS_BACKEND_H
@@ -68,7 +78,24 @@ typedef struct ds4_head_rows {
 typedef enum ds4_numerics {
     DS4_NUMERICS_DS4 = 0,       /* DS4's rounding steps (the default) */
     DS4_NUMERICS_REFERENCE = 1, /* float32 throughout */
+    DS4_NUMERICS_DS4_F16 = 2,   /* DS4's, with binary16 Q8_0 and F16 products (prefill) */
 } ds4_numerics;
+#define DS4_NUMERICS_COUNT 3
+
+/* DS4's rounding steps (FP8, FP4, F16 round trips, Q8_K experts): every
+ * numerics but REFERENCE */
+static inline bool ds4_numerics_rounds(ds4_numerics n) { return n != DS4_NUMERICS_REFERENCE; }
+/* the numerics of a decoded token's ops under n: DS4_F16's are DS4's */
+static inline ds4_numerics ds4_numerics_decode(ds4_numerics n) {
+    return n == DS4_NUMERICS_DS4_F16 ? DS4_NUMERICS_DS4 : n;
+}
+/* "ds4", "reference", "ds4-f16" (NULL for a value out of range) */
+const char *ds4_numerics_name(ds4_numerics n);
+/* The numerics named v (ds4_numerics_name's names); false for any other
+ * string. */
+bool ds4_numerics_parse(const char *v, ds4_numerics *out);
+/* The names, for messages: "ds4, reference or ds4-f16" */
+#define DS4_NUMERICS_NAMES "ds4, reference or ds4-f16"
 
 /* A weight tensor bound from the model file. `host` points into the mmap;
  * `device` is the backend's copy (NULL for the CPU backend, which reads the
@@ -108,6 +135,8 @@ typedef struct ds4_backend ds4_backend;
 
 typedef struct ds4_backend_ops {
     const char *name;
+    /* the numerics it implements: bit n for ds4_numerics n */
+    unsigned numerics;
 
     /* ---- memory ---------------------------------------------------- */
     /* Float buffers in backend memory (zero-filled). NULL on failure. */
@@ -543,6 +572,10 @@ bool ds4_products_valid(const ds4_product *p, int n, const float *x, int64_t x_s
  * the backend's add_weight_row op: one call where the rows are contiguous,
  * else one a row. For matmul_multi implementations, after the product. */
 void ds4_product_add_row(ds4_backend *be, const ds4_product *p, int64_t n_rows);
+
+/* DS4_OK when the backend implements numerics n, else DS4_ERR_UNSUPPORTED
+ * naming the numerics and the backend (never a fallback to others). */
+ds4_status ds4_backend_check_numerics(const ds4_backend *be, ds4_numerics n, ds4_error *err);
 
 /* Create a backend by name ("cpu"; "cuda" when built in). NULL name = "cpu".
  * An unknown or unavailable backend is an error, never a fallback. */

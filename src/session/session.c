@@ -65,9 +65,18 @@ ds4_status ds4_engine_open(const ds4_engine_params *p, ds4_engine **out, ds4_err
     if (!p || !p->model_path) return ds4_error_set(err, DS4_ERR_INVALID, "no model path given");
     ds4_engine *e = calloc(1, sizeof *e);
     if (!e) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
-    e->num = p->numerics == DS4_NUMERICS_MODE_REFERENCE ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+    switch (p->numerics) {
+    case DS4_NUMERICS_MODE_DS4: e->num = DS4_NUMERICS_DS4; break;
+    case DS4_NUMERICS_MODE_REFERENCE: e->num = DS4_NUMERICS_REFERENCE; break;
+    case DS4_NUMERICS_MODE_DS4_F16: e->num = DS4_NUMERICS_DS4_F16; break;
+    default:
+        free(e);
+        return ds4_error_set(err, DS4_ERR_INVALID, "numerics mode %d is not one of " DS4_NUMERICS_NAMES,
+                             (int)p->numerics);
+    }
     ds4_status st = gguf_open(p->model_path, &e->file, err);
     if (!st) st = ds4_backend_create(p->backend, p->n_threads, &e->be, err);
+    if (!st) st = ds4_backend_check_numerics(e->be, e->num, err); /* before the weights are read */
     if (!st) st = ds4_model_load_progress(e->file, e->be, p->load_progress, p->load_progress_ctx, &e->model, err);
     if (st) {
         ds4_engine_close(e);

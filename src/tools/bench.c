@@ -3,7 +3,7 @@
  * decode at context frontiers, device counters and the roofline, with an A/B
  * mode that alternates two variants in one run.
  *
- *   ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference]
+ *   ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference|ds4-f16]
  *                   [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]
  *                   [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]
  *                   [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE | --compare CMD]
@@ -185,12 +185,12 @@ typedef struct opts {
     bool ttft_given, bw_mib_given; /* options --compare does not take */
 } opts;
 
-static const char *numerics_name(ds4_numerics n) { return n == DS4_NUMERICS_DS4 ? "ds4" : "reference"; }
+static const char *numerics_name(ds4_numerics n) { return ds4_numerics_name(n); }
 
 static int usage_error(const char *fmt, const char *arg) { return bench_usage_error(CMD, "bench", fmt, arg); }
 
 static void print_help(void) {
-    printf("usage: ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference]\n"
+    printf("usage: ds4server bench -m FILE | --synthetic NAME [--backend cpu|cuda] [--numerics ds4|reference|ds4-f16]\n"
            "                       [--ctx 2048,16384,65536] [--prefill 1,128,512,2048,8192] [--gen 128]\n"
            "                       [--repeat N] [--warmup N] [--ttft 2048] [--threads N] [--seed S]\n"
            "                       [--chunk N] [--json OUT] [--md OUT] [--ab KEY=VALUE]\n"
@@ -291,7 +291,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             snprintf(o->backend, sizeof o->backend, "%s", v);
         } else if (!strcmp(a, "--numerics")) {
             if (!bench_parse_numerics(v, &o->num))
-                return usage_error("--numerics must be ds4 or reference, not '%s'", v);
+                return usage_error("--numerics must be " DS4_NUMERICS_NAMES ", not '%s'", v);
         } else if (!strcmp(a, "--ctx")) {
             if (!bench_parse_list(v, 1, BIG, o->ctx, &o->n_ctx))
                 return usage_error("--ctx takes a comma-separated list of positive positions, not '%s'", v);
@@ -353,8 +353,9 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 if (!bench_valid_backend(val)) return usage_error("--ab backend= must be cpu or cuda, not '%s'", val);
                 o->ab = AB_BACKEND;
             } else if (klen == 8 && !strncmp(v, "numerics", 8)) {
-                if (strcmp(val, "ds4") && strcmp(val, "reference"))
-                    return usage_error("--ab numerics= must be ds4 or reference, not '%s'", val);
+                ds4_numerics n;
+                if (!bench_parse_numerics(val, &n))
+                    return usage_error("--ab numerics= must be " DS4_NUMERICS_NAMES ", not '%s'", val);
                 o->ab = AB_NUMERICS;
             } else if (klen == 7 && !strncmp(v, "threads", 7)) {
                 int64_t t;
@@ -2049,7 +2050,7 @@ int tool_bench(int argc, char **argv) {
         B->owns = false;
         B->load.open_s = 0;
         if (o->ab == AB_NUMERICS) {
-            B->num = !strcmp(o->ab_value, "ds4") ? DS4_NUMERICS_DS4 : DS4_NUMERICS_REFERENCE;
+            bench_parse_numerics(o->ab_value, &B->num); /* a name the options checked */
         } else {
             if (o->ab == AB_BACKEND) snprintf(B->backend, sizeof B->backend, "%s", o->ab_value);
             else B->threads = atoll(o->ab_value);

@@ -3,7 +3,7 @@
  * DeepSeek V4 Flash, each measured in isolation, as bytes read per second
  * and as a fraction of the measured copy bandwidth.
  *
- *   ds4server bench --ops [--backend cpu|cuda] [--numerics ds4|reference]
+ *   ds4server bench --ops [--backend cpu|cuda] [--numerics ds4|reference|ds4-f16]
  *                   [--rows 1,8] [--keys 4096,16384] [--div N] [--only S[,S...]]
  *                   [--repeat N] [--warmup N]
  *                   [--rotate-mib N] [--seed S] [--threads N] [--json OUT] [--md OUT]
@@ -145,7 +145,7 @@ static int usage_error(const char *fmt, const char *arg) {
 }
 
 static void print_help(void) {
-    printf("usage: ds4server bench --ops [--backend cpu|cuda] [--numerics ds4|reference] [--rows 1,8]\n"
+    printf("usage: ds4server bench --ops [--backend cpu|cuda] [--numerics ds4|reference|ds4-f16] [--rows 1,8]\n"
            "                       [--keys 4096,16384] [--div N] [--only S[,S...]] [--repeat N] [--warmup N]\n"
            "                       [--rotate-mib N]\n"
            "                       [--seed S] [--threads N] [--json OUT] [--md OUT]\n"
@@ -201,7 +201,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             snprintf(o->backend, sizeof o->backend, "%s", v);
         } else if (!strcmp(a, "--numerics")) {
             if (!bench_parse_numerics(v, &o->num))
-                return usage_error("--numerics must be ds4 or reference, not '%s'", v);
+                return usage_error("--numerics must be " DS4_NUMERICS_NAMES ", not '%s'", v);
         } else if (!strcmp(a, "--rows")) {
             if (!bench_parse_list(v, 1, 64, o->rows, &o->n_rows))
                 return usage_error("--rows must be a list of 1..64, not '%s'", v);

@@ -156,12 +156,7 @@ int64_t bench_default_threads(void) {
 
 bool bench_valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
 
-bool bench_parse_numerics(const char *v, ds4_numerics *num) {
-    if (!strcmp(v, "ds4")) *num = DS4_NUMERICS_DS4;
-    else if (!strcmp(v, "reference")) *num = DS4_NUMERICS_REFERENCE;
-    else return false;
-    return true;
-}
+bool bench_parse_numerics(const char *v, ds4_numerics *num) { return ds4_numerics_parse(v, num); }
 
 bool bench_parse_positive(const char *s, double *out) {
     if (!s || !*s) return false;

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backends/backend.h"
 #include "session/engine.h"
 #include "tools/tools.h"
 
@@ -51,7 +52,8 @@ const char *cli_common_usage(void) {
            "  --think | --nothink | --think-max   thinking mode (default --think)\n"
            "  --system TEXT             system prompt\n"
            "  --temp T --top-p P --top-k K --min-p M --seed S   sampling (DS4 defaults 1 / 1 / 0 / 0.05)\n"
-           "  --numerics ds4|reference  rounding steps (default ds4)\n"
+           "  --numerics ds4|reference|ds4-f16  rounding steps (default ds4; ds4-f16: a prompt's Q8_0\n"
+           "                    and F16 products in binary16, as DS4's CUDA prefill)\n"
            "  --pretokenizer official|ds4   pre-tokenizer rules (default official)\n";
 }
 
@@ -93,9 +95,12 @@ int cli_parse_common(const char *cmd, cli_opts *o, int argc, char **argv, int *i
     else if (!strcmp(a, "--backend")) o->backend = v;
     else if (!strcmp(a, "--system")) o->system = v;
     else if (!strcmp(a, "--numerics")) {
-        if (!strcmp(v, "ds4")) o->numerics = DS4_NUMERICS_MODE_DS4;
-        else if (!strcmp(v, "reference")) o->numerics = DS4_NUMERICS_MODE_REFERENCE;
-        else { tool_fail(cmd, "--numerics must be ds4 or reference"); return -1; }
+        ds4_numerics num;
+        if (!ds4_numerics_parse(v, &num)) {
+            tool_fail(cmd, "--numerics must be " DS4_NUMERICS_NAMES ", not '%s'", v);
+            return -1;
+        }
+        o->numerics = (ds4_numerics_mode)num; /* the same numbers (backend.c) */
     } else if (!strcmp(a, "--pretokenizer")) {
         if (!strcmp(v, "official")) o->pretok = DS4_PRETOK_OFFICIAL;
         else if (!strcmp(v, "ds4")) o->pretok = DS4_PRETOK_DS4;

@@ -2,7 +2,7 @@
  * logits.c - `ds4server logits`: float32 logits for every position.
  *
  *   ds4server logits -m FILE --tokens 1,2,3,... --out PATH [--backend cpu|cuda]
- *                    [--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N]
+ *                    [--numerics ds4|reference|ds4-f16] [--incremental | --chunks A,B,...] [--threads N]
  *                    [--greedy N]
  *
  * Writes [n_tokens x vocab] float32 little-endian. By default the whole
@@ -83,7 +83,7 @@ int tool_logits(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             printf("usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH [--backend cpu] "
-                   "[--numerics ds4|reference] [--incremental | --chunks A,B,...] [--threads N] [--greedy N]\n");
+                   "[--numerics ds4|reference|ds4-f16] [--incremental | --chunks A,B,...] [--threads N] [--greedy N]\n");
             return 0;
         }
         if (!strcmp(a, "--profile")) {
@@ -106,9 +106,8 @@ int tool_logits(int argc, char **argv) {
     if (!model || !tokens_s || !out) return tool_fail("logits", "usage: ds4server logits -m FILE --tokens 1,2,3 --out PATH");
     if (n_greedy < 0 || n_greedy > 1000000) return tool_fail("logits", "--greedy must be between 0 and 1000000");
     ds4_numerics num;
-    if (!strcmp(numerics, "ds4")) num = DS4_NUMERICS_DS4;
-    else if (!strcmp(numerics, "reference")) num = DS4_NUMERICS_REFERENCE;
-    else return tool_fail("logits", "unknown --numerics '%s' (ds4 or reference)", numerics);
+    if (!ds4_numerics_parse(numerics, &num))
+        return tool_fail("logits", "unknown --numerics '%s' (" DS4_NUMERICS_NAMES ")", numerics);
     int64_t n, n_chunks = 0;
     int32_t *tokens = tool_parse_tokens(tokens_s, &n);
     if (!tokens) return tool_fail("logits", "--tokens must be a comma-separated list of token ids");

@@ -689,6 +689,9 @@ typedef struct matmul_case {
  *     1e-5 allowed.
  * Measured worst |err| / S over 100 seeds: 6e-8 (every type, DS4 numerics)
  * and 1.3e-8 (REFERENCE, i.e. the final rounding to float).
+ * DS4_F16: Q8_0 and F16 weights against the float64 sum of f16(w) f16(x)
+ * (their own rounding steps; exact products, one rounding: REFERENCE's
+ * tolerance); the other types bit for bit as under DS4.
  */
 static const matmul_case MATMUL_CASES[] = {
     { DS4_TYPE_F32, 5e-6 },  { DS4_TYPE_F16, 5e-6 },  { DS4_TYPE_BF16, 5e-6 },
@@ -702,6 +705,7 @@ static void test_matmul_types(void) {
     ds4_backend *be1 = new_backend(1), *be2 = new_backend(2), *be3 = new_backend(3);
     float *src = fvec(n_in * total_rows), *x = fvec(n_rows * x_stride), *wrow = fvec(n_in);
     float *out = fvec(n_rows * out_stride), *out2 = fvec(n_rows * out_stride), *out3 = fvec(n_rows * out_stride);
+    float *out_ds4 = fvec(n_rows * out_stride);
     double *xq = dvec(n_in);
     fill_normal(src, n_in * total_rows, 0.05);
     fill_normal(x, n_rows * x_stride, 1.0);
@@ -709,8 +713,11 @@ static void test_matmul_types(void) {
         const matmul_case *mc = &MATMUL_CASES[c];
         test_weight tw;
         weight_make(&tw, ds4_type_name(mc->type), mc->type, n_in, total_rows, src);
-        for (int num = 0; num < 2; num++) {
-            const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        for (int num = 0; num < DS4_NUMERICS_COUNT; num++) {
+            const ds4_numerics nm = (ds4_numerics)num;
+            const char *nname = ds4_numerics_name(nm);
+            /* binary16 operands (the others compute as under DS4) */
+            const bool f16x = nm == DS4_NUMERICS_DS4_F16 && (mc->type == DS4_TYPE_Q8_0 || mc->type == DS4_TYPE_F16);
             for (int64_t i = 0; i < n_rows * out_stride; i++) out[i] = out2[i] = out3[i] = -7.0f;
             be1->ops->matmul(be1, &tw.w, row0, n_out, x, x_stride, out, out_stride, n_rows, nm);
             be2->ops->matmul(be2, &tw.w, row0, n_out, x, x_stride, out2, out_stride, n_rows, nm);
@@ -721,12 +728,18 @@ static void test_matmul_types(void) {
             /* Any thread count gives the same bits; padding is untouched. */
             CHECK_MSG(memcmp(out, out2, (size_t)(n_rows * out_stride) * sizeof *out) == 0, "%s", tw.w.name);
             CHECK_MSG(memcmp(out, out3, (size_t)(n_rows * out_stride) * sizeof *out) == 0, "%s", tw.w.name);
+            if (nm == DS4_NUMERICS_DS4) memcpy(out_ds4, out, (size_t)(n_rows * out_stride) * sizeof *out);
+            if (nm == DS4_NUMERICS_DS4_F16 && !f16x)
+                CHECK_MSG(memcmp(out, out_ds4, (size_t)(n_rows * out_stride) * sizeof *out) == 0,
+                          "%s: ds4-f16 computes it as ds4", tw.w.name);
             double worst = 0;
             for (int64_t r = 0; r < n_rows; r++) {
                 CHECK(out[r * out_stride + n_out] == -7.0f && out[r * out_stride + n_out + 1] == -7.0f);
                 const float *xr = x + r * x_stride;
                 if (nm == DS4_NUMERICS_REFERENCE) {
                     for (int64_t i = 0; i < n_in; i++) xq[i] = xr[i];
+                } else if (f16x) {
+                    for (int64_t i = 0; i < n_in; i++) xq[i] = ds4_f16_to_f32(ds4_f32_to_f16(xr[i]));
                 } else if (mc->type == DS4_TYPE_Q8_0) {
                     naive_q8_0_act(xr, n_in, xq);
                 } else if (mc->type == DS4_TYPE_F32 || mc->type == DS4_TYPE_F16 || mc->type == DS4_TYPE_BF16) {
@@ -736,6 +749,8 @@ static void test_matmul_types(void) {
                 }
                 for (int64_t o = 0; o < n_out; o++) {
                     weight_row(&tw.w, row0 + o, wrow);
+                    if (f16x) /* f16(d q) (F16 rows are binary16 already) */
+                        for (int64_t i = 0; i < n_in; i++) wrow[i] = ds4_f16_to_f32(ds4_f32_to_f16(wrow[i]));
                     double want = 0, S = 0;
                     for (int64_t i = 0; i < n_in; i++) {
                         want += (double)wrow[i] * xq[i];
@@ -743,17 +758,16 @@ static void test_matmul_types(void) {
                     }
                     /* REFERENCE: exact float64 sum of exact products, rounded to
                      * float once: half an ulp of the result, plus float64 noise. */
-                    const double tol =
-                        nm == DS4_NUMERICS_REFERENCE ? EPS32 * fabs(want) + 1e-13 * S : mc->ds4_rel_tol * S;
+                    const double tol = nm == DS4_NUMERICS_REFERENCE || f16x ? EPS32 * fabs(want) + 1e-13 * S
+                                                                            : mc->ds4_rel_tol * S;
                     const double got = out[r * out_stride + o];
                     CHECK_MSG(fabs(got - want) <= tol, "%s %s row %lld out %lld: %.9g vs %.9g (tol %.3g)", tw.w.name,
-                              num ? "reference" : "ds4", (long long)r, (long long)o, got, want, tol);
+                              nname, (long long)r, (long long)o, got, want, tol);
                     if (S > 0) worst = fmax(worst, fabs(got - want) / S);
                 }
             }
             if (getenv("DS4_TEST_VERBOSE"))
-                fprintf(stderr, "  %-8s %-9s worst |err| / sum|w x| = %.3g\n", tw.w.name, num ? "reference" : "ds4",
-                        worst);
+                fprintf(stderr, "  %-8s %-9s worst |err| / sum|w x| = %.3g\n", tw.w.name, nname, worst);
         }
         weight_free(&tw);
     }
@@ -763,10 +777,99 @@ static void test_matmul_types(void) {
     free(out);
     free(out2);
     free(out3);
+    free(out_ds4);
     free(xq);
     ds4_backend_destroy(be1);
     ds4_backend_destroy(be2);
     ds4_backend_destroy(be3);
+}
+
+/* The numerics' names round trip; other strings are refused; a backend is
+ * asked for the numerics it implements (the CPU all three) and refuses
+ * the others, naming them and what it has. */
+static void test_numerics_names(void) {
+    for (int n = 0; n < DS4_NUMERICS_COUNT; n++) {
+        ds4_numerics got = DS4_NUMERICS_REFERENCE;
+        const char *name = ds4_numerics_name((ds4_numerics)n);
+        CHECK(name && ds4_numerics_parse(name, &got) && got == (ds4_numerics)n);
+    }
+    CHECK(!strcmp(ds4_numerics_name(DS4_NUMERICS_DS4_F16), "ds4-f16"));
+    CHECK(ds4_numerics_name((ds4_numerics)DS4_NUMERICS_COUNT) == NULL);
+    const char *bad[] = { "", "DS4", "ds4-f", "ds4-f16 ", "f16", "reference,ds4" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ds4_numerics got = DS4_NUMERICS_DS4_F16;
+        CHECK_MSG(!ds4_numerics_parse(bad[i], &got) && got == DS4_NUMERICS_DS4_F16, "'%s'", bad[i]);
+    }
+    ds4_numerics got;
+    CHECK(!ds4_numerics_parse(NULL, &got));
+    CHECK(ds4_numerics_decode(DS4_NUMERICS_DS4_F16) == DS4_NUMERICS_DS4);
+    CHECK(ds4_numerics_decode(DS4_NUMERICS_REFERENCE) == DS4_NUMERICS_REFERENCE);
+    CHECK(ds4_numerics_rounds(DS4_NUMERICS_DS4_F16) && !ds4_numerics_rounds(DS4_NUMERICS_REFERENCE));
+
+    ds4_backend *be = new_backend(1);
+    ds4_error err = { 0 };
+    for (int n = 0; n < DS4_NUMERICS_COUNT; n++) CHECK(ds4_backend_check_numerics(be, (ds4_numerics)n, &err) == DS4_OK);
+    ds4_backend_ops fewer = *be->ops;
+    fewer.numerics &= ~(1u << DS4_NUMERICS_DS4_F16);
+    ds4_backend lacking = *be;
+    lacking.ops = &fewer;
+    CHECK(ds4_backend_check_numerics(&lacking, DS4_NUMERICS_DS4_F16, &err) == DS4_ERR_UNSUPPORTED);
+    CHECK_MSG(strstr(err.message, "cpu") && strstr(err.message, "ds4-f16") &&
+                  strstr(err.message, "(it has: ds4, reference)"), "%s", err.message);
+    CHECK(ds4_backend_check_numerics(&lacking, DS4_NUMERICS_DS4, &err) == DS4_OK);
+    CHECK(ds4_backend_check_numerics(be, (ds4_numerics)7, &err) == DS4_ERR_INVALID);
+    ds4_backend_destroy(be);
+}
+
+/* DS4_F16's binary16 operands, worked by hand:
+ *   Q8_0, d = f16 0x2E66 = 0.0999755859375: q 7 -> d q = 0.6998291015625,
+ *   whose nearest half (steps of 2^-11 in [0.5, 1)) is 0.69970703125; q -127
+ *   -> 12.6968994140625 -> -12.6953125 (steps of 2^-7). x 1.0001 -> 1 (steps
+ *   of 2^-10), x 0.5 exact: 0.69970703125 - 6.34765625 = -5.64794921875
+ *   (the other 30 weights are 0; their x, 1000.3, is what makes DS4's Q8_0
+ *   activations round x 1.0001 and 0.5 to 0).
+ *   F16 row (0.0999755859375, 2, 0.333251953125) . (1.0001, 0.5, 3) =
+ *   0.0999755859375 + 1 + 0.999755859375 = 2.0997314453125; x 65520 rounds
+ *   to inf (past the largest half, 65504), and stays inf.
+ *   F16 row (1024, 2^-14, -1024) . (1024, 2^-10, 1024): products 2^20,
+ *   2^-24, -2^20, whose float64 sum is exactly 2^-24 (a float sum in that
+ *   order loses the 2^-24: ulp(2^20) is 2^-3 in float).
+ * Any row count (1 and 2 here) takes the same operands. */
+static void test_matmul_f16_operands(void) {
+    ds4_backend *be = new_backend(2);
+    ds4_block_q8_0 q[1];
+    memset(q, 0, sizeof q);
+    q[0].d = 0x2E66;
+    q[0].qs[0] = 7;
+    q[0].qs[1] = -127;
+    ds4_weight wq = { "q8_0", DS4_TYPE_Q8_0, { 32, 1, 1, 1 }, 34, q, NULL, NULL };
+    float xq[64], yq[2] = { 0, 0 };
+    for (int i = 0; i < 64; i++) xq[i] = 1000.3f;
+    xq[0] = xq[32] = 1.0001f;
+    xq[1] = xq[33] = 0.5f;
+    be->ops->matmul(be, &wq, 0, 1, xq, 32, yq, 1, 2, DS4_NUMERICS_DS4_F16);
+    CHECK_MSG(yq[0] == -5.64794921875f && yq[1] == -5.64794921875f, "%.10g %.10g", yq[0], yq[1]);
+    be->ops->matmul(be, &wq, 0, 1, xq, 32, yq, 1, 1, DS4_NUMERICS_DS4);
+    CHECK_MSG(fabsf(yq[0]) < 1e-3f, "ds4: %.10g", yq[0]); /* (x 1.0001 and 0.5 quantised to 0) */
+
+    const uint16_t h[2][3] = { { 0x2E66, 0x4000, 0x3555 }, { 0x6400, 0x0400, 0xE400 } };
+    ds4_weight wh = { "f16", DS4_TYPE_F16, { 3, 2, 1, 1 }, 6, h, NULL, NULL };
+    const float xh[3][3] = { { 1.0001f, 0.5f, 3.0f }, { 65520.0f, 0.0f, 0.0f }, { 1024.0f, 0x1p-10f, 1024.0f } };
+    float yh[3][2];
+    for (int r = 0; r < 3; r++) {
+        be->ops->matmul(be, &wh, 0, 2, xh[r], 3, yh[r], 2, 1, DS4_NUMERICS_DS4_F16);
+        float y2[2];
+        be->ops->matmul(be, &wh, 0, 2, xh[r], 3, y2, 2, 1, DS4_NUMERICS_DS4_F16); /* (rows alone: the same) */
+        CHECK(memcmp(y2, yh[r], sizeof y2) == 0);
+    }
+    CHECK_MSG(yh[0][0] == 2.0997314453125f, "%.12g", yh[0][0]);
+    CHECK(isinf(yh[1][0]) && yh[1][0] > 0);
+    CHECK_MSG(yh[2][1] == 0x1p-24f, "%.9g", yh[2][1]);
+    float y3[3 * 2];
+    be->ops->matmul(be, &wh, 0, 2, &xh[0][0], 3, y3, 2, 3, DS4_NUMERICS_DS4_F16); /* three rows at once */
+    CHECK(memcmp(y3, yh, sizeof y3) == 0);
+    expect_no_error(be);
+    ds4_backend_destroy(be);
 }
 
 /* DS4's Q8_0 activation rounding is half-to-even (lrint), unlike the
@@ -845,8 +948,8 @@ static void test_matmul_grouped(void) {
     for (size_t c = 0; c < sizeof MATMUL_CASES / sizeof MATMUL_CASES[0]; c++) {
         test_weight tw;
         weight_make(&tw, ds4_type_name(MATMUL_CASES[c].type), MATMUL_CASES[c].type, n_in, total_rows, src);
-        for (int num = 0; num < 2; num++) {
-            const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+        for (int num = 0; num < DS4_NUMERICS_COUNT; num++) {
+            const ds4_numerics nm = (ds4_numerics)num;
             for (size_t ri = 0; ri < sizeof ROWS / sizeof ROWS[0]; ri++) {
                 const int64_t n_rows = ROWS[ri], n = n_rows * out_stride;
                 for (int64_t i = 0; i < n; i++) out[i] = out2[i] = want[i] = -7.0f;
@@ -858,9 +961,9 @@ static void test_matmul_grouped(void) {
                 expect_no_error(be1);
                 expect_no_error(be2);
                 CHECK_MSG(memcmp(out, want, (size_t)n * sizeof *out) == 0, "%s %s, %lld rows", tw.w.name,
-                          num ? "reference" : "ds4", (long long)n_rows);
+                          ds4_numerics_name(nm), (long long)n_rows);
                 CHECK_MSG(memcmp(out2, want, (size_t)n * sizeof *out) == 0, "%s %s, %lld rows (2 threads)",
-                          tw.w.name, num ? "reference" : "ds4", (long long)n_rows);
+                          tw.w.name, ds4_numerics_name(nm), (long long)n_rows);
                 for (int64_t r = 0; r < n_rows; r++)
                     for (int64_t o = n_groups * n_out; o < out_stride; o++) CHECK(out[r * out_stride + o] == -7.0f);
             }
@@ -901,8 +1004,8 @@ static void test_matmul_multi(void) {
     weight_make(&add1, "blk.0.add1.weight", DS4_TYPE_F16, 17, 3, src);
     weight_make(&add3, "blk.0.add3.weight", DS4_TYPE_F32, 5, 4, src + 60);
     static const int64_t ROWS[] = { 1, 3, 20 };
-    for (int num = 0; num < 2; num++) {
-        const ds4_numerics nm = num ? DS4_NUMERICS_REFERENCE : DS4_NUMERICS_DS4;
+    for (int num = 0; num < DS4_NUMERICS_COUNT; num++) {
+        const ds4_numerics nm = (ds4_numerics)num;
         for (size_t ri = 0; ri < 3; ri++) {
             const int64_t n_rows = ROWS[ri];
             ds4_product p[NP];
@@ -922,7 +1025,7 @@ static void test_matmul_multi(void) {
             expect_no_error(be);
             for (int j = 0; j < NP; j++)
                 CHECK_MSG(memcmp(out[j], want[j], (size_t)(max_rows * (n_outs[j] + 2)) * sizeof(float)) == 0,
-                          "product %d (%s) %s, %lld rows", j, ds4_type_name(types[j]), num ? "reference" : "ds4",
+                          "product %d (%s) %s, %lld rows", j, ds4_type_name(types[j]), ds4_numerics_name(nm),
                           (long long)n_rows);
         }
     }
@@ -2092,6 +2195,11 @@ static void test_moe(void) {
             expect_no_error(be1);
             expect_no_error(be2);
             CHECK(memcmp(out, out2, (size_t)dim * sizeof *out) == 0);
+            if (nm == DS4_NUMERICS_DS4) { /* the routed experts are DS4's under DS4_F16 too */
+                be2->ops->moe(be2, &gate.w, &up.w, &down.w, x, sel, wts, n_used, limit, out2, 1, DS4_NUMERICS_DS4_F16);
+                expect_no_error(be2);
+                CHECK_MSG(memcmp(out, out2, (size_t)dim * sizeof *out) == 0, "case %zu ds4-f16", c);
+            }
             /* The same computation composed from the matmul and swiglu ops
              * (each tested on its own) gives the same bits: this pins the
              * expert row offsets, the routing weight before the down
@@ -2346,6 +2454,8 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_rounding_ops),
     TEST_ENTRY(test_matmul_types),
     TEST_ENTRY(test_matmul_q8_0_ties),
+    TEST_ENTRY(test_numerics_names),
+    TEST_ENTRY(test_matmul_f16_operands),
     TEST_ENTRY(test_matmul_f16_all_values),
     TEST_ENTRY(test_matmul_grouped),
     TEST_ENTRY(test_matmul_multi),

@@ -1,9 +1,12 @@
 /* test_session.c - sessions: prefix reuse, rewind, context limits, checkpoints. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "core/error.h"
+#include "core/gguf.h"
+#include "core/quant.h"
 #include "ds4.h"
 #include "backends/backend.h"
 #include "models/deepseek4/ds4_model.h"
@@ -776,6 +779,183 @@ static void test_session_decode_batch(void) {
     free(t);
 }
 
+/* Layer 0's inputs and outputs of two products of a prompt's chunk. */
+typedef struct f16_tap {
+    ds4_backend *be;
+    float *attn_norm, *q_a, *ffn_norm, *router;
+    int64_t n_attn_norm, n_q_a, n_ffn_norm, n_router;
+} f16_tap;
+
+static void f16_tap_fn(void *ctx, const char *name, int layer, int64_t token, float *buf, int64_t n, bool host) {
+    f16_tap *t = ctx;
+    if (layer != 0 || token != -1) return;
+    float **dst = !strcmp(name, "attn_norm") ? &t->attn_norm : !strcmp(name, "q_a") ? &t->q_a
+                : !strcmp(name, "ffn_norm") ? &t->ffn_norm : !strcmp(name, "router_logits") ? &t->router : NULL;
+    int64_t *len = !strcmp(name, "attn_norm") ? &t->n_attn_norm : !strcmp(name, "q_a") ? &t->n_q_a
+                 : !strcmp(name, "ffn_norm") ? &t->n_ffn_norm : &t->n_router;
+    if (!dst || *dst) return;
+    *dst = malloc((size_t)n * sizeof **dst);
+    *len = n;
+    if (host) memcpy(*dst, buf, (size_t)n * sizeof **dst);
+    else t->be->ops->download(t->be, *dst, buf, n);
+}
+
+static float f16r(float v) { return ds4_f16_to_f32(ds4_f32_to_f16(v)); }
+
+/* out[r][o] of the file's weight `name` (Q8_0 or F16, rows of n_in) on x
+ * [n_rows, n_in] with binary16 operands, against got: each within one
+ * float rounding of the float64 sum (the numerics' value); the count of
+ * outputs off. */
+static int f16_product_off(const gguf_file *f, const char *name, const float *x, const float *got, int64_t n_rows,
+                           int64_t n_out) {
+    const gguf_tensor *t = gguf_find_tensor(f, name);
+    CHECK_MSG(t && (t->type == DS4_TYPE_Q8_0 || t->type == DS4_TYPE_F16) && (int64_t)t->ne[1] == n_out, "%s", name);
+    if (!t) return 1;
+    const int64_t n_in = (int64_t)t->ne[0];
+    float *w = malloc((size_t)n_in * sizeof *w);
+    int off = 0;
+    for (int64_t o = 0; o < n_out; o++) {
+        if (t->type == DS4_TYPE_Q8_0) {
+            const ds4_block_q8_0 *b = (const ds4_block_q8_0 *)t->data + o * (n_in / 32);
+            for (int64_t i = 0; i < n_in; i++) w[i] = f16r(ds4_f16_to_f32(b[i / 32].d) * (float)b[i / 32].qs[i % 32]);
+        } else {
+            const uint16_t *h = (const uint16_t *)t->data + o * n_in;
+            for (int64_t i = 0; i < n_in; i++) w[i] = ds4_f16_to_f32(h[i]);
+        }
+        for (int64_t r = 0; r < n_rows; r++) {
+            double want = 0, mag = 0;
+            for (int64_t i = 0; i < n_in; i++) {
+                const double p = (double)w[i] * f16r(x[r * n_in + i]);
+                want += p;
+                mag += fabs(p);
+            }
+            const double g = got[r * n_out + o];
+            if (!(fabs(g - want) <= 0x1p-24 * fabs(want) + 1e-13 * mag)) {
+                if (!off) fprintf(stderr, "    %s row %lld out %lld: %.9g, want %.9g\n", name, (long long)r, (long long)o, g, want);
+                off++;
+            }
+        }
+    }
+    free(w);
+    return off;
+}
+
+/*
+ * The ds4-f16 numerics through the model:
+ * - a prompt's chunk takes binary16 operands in its Q8_0 and F16 products:
+ *   layer 0's q_a (Q8_0) and router logits (F16) of a 24-token prefill are
+ *   the test's own binary16 products of the inputs the hook saw;
+ * - the prefill's logits differ from ds4's (and stay finite);
+ * - decoded tokens are ds4's: the same tokens decoded one at a time, and
+ *   batched, under both give the same logits bit for bit;
+ * - a backend without the numerics refuses them (the error names them),
+ *   with nothing advanced; so does an engine, before loading weights; an
+ *   engine opens with them on the CPU; a mode out of range is refused.
+ */
+static void test_f16_numerics(void) {
+    if (!setup()) { CHECK(0); return; }
+    ds4_error err = { 0 };
+    ds4_backend *cpu = NULL;
+    ds4_model *m = cpu_model(&cpu);
+    if (!m) return;
+    const ds4_config *c = ds4_model_config(m);
+    const gguf_file *f = ds4_engine_gguf(engine);
+    enum { N = 24, STEPS = 6 };
+    int32_t *t = random_tokens(N + 2 * STEPS);
+
+    f16_tap tap = { .be = cpu };
+    ds4_state *sf = NULL, *sd = NULL;
+    CHECK(ds4_state_create(m, 128, &sf, &err) == DS4_OK && ds4_state_create(m, 128, &sd, &err) == DS4_OK);
+    float *lf = malloc((size_t)(2 * vocab) * sizeof *lf), *ld = malloc((size_t)(2 * vocab) * sizeof *ld);
+    ds4_model_set_tap(m, f16_tap_fn, &tap);
+    CHECK_MSG(ds4_model_eval(m, sf, t, N, DS4_NUMERICS_DS4_F16, lf, false, &err) == DS4_OK, "%s", err.message);
+    ds4_model_set_tap(m, NULL, NULL);
+    CHECK(tap.attn_norm && tap.q_a && tap.ffn_norm && tap.router);
+    if (tap.attn_norm && tap.q_a && tap.ffn_norm && tap.router) {
+        CHECK(tap.n_attn_norm == N * c->n_embd && tap.n_q_a == N * c->q_lora && tap.n_router == N * c->n_expert);
+        CHECK_EQ_INT(f16_product_off(f, "blk.0.attn_q_a.weight", tap.attn_norm, tap.q_a, N, c->q_lora), 0);
+        CHECK_EQ_INT(f16_product_off(f, "blk.0.ffn_gate_inp.weight", tap.ffn_norm, tap.router, N, c->n_expert), 0);
+    }
+    CHECK(ds4_model_eval(m, sd, t, N, DS4_NUMERICS_DS4, ld, false, &err) == DS4_OK);
+    CHECK_MSG(memcmp(lf, ld, (size_t)vocab * sizeof *lf) != 0, "a ds4-f16 prefill gave ds4's logits");
+    int finite = 0;
+    for (int64_t i = 0; i < vocab; i++) finite += isfinite(lf[i]) != 0;
+    CHECK_EQ_INT(finite, vocab);
+
+    /* decoded tokens: two fresh states fed the same tokens one at a time */
+    ds4_state *a[2] = { 0 }, *b[2] = { 0 };
+    for (int i = 0; i < 2; i++)
+        CHECK(ds4_state_create(m, 128, &a[i], &err) == DS4_OK && ds4_state_create(m, 128, &b[i], &err) == DS4_OK);
+    int bad = 0;
+    for (int i = 0; i < N; i++) {
+        CHECK(ds4_model_eval(m, a[0], &t[i], 1, DS4_NUMERICS_DS4_F16, lf, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, b[0], &t[i], 1, DS4_NUMERICS_DS4, ld, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, a[1], &t[i + 1], 1, DS4_NUMERICS_DS4_F16, NULL, false, &err) == DS4_OK);
+        CHECK(ds4_model_eval(m, b[1], &t[i + 1], 1, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+        bad += memcmp(lf, ld, (size_t)vocab * sizeof *lf) != 0;
+    }
+    for (int step = 0; step < STEPS; step++) {
+        CHECK(ds4_model_eval_batch(m, a, t + N + 2 * step, 2, DS4_NUMERICS_DS4_F16, lf, &err) == DS4_OK);
+        CHECK(ds4_model_eval_batch(m, b, t + N + 2 * step, 2, DS4_NUMERICS_DS4, ld, &err) == DS4_OK);
+        bad += memcmp(lf, ld, (size_t)(2 * vocab) * sizeof *lf) != 0;
+    }
+    CHECK_MSG(bad == 0, "%d decode steps differ between ds4-f16 and ds4", bad);
+
+    /* a backend without the numerics */
+    ds4_backend_ops fewer = *cpu->ops;
+    fewer.numerics &= ~(1u << DS4_NUMERICS_DS4_F16);
+    ds4_backend lacking = *cpu;
+    lacking.ops = &fewer;
+    ds4_model *ml = NULL;
+    CHECK(ds4_model_load((gguf_file *)f, &lacking, &ml, &err) == DS4_OK);
+    if (ml) {
+        ds4_state *sl = NULL;
+        CHECK(ds4_state_create(ml, 64, &sl, &err) == DS4_OK);
+        CHECK(ds4_model_eval(ml, sl, t, 4, DS4_NUMERICS_DS4_F16, NULL, false, &err) == DS4_ERR_UNSUPPORTED);
+        CHECK_MSG(strstr(err.message, "ds4-f16") != NULL, "%s", err.message);
+        CHECK(ds4_model_eval_batch(ml, &sl, t, 1, DS4_NUMERICS_DS4_F16, NULL, &err) == DS4_ERR_UNSUPPORTED);
+        CHECK(ds4_state_pos(sl) == 0);
+        CHECK(ds4_model_eval(ml, sl, t, 4, DS4_NUMERICS_DS4, NULL, false, &err) == DS4_OK);
+        ds4_state_free(sl);
+        ds4_model_free(ml);
+    }
+
+    /* engines */
+    ds4_engine *e = NULL;
+    ds4_engine_params p = { model_a, "cpu", 2, DS4_NUMERICS_MODE_DS4_F16, NULL, NULL };
+    CHECK_MSG(ds4_engine_open(&p, &e, &err) == DS4_OK, "%s", err.message);
+    if (e) {
+        ds4_session *s = NULL;
+        CHECK(ds4_session_create(e, 64, &s, &err) == DS4_OK);
+        if (s) {
+            CHECK_MSG(ds4_session_sync(s, t, N, NULL, &err) == DS4_OK, "%s", err.message);
+            CHECK(ds4_session_decode(s, t[N], &err) == DS4_OK);
+            ds4_session_free(s);
+        }
+        ds4_engine_close(e);
+    }
+    p.numerics = (ds4_numerics_mode)9;
+    e = NULL;
+    CHECK(ds4_engine_open(&p, &e, &err) == DS4_ERR_INVALID && !e);
+    CHECK_MSG(strstr(err.message, "ds4-f16") != NULL, "%s", err.message);
+
+    for (int i = 0; i < 2; i++) {
+        ds4_state_free(a[i]);
+        ds4_state_free(b[i]);
+    }
+    ds4_state_free(sf);
+    ds4_state_free(sd);
+    free(tap.attn_norm);
+    free(tap.q_a);
+    free(tap.ffn_norm);
+    free(tap.router);
+    free(lf);
+    free(ld);
+    free(t);
+    ds4_model_free(m);
+    ds4_backend_destroy(cpu);
+}
+
 static void test_teardown(void) {
     ds4_engine_close(engine);
     engine = NULL;
@@ -793,6 +973,7 @@ static const test_case TESTS[] = {
     TEST_ENTRY(test_prefetch_reads_the_whole_file),
     TEST_ENTRY(test_load_refuses_incomplete_backend),
     TEST_ENTRY(test_batch_decode_matches_single),
+    TEST_ENTRY(test_f16_numerics),
     TEST_ENTRY(test_compressor_chunks_match),
     TEST_ENTRY(test_eval_chunk_env),
     TEST_ENTRY(test_eval_chunk_sizes_match),

@@ -262,6 +262,16 @@ def test_ab_threads(ab):
     assert "| decode at 12" in out and "ABBAABBA" in out
 
 
+def test_f16_numerics_recorded(model, tmp_path):
+    js = tmp_path / "f.json"
+    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "1", "--warmup", "0",
+            "--ttft", "0", "--threads", "1", "--numerics", "ds4-f16", "--ab", "numerics=ds4", "--json", js)
+    assert r.returncode == 0, r.stderr.decode()
+    d = json.loads(js.read_text())
+    assert d["options"]["numerics"] == "ds4-f16"
+    assert d["ab"]["variants"]["A"]["numerics"] == "ds4-f16" and d["ab"]["variants"]["B"]["numerics"] == "ds4"
+
+
 def test_ab_numerics_two_rounds(model, tmp_path):
     js = tmp_path / "ab.json"
     r = ds4("bench", "-m", model, "--ctx", "6", "--prefill", "5", "--gen", "2", "--repeat", "2", "--warmup", "0",

@@ -65,11 +65,20 @@ def test_run_caps_generation_at_the_context(model):
 def test_run_bad_options(model):
     for args, msg in [(["-p", "x", "--temp", "hot"], b"not a number"), (["-p", "x", "--bogus"], b"unknown option"),
                       (["--ctx", "100"], b"no prompt"), (["-p", "x", "--backend", "tpu"], b"tpu"),
-                      (["-p", "x", "--numerics", "fast"], b"--numerics")]:
+                      (["-p", "x", "--numerics", "fast"], b"ds4, reference or ds4-f16")]:
         r = ds4("run", "-m", model, *args)
         assert r.returncode == 1 and msg in r.stderr, (args, r.stderr)
     r = ds4("run", "-m", "/nonexistent.gguf", "-p", "x")
     assert r.returncode == 1 and b"/nonexistent.gguf" in r.stderr
+
+
+def test_run_f16_numerics(model):
+    """--numerics ds4-f16 (a prompt's Q8_0 and F16 products in binary16) runs end to end; the numerics'
+    semantics are tested in test_session and test_cpu_ops."""
+    r = ds4("run", "-m", model, "-p", "Hello there", "-n", "4", "--seed", "1", "--temp", "0", "--numerics", "ds4-f16")
+    assert r.returncode == 0, r.stderr.decode()
+    prompt, _, generated = (int(x) for x in STATS.search(r.stderr).groups())
+    assert prompt > 1 and generated == 4
 
 
 def test_ctrl_c_stops_run(model):

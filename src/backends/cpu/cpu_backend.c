@@ -387,6 +387,7 @@ static void cpu_hc_post_pre_norm(ds4_backend *be, const ds4_hc *hc, const float 
 
 static const ds4_backend_ops CPU_OPS = {
     .name = "cpu",
+    .numerics = 1u << DS4_NUMERICS_DS4 | 1u << DS4_NUMERICS_REFERENCE | 1u << DS4_NUMERICS_DS4_F16,
     .alloc = cpu_alloc,
     .free = cpu_free,
     .upload = cpu_upload,

@@ -59,6 +59,7 @@ typedef enum cpu_dot_kind {
     CPU_DOT_F32,  /* DS4, F32/F16/BF16 weights: float activations, float accumulation */
     CPU_DOT_Q8_0, /* DS4, Q8_0 weights: Q8_0 activations, int8 dots */
     CPU_DOT_Q8_K, /* DS4, K-quant / IQ2 weights: Q8_K activations, traits->dot_q8_K */
+    CPU_DOT_F16X, /* DS4_F16, Q8_0 / F16 weights: binary16 weights and activations, float64 sums */
 } cpu_dot_kind;
 
 /* DS4's Q8_0 activation block: the scale stays a float (only the weight's
@@ -76,6 +77,7 @@ typedef struct cpu_acts {
     int64_t x_stride;
     cpu_q8_0_act *q8_0;   /* CPU_DOT_Q8_0: n/32 blocks per row (owned) */
     ds4_block_q8_K *q8_K; /* CPU_DOT_Q8_K: n/256 blocks per row (owned) */
+    float *xh;            /* CPU_DOT_F16X: f16(x), n per row (owned) */
 } cpu_acts;
 
 /* The dot kind for a weight type under numerics `num`; false if the type has

@@ -16,6 +16,12 @@
  *   DS4 K-quants, IQ2_XXS   each activation row quantised once to Q8_K
  *              (ds4_quantize_row_q8_K); dot = traits->dot_q8_K (ggml's
  *              integer-per-sub-block vec_dot).
+ *   DS4_F16 Q8_0/F16 (CPU_DOT_F16X)   binary16 operands (backend.h): the
+ *              weight row as f16(d * q) (Q8_0) or as stored (F16), each
+ *              activation f16(x); the products are exact in float, summed in
+ *              float64 and rounded once, so the result is the numerics' own
+ *              value whatever order a device sums in. (Other types under
+ *              DS4_F16 take their DS4 kinds.)
  * Activation rows are quantised once per call, before the output rows are
  * split across the worker threads.
  */
@@ -23,6 +29,7 @@
 #include <string.h>
 
 #include "backends/cpu/cpu_internal.h"
+#include "core/rounding.h"
 
 /* ------------------------------------------------------------------------ */
 /* Float rows                                                                */
@@ -50,9 +57,26 @@ static inline float f16_to_f32_fast(uint16_t h) {
     return f;
 }
 
+/* Whether a dot kind reads the weight row as floats (cpu_weight_row_floats). */
+static bool kind_reads_floats(cpu_dot_kind kind) {
+    return kind == CPU_DOT_REF || kind == CPU_DOT_F32 || kind == CPU_DOT_F16X;
+}
+
+/* A Q8_0 row as binary16 values: f16(d * q), d * q exact in float. */
+static void q8_0_row_f16(const ds4_block_q8_0 *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float d = f16_to_f32_fast(b[i].d);
+        for (int j = 0; j < 32; j++) y[32 * i + j] = ds4_round_f16(d * (float)b[i].qs[j]);
+    }
+}
+
 const float *cpu_weight_row_floats(const ds4_weight *w, const void *row, cpu_dot_kind kind, float *scratch) {
-    if (kind != CPU_DOT_REF && kind != CPU_DOT_F32) return NULL;
+    if (!kind_reads_floats(kind)) return NULL;
     const int64_t n = w->ne[0];
+    if (kind == CPU_DOT_F16X && w->type == DS4_TYPE_Q8_0) {
+        q8_0_row_f16(row, scratch, n);
+        return scratch;
+    }
     if (w->type == DS4_TYPE_F32) return row;
     if (w->type == DS4_TYPE_F16) {
         const uint16_t *h = row;
@@ -130,6 +154,8 @@ bool cpu_dot_kind_for(const ds4_weight *w, ds4_numerics num, cpu_dot_kind *kind)
     if (!t || !t->dequant_row || w->ne[0] <= 0 || w->ne[0] % t->block_elems != 0) return false;
     if (num == DS4_NUMERICS_REFERENCE) {
         *kind = CPU_DOT_REF;
+    } else if (num == DS4_NUMERICS_DS4_F16 && (w->type == DS4_TYPE_Q8_0 || w->type == DS4_TYPE_F16)) {
+        *kind = CPU_DOT_F16X;
     } else if (w->type == DS4_TYPE_Q8_0) {
         *kind = CPU_DOT_Q8_0;
     } else if (t->dot_q8_K && t->block_elems == DS4_QK_K) {
@@ -158,6 +184,11 @@ bool cpu_acts_prepare(cpu_acts *a, cpu_dot_kind kind, const float *x, int64_t x_
         a->q8_K = malloc((size_t)(nb * n_rows > 0 ? nb * n_rows : 1) * sizeof *a->q8_K);
         if (!a->q8_K) return false;
         for (int64_t r = 0; r < n_rows; r++) ds4_quantize_row_q8_K(x + r * x_stride, a->q8_K + r * nb, n);
+    } else if (kind == CPU_DOT_F16X) {
+        a->xh = malloc((size_t)(n * n_rows > 0 ? n * n_rows : 1) * sizeof *a->xh);
+        if (!a->xh) return false;
+        for (int64_t r = 0; r < n_rows; r++)
+            for (int64_t i = 0; i < n; i++) a->xh[r * n + i] = ds4_round_f16(x[r * x_stride + i]);
     }
     return true;
 }
@@ -165,8 +196,10 @@ bool cpu_acts_prepare(cpu_acts *a, cpu_dot_kind kind, const float *x, int64_t x_
 void cpu_acts_free(cpu_acts *a) {
     free(a->q8_0);
     free(a->q8_K);
+    free(a->xh);
     a->q8_0 = NULL;
     a->q8_K = NULL;
+    a->xh = NULL;
 }
 
 float cpu_dot(const cpu_acts *a, const ds4_weight *w, const void *row, const float *wf, int64_t r) {
@@ -176,6 +209,7 @@ float cpu_dot(const cpu_acts *a, const ds4_weight *w, const void *row, const flo
     case CPU_DOT_F32: return cpu_dot_f32(wf, a->x + r * a->x_stride, n);
     case CPU_DOT_Q8_0: return dot_q8_0_act(row, a->q8_0 + r * (n / 32), n / 32);
     case CPU_DOT_Q8_K: return ds4_type_traits_get(w->type)->dot_q8_K(row, a->q8_K + r * (n / DS4_QK_K), n);
+    case CPU_DOT_F16X: return (float)dot_f64_acc(wf, a->xh + r * n, n);
     }
     return 0.0f;
 }
@@ -184,7 +218,7 @@ float cpu_dot(const cpu_acts *a, const ds4_weight *w, const void *row, const flo
 static bool alloc_thread_scratch(ds4_backend *be, const ds4_weight *w, cpu_dot_kind kind, int64_t n_per_thread,
                                  float **out) {
     *out = NULL;
-    if (kind != CPU_DOT_REF && kind != CPU_DOT_F32) return true;
+    if (!kind_reads_floats(kind)) return true;
     if (w->type == DS4_TYPE_F32) return true;
     *out = malloc((size_t)cpu_impl(be)->n_threads * (size_t)n_per_thread * sizeof(float));
     return *out != NULL;
@@ -407,6 +441,7 @@ void cpu_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, cons
             return;
         }
     }
+    num = ds4_numerics_decode(num); /* the routed experts are DS4's under DS4_F16 too */
     cpu_dot_kind kg, ku, kd;
     const ds4_weight *bad = !cpu_dot_kind_for(gate, num, &kg) ? gate
                           : !cpu_dot_kind_for(up, num, &ku)   ? up

@@ -584,7 +584,7 @@ static void compressor_rows(ds4_model *m, int l, int64_t t, const ds4_weight *no
     TAP(is_index ? "idx_comp_norm" : "comp_norm", l, t, rows, cnt * dim);
     be->ops->rope_tail(be, rows, cnt, 1, dim, first, &m->rope_comp, false);
     TAP(is_index ? "idx_comp_rope" : "comp_rope", l, t, rows, cnt * dim);
-    if (num == DS4_NUMERICS_DS4) {
+    if (ds4_numerics_rounds(num)) {
         if (is_index) be->ops->indexer_qat(be, rows, cnt, dim);
         else be->ops->round_fp8_kv(be, rows, cnt, dim, m->cfg.n_rot);
         TAP(is_index ? "idx_comp_qat" : "comp_fp8", l, t, rows, cnt * dim);
@@ -832,7 +832,7 @@ static void idx_queries(ds4_model *m, int l, scratch *s, int64_t t, int64_t n, c
     TAP_ROWS("idx_q", l, t, m_rows, iq, ih * id);
     be->ops->rope_tail(be, iq, m_rows, ih, id, &pos[t], rope, false);
     TAP_ROWS("idx_q_rope", l, t, m_rows, iq, ih * id);
-    if (num == DS4_NUMERICS_DS4) {
+    if (ds4_numerics_rounds(num)) {
         be->ops->indexer_qat(be, iq, m_rows * ih, id);
         TAP_ROWS("idx_q_qat", l, t, m_rows, iq, ih * id);
     }
@@ -882,7 +882,7 @@ static void attend_row(ds4_model *m, int l, scratch *s, layer_state *Lr, int64_t
  * numerics the key/value rows are F16-rounded, so a backend that has the
  * op may read them so. */
 static bool rows_f16(const ds4_backend *be, ds4_numerics num) {
-    return num == DS4_NUMERICS_DS4 && be->ops->attention_rows_f16;
+    return ds4_numerics_rounds(num) && be->ops->attention_rows_f16;
 }
 
 /* Rows tb .. t1 - 1 of one state (layer Lr), which all select: their
@@ -904,7 +904,7 @@ static void attend_rows_selected(ds4_model *m, int l, scratch *s, layer_state *L
     for (int64_t u0 = tb; u0 < t1; u0 += per) {
         const int64_t cnt = t1 - u0 < per ? t1 - u0 : per;
         /* under DS4 numerics the queries and rows are QAT'd (the rows F16-rounded): binary16 values */
-        (num == DS4_NUMERICS_DS4 && be->ops->indexer_scores_rows_f16 ? be->ops->indexer_scores_rows_f16
+        (ds4_numerics_rounds(num) && be->ops->indexer_scores_rows_f16 ? be->ops->indexer_scores_rows_f16
                                                                      : be->ops->indexer_scores_rows)(
             be, s->iq + u0 * ih * id, s->iw + u0 * ih, wscale, ih, id, Lr->index.rows, s->n_index + u0, cnt,
             s->iscores, s->score_stride);
@@ -1113,7 +1113,7 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
     const bool steps = m->tap || rope->n_rot != c->n_rot;
     const bool both = !steps && be->ops->head_norm_rope2; /* q's and kv's in one call */
     if (both) {
-        const ds4_head_rows hq = { s->q, nh, NULL, false }, hkv = { kv, 1, &W->kv_norm, num == DS4_NUMERICS_DS4 };
+        const ds4_head_rows hq = { s->q, nh, NULL, false }, hkv = { kv, 1, &W->kv_norm, ds4_numerics_rounds(num) };
         be->ops->head_norm_rope2(be, &hq, &hkv, n, D, c->rms_eps, pos, rope);
     } else if (steps) {
         be->ops->rmsnorm(be, s->q, NULL, c->rms_eps, s->q, n * nh, D);
@@ -1130,14 +1130,14 @@ static void attention_sublayer(ds4_model *m, ds4_state *const *rs, int l, scratc
         TAP("kv_norm", l, -1, kv, n * D);
         be->ops->rope_tail(be, kv, n, 1, D, pos, rope, false);
         TAP("kv_rope", l, -1, kv, n * D);
-        if (num == DS4_NUMERICS_DS4) {
+        if (ds4_numerics_rounds(num)) {
             be->ops->round_fp8_kv(be, kv, n, D, c->n_rot);
             TAP("kv_fp8", l, -1, kv, n * D);
             be->ops->round_f16(be, kv, n * D); /* stored F16-rounded (CPU semantics) */
             TAP("kv_f16", l, -1, kv, n * D);
         }
     } else if (!both) {
-        be->ops->head_norm_rope(be, kv, n, 1, D, &W->kv_norm, c->rms_eps, pos, rope, num == DS4_NUMERICS_DS4);
+        be->ops->head_norm_rope(be, kv, n, 1, D, &W->kv_norm, c->rms_eps, pos, rope, ds4_numerics_rounds(num));
     }
     /* compressor and indexer projections (above), batched */
     if (ratio) {
@@ -1318,6 +1318,10 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
     /* decoded tokens are one recorded step (without an inspection hook,
      * which reads buffers between ops) */
     const bool step = decode && !m->tap && be->ops->step_begin && be->ops->step_end;
+    /* binary16 products (DS4_F16) are a prompt chunk's: decoded tokens, and
+     * the head (DS4's CUDA prefill keeps its Q8_0 activations), are DS4's */
+    const ds4_numerics head_num = ds4_numerics_decode(num);
+    if (decode) num = head_num;
     if (step) be->ops->step_begin(be);
     s->post_pending = false;
     s->post_y2 = NULL;
@@ -1348,7 +1352,7 @@ static void eval_chunk(ds4_model *m, ds4_state *const *rs, const int32_t *pos, c
         TAP("hc_head", -1, -1, s->h, rows * H);
         be->ops->rmsnorm(be, s->h, &m->out_norm, c->rms_eps, s->h, rows, H);
         TAP("out_norm", -1, -1, s->h, rows * H);
-        be->ops->matmul(be, &m->output, 0, V, s->h, H, s->logits, V, rows, num);
+        be->ops->matmul(be, &m->output, 0, V, s->h, H, s->logits, V, rows, head_num);
         TAP("logits", -1, -1, s->logits, rows * V);
         /* the first maximum of each row (top_k of 1 ranks as ds4_sample_argmax does) */
         if (greedy)
@@ -1391,6 +1395,8 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
                               float *logits, int32_t *greedy, bool all_logits, ds4_error *err) {
     const ds4_config *c = &m->cfg;
     if (n < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no tokens to evaluate");
+    ds4_status status = ds4_backend_check_numerics(m->be, num, err);
+    if (status) return status;
     if (st->pos + n > st->n_ctx)
         return ds4_error_set(err, DS4_ERR_INVALID, "%lld tokens at position %lld exceed the context of %lld",
                              (long long)n, (long long)st->pos, (long long)st->n_ctx);
@@ -1404,7 +1410,7 @@ static ds4_status eval_tokens(ds4_model *m, ds4_state *st, const int32_t *tokens
      * own keeps a greedy evaluation's logits (made before anything changes) */
     const bool own = n == 1;
     scratch_slot *slot = own ? &st->scratch : &m->chunk_scratch;
-    ds4_status status = ensure_scratch(m, slot, chunk, st->n_ctx, all_logits, err);
+    status = ensure_scratch(m, slot, chunk, st->n_ctx, all_logits, err);
     if (!status && greedy && !own) status = ensure_scratch(m, &st->scratch, 1, st->n_ctx, false, err);
     if (status) return status;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
@@ -1465,6 +1471,8 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
                              ds4_numerics num, float *logits, int32_t *greedy, ds4_error *err) {
     const ds4_config *c = &m->cfg;
     if (n_seq < 1) return ds4_error_set(err, DS4_ERR_INVALID, "no sequences to decode");
+    ds4_status status = ds4_backend_check_numerics(m->be, num, err);
+    if (status) return status;
     if (!states || !tokens)
         return ds4_error_set(err, DS4_ERR_INVALID, "batched decode: NULL %s", states ? "tokens" : "states");
     int64_t max_ctx = 0;
@@ -1487,7 +1495,7 @@ static ds4_status eval_batch(ds4_model *m, ds4_state *const *states, const int32
     }
     const int64_t max_chunk = ds4_model_eval_chunk(m), chunk = n_seq < max_chunk ? n_seq : max_chunk;
     for (int64_t i = 0; i < n_seq; i++) states[i]->greedy_logits = false; /* (no logits are kept) */
-    ds4_status status = ensure_scratch(m, &m->chunk_scratch, chunk, max_ctx, true, err);
+    status = ensure_scratch(m, &m->chunk_scratch, chunk, max_ctx, true, err);
     if (status) return status;
     int32_t *pos = malloc((size_t)chunk * sizeof *pos);
     if (!pos) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
