@@ -55,7 +55,7 @@
 #                     perf      full-size q2: bench (JSON/Markdown to $OUT; BENCH_CTX, BENCH_PREFILL,
 #                               BENCH_GEN, BENCH_REPEAT, BENCH_TTFT, BENCH_BATCH e.g. 1,8,32 for batched
 #                               decode), PERF_AB="VAR=0 ..." adds an A/B run per variable against
-#                               the defaults (bench --compare, AB_REPEAT rounds, default 4, of decode
+#                               the defaults (bench --compare; "numerics=ds4-f16": bench --ab; AB_REPEAT rounds, default 4, of decode
 #                               at context AB_CTX, default 256, and prefill of AB_PREFILL, default 128; e.g. DS4_CUDA_GRAPH=0,
 #                               DS4_CUDA_MATVEC=0, DS4_CUDA_GEMM=0), and an nsys per-kernel table;
 #                               BENCH_SYNTHETIC=1 benches `--synthetic deepseek4-full-q2` (weights made on the
@@ -292,13 +292,19 @@ perf_stage() {
     # each variable against the build as it is, alternated in one run
     # (bench --compare: rounds A B B A ..., one child run per sample)
     local v envs js ratio
+    local b_args
     for v in ${PERF_AB:-}; do
         section "A/B: $v against the defaults"
-        envs_of "$v"
+        if [[ $v == numerics=* ]]; then # another numerics: bench's own --ab, in one process
+            b_args=(--ab "$v")
+        else
+            envs_of "$v"
+            b_args=(--compare "env $(printf '%q ' "${envs[@]}" "$PWD/build/cuda/ds4server")")
+        fi
         js="$out/bench-${v//[^A-Za-z0-9_]/_}.json"
         if timeout "$STEP_TIMEOUT" build/cuda/ds4server bench "${model[@]}" --backend cuda \
             --ctx "${AB_CTX:-256}" --prefill "${AB_PREFILL:-128}" --gen 32 --repeat "${AB_REPEAT:-4}" --warmup 1 \
-            --compare "env $(printf '%q ' "${envs[@]}" "$PWD/build/cuda/ds4server")" --json "$js" \
+            "${b_args[@]}" --json "$js" \
             --md "$out/bench-${v//[^A-Za-z0-9_]/_}.md"; then
             ratio=$(python3 -c 'import json, sys
 a = json.load(open(sys.argv[1]))["ab"]
