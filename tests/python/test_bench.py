@@ -206,12 +206,17 @@ def test_sweep_markdown(sweep):
     assert "| 8192 | skipped:" in out and "time to first token (16-token prompt)" in out
 
 
-def test_given_bandwidth(model, tmp_path):
-    js = tmp_path / "b.json"
+def small_bench(model, js, *extra):
+    """One round of a tiny bench (8-token context, a 4-token prefill, 2 tokens decoded, no TTFT) with
+    `extra` options: its JSON."""
     r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "1", "--warmup", "0",
-            "--ttft", "0", "--threads", "1", "--bandwidth", "100", "--numerics", "reference", "--json", js)
+            "--ttft", "0", "--threads", "1", *extra, "--json", js)
     assert r.returncode == 0, r.stderr.decode()
-    d = json.loads(js.read_text())
+    return json.loads(js.read_text())
+
+
+def test_given_bandwidth(model, tmp_path):
+    d = small_bench(model, tmp_path / "b.json", "--bandwidth", "100", "--numerics", "reference")
     assert d["bandwidth"]["source"] == "given" and d["bandwidth"]["gbps"] == 100
     assert d["options"]["numerics"] == "reference" and d["ttft"] is None and "--ttft 0" in d["ttft_reason"]
     row = d["decode"][0]
@@ -263,11 +268,7 @@ def test_ab_threads(ab):
 
 
 def test_f16_numerics_recorded(model, tmp_path):
-    js = tmp_path / "f.json"
-    r = ds4("bench", "-m", model, "--ctx", "8", "--prefill", "4", "--gen", "2", "--repeat", "1", "--warmup", "0",
-            "--ttft", "0", "--threads", "1", "--numerics", "ds4-f16", "--ab", "numerics=ds4", "--json", js)
-    assert r.returncode == 0, r.stderr.decode()
-    d = json.loads(js.read_text())
+    d = small_bench(model, tmp_path / "f.json", "--numerics", "ds4-f16", "--ab", "numerics=ds4")
     assert d["options"]["numerics"] == "ds4-f16"
     assert d["ab"]["variants"]["A"]["numerics"] == "ds4-f16" and d["ab"]["variants"]["B"]["numerics"] == "ds4"
 
