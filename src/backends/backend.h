@@ -33,7 +33,8 @@
  * each weight element f16(d * q) (Q8_0; d * q is exact in float, so one
  * rounding to nearest even) or as stored (F16), each activation f16(x),
  * the products (exact in float) summed in float in an order the backend
- * chooses (the CPU's: in float64, rounded once). The routed experts (moe)
+ * chooses (the CPU's: in float64, rounded once; tensor cores accumulate
+ * with their own rounding, within the float sum's worst-case bound). The routed experts (moe)
  * and every other op are DS4's. The model gives these numerics to the
  * ops of a prompt's chunks only; its decoded tokens (one or a batch of
  * streams) are DS4's (ds4_numerics_decode).
