@@ -111,7 +111,8 @@ def test_oracle_logits(name, tmp_path, ds4server):
 
 
 def test_oracle_ds4_numerics(tmp_path, ds4server):
-    """The DS4-aligned config under `--numerics ds4`: printed, loosely bounded."""
+    """The DS4-aligned config under `--numerics ds4` and `ds4-f16` (whose binary16 products touch only the
+    Q8_0 file's prompt): printed, loosely bounded."""
     name = "aligned"
     if name not in FIXTURE_NAMES:
         pytest.fail("the aligned fixture is missing")
@@ -121,16 +122,18 @@ def test_oracle_ds4_numerics(tmp_path, ds4server):
     d = tmp_path / "hf"
     regenerate(name, fx, d)
     ids = fx["prompt"] + fx["greedy"]
-    for quant in ("f32", "q8_0"):
-        model = convert(d, tmp_path / f"m.{quant}.gguf", quant)
-        ours = run_logits(model, ids, tmp_path / f"l.{quant}.f32", "ds4").reshape(len(ids), -1)
+    for quant, numerics in (("f32", "ds4"), ("q8_0", "ds4"), ("q8_0", "ds4-f16")):
+        model = tmp_path / f"m.{quant}.gguf"
+        if not model.exists():
+            convert(d, model, quant)
+        ours = run_logits(model, ids, tmp_path / f"l.{quant}.{numerics}.f32", numerics).reshape(len(ids), -1)
         err = rel_err_rows(ours[:n], ref)
         agree = float((ours[n - 1:-1].argmax(axis=1) == np.array(fx["greedy"])).mean())
-        print(f"{name}: ds4 numerics, {quant} file: rel err max {err.max():.3g} median {np.median(err):.3g}, "
+        print(f"{name}: {numerics} numerics, {quant} file: rel err max {err.max():.3g} median {np.median(err):.3g}, "
               f"greedy agreement {agree:.0%}")
         assert np.isfinite(ours).all()
         assert np.median(err) < DS4_LOOSE_MEDIAN and err.max() < DS4_LOOSE_MAX, (
-            f"{name} ({quant}, ds4 numerics): rel err median {np.median(err):.3g}, max {err.max():.3g}")
+            f"{name} ({quant}, {numerics} numerics): rel err median {np.median(err):.3g}, max {err.max():.3g}")
 
 
 # ---------------------------------------------------------------- convert
