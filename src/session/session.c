@@ -65,11 +65,8 @@ ds4_status ds4_engine_open(const ds4_engine_params *p, ds4_engine **out, ds4_err
     if (!p || !p->model_path) return ds4_error_set(err, DS4_ERR_INVALID, "no model path given");
     ds4_engine *e = calloc(1, sizeof *e);
     if (!e) return ds4_error_set(err, DS4_ERR_NOMEM, "out of memory");
-    switch (p->numerics) {
-    case DS4_NUMERICS_MODE_DS4: e->num = DS4_NUMERICS_DS4; break;
-    case DS4_NUMERICS_MODE_REFERENCE: e->num = DS4_NUMERICS_REFERENCE; break;
-    case DS4_NUMERICS_MODE_DS4_F16: e->num = DS4_NUMERICS_DS4_F16; break;
-    default:
+    e->num = (ds4_numerics)p->numerics; /* the same numbers (backend.c) */
+    if (!ds4_numerics_name(e->num)) {
         free(e);
         return ds4_error_set(err, DS4_ERR_INVALID, "numerics mode %d is not one of " DS4_NUMERICS_NAMES,
                              (int)p->numerics);

@@ -180,12 +180,11 @@ typedef struct opts {
     double bandwidth; /* GB/s given, 0 = measure */
     ab_key ab;
     char ab_value[16];
+    ds4_numerics ab_num; /* AB_NUMERICS: B's numerics (ab_value parsed) */
     const char *ab_arg;
     const char *compare; /* --compare CMD: variant B is another ds4server (AB_COMMAND) */
     bool ttft_given, bw_mib_given; /* options --compare does not take */
 } opts;
-
-static const char *numerics_name(ds4_numerics n) { return ds4_numerics_name(n); }
 
 static int usage_error(const char *fmt, const char *arg) { return bench_usage_error(CMD, "bench", fmt, arg); }
 
@@ -290,7 +289,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             if (!bench_valid_backend(v)) return usage_error("--backend must be cpu or cuda, not '%s'", v);
             snprintf(o->backend, sizeof o->backend, "%s", v);
         } else if (!strcmp(a, "--numerics")) {
-            if (!bench_parse_numerics(v, &o->num))
+            if (!ds4_numerics_parse(v, &o->num))
                 return usage_error("--numerics must be " DS4_NUMERICS_NAMES ", not '%s'", v);
         } else if (!strcmp(a, "--ctx")) {
             if (!bench_parse_list(v, 1, BIG, o->ctx, &o->n_ctx))
@@ -353,8 +352,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
                 if (!bench_valid_backend(val)) return usage_error("--ab backend= must be cpu or cuda, not '%s'", val);
                 o->ab = AB_BACKEND;
             } else if (klen == 8 && !strncmp(v, "numerics", 8)) {
-                ds4_numerics n;
-                if (!bench_parse_numerics(val, &n))
+                if (!ds4_numerics_parse(val, &o->ab_num))
                     return usage_error("--ab numerics= must be " DS4_NUMERICS_NAMES ", not '%s'", val);
                 o->ab = AB_NUMERICS;
             } else if (klen == 7 && !strncmp(v, "threads", 7)) {
@@ -1179,13 +1177,13 @@ static int compare_run(bench *b, int k, double secs[2], double tps[2]) {
         const char *margs[2] = { o->synthetic ? "--synthetic" : "-m", model };
         char layers[32] = "";
         if (o->syn_layers) snprintf(layers, sizeof layers, " --layers %lld", (long long)o->syn_layers);
-        const int len = snprintf(NULL, 0, fmt, b->cmd[k], margs[0], margs[1], layers, o->backend, numerics_name(o->num),
+        const int len = snprintf(NULL, 0, fmt, b->cmd[k], margs[0], margs[1], layers, o->backend, ds4_numerics_name(o->num),
                                  (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk,
                                  (long long)dsz, (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
         line = len > 0 ? malloc((size_t)len + 1) : NULL;
         if (line)
             snprintf(line, (size_t)len + 1, fmt, b->cmd[k], margs[0], margs[1], layers, o->backend,
-                     numerics_name(o->num), (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk,
+                     ds4_numerics_name(o->num), (long long)o->threads, (unsigned long long)o->seed, (long long)o->chunk,
                      (long long)dsz, (long long)psz, (long long)o->gen, (long long)o->warmup, qjs, qlog);
     }
     free(model);
@@ -1406,7 +1404,7 @@ static void get_provenance(bench *b, prov *p) {
 
 static void json_load(FILE *f, const variant *v) {
     fprintf(f, "{\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"open_s\": ", v->backend,
-            numerics_name(v->num), (long long)v->threads);
+            ds4_numerics_name(v->num), (long long)v->threads);
     bench_json_num(f, v->load.open_s);
     fputs(", \"weights_s\": ", f);
     bench_json_num(f, v->load.weights_s);
@@ -1523,7 +1521,7 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
     json_list(f, o->ctx, o->n_ctx);
     fprintf(f, ", \"gen\": %lld}},\n", (long long)o->gen);
     fprintf(f, "  \"options\": {\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"ctx\": ", o->backend,
-            numerics_name(o->num), (long long)o->threads);
+            ds4_numerics_name(o->num), (long long)o->threads);
     json_list(f, o->ctx, o->n_ctx);
     fputs(", \"prefill\": ", f);
     json_list(f, o->prefill, o->n_prefill);
@@ -1731,7 +1729,7 @@ static int write_json(bench *b, const prov *p, int argc, char **argv) {
                 continue;
             }
             fprintf(f, "{\"backend\": \"%s\", \"numerics\": \"%s\", \"threads\": %lld, \"command\": ", o->backend,
-                    numerics_name(o->num), (long long)o->threads);
+                    ds4_numerics_name(o->num), (long long)o->threads);
             bench_json_str(f, b->cmd[v]);
             fputs(", \"commit\": ", f);
             bench_json_str(f, b->cmp_commit[v]);
@@ -1781,7 +1779,7 @@ static void write_md(FILE *f, bench *b, const prov *p) {
     fprintf(f, "- model: `%s` (%.3f GB, fingerprint %s, %d layers, vocab %lld, %d of %d experts)\n", o->model_label,
             (double)p->file_bytes / 1e9, fp, b->cfg->n_layer,
             (long long)b->cfg->n_vocab, b->cfg->n_expert_used, b->cfg->n_expert);
-    fprintf(f, "- backend %s, numerics %s, threads %lld; commit %s%s; %s\n", v->backend, numerics_name(v->num),
+    fprintf(f, "- backend %s, numerics %s, threads %lld; commit %s%s; %s\n", v->backend, ds4_numerics_name(v->num),
             (long long)v->threads, p->commit, p->dirty == 1 ? " (modified)" : "", p->date);
     fprintf(f, "- device: %s; host: %s, %ld cores; compiler: %s\n", p->device, p->host_cpu, p->host_cores,
             p->compiler);
@@ -2050,7 +2048,7 @@ int tool_bench(int argc, char **argv) {
         B->owns = false;
         B->load.open_s = 0;
         if (o->ab == AB_NUMERICS) {
-            bench_parse_numerics(o->ab_value, &B->num); /* a name the options checked */
+            B->num = o->ab_num;
         } else {
             if (o->ab == AB_BACKEND) snprintf(B->backend, sizeof B->backend, "%s", o->ab_value);
             else B->threads = atoll(o->ab_value);

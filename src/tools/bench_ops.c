@@ -200,7 +200,7 @@ static int parse_opts(int argc, char **argv, opts *o) {
             if (!bench_valid_backend(v)) return usage_error("--backend must be cpu or cuda, not '%s'", v);
             snprintf(o->backend, sizeof o->backend, "%s", v);
         } else if (!strcmp(a, "--numerics")) {
-            if (!bench_parse_numerics(v, &o->num))
+            if (!ds4_numerics_parse(v, &o->num))
                 return usage_error("--numerics must be " DS4_NUMERICS_NAMES ", not '%s'", v);
         } else if (!strcmp(a, "--rows")) {
             if (!bench_parse_list(v, 1, 64, o->rows, &o->n_rows))

@@ -156,7 +156,6 @@ int64_t bench_default_threads(void) {
 
 bool bench_valid_backend(const char *v) { return !strcmp(v, "cpu") || !strcmp(v, "cuda"); }
 
-bool bench_parse_numerics(const char *v, ds4_numerics *num) { return ds4_numerics_parse(v, num); }
 
 bool bench_parse_positive(const char *s, double *out) {
     if (!s || !*s) return false;

@@ -44,8 +44,6 @@ int bench_next_option(int argc, char **argv, int *i, const char *cmd, const char
 int64_t bench_default_threads(void);
 /* "cpu" or "cuda". */
 bool bench_valid_backend(const char *v);
-/* "ds4" or "reference" into *num. */
-bool bench_parse_numerics(const char *v, ds4_numerics *num);
 
 /* A positive finite number (a bandwidth in GB/s): the whole string. */
 bool bench_parse_positive(const char *s, double *out);

@@ -739,7 +739,7 @@ static void test_matmul_types(void) {
                 if (nm == DS4_NUMERICS_REFERENCE) {
                     for (int64_t i = 0; i < n_in; i++) xq[i] = xr[i];
                 } else if (f16x) {
-                    for (int64_t i = 0; i < n_in; i++) xq[i] = ds4_f16_to_f32(ds4_f32_to_f16(xr[i]));
+                    for (int64_t i = 0; i < n_in; i++) xq[i] = ds4_round_f16(xr[i]);
                 } else if (mc->type == DS4_TYPE_Q8_0) {
                     naive_q8_0_act(xr, n_in, xq);
                 } else if (mc->type == DS4_TYPE_F32 || mc->type == DS4_TYPE_F16 || mc->type == DS4_TYPE_BF16) {
@@ -750,7 +750,7 @@ static void test_matmul_types(void) {
                 for (int64_t o = 0; o < n_out; o++) {
                     weight_row(&tw.w, row0 + o, wrow);
                     if (f16x) /* f16(d q) (F16 rows are binary16 already) */
-                        for (int64_t i = 0; i < n_in; i++) wrow[i] = ds4_f16_to_f32(ds4_f32_to_f16(wrow[i]));
+                        for (int64_t i = 0; i < n_in; i++) wrow[i] = ds4_round_f16(wrow[i]);
                     double want = 0, S = 0;
                     for (int64_t i = 0; i < n_in; i++) {
                         want += (double)wrow[i] * xq[i];

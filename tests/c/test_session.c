@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/gguf.h"
 #include "core/quant.h"
+#include "core/rounding.h"
 #include "ds4.h"
 #include "backends/backend.h"
 #include "models/deepseek4/ds4_model.h"
@@ -779,28 +780,27 @@ static void test_session_decode_batch(void) {
     free(t);
 }
 
-/* Layer 0's inputs and outputs of two products of a prompt's chunk. */
+/* Layer 0's inputs and outputs of two products of a prompt's chunk: the
+ * first buffer of each of F16_TAPS' names (buf[k], n[k] floats). */
+enum { TAP_ATTN_NORM, TAP_Q_A, TAP_FFN_NORM, TAP_ROUTER, N_F16_TAPS };
+static const char *const F16_TAPS[N_F16_TAPS] = { "attn_norm", "q_a", "ffn_norm", "router_logits" };
 typedef struct f16_tap {
     ds4_backend *be;
-    float *attn_norm, *q_a, *ffn_norm, *router;
-    int64_t n_attn_norm, n_q_a, n_ffn_norm, n_router;
+    float *buf[N_F16_TAPS];
+    int64_t n[N_F16_TAPS];
 } f16_tap;
 
 static void f16_tap_fn(void *ctx, const char *name, int layer, int64_t token, float *buf, int64_t n, bool host) {
     f16_tap *t = ctx;
     if (layer != 0 || token != -1) return;
-    float **dst = !strcmp(name, "attn_norm") ? &t->attn_norm : !strcmp(name, "q_a") ? &t->q_a
-                : !strcmp(name, "ffn_norm") ? &t->ffn_norm : !strcmp(name, "router_logits") ? &t->router : NULL;
-    int64_t *len = !strcmp(name, "attn_norm") ? &t->n_attn_norm : !strcmp(name, "q_a") ? &t->n_q_a
-                 : !strcmp(name, "ffn_norm") ? &t->n_ffn_norm : &t->n_router;
-    if (!dst || *dst) return;
-    *dst = malloc((size_t)n * sizeof **dst);
-    *len = n;
-    if (host) memcpy(*dst, buf, (size_t)n * sizeof **dst);
-    else t->be->ops->download(t->be, *dst, buf, n);
+    for (int k = 0; k < N_F16_TAPS; k++) {
+        if (strcmp(name, F16_TAPS[k]) || t->buf[k]) continue;
+        t->buf[k] = malloc((size_t)n * sizeof *t->buf[k]);
+        t->n[k] = n;
+        if (host) memcpy(t->buf[k], buf, (size_t)n * sizeof *t->buf[k]);
+        else t->be->ops->download(t->be, t->buf[k], buf, n);
+    }
 }
-
-static float f16r(float v) { return ds4_f16_to_f32(ds4_f32_to_f16(v)); }
 
 /* out[r][o] of the file's weight `name` (Q8_0 or F16, rows of n_in) on x
  * [n_rows, n_in] with binary16 operands, against got: each within one
@@ -811,21 +811,17 @@ static int f16_product_off(const gguf_file *f, const char *name, const float *x,
     const gguf_tensor *t = gguf_find_tensor(f, name);
     CHECK_MSG(t && (t->type == DS4_TYPE_Q8_0 || t->type == DS4_TYPE_F16) && (int64_t)t->ne[1] == n_out, "%s", name);
     if (!t) return 1;
-    const int64_t n_in = (int64_t)t->ne[0];
+    const int64_t n_in = (int64_t)t->ne[0], rb = ds4_type_row_bytes(t->type, n_in);
     float *w = malloc((size_t)n_in * sizeof *w);
     int off = 0;
     for (int64_t o = 0; o < n_out; o++) {
-        if (t->type == DS4_TYPE_Q8_0) {
-            const ds4_block_q8_0 *b = (const ds4_block_q8_0 *)t->data + o * (n_in / 32);
-            for (int64_t i = 0; i < n_in; i++) w[i] = f16r(ds4_f16_to_f32(b[i / 32].d) * (float)b[i / 32].qs[i % 32]);
-        } else {
-            const uint16_t *h = (const uint16_t *)t->data + o * n_in;
-            for (int64_t i = 0; i < n_in; i++) w[i] = ds4_f16_to_f32(h[i]);
-        }
+        /* d q (exact) or the F16 value, then f16() */
+        ds4_type_traits_get(t->type)->dequant_row(t->data + o * rb, w, n_in);
+        for (int64_t i = 0; i < n_in; i++) w[i] = ds4_round_f16(w[i]);
         for (int64_t r = 0; r < n_rows; r++) {
             double want = 0, mag = 0;
             for (int64_t i = 0; i < n_in; i++) {
-                const double p = (double)w[i] * f16r(x[r * n_in + i]);
+                const double p = (double)w[i] * ds4_round_f16(x[r * n_in + i]);
                 want += p;
                 mag += fabs(p);
             }
@@ -870,11 +866,15 @@ static void test_f16_numerics(void) {
     ds4_model_set_tap(m, f16_tap_fn, &tap);
     CHECK_MSG(ds4_model_eval(m, sf, t, N, DS4_NUMERICS_DS4_F16, lf, false, &err) == DS4_OK, "%s", err.message);
     ds4_model_set_tap(m, NULL, NULL);
-    CHECK(tap.attn_norm && tap.q_a && tap.ffn_norm && tap.router);
-    if (tap.attn_norm && tap.q_a && tap.ffn_norm && tap.router) {
-        CHECK(tap.n_attn_norm == N * c->n_embd && tap.n_q_a == N * c->q_lora && tap.n_router == N * c->n_expert);
-        CHECK_EQ_INT(f16_product_off(f, "blk.0.attn_q_a.weight", tap.attn_norm, tap.q_a, N, c->q_lora), 0);
-        CHECK_EQ_INT(f16_product_off(f, "blk.0.ffn_gate_inp.weight", tap.ffn_norm, tap.router, N, c->n_expert), 0);
+    float *const *tb = tap.buf;
+    CHECK(tb[TAP_ATTN_NORM] && tb[TAP_Q_A] && tb[TAP_FFN_NORM] && tb[TAP_ROUTER]);
+    if (tb[TAP_ATTN_NORM] && tb[TAP_Q_A] && tb[TAP_FFN_NORM] && tb[TAP_ROUTER]) {
+        CHECK(tap.n[TAP_ATTN_NORM] == N * c->n_embd && tap.n[TAP_Q_A] == N * c->q_lora &&
+              tap.n[TAP_ROUTER] == N * c->n_expert);
+        CHECK_EQ_INT(f16_product_off(f, "blk.0.attn_q_a.weight", tb[TAP_ATTN_NORM], tb[TAP_Q_A], N, c->q_lora), 0);
+        CHECK_EQ_INT(f16_product_off(f, "blk.0.ffn_gate_inp.weight", tb[TAP_FFN_NORM], tb[TAP_ROUTER], N,
+                                     c->n_expert),
+                     0);
     }
     CHECK(ds4_model_eval(m, sd, t, N, DS4_NUMERICS_DS4, ld, false, &err) == DS4_OK);
     CHECK_MSG(memcmp(lf, ld, (size_t)vocab * sizeof *lf) != 0, "a ds4-f16 prefill gave ds4's logits");
@@ -945,10 +945,7 @@ static void test_f16_numerics(void) {
     }
     ds4_state_free(sf);
     ds4_state_free(sd);
-    free(tap.attn_norm);
-    free(tap.q_a);
-    free(tap.ffn_norm);
-    free(tap.router);
+    for (int k = 0; k < N_F16_TAPS; k++) free(tap.buf[k]);
     free(lf);
     free(ld);
     free(t);
