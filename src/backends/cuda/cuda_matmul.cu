@@ -706,7 +706,7 @@ __global__ void __launch_bounds__(256) moe_sum_rows_kernel(const float *__restri
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool cuda_matmul_supported(uint32_t type, ds4_numerics num) {
-    (void)num; /* every supported type has both numerics the backend implements */
+    (void)num; /* every supported type has both numerics */
     switch (type) {
     case DS4_TYPE_F32:
     case DS4_TYPE_F16:
@@ -732,10 +732,10 @@ static mm_mode mode_for(uint32_t type, ds4_numerics num) {
 /* The weight's type and row length suit a product (else the error is
  * recorded, naming the weight). */
 static bool check_weight(ds4_backend *be, const char *op, const ds4_weight *w, ds4_numerics num) {
-    if (num != DS4_NUMERICS_DS4 && num != DS4_NUMERICS_REFERENCE) { /* the backend's numerics (CUDA_OPS) */
-        const char *name = ds4_numerics_name(num);
-        cuda_fail(be, DS4_ERR_UNSUPPORTED, "%s: the CUDA backend does not implement numerics %s", op,
-                  name ? name : "(out of range)");
+    ds4_error e;
+    memset(&e, 0, sizeof e);
+    if (ds4_backend_check_numerics(be, num, &e)) { /* the numerics CUDA_OPS declares */
+        cuda_fail(be, e.status, "%s: %s", op, e.message);
         return false;
     }
     const ds4_type_traits *t = ds4_type_traits_get(w->type);
