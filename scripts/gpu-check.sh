@@ -26,13 +26,11 @@
 #                     build     make clean, CPU and CUDA builds, CPU unit tests
 #                     unit      the CUDA unit test binaries
 #                     parity    `ds4server parity` cpu vs cuda on the tiny synthetic models
-#                               (every quant scheme; the numerics of PARITY_NUMERICS, default
-#                               "reference ds4 ds4-f16"; greedy 32) and on the
+#                               (every quant scheme, both numerics, greedy 32) and on the
 #                               oracle models of tests/oracle (reference numerics); with OUT
 #                               the JSON reports go to $OUT/parity.tar.gz; PARITY_FULL_LAYERS=N adds
 #                               the full-size q2 layout's first N layers (real shapes: the tensor-core
-#                               prefill attention), 24 prompt tokens, the numerics of PARITY_FULL_NUMERICS
-#                               (default "ds4 ds4-f16")
+#                               prefill attention), 24 prompt tokens, DS4 numerics
 #                     sanitize  compute-sanitizer memcheck/racecheck/initcheck on the CUDA tests
 #                               (SAN_ONLY="BIN:FILTER ...", e.g. "test_cuda_matmul:test_moe_mma": only
 #                               the tests of BIN whose names contain FILTER)
@@ -184,7 +182,7 @@ parity_stage() {
     for q in f32 q8_0 q2 q4; do
         build/cuda/ds4server synth --arch deepseek4 --scale tiny --quant $q --seed 7 --out "$SHM/tiny-$q.gguf" ||
             record "synth tiny $q" FAIL
-        for num in ${PARITY_NUMERICS:-reference ds4 ds4-f16}; do
+        for num in reference ds4; do
             parity_step "tiny-$q-$num" -m "$SHM/tiny-$q.gguf" --numerics $num --n-tokens 80 --decode 4 --greedy 32
         done
     done
@@ -210,16 +208,13 @@ parity_stage() {
         local fl="$SHM/full-q2-l${PARITY_FULL_LAYERS}.gguf"
         if build/cuda/ds4server synth --arch deepseek4 --scale full --quant q2 --seed 7 --layers "$PARITY_FULL_LAYERS" \
             --out "$fl"; then
-            for num in ${PARITY_FULL_NUMERICS:-ds4 ds4-f16}; do
-                parity_step "full-q2-l${PARITY_FULL_LAYERS}-$num" -m "$fl" --numerics $num --n-tokens 24 --decode 2 \
-                    --greedy 4
-            done
+            parity_step "full-q2-l${PARITY_FULL_LAYERS}-ds4" -m "$fl" --numerics ds4 --n-tokens 24 --decode 2 --greedy 4
         else
             record "synth full q2, ${PARITY_FULL_LAYERS} layers" FAIL
         fi
         rm -f "$fl"
     fi
-    # the reports as one file in $OUT ($OUT comes back as a few files)
+    # the 13 reports as one file in $OUT ($OUT comes back as a few files)
     if [ -n "${OUT:-}" ] && compgen -G "$OUT/parity-*.json" >/dev/null; then
         (cd "$OUT" && tar -czf parity.tar.gz parity-*.json && rm -f parity-*.json)
     fi

@@ -996,7 +996,7 @@ static void cuda_indexer_qat(ds4_backend *be, float *x, int64_t n_rows, int64_t 
 
 static const ds4_backend_ops CUDA_OPS = {
     .name = "cuda",
-    .numerics = 1u << DS4_NUMERICS_DS4 | 1u << DS4_NUMERICS_REFERENCE | 1u << DS4_NUMERICS_DS4_F16,
+    .numerics = 1u << DS4_NUMERICS_DS4 | 1u << DS4_NUMERICS_REFERENCE, /* not yet DS4_F16's products */
     .alloc = cuda_alloc,
     .free = cuda_free_buf,
     .upload = cuda_upload,

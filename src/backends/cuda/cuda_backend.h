@@ -320,8 +320,6 @@ int64_t ds4_cuda_backend_idx_tc_calls(const ds4_backend *be);
 int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be);
 /* How many products have run as the float GEMM. */
 int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be);
-/* How many products have run as the binary16-operand GEMM (ds4-f16 numerics). */
-int64_t ds4_cuda_backend_f16x_calls(const ds4_backend *be);
 /* How many int8 GEMM launches have taken blocks of 128 weight rows. */
 int64_t ds4_cuda_backend_gemm_bm128_calls(const ds4_backend *be);
 /* How many MoE calls have run their products on the tensor cores. */

@@ -1,7 +1,6 @@
 /*
  * cuda_gemm.cu - batched (prefill) products of Q8_0 weights on the int8
- * tensor cores, under DS4 numerics; F16 weights and the ds4-f16 numerics'
- * binary16 operands on the f16 tensor cores (sections below).
+ * tensor cores, under DS4 numerics.
  *
  * DS4 multiplies a Q8_0 weight by DS4's Q8_0 activation blocks: per 32-block
  * the exact int8 dot isum, then the float block term (f16(w.d) * x.d) * isum,
@@ -437,8 +436,6 @@ __global__ void __launch_bounds__(256) split_f16_kernel(const float *x, int64_t 
     if (threadIdx.x == 0) unscale[r] = ldexpf(1.0f, -s);
 }
 
-/* PARTS 2: the split rows (hi, lo); 1: rows of n_in halves (to_f16_kernel's) */
-template <int PARTS>
 static __device__ __forceinline__ void hgemm_load(const hgemm_args &a, uint16_t *st, int64_t n0, int64_t m0,
                                                   int64_t k0) {
     const int t = threadIdx.x;
@@ -450,19 +447,18 @@ static __device__ __forceinline__ void hgemm_load(const hgemm_args &a, uint16_t 
         cp_async16(st + r * H_PITCH + 8 * c, src, ok);
     }
 #pragma unroll
-    for (int it = 0; it < PARTS * H_BN * 4 / H_THREADS; it++) {
+    for (int it = 0; it < 2 * H_BN * 4 / H_THREADS; it++) {
         const int i = t + it * H_THREADS, r = i >> 2, c = i & 3; /* r: token (r & 63), part (r >> 6) */
         const int tok = r & (H_BN - 1), part = r >> 6;
         const bool ok = m0 + tok < a.n_tok;
-        const uint16_t *src = a.xs + (ok ? (m0 + tok) * PARTS * a.n_in + part * a.n_in + k0 + 8 * c : 0);
+        const uint16_t *src = a.xs + (ok ? (m0 + tok) * 2 * a.n_in + part * a.n_in + k0 + 8 * c : 0);
         cp_async16(st + H_WSTAGE + r * H_PITCH + 8 * c, src, ok);
     }
 }
 
 static_assert(2 * H_BN == 128 && H_BN == 64, "hgemm_load's token / part split");
 
-template <int PARTS> __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
-    static_assert(PARTS == 1 || PARTS == 2, "the split activations, or the rounded ones");
+__global__ void __launch_bounds__(H_THREADS) hgemm_kernel(hgemm_args a) {
     __shared__ __align__(16) uint16_t smem[H_STAGES * H_STAGE];
     cuda_grid_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -482,15 +478,14 @@ template <int PARTS> __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(h
 
 #pragma unroll
     for (int s = 0; s < H_STAGES - 1; s++) {
-        if (s < n_stages) hgemm_load<PARTS>(a, smem + s * H_STAGE, n0, m0, (s0 + s) * H_BK);
+        if (s < n_stages) hgemm_load(a, smem + s * H_STAGE, n0, m0, (s0 + s) * H_BK);
         cp_async_commit();
     }
     for (int64_t st = 0; st < n_stages; st++) {
         cp_async_wait<H_STAGES - 2>();
         __syncthreads(); /* stage st is in; the buffer of st - 1 is free */
         if (st + H_STAGES - 1 < n_stages)
-            hgemm_load<PARTS>(a, smem + ((st + H_STAGES - 1) % H_STAGES) * H_STAGE, n0, m0,
-                              (s0 + st + H_STAGES - 1) * H_BK);
+            hgemm_load(a, smem + ((st + H_STAGES - 1) % H_STAGES) * H_STAGE, n0, m0, (s0 + st + H_STAGES - 1) * H_BK);
         cp_async_commit();
         const unsigned sw = base + 2u * (unsigned)((st % H_STAGES) * H_STAGE), sx = sw + 2u * H_WSTAGE;
         float c[2][4][4];
@@ -505,14 +500,14 @@ template <int PARTS> __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(h
             for (int jj = 0; jj < 2; jj++) { /* two 8-token tiles per ldmatrix */
                 const int tok = wn + 16 * jj + b_tok;
                 cuda_ldsm_x4(bh[jj], sx + 2u * (unsigned)(tok * H_PITCH + kk + b_k));
-                if (PARTS == 2) cuda_ldsm_x4(bl[jj], sx + 2u * (unsigned)((H_BN + tok) * H_PITCH + kk + b_k));
+                cuda_ldsm_x4(bl[jj], sx + 2u * (unsigned)((H_BN + tok) * H_PITCH + kk + b_k));
             }
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     cuda_mma_f16(c[i][j], af[i], bh[j >> 1][2 * (j & 1)], bh[j >> 1][2 * (j & 1) + 1]);
-                    if (PARTS == 2) cuda_mma_f16(c[i][j], af[i], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
+                    cuda_mma_f16(c[i][j], af[i], bl[j >> 1][2 * (j & 1)], bl[j >> 1][2 * (j & 1) + 1]);
                 }
         }
 #pragma unroll
@@ -530,7 +525,7 @@ template <int PARTS> __global__ void __launch_bounds__(H_THREADS) hgemm_kernel(h
         for (int k2 = 0; k2 < 2; k2++) {
             const int64_t m = m0 + wn + 8 * j + 2 * tq + k2;
             if (m >= a.n_tok) continue;
-            const float us = a.unscale ? a.unscale[m] : 1.0f; /* (a product by 1 changes nothing) */
+            const float us = a.unscale[m];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
 #pragma unroll
@@ -577,262 +572,6 @@ bool cuda_gemm_f16(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_
     if (grid.z > 1 && !(a.part = gemm_parts(be, (int)grid.z, 1, n_tok, n_out))) return false;
     return cuda_launch(be, "split_f16_kernel", split_f16_kernel, (unsigned)n_tok, 256, 0, x, x_stride, n_in,
                        (uint16_t *)scratch, (float *)a.unscale) &&
-           cuda_launch(be, "hgemm_kernel", hgemm_kernel<2>, grid, H_THREADS, 0, a) &&
+           cuda_launch(be, "hgemm_kernel", hgemm_kernel, grid, H_THREADS, 0, a) &&
            (grid.z == 1 || gemm_reduce(be, a.part, (int)grid.z, 1, n_tok, n_out, a.unscale, out, out_stride));
-}
-
-/* ------------------------------------------------------------------------ */
-/* Binary16 operands (the ds4-f16 numerics) on the f16 tensor cores         */
-/* ------------------------------------------------------------------------ */
-/*
- * A prompt's Q8_0 and F16 products under DS4_F16 (backend.h): each weight
- * f16(d q) (Q8_0) or as stored (F16), each activation f16(x), products
- * exact, sums in float. x is rounded once (to_f16_kernel, nearest even)
- * into rows of halves.
- *
- * Q8_0 weights (gemm_q8_0_f16x_kernel): stages of 8 blocks a row, loaded as
- * gemm_q8_0_kernel loads them (gemm_plan's weight pieces); a thread's four
- * codes of a block are made halves in registers: a byte permute under 0x64
- * reads as the half 1024 + u (u = q + 128), less 1152 gives q exactly, and a
- * binary16 product by the block's d rounds once: RN(d q) = f16(d q). The
- * MMA is m16n8k16 (f16 x f16 -> f32). A block's 32 k are taken in an order
- * that gives a thread four consecutive codes (4 tq .. 4 tq + 3 of each half
- * of the block) where the MMA's fragment names k 2 tq, 2 tq + 1, 2 tq + 8,
- * 2 tq + 9: the B fragments take the activations of the same k (one 8-byte
- * read), so each MMA sums the same 16 products, in an order the numerics
- * leave open. Each stage's products (K = 256) are summed by the MMAs from
- * zero (the tensor cores' own accumulation, which need not round as a
- * float add does: bounded by test_matmul_f16x's tolerance), then added
- * (__fadd_rn) to the float accumulator. Activation rows are
- * 544 bytes apart in shared memory, so a half warp's 8-byte reads (4 rows x
- * 4 threads) cover 32 banks. Groups (matmul_grouped) and split K as in
- * gemm_q8_0_kernel.
- *
- * F16 weights: hgemm_kernel<1> (the split kernel's tiles with the rounded
- * activations as its only part, no scale).
- */
-#define F_XROW 512   /* bytes of an activation row's stage (256 halves) */
-#define F_XPITCH 544 /* its pitch in shared memory */
-#define F_BM 64
-#define F_THREADS (2 * F_BM)
-#define F_WSTAGE (F_BM * G_WROW)
-#define F_XSTAGE (G_BN * F_XPITCH)
-#define F_STAGE (F_WSTAGE + F_XSTAGE)
-#define F_SMEM (2 * F_STAGE)
-#define F_WPIECES ((F_BM * (G_WROW / 16) + F_THREADS - 1) / F_THREADS)
-#define F_XPIECES (G_BN * (F_XROW / 16) / F_THREADS)
-static_assert(G_BN * (F_XROW / 16) % F_THREADS == 0, "every thread copies as many activation pieces");
-static_assert(F_WPIECES <= 32, "a bit per piece");
-static_assert(2 * (F_SMEM + 1024) <= 228 * 1024, "two blocks an SM");
-
-struct f16x_args {
-    const uint8_t *w; /* first weight row (row0 applied) */
-    int64_t row_bytes, n_out;
-    const uint16_t *xh; /* rounded activation rows, x_row halves apart */
-    int64_t x_row, n_tok, n_stages;
-    float *out;
-    int64_t out_stride;
-    int64_t w_group_bytes, x_group; /* group g: weights g w_group_bytes on, activations g x_group halves in */
-    int splits;
-    float *part;
-};
-
-/* n_tok x rows (x_stride floats apart) as halves, round to nearest even
- * (past 65504: infinite, as a cast does): block (c, y) converts elements
- * [256 c, 256 c + 256) of rows y, y + gridDim.y, ... */
-__global__ void __launch_bounds__(256) to_f16_kernel(const float *__restrict__ x, int64_t x_stride, int64_t n,
-                                                     int64_t n_tok, uint16_t *__restrict__ xh) {
-    cuda_grid_wait();
-    const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x;
-    if (i >= n) return;
-    for (int64_t r = blockIdx.y; r < n_tok; r += gridDim.y)
-        xh[r * n + i] = __half_as_ushort(__float2half_rn(x[r * x_stride + i]));
-}
-
-/* four int8 codes (a word) times the half d2 (both halves d): codes 0, 1 in
- * lo, 2, 3 in hi, each f16(d q) */
-static __device__ __forceinline__ void q8_word_f16(uint32_t q, __half2 d2, uint32_t &lo, uint32_t &hi) {
-    const uint32_t u = q ^ 0x80808080u, m = 0x64646464u, k1152 = 0x64806480u; /* 1152 in both halves */
-    uint32_t a, b;
-    asm("prmt.b32 %0, %1, %2, 0x4140;" : "=r"(a) : "r"(u), "r"(m));
-    asm("prmt.b32 %0, %1, %2, 0x4342;" : "=r"(b) : "r"(u), "r"(m));
-    const __half2 off = *(const __half2 *)&k1152;
-    const __half2 ha = __hmul2_rn(__hsub2_rn(*(const __half2 *)&a, off), d2);
-    const __half2 hb = __hmul2_rn(__hsub2_rn(*(const __half2 *)&b, off), d2);
-    lo = *(const uint32_t *)&ha;
-    hi = *(const uint32_t *)&hb;
-}
-
-__global__ void __launch_bounds__(F_THREADS, 2) gemm_q8_0_f16x_kernel(f16x_args a) {
-    cuda_grid_wait();
-    extern __shared__ __align__(16) uint8_t smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
-    const int64_t n0 = (int64_t)blockIdx.x * F_BM, m0 = (int64_t)blockIdx.y * G_BN;
-    const int grp = (int)blockIdx.z / a.splits, zs = (int)blockIdx.z % a.splits;
-    const int64_t st0 = a.n_stages * zs / a.splits, st1 = a.n_stages * (zs + 1) / a.splits;
-    const uint8_t *wb = a.w + grp * a.w_group_bytes + n0 * a.row_bytes;
-    const uint8_t *xb = (const uint8_t *)(a.xh + grp * a.x_group + m0 * a.x_row);
-
-    /* this thread's pieces of a stage, the same for every stage */
-    uint32_t w_off[F_WPIECES], w_in = 0u, w_ok = 0u;
-#pragma unroll
-    for (int k = 0; k < F_WPIECES; k++) {
-        const int i = threadIdx.x + k * F_THREADS, r = i / (G_WROW / 16), c = i % (G_WROW / 16);
-        const bool in = i < F_BM * (G_WROW / 16), ok = in && n0 + r < a.n_out;
-        w_off[k] = ok ? (uint32_t)(r * a.row_bytes + 16 * c) : 0u;
-        w_in |= (uint32_t)in << k;
-        w_ok |= (uint32_t)ok << k;
-    }
-    uint32_t x_off[F_XPIECES], x_dst[F_XPIECES], x_ok = 0u;
-#pragma unroll
-    for (int k = 0; k < F_XPIECES; k++) {
-        const int i = threadIdx.x + k * F_THREADS, r = i / (F_XROW / 16), c = i % (F_XROW / 16);
-        const bool ok = m0 + r < a.n_tok;
-        x_off[k] = ok ? (uint32_t)(r * a.x_row * 2 + 16 * c) : 0u;
-        x_dst[k] = (uint32_t)(r * F_XPITCH + 16 * c);
-        x_ok |= (uint32_t)ok << k;
-    }
-    auto load = [&](uint8_t *sw, int64_t st) {
-        const uint8_t *ws = wb + st * G_WROW, *xs = xb + st * F_XROW;
-#pragma unroll
-        for (int k = 0; k < F_WPIECES; k++)
-            if ((w_in >> k) & 1u) cp_async16(sw + 16 * (threadIdx.x + k * F_THREADS), ws + w_off[k], (w_ok >> k) & 1u);
-#pragma unroll
-        for (int k = 0; k < F_XPIECES; k++) cp_async16(sw + F_WSTAGE + x_dst[k], xs + x_off[k], (x_ok >> k) & 1u);
-    };
-
-    float acc[2][4][4];
-    zero_tile(acc);
-    load(smem, st0);
-    cp_async_commit();
-    for (int64_t st = st0; st < st1; st++) {
-        uint8_t *cur = smem + ((st - st0) & 1) * F_STAGE;
-        if (st + 1 < st1) load(smem + ((st - st0 + 1) & 1) * F_STAGE, st + 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const uint8_t *sw = cur, *sx = cur + F_WSTAGE;
-        float c[2][4][4];
-        zero_tile(c);
-#pragma unroll 2 /* (an even and an odd block: the codes' alignment known in each body) */
-        for (int b = 0; b < G_KB; b++) {
-            __half2 d2[2][2];
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    d2[i][h] = __half2half2(__ushort_as_half(*(const uint16_t *)(sw + (wm + 16 * i + g + 8 * h) * G_WROW + 34 * b)));
-#pragma unroll
-            for (int s = 0; s < 2; s++) {
-                uint32_t af[2][4];
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) { /* rows g and g + 8 */
-                        const uint8_t *q = sw + (wm + 16 * i + g + 8 * h) * G_WROW + 34 * b + 2 + 16 * s + 4 * tq;
-                        const uint32_t w4 = (b & 1) ? *(const uint32_t *)q : (uint32_t)lds_s8x4(q);
-                        q8_word_f16(w4, d2[i][h], af[i][h], af[i][2 + h]);
-                    }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const uint2 v = *(const uint2 *)(sx + (wn + 8 * j + g) * F_XPITCH + 2 * (32 * b + 16 * s + 4 * tq));
-#pragma unroll
-                    for (int i = 0; i < 2; i++) cuda_mma_f16(c[i][j], af[i], v.x, v.y);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int k = 0; k < 4; k++) acc[i][j][k] = __fadd_rn(acc[i][j][k], c[i][j][k]);
-        __syncthreads(); /* the buffer is refilled two stages later */
-    }
-    cp_async_wait<0>();
-
-    float *out = a.part ? a.part + (int64_t)blockIdx.z * a.n_tok * a.n_out : a.out + grp * a.n_out;
-    const int64_t stride = a.part ? a.n_out : a.out_stride;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int64_t n = n0 + wm + 16 * i + g + (k >= 2 ? 8 : 0);
-                const int64_t m = m0 + wn + 8 * j + 2 * tq + (k & 1);
-                if (n < a.n_out && m < a.n_tok) out[m * stride + n] = acc[i][j][k];
-            }
-}
-
-bool cuda_gemm_f16x_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_groups, int64_t n_tok) {
-    if (n_tok < CUDA_GEMM_MIN_TOKENS || n_tok > INT32_MAX || n_groups < 1 || n_groups > CUDA_GEMM_MAX_GROUPS)
-        return false;
-    if (type == DS4_TYPE_Q8_0) /* (a tile's 64 rows' and 64 tokens' offsets fit 32 bits) */
-        return n_in % 256 == 0 && row_bytes % 16 == 0 && row_bytes <= ((int64_t)1 << 25) &&
-               n_groups * n_in <= ((int64_t)1 << 24);
-    return n_groups == 1 && cuda_gemm_f16_fits(type, n_in, row_bytes, n_tok);
-}
-
-size_t cuda_gemm_f16x_scratch(int64_t n_in, int64_t n_tok) { return (size_t)n_tok * (size_t)n_in * 2u; }
-
-static bool to_f16(ds4_backend *be, const float *x, int64_t x_stride, int64_t n, int64_t n_tok, uint16_t *xh) {
-    const unsigned gy = (unsigned)(n_tok < 65535 ? n_tok : 65535); /* (rows past: the block's loop) */
-    return cuda_launch(be, "to_f16_kernel", to_f16_kernel, dim3((unsigned)((n + 255) / 256), gy), 256, 0, x, x_stride,
-                       n, n_tok, xh);
-}
-
-bool cuda_gemm_f16x(ds4_backend *be, uint32_t type, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
-                    int64_t n_groups, const float *x, int64_t x_stride, int64_t n_tok, float *out,
-                    int64_t out_stride, void *scratch) {
-    if (!cuda_gemm_f16x_fits(type, n_in, row_bytes, n_groups, n_tok)) {
-        cuda_fail(be, DS4_ERR_INVALID, "gemm: %lld tokens of %lld groups of rows of %lld bytes (%s) do not suit the "
-                  "f16 GEMM", (long long)n_tok, (long long)n_groups, (long long)row_bytes, ds4_type_name(type));
-        return false;
-    }
-    uint16_t *xh = (uint16_t *)scratch;
-    const int64_t width = n_groups * n_in;
-    if (!to_f16(be, x, x_stride, width, n_tok, xh)) return false;
-    if (type != DS4_TYPE_Q8_0) {
-        hgemm_args h;
-        h.w = (const uint8_t *)w;
-        h.row_bytes = row_bytes;
-        h.n_out = n_out;
-        h.xs = xh;
-        h.unscale = NULL;
-        h.n_tok = n_tok;
-        h.n_in = n_in;
-        h.out = out;
-        h.out_stride = out_stride;
-        h.part = NULL;
-        dim3 grid;
-        if (!gemm_grid(be, n_out, n_tok, H_BM, H_BN, &grid)) return false;
-        grid.z = (unsigned)gemm_splits(be, (int64_t)grid.x * grid.y, n_in / H_BK, 4);
-        if (grid.z > 1 && !(h.part = gemm_parts(be, (int)grid.z, 1, n_tok, n_out))) return false;
-        return cuda_launch(be, "hgemm_kernel", hgemm_kernel<1>, grid, H_THREADS, 0, h) &&
-               (grid.z == 1 || gemm_reduce(be, h.part, (int)grid.z, 1, n_tok, n_out, NULL, out, out_stride));
-    }
-    if (!cuda_allow_dynamic_smem(be, (const void *)gemm_q8_0_f16x_kernel, F_SMEM, "matmul (f16 GEMM)", n_in))
-        return false;
-    f16x_args a;
-    a.w = (const uint8_t *)w;
-    a.row_bytes = row_bytes;
-    a.n_out = n_out;
-    a.xh = xh;
-    a.x_row = width;
-    a.n_tok = n_tok;
-    a.n_stages = n_in / 256;
-    a.out = out;
-    a.out_stride = out_stride;
-    a.w_group_bytes = n_out * row_bytes;
-    a.x_group = n_in;
-    a.part = NULL;
-    dim3 grid;
-    if (!gemm_grid(be, n_out, n_tok, F_BM, G_BN, &grid)) return false;
-    a.splits = gemm_splits(be, (int64_t)grid.x * grid.y * n_groups, a.n_stages, 2);
-    grid.z = (unsigned)(a.splits * n_groups);
-    if (a.splits > 1 && !(a.part = gemm_parts(be, a.splits, n_groups, n_tok, n_out))) return false;
-    return cuda_launch(be, "gemm_q8_0_f16x_kernel", gemm_q8_0_f16x_kernel, grid, F_THREADS, F_SMEM, a) &&
-           (a.splits == 1 || gemm_reduce(be, a.part, a.splits, n_groups, n_tok, n_out, NULL, out, out_stride));
 }

@@ -48,21 +48,4 @@ size_t cuda_gemm_f16_scratch(int64_t n_in, int64_t n_tok);
 bool cuda_gemm_f16(ds4_backend *be, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out, const float *x,
                    int64_t x_stride, int64_t n_tok, float *out, int64_t out_stride, void *scratch);
 
-/* The ds4-f16 numerics (backend.h): true when n_groups groups of a weight
- * of `type` (Q8_0, or F16 in one group) with n_in-element rows (row_bytes
- * apart) times n_tok activation rows can use cuda_gemm_f16x. */
-bool cuda_gemm_f16x_fits(uint32_t type, int64_t n_in, int64_t row_bytes, int64_t n_groups, int64_t n_tok);
-
-/* Bytes of device scratch cuda_gemm_f16x needs for n_tok rows of n_in
- * elements (all groups' together): the rounded activations. */
-size_t cuda_gemm_f16x_scratch(int64_t n_in, int64_t n_tok);
-
-/* out[m][g n_out + o] = W[g n_out + o] . x[m][g n_in ..] for g < n_groups
- * (Q8_0; F16 weights take one group), o < n_out, m < n_tok, with binary16
- * operands (f16(d q) or the F16 weight, f16(x)), float sums; w the first
- * weight row. false with the error recorded when it could not be launched. */
-bool cuda_gemm_f16x(ds4_backend *be, uint32_t type, const void *w, int64_t row_bytes, int64_t n_in, int64_t n_out,
-                    int64_t n_groups, const float *x, int64_t x_stride, int64_t n_tok, float *out,
-                    int64_t out_stride, void *scratch);
-
 #endif

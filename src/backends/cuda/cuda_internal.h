@@ -223,7 +223,6 @@ typedef struct cuda_backend {
     bool idx_tc;      /* indexer_scores_rows_f16 on the f16 tensor cores (DS4_CUDA_IDX_TC=0: the float kernels) */
     int64_t idx_tc_calls; /* launches that ran there (ds4_cuda_backend_idx_tc_calls) */
     int64_t fgemm_calls; /* products that ran there (ds4_cuda_backend_fgemm_calls) */
-    int64_t f16x_calls;  /* ds4-f16 products on cuda_gemm_f16x (ds4_cuda_backend_f16x_calls) */
     int64_t gemm_bm128_calls; /* int8 GEMM launches of 128-row blocks (ds4_cuda_backend_gemm_bm128_calls) */
     bool in_step;   /* between step_begin and step_end */
     bool recording; /* launches go into the log */

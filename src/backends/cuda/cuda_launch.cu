@@ -891,9 +891,6 @@ extern "C" int64_t ds4_cuda_backend_att_tc_calls(const ds4_backend *be) {
 extern "C" int64_t ds4_cuda_backend_fgemm_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->fgemm_calls;
 }
-extern "C" int64_t ds4_cuda_backend_f16x_calls(const ds4_backend *be) {
-    return ((const cuda_backend *)be->impl)->f16x_calls;
-}
 extern "C" int64_t ds4_cuda_backend_gemm_bm128_calls(const ds4_backend *be) {
     return ((const cuda_backend *)be->impl)->gemm_bm128_calls;
 }

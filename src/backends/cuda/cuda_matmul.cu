@@ -25,14 +25,6 @@
  *            formula, and the block terms are added in the CPU's order (lane
  *            0, block by block, from 0.0f), so the result is the CPU's bit
  *            for bit.
- *   MM_F16X  DS4_F16, Q8_0 / F16 weights: binary16 operands, f16(d q) or the
- *            F16 weight times f16(x) (round to nearest even), exact products
- *            summed in float (by the tensor cores' own accumulation within a
- *            GEMM stage): the f16 tensor-core GEMM (cuda_gemm_f16x) for
- *            9 tokens or more, else mm_float_kernel rounding both operands;
- *            the CPU sums in float64, so the two differ by the float sum's
- *            rounding. Other types under DS4_F16 take their DS4 modes, and
- *            the routed experts (moe) are DS4's.
  * All float arithmetic whose rounding matters goes through __fmul_rn /
  * __fadd_rn / __fsub_rn / __fdiv_rn (never contracted into an FMA: the build
  * uses --fmad=true).
@@ -64,7 +56,7 @@
 #define FULL_MASK 0xffffffffu
 #define MOE_MAX_USED 256
 
-typedef enum mm_mode { MM_REF, MM_F32, MM_Q8_0, MM_Q8_K, MM_F16X } mm_mode;
+typedef enum mm_mode { MM_REF, MM_F32, MM_Q8_0, MM_Q8_K } mm_mode;
 
 /* DS4's Q8_0 activation block: float scale, 32 int8 codes. */
 struct act_q8_0 {
@@ -530,13 +522,9 @@ static __device__ __forceinline__ void mm_store(const mm_args &a, const mm_tile 
     }
 }
 
-/* a float's nearest binary16 value (nearest even; past 65504 infinite) */
-static __device__ __forceinline__ float f16_round(float v) { return __half2float(__float2half_rn(v)); }
-
 /* Float activations: REFERENCE (Acc = double, every type) and DS4's float
- * dot for F32/F16/BF16 (Acc = float); H: DS4_F16's binary16 operands (both
- * rounded; their products are exact in float). */
-template <uint32_t T, int ROWS, typename Acc, bool H = false>
+ * dot for F32/F16/BF16 (Acc = float). */
+template <uint32_t T, int ROWS, typename Acc>
 __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
     cuda_grid_wait();
     typedef deq<T> D;
@@ -552,12 +540,8 @@ __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
         for (int64_t i = t.part * 32 + lane; i < a.n; i += 32 * MM_WARPS) {
             const float wv = D::elem(&blocks[i], 0);
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                if (r < t.nr) {
-                    const float xv = x[r * a.act_stride + i];
-                    acc[r] = fma((Acc)wv, (Acc)(H ? f16_round(xv) : xv), acc[r]);
-                }
-            }
+            for (int r = 0; r < ROWS; r++)
+                if (r < t.nr) acc[r] = fma((Acc)wv, (Acc)x[r * a.act_stride + i], acc[r]);
         }
     } else {
         for (int64_t c = t.part * 32 + lane; c < a.n / 8; c += 32 * MM_WARPS) {
@@ -566,14 +550,14 @@ __global__ void __launch_bounds__(MM_THREADS) mm_float_kernel(mm_args a) {
             const int eb = (int)(e0 % D::ELEMS);
             float wv[8];
 #pragma unroll
-            for (int i = 0; i < 8; i++) wv[i] = H ? f16_round(D::elem(b, eb + i)) : D::elem(b, eb + i);
+            for (int i = 0; i < 8; i++) wv[i] = D::elem(b, eb + i);
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r < t.nr) {
                     const float *xr = x + r * a.act_stride + e0;
                     Acc s = 0;
 #pragma unroll
-                    for (int i = 0; i < 8; i++) s = fma((Acc)wv[i], (Acc)(H ? f16_round(xr[i]) : xr[i]), s);
+                    for (int i = 0; i < 8; i++) s = fma((Acc)wv[i], (Acc)xr[i], s);
                     acc[r] += s;
                 }
             }
@@ -722,7 +706,7 @@ __global__ void __launch_bounds__(256) moe_sum_rows_kernel(const float *__restri
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool cuda_matmul_supported(uint32_t type, ds4_numerics num) {
-    (void)num; /* every supported type has every numerics (DS4_F16: Q8_0 and F16 theirs, the others DS4's) */
+    (void)num; /* every supported type has both numerics */
     switch (type) {
     case DS4_TYPE_F32:
     case DS4_TYPE_F16:
@@ -740,7 +724,6 @@ bool cuda_matmul_supported(uint32_t type, ds4_numerics num) {
 
 static mm_mode mode_for(uint32_t type, ds4_numerics num) {
     if (num == DS4_NUMERICS_REFERENCE) return MM_REF;
-    if (num == DS4_NUMERICS_DS4_F16 && (type == DS4_TYPE_Q8_0 || type == DS4_TYPE_F16)) return MM_F16X;
     if (cuda_is_float_type(type)) return MM_F32;
     if (type == DS4_TYPE_Q8_0) return MM_Q8_0;
     return MM_Q8_K;
@@ -867,14 +850,6 @@ template <int ROWS> static bool launch_mm(ds4_backend *be, uint32_t type, mm_mod
             if (type == DS4_TYPE_Q8_0) ok = cuda_launch(be, "matmul kernel", mm_q8_0_kernel<ROWS>, grid, MM_THREADS,
                                                         0, b);
             else known = false;
-        } else if (mode == MM_F16X) {
-            if (type == DS4_TYPE_Q8_0)
-                ok = cuda_launch(be, "matmul kernel", mm_float_kernel<DS4_TYPE_Q8_0, ROWS, float, true>, grid,
-                                 MM_THREADS, 0, b);
-            else if (type == DS4_TYPE_F16)
-                ok = cuda_launch(be, "matmul kernel", mm_float_kernel<DS4_TYPE_F16, ROWS, float, true>, grid,
-                                 MM_THREADS, 0, b);
-            else known = false;
         } else {
             switch (type) {
                 MM_Q8K_CASE(DS4_TYPE_Q2_K)
@@ -911,7 +886,7 @@ static cuda_mv_act mv_kind(mm_mode mode) {
  * them off (for A/B measurements). */
 static bool mv_suits(const ds4_weight *w, mm_mode mode, const float *x, int64_t x_stride, int64_t n_rows) {
     static const bool enabled = cuda_env_flag("DS4_CUDA_MATVEC", true);
-    if (!enabled || mode == MM_REF || mode == MM_F16X || n_rows < 1 || n_rows > CUDA_MV_MAX_ROWS) return false;
+    if (!enabled || mode == MM_REF || n_rows < 1 || n_rows > CUDA_MV_MAX_ROWS) return false;
     if (!cuda_mv_fits(w->type, mv_kind(mode), w->row_bytes, w->ne[0])) return false;
     if (mode == MM_F32 && (((uintptr_t)x & 15) != 0 || (n_rows > 1 && x_stride % 4 != 0))) return false;
     return true;
@@ -1019,13 +994,6 @@ void cuda_matmul(ds4_backend *be, const ds4_weight *w, int64_t row0, int64_t n_o
     if (mode == MM_Q8_0 && gemm_enabled() && cuda_gemm_q8_0_fits(n_in, w->row_bytes, xq_row_bytes, n_rows)) {
         cuda_gemm_q8_0(be, cuda_weight_row(w, row0), w->row_bytes, n_in, n_out, act, xq_row_bytes, n_rows, out,
                        out_stride);
-        return;
-    }
-    if (mode == MM_F16X && gemm_enabled() && cuda_gemm_f16x_fits(w->type, n_in, w->row_bytes, 1, n_rows)) {
-        void *xh = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, cuda_gemm_f16x_scratch(n_in, n_rows));
-        if (xh && cuda_gemm_f16x(be, w->type, cuda_weight_row(w, row0), w->row_bytes, n_in, n_out, 1, x, x_stride,
-                                 n_rows, out, out_stride, xh))
-            cuda_impl(be)->f16x_calls++;
         return;
     }
     if (mode == MM_F32 && cuda_impl(be)->fgemm && cuda_gemm_f16_fits(w->type, n_in, w->row_bytes, n_rows)) {
@@ -1202,15 +1170,6 @@ void cuda_matmul_grouped(ds4_backend *be, const ds4_weight *w, int64_t n_groups,
         if (act)
             cuda_gemm_q8_0_grouped(be, w->device, w->row_bytes, n_in, n_out, n_groups, act, xq_row_bytes, n_rows,
                                    out, out_stride);
-        return;
-    }
-    if (mode == MM_F16X && w->type == DS4_TYPE_Q8_0 && gemm_enabled() &&
-        cuda_gemm_f16x_fits(w->type, n_in, w->row_bytes, n_groups, n_rows)) {
-        /* one launch for every group: each row rounded once */
-        void *xh = cuda_scratch(be, CUDA_SCRATCH_MATMUL_ACT, cuda_gemm_f16x_scratch(len, n_rows));
-        if (xh && cuda_gemm_f16x(be, w->type, w->device, w->row_bytes, n_in, n_out, n_groups, x, x_stride, n_rows, out,
-                                 out_stride, xh))
-            cuda_impl(be)->f16x_calls++;
         return;
     }
     for (int64_t g = 0; g < n_groups && !cuda_failed(be); g++)
@@ -1616,7 +1575,6 @@ static bool moe_grouped(ds4_backend *be, const ds4_weight *gate, const ds4_weigh
 void cuda_moe(ds4_backend *be, const ds4_weight *gate, const ds4_weight *up, const ds4_weight *down, const float *x,
               const int32_t *sel, const float *weights, int n_used, float limit, float *out, int64_t n_rows,
               ds4_numerics num) {
-    num = ds4_numerics_decode(num); /* the routed experts are DS4's under DS4_F16 too */
     if (!gate || !up || !down || !gate->device || !up->device || !down->device) {
         cuda_fail(be, DS4_ERR_INVALID, "moe: expert weights are not bound");
         return;
