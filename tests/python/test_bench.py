@@ -455,6 +455,7 @@ def test_compare_variant_failures(model, tmp_path, body, message):
     ["--ab", "threads=0"],
     ["--ab", "threads"],
     ["--ab", "backend=tpu"],
+    ["--ab", "numerics=fp8"],
     ["--bandwidth", "-5"],
     ["--bandwidth", "fast"],
     ["--threads", "0"],
